@@ -1,0 +1,150 @@
+//! The engine's seams: [`Drafter`], [`Scheduler`], [`Executor`].
+//!
+//! Shapes from DESIGN.md "Core seams": each trait has 2-4 methods, and
+//! context is passed in borrowed structs. The same scheduler and KV manager
+//! serve the simulated executor (no weights) and, later, the model executor.
+//!
+//! Invariant: a scheduler never allocates KV outside `KvCacheManager`, and
+//! an executor never changes which requests are scheduled.
+
+use crate::kv::KvCacheManager;
+use crate::request::ReqSlot;
+use crate::Result;
+
+/// Identifier of a request in an engine run.
+pub type RequestId = u64;
+
+/// What a drafter sees when proposing for one request.
+#[derive(Debug, Clone, Copy)]
+pub struct ProposeCtx<'a> {
+    pub request: RequestId,
+    /// Prompt + committed output tokens so far. Shape: [num_tokens].
+    pub tokens: &'a [u32],
+    /// Maximum number of draft tokens to propose this step.
+    pub max_draft: usize,
+}
+
+/// A drafter's proposal.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Proposal {
+    /// Draft tokens. Shape: [num_draft].
+    pub tokens: Vec<u32>,
+    /// Draft distributions q, when sampling. Shape: [num_draft][vocab].
+    pub probs: Option<Vec<Vec<f32>>>,
+}
+
+/// Proposes draft tokens around a target model.
+pub trait Drafter {
+    /// Draft up to `ctx.max_draft` tokens.
+    fn propose(&mut self, ctx: &ProposeCtx<'_>) -> Result<Proposal>;
+    /// Lookahead slots the KV manager must reserve per decode step
+    /// (vLLM: num_speculative_tokens, +1 for DFlash-style drafters).
+    fn lookahead_slots(&self) -> usize;
+    /// Called after verification with the number of accepted draft tokens.
+    fn commit(&mut self, _request: RequestId, _accepted: usize) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// One request's share of a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScheduledRequest {
+    pub id: RequestId,
+    pub slot: ReqSlot,
+    /// Tokens computed this step (prefill chunk, or 1 + drafts in decode).
+    pub num_tokens: u64,
+    /// Draft tokens included in `num_tokens` (decode only).
+    pub num_draft: u64,
+    /// Whether the request is still prefilling.
+    pub is_prefill: bool,
+}
+
+/// Why a request cannot be admitted into an empty pool, with the numbers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdmissionReport {
+    pub id: RequestId,
+    /// Tokens the admission check sized (min(num_tokens, max_model_len)).
+    pub num_tokens: u64,
+    /// Blocks the must-fit check needs, per group. Shape: [num_groups].
+    pub need_per_group: Vec<u64>,
+    /// Group names, in group order. Shape: [num_groups].
+    pub group_names: Vec<String>,
+    /// Usable blocks of the pool (num_blocks - 1).
+    pub usable: u64,
+    /// The group needing the most blocks (the one to cap).
+    pub binding_group: String,
+}
+
+impl AdmissionReport {
+    /// Total blocks needed.
+    pub fn total(&self) -> u64 {
+        self.need_per_group.iter().sum()
+    }
+}
+
+impl std::fmt::Display for AdmissionReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let per: Vec<String> = self.group_names.iter().zip(&self.need_per_group).map(|(n, b)| format!("{n}={b}")).collect();
+        write!(
+            f,
+            "request {} ({} tokens) needs {} blocks ({}) but the pool has {} usable blocks; binding group: {}",
+            self.id,
+            self.num_tokens,
+            self.total(),
+            per.join(", "),
+            self.usable,
+            self.binding_group
+        )
+    }
+}
+
+/// A request admitted this step, with the per-group blocks its admission check sized.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Admission {
+    pub id: RequestId,
+    pub slot: ReqSlot,
+    /// Shape: [num_groups].
+    pub need_per_group: Vec<u64>,
+}
+
+/// The scheduler's decision for a step.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SchedulerOutput {
+    pub scheduled: Vec<ScheduledRequest>,
+    /// Requests admitted (first allocation succeeded) this step.
+    pub admitted: Vec<Admission>,
+    /// Requests preempted this step.
+    pub preempted: Vec<RequestId>,
+    /// Requests rejected this step (policies that refuse impossible requests).
+    pub rejected: Vec<AdmissionReport>,
+    /// Set when nothing runs and the head request can never be admitted
+    /// (faithful mode: vLLM would retry forever: Waiting 1, Running 0).
+    pub wedged: Option<AdmissionReport>,
+}
+
+/// What an executor reports for one request after a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepResult {
+    pub id: RequestId,
+    /// Draft tokens accepted (decode only; 0 for prefill).
+    pub accepted: u64,
+    /// The model emitted end-of-sequence.
+    pub eos: bool,
+}
+
+/// Decides admission and per-step token budgets against the KV manager.
+pub trait Scheduler {
+    /// Plan one step.
+    fn schedule(&mut self, kv: &mut KvCacheManager) -> Result<SchedulerOutput>;
+    /// Apply the executor's results (commit tokens, roll back rejections, free
+    /// finished requests); returns the ids that finished this step.
+    fn update(&mut self, kv: &mut KvCacheManager, out: &SchedulerOutput, results: &[StepResult]) -> Result<Vec<RequestId>>;
+    /// Whether any request is waiting or running.
+    fn has_work(&self) -> bool;
+}
+
+/// Runs one step for a scheduled batch.
+pub trait Executor {
+    /// Execute the step and report per-request results (one per scheduled request).
+    fn execute(&mut self, batch: &SchedulerOutput) -> Result<Vec<StepResult>>;
+}
