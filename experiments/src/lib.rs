@@ -1,1 +1,15 @@
-//! placeholder
+//! speclab-experiments: RON manifests, sweeps expanded into legs, the runner,
+//! exact bisection of admission bounds, run records, the findings renderer,
+//! and the `kv replay` machine interface.
+//!
+//! Dependency direction (DESIGN.md): engine <- drafters, schedulers <- experiments <- CLI.
+//! Invariant: every record is written atomically (temp file + rename), and a
+//! crash mid-sweep leaves the finished legs intact and resumable.
+
+pub mod error;
+pub mod replay;
+
+pub use error::ExperimentError;
+
+/// Result alias for the experiments crate.
+pub type Result<T, E = ExperimentError> = std::result::Result<T, E>;

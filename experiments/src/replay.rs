@@ -1,0 +1,1 @@
+//! stub: `kv replay` (being written)
