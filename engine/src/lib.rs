@@ -12,6 +12,7 @@
 pub mod error;
 pub mod kv;
 pub mod request;
+pub mod sim;
 pub mod traits;
 pub mod util;
 

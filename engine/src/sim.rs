@@ -1,0 +1,1 @@
+//! stub: simulated executor (being written)
