@@ -7,6 +7,9 @@
 //! crash mid-sweep leaves the finished legs intact and resumable.
 
 pub mod error;
+pub mod bounds;
+pub mod manifest;
+pub mod record;
 pub mod replay;
 
 pub use error::ExperimentError;

@@ -1,0 +1,491 @@
+//! RON experiment manifests and their expansion into legs.
+//!
+//! A manifest names a KV layout (a preset with a stated memory model, or an
+//! explicit layout), a scheduler, a drafter, an acceptance model, a workload,
+//! and sweep axes (block sizes, cap policies, pools, prompt lengths). Sweeps
+//! are expanded in a fixed order (block size, cap, pool, then workload) into
+//! [`Leg`]s, each a self-contained simulation input with a stable id, so a
+//! record can be resumed leg by leg. Field names follow vLLM's flags
+//! (`max_num_seqs`, `max_num_batched_tokens`, `num_speculative_tokens`,
+//! `num_gpu_blocks_override` -> `num_blocks`).
+//!
+//! Invariants: `Manifest::load` either returns a manifest whose every leg
+//! builds a valid `KvLayout`, or an error naming the file, `line:col` and the
+//! field; nothing here panics on user input.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use speclab_engine::kv::layout::GroupMemory;
+use speclab_engine::kv::{CapPolicy, GroupKind, GroupSpec, KvLayout};
+
+use crate::{ExperimentError, Result};
+
+/// A whole experiment.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    /// Short name; the default record is `runs/<name>.json`.
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    /// The assumptions behind the model (rendered into findings verbatim).
+    #[serde(default)]
+    pub assumptions: Vec<String>,
+    pub kv: KvSpec,
+    pub scheduler: SchedulerSpec,
+    #[serde(default)]
+    pub drafter: DrafterSpec,
+    /// Per-position acceptance rates (vLLM's unconditional definition).
+    #[serde(default)]
+    pub acceptance: Vec<f64>,
+    pub workload: Workload,
+    #[serde(default)]
+    pub sweep: Sweep,
+    #[serde(default)]
+    pub measure: Measure,
+    #[serde(default)]
+    pub seed: u64,
+    /// Backstop on simulated steps per leg.
+    #[serde(default = "default_max_steps")]
+    pub max_steps: u64,
+}
+
+fn default_max_steps() -> u64 {
+    1_000_000
+}
+
+/// Where the KV layout comes from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvSpec {
+    /// A named preset (`glm53-flash-dflash2`), or None with `layout` given.
+    #[serde(default)]
+    pub preset: Option<String>,
+    /// An explicit layout (groups and pool), used when `preset` is None.
+    #[serde(default)]
+    pub layout: Option<KvLayout>,
+    /// Serving block size (vLLM `--block-size`) for the preset's attention groups.
+    #[serde(default)]
+    pub block_size: Option<u32>,
+    /// Cap policy of the sliding-window groups.
+    #[serde(default)]
+    pub cap: CapPolicy,
+    /// Pool size including the null block (vLLM `num_gpu_blocks_override`).
+    #[serde(default)]
+    pub num_blocks: Option<u32>,
+    /// KV memory in bytes, with `memory` page sizes, when `num_blocks` is not given.
+    #[serde(default)]
+    pub kv_cache_memory_bytes: Option<u64>,
+    /// Per-token / per-state byte model of the preset (for pool sizing from bytes).
+    #[serde(default)]
+    pub memory: Option<PresetMemory>,
+    #[serde(default = "default_mml")]
+    pub max_model_len: u32,
+    #[serde(default)]
+    pub watermark: f64,
+}
+
+fn default_mml() -> u32 {
+    262_144
+}
+
+/// The byte model of the GLM-5.3-Flash + DFlash2 preset: per-layer page sizes
+/// derived from the architecture (assumptions stated in the manifest).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PresetMemory {
+    /// Full-attention (DSA/MLA) layers in the target's full-attention group.
+    pub full_layers: u32,
+    /// KV bytes per token per full-attention layer.
+    pub full_bytes_per_token: u64,
+    /// Layers in the indexer ring-buffer group.
+    pub ring_layers: u32,
+    /// Ring-buffer bytes per token per layer (indexer keys).
+    pub ring_bytes_per_token: u64,
+    /// Layers per recurrent-state group (the preset has 4 such groups).
+    pub state_layers_per_group: u32,
+    /// Bytes of one recurrent state (one layer, one request).
+    pub state_bytes: u64,
+    /// Drafter sliding-window layers.
+    pub drafter_layers: u32,
+    /// Drafter KV bytes per token per layer.
+    pub drafter_bytes_per_token: u64,
+}
+
+/// Scheduler settings (vLLM names).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulerSpec {
+    /// `fcfs` (vLLM-faithful) or `reject_impossible`.
+    #[serde(default)]
+    pub policy: PolicyName,
+    #[serde(default = "default_max_num_seqs")]
+    pub max_num_seqs: usize,
+    #[serde(default = "default_mnbt")]
+    pub max_num_batched_tokens: u32,
+}
+
+fn default_max_num_seqs() -> usize {
+    256
+}
+fn default_mnbt() -> u32 {
+    8192
+}
+
+/// Scheduling policy names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyName {
+    #[default]
+    Fcfs,
+    RejectImpossible,
+}
+
+/// Drafter kinds known to manifests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum DrafterKind {
+    #[default]
+    None,
+    Ngram,
+    Mtp,
+    Dflash2,
+}
+
+/// Drafter settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct DrafterSpec {
+    #[serde(default)]
+    pub kind: DrafterKind,
+    #[serde(default)]
+    pub num_speculative_tokens: u32,
+    /// DFlash2 block size (tokens drafted per pass).
+    #[serde(default)]
+    pub block_size: Option<u32>,
+    /// DFlash2 sliding window.
+    #[serde(default)]
+    pub sliding_window: Option<u32>,
+}
+
+impl DrafterSpec {
+    /// KV lookahead slots per step, as vLLM `VllmConfig.num_lookahead_tokens`:
+    /// N + 1 for DFlash (bonus query + one per draft), N for MTP/EAGLE, 0 otherwise.
+    pub fn lookahead(&self) -> u64 {
+        let n = u64::from(self.num_speculative_tokens);
+        match self.kind {
+            DrafterKind::Dflash2 => n + 1,
+            DrafterKind::Mtp => n,
+            DrafterKind::None | DrafterKind::Ngram => 0,
+        }
+    }
+    /// Drafts per decode step.
+    pub fn drafts_per_step(&self) -> u64 {
+        if self.kind == DrafterKind::None {
+            0
+        } else {
+            u64::from(self.num_speculative_tokens)
+        }
+    }
+}
+
+/// The requests of a leg.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workload {
+    /// Prompt lengths. With `each_prompt_alone` every length is its own leg.
+    #[serde(default)]
+    pub prompts: Vec<u64>,
+    /// Generated prompts (appended to `prompts`).
+    #[serde(default)]
+    pub generate: Option<Generator>,
+    /// Output tokens per request.
+    #[serde(default = "default_output_len")]
+    pub output_len: u64,
+    /// True: one leg per prompt (the card's single-prompt legs). False: all
+    /// prompts arrive together in one leg.
+    #[serde(default = "yes")]
+    pub each_prompt_alone: bool,
+}
+
+fn default_output_len() -> u64 {
+    256
+}
+fn yes() -> bool {
+    true
+}
+
+/// A prompt-length generator: `count` lengths uniform in [min, max], seeded.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Generator {
+    pub count: u32,
+    pub min: u64,
+    pub max: u64,
+}
+
+/// Sweep axes; an empty axis means "the base value only".
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Sweep {
+    #[serde(default)]
+    pub block_sizes: Vec<u32>,
+    #[serde(default)]
+    pub caps: Vec<CapPolicy>,
+    #[serde(default)]
+    pub num_blocks: Vec<u32>,
+}
+
+/// What to measure per leg.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Measure {
+    /// Simulate the workload to completion (or WEDGED).
+    #[serde(default = "yes")]
+    pub simulate: bool,
+    /// Bisect the largest admissible prompt (exact to the token).
+    #[serde(default)]
+    pub bound: bool,
+}
+
+impl Default for Measure {
+    fn default() -> Self {
+        Self { simulate: true, bound: false }
+    }
+}
+
+/// One expanded leg.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Leg {
+    /// Stable id, e.g. `bs=2304 cap=none prompt=15523`.
+    pub id: String,
+    pub block_size: Option<u32>,
+    pub cap: CapPolicy,
+    /// The layout this leg runs on (pool resolved).
+    pub layout: KvLayout,
+    pub num_blocks: u32,
+    /// Prompt lengths of the leg's requests.
+    pub prompts: Vec<u64>,
+}
+
+/// The preset's name.
+pub const PRESET_GLM53_DFLASH2: &str = "glm53-flash-dflash2";
+
+/// Parse RON with positions: `path:line:col: message`.
+pub fn parse_ron<T: for<'de> Deserialize<'de>>(path: &Path, text: &str) -> Result<T> {
+    ron::from_str(text).map_err(|e| ExperimentError::Parse {
+        path: path.to_path_buf(),
+        at: format!("{}:{}", e.position.line, e.position.col),
+        msg: e.code.to_string(),
+    })
+}
+
+impl Manifest {
+    /// Read and validate a manifest file.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| ExperimentError::io(path, e))?;
+        let m: Manifest = parse_ron(path, &text)?;
+        m.validate(path)?;
+        Ok(m)
+    }
+
+    fn invalid(path: &Path, field: &str, msg: impl Into<String>) -> ExperimentError {
+        ExperimentError::Invalid { path: path.to_path_buf(), field: field.into(), msg: msg.into() }
+    }
+
+    /// Check values serde cannot: sizes, lengths, acceptance rates; build every leg once.
+    pub fn validate(&self, path: &Path) -> Result<()> {
+        let bad = |f: &str, m: String| Self::invalid(path, f, m);
+        if self.name.trim().is_empty() || self.name.contains(['/', '\\']) {
+            return Err(bad("name", format!("must be a non-empty file-name-safe string, got {:?}", self.name)));
+        }
+        if self.scheduler.max_num_seqs == 0 {
+            return Err(bad("scheduler.max_num_seqs", "must be > 0".into()));
+        }
+        if self.scheduler.max_num_batched_tokens == 0 {
+            return Err(bad("scheduler.max_num_batched_tokens", "must be > 0".into()));
+        }
+        let mut prev = 1.0;
+        for (i, &a) in self.acceptance.iter().enumerate() {
+            if !(0.0..=1.0).contains(&a) || a > prev {
+                return Err(bad(&format!("acceptance[{i}]"), format!("rates must be in [0, 1] and non-increasing, got {a}")));
+            }
+            prev = a;
+        }
+        if self.drafter.kind != DrafterKind::None && self.drafter.num_speculative_tokens == 0 {
+            return Err(bad("drafter.num_speculative_tokens", "must be > 0 with a drafter".into()));
+        }
+        if let Some(b) = self.drafter.block_size {
+            if self.drafter.kind == DrafterKind::Dflash2 && (b == 0 || self.drafter.num_speculative_tokens > b) {
+                return Err(bad("drafter.num_speculative_tokens", format!("{} exceeds the DFlash2 block size {b}", self.drafter.num_speculative_tokens)));
+            }
+        }
+        if let Some(g) = self.workload.generate {
+            if g.min == 0 || g.min > g.max {
+                return Err(bad("workload.generate", format!("need 0 < min <= max, got min {} max {}", g.min, g.max)));
+            }
+        }
+        let mml = u64::from(self.kv.max_model_len);
+        for (i, &p) in self.workload.prompts.iter().enumerate() {
+            if p == 0 || p > mml {
+                return Err(bad(&format!("workload.prompts[{i}]"), format!("prompt of {p} tokens must be in 1..=max_model_len ({mml})")));
+            }
+        }
+        if self.workload.prompts.is_empty() && self.workload.generate.is_none() && self.measure.simulate {
+            return Err(bad("workload", "no prompts and no generator, but measure.simulate is on".into()));
+        }
+        for b in &self.sweep.block_sizes {
+            if *b == 0 {
+                return Err(bad("sweep.block_sizes", "block sizes must be > 0".into()));
+            }
+        }
+        self.legs().map_err(|e| match e {
+            ExperimentError::Engine { context, source } => bad(&context, source.to_string()),
+            other => other,
+        })?;
+        Ok(())
+    }
+
+    /// All prompt lengths: the listed ones, then the generated ones (seeded).
+    pub fn prompt_lengths(&self) -> Vec<u64> {
+        let mut v = self.workload.prompts.clone();
+        if let Some(g) = self.workload.generate {
+            use rand::{Rng, SeedableRng};
+            let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed ^ 0x5eed);
+            for _ in 0..g.count {
+                v.push(rng.random_range(g.min..=g.max.min(u64::from(self.kv.max_model_len))));
+            }
+        }
+        v
+    }
+
+    /// Build the KV layout for a block size / cap / pool.
+    pub fn layout_for(&self, block_size: Option<u32>, cap: CapPolicy, num_blocks: Option<u32>) -> Result<KvLayout> {
+        let kv = &self.kv;
+        let mut layout = match (&kv.preset, &kv.layout) {
+            (Some(p), _) if p == PRESET_GLM53_DFLASH2 => {
+                let bs = block_size.or(kv.block_size).ok_or_else(|| {
+                    ExperimentError::engine("kv.block_size", speclab_engine::EngineError::InvalidLayout { field: "block_size".into(), reason: "the preset needs a block size".into() })
+                })?;
+                let mut l = speclab_engine::kv::presets::glm53_dflash2(bs, cap, 1, kv.max_model_len, self.scheduler.max_num_batched_tokens);
+                if let Some(m) = kv.memory {
+                    attach_memory(&mut l, &m, bs);
+                }
+                l.num_blocks = None;
+                l
+            }
+            (Some(p), _) => {
+                return Err(ExperimentError::engine(
+                    "kv.preset",
+                    speclab_engine::EngineError::Unsupported(format!("unknown preset {p:?}; known: {PRESET_GLM53_DFLASH2}")),
+                ))
+            }
+            (None, Some(l)) => {
+                let mut l = l.clone();
+                for g in &mut l.groups {
+                    if g.kind == GroupKind::SlidingWindow {
+                        g.cap = cap;
+                    }
+                    if let Some(bs) = block_size {
+                        if matches!(g.kind, GroupKind::Full | GroupKind::RingBuffer) {
+                            g.block_size = Some(bs);
+                        }
+                    }
+                }
+                l
+            }
+            (None, None) => {
+                return Err(ExperimentError::engine(
+                    "kv",
+                    speclab_engine::EngineError::InvalidLayout { field: "kv".into(), reason: "give a preset or a layout".into() },
+                ))
+            }
+        };
+        layout.max_model_len = kv.max_model_len;
+        layout.watermark = kv.watermark;
+        if layout.max_in_flight_tokens.is_none() {
+            layout.max_in_flight_tokens = Some(self.scheduler.max_num_batched_tokens);
+        }
+        if let Some(n) = num_blocks.or(kv.num_blocks) {
+            layout.num_blocks = Some(n);
+        }
+        if layout.kv_cache_memory_bytes.is_none() {
+            layout.kv_cache_memory_bytes = kv.kv_cache_memory_bytes;
+        }
+        Ok(layout)
+    }
+
+    /// Expand the sweep into legs, in order: block size, cap, pool, workload.
+    pub fn legs(&self) -> Result<Vec<Leg>> {
+        let bss: Vec<Option<u32>> =
+            if self.sweep.block_sizes.is_empty() { vec![self.kv.block_size] } else { self.sweep.block_sizes.iter().map(|&b| Some(b)).collect() };
+        let caps = if self.sweep.caps.is_empty() { vec![self.kv.cap] } else { self.sweep.caps.clone() };
+        let pools: Vec<Option<u32>> =
+            if self.sweep.num_blocks.is_empty() { vec![None] } else { self.sweep.num_blocks.iter().map(|&n| Some(n)).collect() };
+        let prompts = self.prompt_lengths();
+        let groups: Vec<Vec<u64>> = if self.workload.each_prompt_alone {
+            if prompts.is_empty() {
+                vec![vec![]]
+            } else {
+                prompts.iter().map(|&p| vec![p]).collect()
+            }
+        } else {
+            vec![prompts.clone()]
+        };
+        let mut legs = Vec::new();
+        for &bs in &bss {
+            for &cap in &caps {
+                for &pool in &pools {
+                    let layout = self.layout_for(bs, cap, pool)?;
+                    let ctx = format!("kv (block_size {bs:?}, cap {cap:?})");
+                    let num_blocks = speclab_engine::kv::planning::resolve_num_blocks(&layout).map_err(|e| ExperimentError::engine(ctx.clone(), e))?;
+                    for ps in &groups {
+                        let mut id = Vec::new();
+                        if let Some(b) = bs {
+                            id.push(format!("bs={b}"));
+                        }
+                        id.push(format!("cap={}", cap_name(cap)));
+                        if pool.is_some() || !self.sweep.num_blocks.is_empty() {
+                            id.push(format!("blocks={num_blocks}"));
+                        }
+                        match ps.len() {
+                            0 => {}
+                            1 => id.push(format!("prompt={}", ps[0])),
+                            n => id.push(format!("prompts={n}")),
+                        }
+                        legs.push(Leg { id: id.join(" "), block_size: bs, cap, layout: layout.clone(), num_blocks, prompts: ps.clone() });
+                    }
+                }
+            }
+        }
+        Ok(legs)
+    }
+}
+
+/// Snake-case name of a cap policy (as in manifests).
+pub fn cap_name(c: CapPolicy) -> &'static str {
+    match c {
+        CapPolicy::None => "none",
+        CapPolicy::Upstream => "upstream",
+        CapPolicy::WindowPlusTwo => "window_plus_two",
+    }
+}
+
+/// Attach per-group byte sizes to the preset layout (group order of `glm53_dflash2`).
+fn attach_memory(l: &mut KvLayout, m: &PresetMemory, bs: u32) {
+    let bs = u64::from(bs);
+    for g in &mut l.groups {
+        g.memory = Some(match g.kind {
+            GroupKind::Full => GroupMemory { num_layers: m.full_layers, page_size_bytes: bs * m.full_bytes_per_token },
+            GroupKind::RingBuffer => GroupMemory { num_layers: m.ring_layers, page_size_bytes: bs * m.ring_bytes_per_token },
+            GroupKind::State => GroupMemory { num_layers: m.state_layers_per_group, page_size_bytes: m.state_bytes },
+            GroupKind::SlidingWindow => {
+                GroupMemory { num_layers: m.drafter_layers, page_size_bytes: u64::from(g.block_size.unwrap_or(16)) * m.drafter_bytes_per_token }
+            }
+        });
+    }
+}
+
+/// Re-exported for manifests that build layouts by hand.
+pub type Group = GroupSpec;
