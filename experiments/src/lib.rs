@@ -7,10 +7,12 @@
 //! crash mid-sweep leaves the finished legs intact and resumable.
 
 pub mod error;
+pub mod findings;
 pub mod bounds;
 pub mod manifest;
 pub mod record;
 pub mod replay;
+// pub mod runner; (enabled once the schedulers crate lands)
 
 pub use error::ExperimentError;
 

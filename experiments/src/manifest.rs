@@ -44,6 +44,12 @@ pub struct Manifest {
     pub sweep: Sweep,
     #[serde(default)]
     pub measure: Measure,
+    /// Reference numbers to compare against (rendered as matched / not matched).
+    #[serde(default)]
+    pub expectations: Vec<Expectation>,
+    /// Discussion paragraphs rendered into the finding after the tables.
+    #[serde(default)]
+    pub discussion: Vec<String>,
     #[serde(default)]
     pub seed: u64,
     /// Backstop on simulated steps per leg.
@@ -111,6 +117,28 @@ pub struct PresetMemory {
     pub drafter_layers: u32,
     /// Drafter KV bytes per token per layer.
     pub drafter_bytes_per_token: u64,
+}
+
+/// A reference number for one leg (e.g. the model card's measured bound).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Expectation {
+    /// Leg id, exactly as expanded (e.g. `bs=1024 cap=none`).
+    pub leg: String,
+    /// Where the number comes from (e.g. "model card, Research-stack known issue").
+    pub source: String,
+    /// The reference says: the bound is about this many tokens...
+    #[serde(default)]
+    pub bound_about: Option<u64>,
+    /// ...within this many tokens (default 2% of `bound_about`).
+    #[serde(default)]
+    pub tolerance: Option<u64>,
+    /// The reference says: no wedge across this prompt range [lo, hi].
+    #[serde(default)]
+    pub no_wedge_in: Option<(u64, u64)>,
+    /// The reference says: the leg ends with this status (e.g. "WEDGED", "COMPLETED").
+    #[serde(default)]
+    pub status: Option<String>,
 }
 
 /// Scheduler settings (vLLM names).

@@ -31,6 +31,8 @@ pub enum LegStatus {
     Rejected,
     /// Only the bound was measured.
     BoundOnly,
+    /// vLLM's startup check refuses the config (one max_model_len request cannot fit).
+    RefusedAtStartup,
 }
 
 /// Blocks the admission gate sized, per group, for one request.

@@ -1,0 +1,276 @@
+//! Render run records into markdown findings.
+//!
+//! Every number in a finding comes from the record it names (the brief's rule:
+//! every figure in `findings/` is rendered from a run record in the repo).
+//! A finding has: the source record and commit, the manifest's assumptions,
+//! a leg table (per-group admission need, status, steps, peaks, bound), the
+//! reference comparison (computed matched / not matched), the leg chain (one
+//! line per leg, in order), and the manifest's discussion paragraphs.
+//!
+//! Invariant: rendering is a pure function of the records (no clock, no I/O
+//! besides the write), so re-rendering an unchanged record is byte-identical.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use crate::manifest::{Expectation, Manifest};
+use crate::record::{LegRecord, LegStatus, RunRecord};
+use crate::{ExperimentError, Result};
+
+fn thousands(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn status_word(s: LegStatus) -> &'static str {
+    match s {
+        LegStatus::Completed => "COMPLETED",
+        LegStatus::StepLimit => "STEP LIMIT",
+        LegStatus::Wedged => "WEDGED",
+        LegStatus::Rejected => "REJECTED",
+        LegStatus::BoundOnly => "bound only",
+        LegStatus::RefusedAtStartup => "REFUSED AT STARTUP",
+    }
+}
+
+fn bound_text(l: &LegRecord) -> String {
+    match &l.bound {
+        None => "-".into(),
+        Some(b) if b.unbounded => format!("none <= max_model_len ({})", thousands(b.largest_admissible.unwrap_or(0))),
+        Some(b) => match b.largest_admissible {
+            Some(n) => thousands(n),
+            None => "not even 1 token".into(),
+        },
+    }
+}
+
+/// The leg-chain line of one leg.
+pub fn chain_line(l: &LegRecord) -> String {
+    let mut s = format!("`{}`: **{}**", l.id, status_word(l.status));
+    if let Some(a) = l.admissions.first() {
+        let margin = a.usable as i64 - a.total as i64;
+        let _ = write!(
+            s,
+            "; admission needs {} of {} usable blocks (margin {margin}), binding group `{}`",
+            thousands(a.total),
+            thousands(a.usable),
+            a.binding_group
+        );
+    }
+    if l.steps > 0 {
+        let _ = write!(s, "; {} steps, {} finished, {} preemptions", thousands(l.steps), l.finished, l.preemptions);
+    }
+    if let Some(b) = &l.bound {
+        let _ = write!(s, "; largest admissible prompt {}", bound_text(l));
+        if let Some(g) = &b.binding_group_above {
+            let _ = write!(s, " (one token more binds on `{g}`)");
+        }
+    }
+    if let Some(n) = &l.note {
+        if l.status == LegStatus::RefusedAtStartup {
+            let _ = write!(s, "; {n}");
+        }
+    }
+    s
+}
+
+/// Evaluate an expectation against the record: (observed, verdict).
+pub fn judge(e: &Expectation, rec: &RunRecord) -> (String, &'static str) {
+    let legs: Vec<&LegRecord> = rec.legs.iter().filter(|l| l.id == e.leg || l.id.starts_with(&format!("{} ", e.leg))).collect();
+    if legs.is_empty() {
+        return ("leg not in record".into(), "not measured");
+    }
+    if let Some(about) = e.bound_about {
+        let tol = e.tolerance.unwrap_or(about / 50);
+        let Some(b) = legs.iter().find_map(|l| l.bound.as_ref()) else { return ("no bound measured".into(), "not measured") };
+        if b.unbounded {
+            return ("no bound".into(), "NOT matched");
+        }
+        let got = b.largest_admissible.unwrap_or(0);
+        let ok = got.abs_diff(about) <= tol;
+        return (thousands(got), if ok { "matched" } else { "NOT matched" });
+    }
+    if let Some((lo, hi)) = e.no_wedge_in {
+        let Some(b) = legs.iter().find_map(|l| l.bound.as_ref()) else { return ("no bound measured".into(), "not measured") };
+        let got = b.largest_admissible.unwrap_or(0);
+        let ok = b.unbounded || got >= hi;
+        let obs = if b.unbounded { "no bound".to_string() } else { format!("bound {} (range {}-{})", thousands(got), thousands(lo), thousands(hi)) };
+        return (obs, if ok { "matched" } else { "NOT matched" });
+    }
+    if let Some(st) = &e.status {
+        let got: Vec<&str> = legs.iter().map(|l| status_word(l.status)).collect();
+        let ok = got.iter().all(|g| g.eq_ignore_ascii_case(st));
+        return (got.join(", "), if ok { "matched" } else { "NOT matched" });
+    }
+    ("nothing to compare".into(), "not measured")
+}
+
+/// Render one record (read from `record_path`) to markdown.
+pub fn render(rec: &RunRecord, record_path: &str) -> String {
+    let manifest: Option<Manifest> = serde_json::from_value(rec.manifest.clone()).ok();
+    let mut md = String::new();
+    let name = manifest.as_ref().map(|m| m.name.clone()).unwrap_or_else(|| "run".into());
+    let _ = writeln!(md, "# {name}\n");
+    if let Some(m) = &manifest {
+        if !m.description.is_empty() {
+            let _ = writeln!(md, "{}\n", m.description);
+        }
+    }
+    let _ = writeln!(
+        md,
+        "Rendered by `speclab findings` from the run record [`{record_path}`](../{record_path}) (manifest `{}`, commit `{}`, speclab {}). {} of the manifest's legs are recorded{}.\n",
+        rec.manifest_path,
+        rec.git_commit.as_deref().unwrap_or("unknown"),
+        rec.speclab_version,
+        rec.legs.len(),
+        if rec.complete { " (complete)" } else { " (INCOMPLETE: resume with `speclab run`)" }
+    );
+    if let Some(m) = &manifest {
+        let _ = writeln!(md, "## Setup\n");
+        let _ = writeln!(
+            md,
+            "- KV: {}, max_model_len {}, pool {}, sliding-window cap `{}`",
+            m.kv.preset.as_deref().unwrap_or("explicit layout"),
+            thousands(u64::from(m.kv.max_model_len)),
+            m.kv.num_blocks.map(|n| format!("{} blocks (override)", thousands(u64::from(n)))).or(m.kv.kv_cache_memory_bytes.map(|b| format!("{} bytes of KV memory", thousands(b)))).unwrap_or_else(|| "per leg".into()),
+            crate::manifest::cap_name(m.kv.cap)
+        );
+        let _ = writeln!(
+            md,
+            "- scheduler: `{:?}`, max_num_seqs {}, max_num_batched_tokens {}",
+            m.scheduler.policy,
+            m.scheduler.max_num_seqs,
+            thousands(u64::from(m.scheduler.max_num_batched_tokens))
+        );
+        let _ = writeln!(
+            md,
+            "- drafter: `{:?}`, num_speculative_tokens {}, lookahead {} slots per step",
+            m.drafter.kind,
+            m.drafter.num_speculative_tokens,
+            m.drafter.lookahead()
+        );
+        if !m.assumptions.is_empty() {
+            let _ = writeln!(md, "\n### Assumptions\n");
+            for a in &m.assumptions {
+                let _ = writeln!(md, "- {a}");
+            }
+        }
+        let _ = writeln!(md);
+    }
+    let _ = writeln!(md, "## Legs\n");
+    let names = rec.legs.first().map(|l| l.group_names.clone()).unwrap_or_default();
+    let _ = writeln!(md, "| leg | pool (usable) | admission need (total) | per-group need ({}) | status | steps | peak held per request, per group | largest admissible prompt |", names.join(" / "));
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|");
+    for l in &rec.legs {
+        let (need, per) = match l.admissions.first() {
+            Some(a) => (thousands(a.total), a.need_per_group.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(" / ")),
+            None => ("-".into(), "-".into()),
+        };
+        let peaks = if l.steps > 0 { l.peak_held_per_group.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(" / ") } else { "-".into() };
+        let _ = writeln!(
+            md,
+            "| `{}` | {} | {} | {} | {} | {} | {} | {} |",
+            l.id,
+            thousands(l.usable_blocks),
+            need,
+            per,
+            status_word(l.status),
+            thousands(l.steps),
+            peaks,
+            bound_text(l)
+        );
+    }
+    let _ = writeln!(md);
+    if let Some(m) = &manifest {
+        if !m.expectations.is_empty() {
+            let _ = writeln!(md, "## Comparison with the reference\n");
+            let _ = writeln!(md, "| leg | reference | source | speclab | verdict |");
+            let _ = writeln!(md, "|---|---|---|---|---|");
+            for e in &m.expectations {
+                let reference = if let Some(b) = e.bound_about {
+                    format!("bound ~{}", thousands(b))
+                } else if let Some((lo, hi)) = e.no_wedge_in {
+                    format!("no wedge across {}-{}", thousands(lo), thousands(hi))
+                } else {
+                    e.status.clone().unwrap_or_default()
+                };
+                let (obs, verdict) = judge(e, rec);
+                let _ = writeln!(md, "| `{}` | {} | {} | {} | **{}** |", e.leg, reference, e.source, obs, verdict);
+            }
+            let _ = writeln!(md);
+        }
+    }
+    let spec_legs: Vec<&LegRecord> = rec.legs.iter().filter(|l| l.spec.num_drafts > 0).collect();
+    if !spec_legs.is_empty() {
+        let _ = writeln!(md, "## Speculative decoding (simulated acceptance)\n");
+        let _ = writeln!(md, "| leg | drafts | draft tokens | accepted | acceptance rate | tau |");
+        let _ = writeln!(md, "|---|---|---|---|---|---|");
+        for l in spec_legs {
+            let _ = writeln!(
+                md,
+                "| `{}` | {} | {} | {} | {:.3} | {:.3} |",
+                l.id,
+                thousands(l.spec.num_drafts),
+                thousands(l.spec.num_draft_tokens),
+                thousands(l.spec.num_accepted_tokens),
+                l.spec.draft_acceptance_rate.unwrap_or(0.0),
+                l.spec.mean_acceptance_length.unwrap_or(0.0)
+            );
+        }
+        let _ = writeln!(md);
+    }
+    let _ = writeln!(md, "## Leg chain\n");
+    for (i, l) in rec.legs.iter().enumerate() {
+        let _ = writeln!(md, "{}. {}", i + 1, chain_line(l));
+        if matches!(l.status, LegStatus::Wedged | LegStatus::Rejected) {
+            if let Some(n) = &l.note {
+                let _ = writeln!(md, "   - {n}");
+            }
+        }
+    }
+    let _ = writeln!(md);
+    if let Some(m) = &manifest {
+        if !m.discussion.is_empty() {
+            let _ = writeln!(md, "## Discussion\n");
+            for p in &m.discussion {
+                let _ = writeln!(md, "{p}\n");
+            }
+        }
+    }
+    md
+}
+
+/// Render records into `out_dir/<manifest name>.md`; returns the written paths.
+pub fn render_files(records: &[std::path::PathBuf], out_dir: &Path) -> Result<Vec<std::path::PathBuf>> {
+    let mut written = Vec::new();
+    for p in records {
+        let rec = RunRecord::load(p)?;
+        let name = rec.manifest.get("name").and_then(|v| v.as_str()).unwrap_or("run").to_string();
+        let md = render(&rec, &p.display().to_string());
+        let out = out_dir.join(format!("{name}.md"));
+        crate::record::write_atomic(&out, md.as_bytes())?;
+        written.push(out);
+    }
+    if written.is_empty() {
+        return Err(ExperimentError::Invalid { path: out_dir.to_path_buf(), field: "records".into(), msg: "no record given".into() });
+    }
+    Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn thousands_separators() {
+        assert_eq!(thousands(15536), "15,536");
+        assert_eq!(thousands(999), "999");
+        assert_eq!(thousands(1_000_000), "1,000,000");
+    }
+}

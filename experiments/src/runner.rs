@@ -1,0 +1,224 @@
+//! The runner: executes a manifest's legs and records them.
+//!
+//! Per leg: build the KV manager from the leg's layout and pool, apply vLLM's
+//! startup check (a pool that cannot hold one max_model_len request is refused,
+//! `kv_cache_planning.check_enough_kv_cache_memory`), optionally bisect the
+//! admission bound, then simulate the workload with the scheduler policy and
+//! the simulated executor until every request completes, the run WEDGES, or
+//! the step backstop is hit. After each leg the record is saved atomically;
+//! legs already in a record for the same manifest text are skipped (resume).
+//!
+//! Invariant: the record on disk only ever gains complete legs.
+
+use std::path::Path;
+use std::time::Instant;
+
+use speclab_engine::kv::{planning, KvCacheManager};
+use speclab_engine::sim::{run_sim, AcceptanceModel, SimExecutor, SimLimits, SimRun};
+use speclab_schedulers::{AdmissionPolicy, FcfsScheduler, RequestSpec, SchedulerConfig};
+
+use crate::bounds::{self, ProbeCtx};
+use crate::manifest::{cap_name, Leg, Manifest, PolicyName};
+use crate::record::{self, AdmissionRecord, LegRecord, LegStatus, RunRecord, SpecRecord};
+use crate::{ExperimentError, Result};
+
+/// Progress events for a UI.
+pub trait Progress {
+    /// A leg starts (index, total, id); `skipped` when resumed from the record.
+    fn leg_start(&mut self, index: usize, total: usize, id: &str, skipped: bool);
+    /// A simulated step finished.
+    fn step(&mut self, step: u64);
+    /// A leg finished.
+    fn leg_done(&mut self, leg: &LegRecord);
+}
+
+/// No-op progress.
+pub struct Quiet;
+impl Progress for Quiet {
+    fn leg_start(&mut self, _: usize, _: usize, _: &str, _: bool) {}
+    fn step(&mut self, _: u64) {}
+    fn leg_done(&mut self, _: &LegRecord) {}
+}
+
+/// What the runner needs besides the manifest.
+pub struct RunCtx<'a> {
+    pub manifest: &'a Manifest,
+    pub manifest_path: &'a Path,
+    pub manifest_text: &'a str,
+    pub record_path: &'a Path,
+    /// Skip legs already recorded for the same manifest text.
+    pub resume: bool,
+}
+
+/// Run (or resume) every leg of a manifest, saving the record after each leg.
+pub fn run_manifest(ctx: &RunCtx<'_>, progress: &mut dyn Progress) -> Result<RunRecord> {
+    let m = ctx.manifest;
+    let legs = m.legs()?;
+    let mut rec = match (ctx.resume, ctx.record_path.exists()) {
+        (true, true) => {
+            let r = RunRecord::load(ctx.record_path)?;
+            if r.manifest_text != ctx.manifest_text {
+                return Err(ExperimentError::Invalid {
+                    path: ctx.record_path.to_path_buf(),
+                    field: "manifest_text".into(),
+                    msg: "the record was made from a different manifest text; pass --fresh to overwrite or --out for a new record".into(),
+                });
+            }
+            r
+        }
+        _ => RunRecord {
+            speclab_version: env!("CARGO_PKG_VERSION").to_string(),
+            git_commit: record::git_commit(),
+            manifest_path: ctx.manifest_path.display().to_string(),
+            manifest_text: ctx.manifest_text.to_string(),
+            manifest: serde_json::to_value(m).unwrap_or(serde_json::Value::Null),
+            started_unix_s: record::now_unix(),
+            updated_unix_s: record::now_unix(),
+            legs: vec![],
+            complete: false,
+        },
+    };
+    let total = legs.len();
+    for (i, leg) in legs.iter().enumerate() {
+        if rec.leg(&leg.id).is_some() {
+            progress.leg_start(i, total, &leg.id, true);
+            continue;
+        }
+        progress.leg_start(i, total, &leg.id, false);
+        let lr = run_leg(m, leg, progress)?;
+        progress.leg_done(&lr);
+        rec.legs.push(lr);
+        rec.updated_unix_s = record::now_unix();
+        rec.save(ctx.record_path)?;
+    }
+    // Keep manifest order even after a resume.
+    rec.legs.sort_by_key(|l| legs.iter().position(|x| x.id == l.id).unwrap_or(usize::MAX));
+    rec.complete = legs.iter().all(|l| rec.leg(&l.id).is_some());
+    rec.updated_unix_s = record::now_unix();
+    rec.save(ctx.record_path)?;
+    Ok(rec)
+}
+
+fn policy(p: PolicyName) -> AdmissionPolicy {
+    match p {
+        PolicyName::Fcfs => AdmissionPolicy::Fcfs,
+        PolicyName::RejectImpossible => AdmissionPolicy::RejectImpossible,
+    }
+}
+
+/// Run one leg.
+pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<LegRecord> {
+    let t0 = Instant::now();
+    let ctxs = format!("leg {}", leg.id);
+    let group_names: Vec<String> = leg.layout.groups.iter().map(|g| g.name.clone()).collect();
+    let mut lr = LegRecord {
+        id: leg.id.clone(),
+        block_size: leg.block_size,
+        cap: cap_name(leg.cap).to_string(),
+        num_blocks: leg.num_blocks,
+        usable_blocks: u64::from(leg.num_blocks).saturating_sub(1),
+        group_names: group_names.clone(),
+        prompts: leg.prompts.clone(),
+        status: LegStatus::BoundOnly,
+        admissions: vec![],
+        steps: 0,
+        preemptions: 0,
+        finished: 0,
+        peak_held_per_group: vec![0; group_names.len()],
+        peak_total_held: 0,
+        spec: SpecRecord::default(),
+        bound: None,
+        note: None,
+        wall_ms: 0.0,
+    };
+    if let Err(e) = planning::check_startup(&leg.layout, leg.num_blocks) {
+        lr.status = LegStatus::RefusedAtStartup;
+        lr.note = Some(e.to_string());
+        lr.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
+        return Ok(lr);
+    }
+    let lookahead = m.drafter.lookahead();
+    let mnbt = u64::from(m.scheduler.max_num_batched_tokens);
+    if m.measure.bound {
+        let pc = ProbeCtx { layout: &leg.layout, num_blocks: leg.num_blocks, max_num_batched_tokens: mnbt, lookahead };
+        lr.bound = Some(bounds::find_bound(&pc)?);
+    }
+    if m.measure.simulate && !leg.prompts.is_empty() {
+        let mut kv = KvCacheManager::new(&leg.layout, leg.num_blocks).map_err(|e| ExperimentError::engine(ctxs.clone(), e))?;
+        let cfg = SchedulerConfig {
+            max_num_seqs: m.scheduler.max_num_seqs,
+            max_num_batched_tokens: mnbt,
+            num_speculative_tokens: m.drafter.drafts_per_step(),
+            lookahead,
+            policy: policy(m.scheduler.policy),
+            max_steps_without_progress: 1000,
+        };
+        let mut sched = FcfsScheduler::new(cfg);
+        for (i, &p) in leg.prompts.iter().enumerate() {
+            sched
+                .add_request(&kv, RequestSpec { id: i as u64, prompt_len: p, max_tokens: m.workload.output_len })
+                .map_err(|e| ExperimentError::Invalid { path: "manifest".into(), field: format!("{ctxs}: request {i}"), msg: e.to_string() })?;
+        }
+        let acc = AcceptanceModel { per_position: m.acceptance.clone() };
+        let mut exec = SimExecutor::new(m.seed, acc);
+        let run = run_sim(&mut kv, &mut sched, &mut exec, SimLimits { max_steps: m.max_steps }, &mut |s| progress.step(s))
+            .map_err(|e| ExperimentError::engine(ctxs.clone(), e))?;
+        fill_from_sim(&mut lr, leg, &run, &group_names);
+    }
+    lr.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
+    Ok(lr)
+}
+
+fn fill_from_sim(lr: &mut LegRecord, leg: &Leg, run: &SimRun, names: &[String]) {
+    let usable = lr.usable_blocks;
+    for (step, a) in &run.admitted {
+        let total = a.need_per_group.iter().sum();
+        lr.admissions.push(AdmissionRecord {
+            request: a.id,
+            prompt_len: leg.prompts.get(a.id as usize).copied().unwrap_or(0),
+            need_per_group: a.need_per_group.clone(),
+            total,
+            usable,
+            binding_group: bounds::binding(names, &a.need_per_group).unwrap_or_default(),
+            admitted_at_step: Some(*step),
+        });
+    }
+    let mut notes = Vec::new();
+    for r in run.rejected.iter().chain(run.wedged.iter()) {
+        lr.admissions.push(AdmissionRecord {
+            request: r.id,
+            prompt_len: leg.prompts.get(r.id as usize).copied().unwrap_or(0),
+            need_per_group: r.need_per_group.clone(),
+            total: r.total(),
+            usable: r.usable,
+            binding_group: r.binding_group.clone(),
+            admitted_at_step: None,
+        });
+        notes.push(r.to_string());
+    }
+    lr.steps = run.steps;
+    lr.preemptions = run.preemptions;
+    lr.finished = run.finished.len() as u64;
+    lr.peak_held_per_group = run.peak_held_per_group.clone();
+    lr.peak_total_held = run.peak_total_held;
+    lr.spec = SpecRecord {
+        num_drafts: run.spec.num_drafts,
+        num_draft_tokens: run.spec.num_draft_tokens,
+        num_accepted_tokens: run.spec.num_accepted_tokens,
+        accepted_per_position: run.spec.accepted_per_position.clone(),
+        draft_acceptance_rate: (run.spec.num_draft_tokens > 0).then(|| run.spec.draft_acceptance_rate()),
+        mean_acceptance_length: (run.spec.num_drafts > 0).then(|| run.spec.mean_acceptance_length()),
+    };
+    lr.status = if run.wedged.is_some() {
+        LegStatus::Wedged
+    } else if !run.rejected.is_empty() {
+        LegStatus::Rejected
+    } else if run.hit_step_limit {
+        LegStatus::StepLimit
+    } else {
+        LegStatus::Completed
+    };
+    if !notes.is_empty() {
+        lr.note = Some(notes.join("; "));
+    }
+}
