@@ -1,1 +1,474 @@
-//! stub: simulated executor (being written)
+//! The simulated half of speclab: an acceptance-model executor and the run loop.
+//!
+//! What it does: [`SimExecutor`] plays the target + drafter without weights.
+//! A prefill chunk accepts nothing; a decode step with `k` drafts samples how
+//! many are accepted from an [`AcceptanceModel`] (vLLM's per-position
+//! acceptance rates, `vllm/v1/spec_decode/metrics.py` `SpecDecodingStats`),
+//! seeded through `rand_chacha::ChaCha8Rng` so runs are reproducible. It never
+//! emits EOS: `max_tokens` (or `max_model_len`) ends requests. [`run_sim`]
+//! drives any [`Scheduler`] + [`Executor`] pair against a [`KvCacheManager`]
+//! (vLLM `EngineCore.step`: `schedule` -> `execute_model` ->
+//! `update_from_output`) and records admissions, rejections, a wedge, peaks of
+//! KV use and spec-decode metrics ([`SpecMetrics`], with vLLM's definitions:
+//! draft acceptance rate = accepted / drafted tokens, mean acceptance length
+//! tau = 1 + accepted / drafts, per-position counts unconditional).
+//!
+//! Where the design comes from: DESIGN.md "Core seams" (the `Executor` seam,
+//! `SimExecutor` = acceptance model, no weights) and "Measuring" (metric
+//! definitions); the step order is vLLM 0.33.0 `v1/engine/core.py`.
+//!
+//! Invariants: the executor returns exactly one [`StepResult`] per scheduled
+//! request with `accepted <= num_draft`; the same seed and inputs give the
+//! same run; `run_sim` never loops past `SimLimits::max_steps` and stops at the
+//! first wedge (vLLM would retry forever: Waiting 1 / Running 0). Peaks are
+//! sampled right after `schedule` (blocks are only allocated there; `update`
+//! only frees), so requests that finish in a step still count.
+
+use std::collections::HashMap;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::kv::KvCacheManager;
+use crate::traits::{Admission, AdmissionReport, Executor, RequestId, Scheduler, ScheduledRequest, SchedulerOutput, StepResult};
+use crate::{EngineError, Result};
+
+/// vLLM's per-position acceptance rates: `per_position[i]` is the fraction of
+/// drafts whose position `i` (0-based) was accepted (unconditional, so the
+/// vector is non-increasing and each value is in [0, 1]). Positions beyond the
+/// vector are always rejected.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct AcceptanceModel {
+    pub per_position: Vec<f64>,
+}
+
+fn bad_acceptance(reason: String) -> EngineError {
+    // EngineError has no dedicated variant for executor configuration.
+    EngineError::Unsupported(format!("acceptance model: {reason}"))
+}
+
+impl AcceptanceModel {
+    /// A validated model.
+    pub fn new(per_position: Vec<f64>) -> Result<Self> {
+        let m = Self { per_position };
+        m.validate()?;
+        Ok(m)
+    }
+
+    /// Every rate finite, in [0, 1], and non-increasing with position.
+    pub fn validate(&self) -> Result<()> {
+        let mut prev = 1.0f64;
+        for (i, &a) in self.per_position.iter().enumerate() {
+            if !a.is_finite() || !(0.0..=1.0).contains(&a) {
+                return Err(bad_acceptance(format!("per_position[{i}] = {a} is not a rate in [0, 1]")));
+            }
+            if a > prev {
+                return Err(bad_acceptance(format!(
+                    "per_position[{i}] = {a} exceeds per_position[{}] = {prev}; unconditional per-position rates cannot increase",
+                    i.saturating_sub(1)
+                )));
+            }
+            prev = a;
+        }
+        Ok(())
+    }
+
+    /// Conditional acceptance probabilities: `P(i accepted | i-1 accepted) = a_i / a_{i-1}`
+    /// (with `a_{-1} = 1`; 0 after a zero rate). Shape: [len].
+    pub fn conditional(&self) -> Vec<f64> {
+        let mut prev = 1.0f64;
+        self.per_position
+            .iter()
+            .map(|&a| {
+                let c = if prev > 0.0 { (a / prev).clamp(0.0, 1.0) } else { 0.0 };
+                prev = a;
+                c
+            })
+            .collect()
+    }
+
+    /// Expected tau with `k` drafts per step: `1 + sum_{i<k} a_i`.
+    pub fn expected_tau(&self, k: usize) -> f64 {
+        1.0 + self.per_position.iter().take(k).sum::<f64>()
+    }
+}
+
+/// Draw the accepted prefix length for `k` drafts: walk positions, accept
+/// position `i` with its conditional probability, stop at the first rejection.
+fn sample_accepted<R: Rng + ?Sized>(rng: &mut R, conditional: &[f64], k: u64) -> u64 {
+    let mut accepted = 0u64;
+    for &c in conditional.iter().take(usize::try_from(k).unwrap_or(usize::MAX)) {
+        if c <= 0.0 || rng.random::<f64>() >= c {
+            break;
+        }
+        accepted += 1;
+    }
+    accepted
+}
+
+/// The simulated executor: acceptance model, no weights, no EOS.
+#[derive(Debug, Clone)]
+pub struct SimExecutor {
+    rng: ChaCha8Rng,
+    acceptance: AcceptanceModel,
+    conditional: Vec<f64>,
+    /// Set when the acceptance model failed validation; `execute` returns it.
+    invalid: Option<EngineError>,
+}
+
+impl SimExecutor {
+    /// Seeded executor. An invalid acceptance model is reported by the first `execute`.
+    pub fn new(seed: u64, acceptance: AcceptanceModel) -> Self {
+        let invalid = acceptance.validate().err();
+        let conditional = acceptance.conditional();
+        Self { rng: ChaCha8Rng::seed_from_u64(seed), acceptance, conditional, invalid }
+    }
+
+    /// The acceptance model in use.
+    pub fn acceptance(&self) -> &AcceptanceModel {
+        &self.acceptance
+    }
+
+    /// Sample the accepted count for one decode step with `k` drafts.
+    pub fn sample_accepted(&mut self, k: u64) -> u64 {
+        sample_accepted(&mut self.rng, &self.conditional, k)
+    }
+}
+
+impl Executor for SimExecutor {
+    fn execute(&mut self, batch: &SchedulerOutput) -> Result<Vec<StepResult>> {
+        if let Some(e) = &self.invalid {
+            return Err(e.clone());
+        }
+        let mut out = Vec::with_capacity(batch.scheduled.len());
+        for s in &batch.scheduled {
+            let accepted = if s.is_prefill || s.num_draft == 0 { 0 } else { self.sample_accepted(s.num_draft) };
+            out.push(StepResult { id: s.id, accepted, eos: false });
+        }
+        Ok(out)
+    }
+}
+
+/// Limits of one simulated run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SimLimits {
+    /// Stop after this many executed steps (`SimRun::hit_step_limit`).
+    pub max_steps: u64,
+}
+
+/// Spec-decode counters, vLLM `SpecDecodingStats` definitions.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct SpecMetrics {
+    /// Decode steps that verified at least one draft token.
+    pub num_drafts: u64,
+    /// Draft tokens verified.
+    pub num_draft_tokens: u64,
+    /// Draft tokens accepted (the bonus token is not counted).
+    pub num_accepted_tokens: u64,
+    /// `accepted_per_position[i]`: drafts whose position i was accepted. Shape: [max drafts seen].
+    pub accepted_per_position: Vec<u64>,
+}
+
+impl SpecMetrics {
+    /// vLLM `SpecDecodingStats.observe_draft`.
+    pub fn observe_draft(&mut self, num_draft_tokens: u64, num_accepted_tokens: u64) {
+        self.num_drafts += 1;
+        self.num_draft_tokens += num_draft_tokens;
+        self.num_accepted_tokens += num_accepted_tokens;
+        let n = usize::try_from(num_draft_tokens.max(num_accepted_tokens)).unwrap_or(usize::MAX);
+        if self.accepted_per_position.len() < n {
+            self.accepted_per_position.resize(n, 0);
+        }
+        for c in self.accepted_per_position.iter_mut().take(usize::try_from(num_accepted_tokens).unwrap_or(usize::MAX)) {
+            *c += 1;
+        }
+    }
+
+    /// Draft acceptance rate = accepted / drafted tokens (0 when nothing was drafted).
+    pub fn draft_acceptance_rate(&self) -> f64 {
+        if self.num_draft_tokens == 0 {
+            0.0
+        } else {
+            self.num_accepted_tokens as f64 / self.num_draft_tokens as f64
+        }
+    }
+
+    /// Mean acceptance length tau = 1 + accepted / drafts (includes the bonus
+    /// token; 1 when nothing was drafted).
+    pub fn mean_acceptance_length(&self) -> f64 {
+        if self.num_drafts == 0 {
+            1.0
+        } else {
+            1.0 + self.num_accepted_tokens as f64 / self.num_drafts as f64
+        }
+    }
+
+    /// Unconditional per-position acceptance rates: `accepted_per_position[i] / num_drafts`.
+    pub fn per_position_rates(&self) -> Vec<f64> {
+        if self.num_drafts == 0 {
+            return vec![0.0; self.accepted_per_position.len()];
+        }
+        self.accepted_per_position.iter().map(|&c| c as f64 / self.num_drafts as f64).collect()
+    }
+}
+
+/// Everything a simulated run observed.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SimRun {
+    /// Executed steps (a step that wedged is not counted).
+    pub steps: u64,
+    /// Set when the scheduler reported a wedge; the run stopped there.
+    pub wedged: Option<AdmissionReport>,
+    /// Requests the policy refused, in order.
+    pub rejected: Vec<AdmissionReport>,
+    /// (step index, admission), step index 0-based.
+    pub admitted: Vec<(u64, Admission)>,
+    /// (step index, request), step index 0-based.
+    pub finished: Vec<(u64, RequestId)>,
+    /// Preemptions over the run.
+    pub preemptions: u64,
+    /// Max over steps of the blocks held by any single scheduled request, per group.
+    /// Shape: [num_groups].
+    pub peak_held_per_group: Vec<u64>,
+    /// Max over steps of `usable - free`.
+    pub peak_total_held: u64,
+    /// Spec-decode counters.
+    pub spec: SpecMetrics,
+    /// The run stopped at `SimLimits::max_steps` with work left.
+    pub hit_step_limit: bool,
+}
+
+/// Pair each scheduled request with its result (same order fast path, else by id).
+fn pair_results<'a>(batch: &'a SchedulerOutput, results: &'a [StepResult]) -> Result<Vec<(&'a ScheduledRequest, &'a StepResult)>> {
+    if results.len() != batch.scheduled.len() {
+        return Err(EngineError::BadTokenCount {
+            req: "batch".into(),
+            reason: format!("executor returned {} results for {} scheduled requests", results.len(), batch.scheduled.len()),
+        });
+    }
+    if batch.scheduled.iter().zip(results).all(|(s, r)| s.id == r.id) {
+        return Ok(batch.scheduled.iter().zip(results).collect());
+    }
+    let by_id: HashMap<RequestId, &StepResult> = results.iter().map(|r| (r.id, r)).collect();
+    batch
+        .scheduled
+        .iter()
+        .map(|s| by_id.get(&s.id).map(|r| (s, *r)).ok_or(EngineError::UnknownRequest { req: s.id.to_string() }))
+        .collect()
+}
+
+/// Run a scheduler + executor against a KV manager until no work is left, a
+/// wedge is reported, or `limits.max_steps` steps ran. `on_step` is called
+/// after every executed step with the number of steps so far.
+pub fn run_sim(
+    kv: &mut KvCacheManager,
+    sched: &mut dyn Scheduler,
+    exec: &mut dyn Executor,
+    limits: SimLimits,
+    on_step: &mut dyn FnMut(u64),
+) -> Result<SimRun> {
+    let num_groups = kv.groups().len();
+    let mut run = SimRun { peak_held_per_group: vec![0; num_groups], ..SimRun::default() };
+    while sched.has_work() {
+        if run.steps >= limits.max_steps {
+            run.hit_step_limit = true;
+            break;
+        }
+        let step = run.steps;
+        let out = sched.schedule(kv)?;
+        run.rejected.extend(out.rejected.iter().cloned());
+        run.admitted.extend(out.admitted.iter().map(|a| (step, a.clone())));
+        run.preemptions += out.preempted.len() as u64;
+
+        // Peaks: blocks are allocated in `schedule` only, so sample here.
+        run.peak_total_held = run.peak_total_held.max(kv.usable_blocks().saturating_sub(kv.num_free_blocks()));
+        for s in &out.scheduled {
+            for (peak, held) in run.peak_held_per_group.iter_mut().zip(kv.held_blocks(s.slot)) {
+                *peak = (*peak).max(held);
+            }
+        }
+
+        if let Some(w) = out.wedged.clone() {
+            run.wedged = Some(w);
+            break;
+        }
+
+        let results = exec.execute(&out)?;
+        for (s, r) in pair_results(&out, &results)? {
+            if r.accepted > s.num_draft {
+                return Err(EngineError::BadTokenCount {
+                    req: s.id.to_string(),
+                    reason: format!("executor accepted {} of {} draft tokens", r.accepted, s.num_draft),
+                });
+            }
+            // vLLM update_from_output: stats only for steps that verified drafts.
+            if s.num_draft > 0 {
+                run.spec.observe_draft(s.num_draft, r.accepted);
+            }
+        }
+        let finished = sched.update(kv, &out, &results)?;
+        run.finished.extend(finished.into_iter().map(|id| (step, id)));
+        run.steps += 1;
+        on_step(run.steps);
+    }
+    Ok(run)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::{GroupSpec, KvLayout};
+    use crate::kv::manager::AllocArgs;
+    use crate::request::{ReqSlot, RequestStatus, RequestView};
+
+    #[test]
+    fn acceptance_validation() {
+        assert!(AcceptanceModel::new(vec![0.9, 0.7, 0.7, 0.0]).is_ok());
+        assert!(AcceptanceModel::new(vec![]).is_ok());
+        assert!(AcceptanceModel::new(vec![0.5, 0.6]).is_err());
+        assert!(AcceptanceModel::new(vec![1.1]).is_err());
+        assert!(AcceptanceModel::new(vec![-0.1]).is_err());
+        assert!(AcceptanceModel::new(vec![f64::NAN]).is_err());
+        let c = AcceptanceModel { per_position: vec![0.8, 0.4, 0.0, 0.0] }.conditional();
+        assert_eq!(c, vec![0.8, 0.5, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn invalid_model_is_reported_by_execute() {
+        let mut e = SimExecutor::new(1, AcceptanceModel { per_position: vec![0.2, 0.9] });
+        assert!(e.execute(&SchedulerOutput::default()).is_err());
+    }
+
+    #[test]
+    fn sampling_matches_per_position_rates() {
+        let rates = vec![0.9, 0.75, 0.5, 0.3, 0.1];
+        let mut e = SimExecutor::new(42, AcceptanceModel::new(rates.clone()).unwrap());
+        let k = 7u64; // beyond the vector: always rejected
+        let n = 200_000u64;
+        let mut m = SpecMetrics::default();
+        for _ in 0..n {
+            let a = e.sample_accepted(k);
+            assert!(a <= rates.len() as u64);
+            m.observe_draft(k, a);
+        }
+        let got = m.per_position_rates();
+        for (i, &r) in rates.iter().enumerate() {
+            // 5 sigma of a binomial proportion at n = 200k is < 0.006.
+            assert!((got[i] - r).abs() < 0.006, "position {i}: {} vs {r}", got[i]);
+        }
+        assert_eq!(got[5], 0.0);
+        assert_eq!(got[6], 0.0);
+        let tau = m.mean_acceptance_length();
+        let want = AcceptanceModel::new(rates).unwrap().expected_tau(7);
+        assert!((tau - want).abs() < 0.02, "tau {tau} vs {want}");
+    }
+
+    #[test]
+    fn sampling_is_seeded() {
+        let m = AcceptanceModel::new(vec![0.7, 0.5, 0.2]).unwrap();
+        let mut a = SimExecutor::new(7, m.clone());
+        let mut b = SimExecutor::new(7, m);
+        let xs: Vec<u64> = (0..100).map(|_| a.sample_accepted(3)).collect();
+        let ys: Vec<u64> = (0..100).map(|_| b.sample_accepted(3)).collect();
+        assert_eq!(xs, ys);
+    }
+
+    #[test]
+    fn tau_hand_case() {
+        // Three drafts of 4 tokens: accepted 4, 2, 0.
+        let mut m = SpecMetrics::default();
+        m.observe_draft(4, 4);
+        m.observe_draft(4, 2);
+        m.observe_draft(4, 0);
+        assert_eq!(m.num_drafts, 3);
+        assert_eq!(m.num_draft_tokens, 12);
+        assert_eq!(m.num_accepted_tokens, 6);
+        assert_eq!(m.accepted_per_position, vec![2, 2, 1, 1]);
+        assert!((m.mean_acceptance_length() - 3.0).abs() < 1e-12); // 1 + 6/3
+        assert!((m.draft_acceptance_rate() - 0.5).abs() < 1e-12); // 6/12
+        let r = m.per_position_rates();
+        assert!((r[0] - 2.0 / 3.0).abs() < 1e-12 && (r[3] - 1.0 / 3.0).abs() < 1e-12);
+        assert_eq!(SpecMetrics::default().mean_acceptance_length(), 1.0);
+    }
+
+    /// A minimal scheduler for the loop test: one request, prompt in one chunk,
+    /// then `decodes` decode steps with 2 drafts each.
+    struct OneShot {
+        computed: u64,
+        tokens: u64,
+        decodes: u64,
+        live: bool,
+    }
+
+    impl Scheduler for OneShot {
+        fn schedule(&mut self, kv: &mut KvCacheManager) -> Result<SchedulerOutput> {
+            let prefill = self.computed == 0;
+            let n = if prefill { self.tokens } else { 3 };
+            let view = RequestView {
+                slot: ReqSlot(0),
+                num_computed_tokens: self.computed,
+                num_tokens: self.tokens,
+                num_prompt_tokens: 4,
+                status: if prefill { RequestStatus::Waiting } else { RequestStatus::Running },
+                num_in_flight_tokens: 0,
+            };
+            kv.allocate_slots(&view, AllocArgs { num_new_tokens: n, num_lookahead_tokens: 2, full_sequence_must_fit: prefill, has_scheduled_reqs: false })?;
+            Ok(SchedulerOutput {
+                scheduled: vec![ScheduledRequest { id: 9, slot: ReqSlot(0), num_tokens: n, num_draft: if prefill { 0 } else { 2 }, is_prefill: prefill }],
+                ..SchedulerOutput::default()
+            })
+        }
+        fn update(&mut self, kv: &mut KvCacheManager, out: &SchedulerOutput, results: &[StepResult]) -> Result<Vec<RequestId>> {
+            let s = &out.scheduled[0];
+            let a = results[0].accepted;
+            self.computed += s.num_tokens - (s.num_draft - a);
+            self.tokens += a + 1;
+            if !s.is_prefill {
+                self.decodes -= 1;
+            }
+            if self.decodes == 0 {
+                kv.free(ReqSlot(0));
+                self.live = false;
+                return Ok(vec![9]);
+            }
+            Ok(vec![])
+        }
+        fn has_work(&self) -> bool {
+            self.live
+        }
+    }
+
+    #[test]
+    fn run_loop_accumulates_metrics_and_returns_blocks() {
+        let layout = KvLayout {
+            num_blocks: Some(64),
+            kv_cache_memory_bytes: None,
+            max_model_len: 1024,
+            max_in_flight_tokens: None,
+            watermark: 0.0,
+            groups: vec![GroupSpec::full("full", 4)],
+        };
+        let mut kv = KvCacheManager::from_layout(&layout).unwrap();
+        let mut s = OneShot { computed: 0, tokens: 4, decodes: 10, live: true };
+        let mut e = SimExecutor::new(3, AcceptanceModel::new(vec![1.0, 1.0]).unwrap());
+        let mut seen = 0;
+        let run = run_sim(&mut kv, &mut s, &mut e, SimLimits { max_steps: 100 }, &mut |n| seen = n).unwrap();
+        assert_eq!(run.steps, 11);
+        assert_eq!(seen, 11);
+        assert_eq!(run.finished, vec![(10, 9)]);
+        assert_eq!(run.spec.num_drafts, 10);
+        assert_eq!(run.spec.num_accepted_tokens, 20);
+        assert!((run.spec.mean_acceptance_length() - 3.0).abs() < 1e-12);
+        // Last decode: computed 4 + 9*3 = 31, +3 new +2 lookahead = 36 tokens = 9 blocks.
+        assert_eq!(run.peak_held_per_group, vec![9]);
+        assert_eq!(run.peak_total_held, 9);
+        assert_eq!(kv.num_free_blocks(), kv.usable_blocks());
+        // Step limit.
+        let mut kv = KvCacheManager::from_layout(&layout).unwrap();
+        let mut s = OneShot { computed: 0, tokens: 4, decodes: 10, live: true };
+        let run = run_sim(&mut kv, &mut s, &mut e, SimLimits { max_steps: 3 }, &mut |_| {}).unwrap();
+        assert!(run.hit_step_limit);
+        assert_eq!(run.steps, 3);
+    }
+}
