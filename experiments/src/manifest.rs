@@ -517,3 +517,28 @@ fn attach_memory(l: &mut KvLayout, m: &PresetMemory, bs: u32) {
 
 /// Re-exported for manifests that build layouts by hand.
 pub type Group = GroupSpec;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shipped_wedge_manifest_parses_and_expands() {
+        let p = Path::new("df2w-wedge.ron");
+        let m: Manifest = parse_ron(p, include_str!("../df2w-wedge.ron")).unwrap();
+        m.validate(p).unwrap();
+        let legs = m.legs().unwrap();
+        assert_eq!(legs.len(), 30);
+        assert_eq!(legs[0].id, "bs=2304 cap=none prompt=15523");
+        assert_eq!(legs[0].num_blocks, 1012);
+        assert_eq!(m.drafter.lookahead(), 8);
+    }
+
+    #[test]
+    fn ron_errors_name_line_and_column() {
+        let p = Path::new("bad.ron");
+        let e = parse_ron::<Manifest>(p, "(\n  name: \"x\",\n  kv: (bogus: 1),\n)").unwrap_err().to_string();
+        assert!(e.starts_with("bad.ron:3:"), "{e}");
+        assert!(e.contains("bogus"), "{e}");
+    }
+}

@@ -1,0 +1,205 @@
+//! `speclab run`, `speclab bounds`, `speclab findings`.
+//!
+//! `run` executes a manifest (default: the embedded `experiments/df2w-wedge.ron`)
+//! with a progress bar per leg and writes the record atomically after each leg
+//! (`runs/<name>.json` unless `--out`), resuming finished legs. `bounds`
+//! bisects the largest admissible prompt for each distinct layout of a
+//! manifest. `findings` renders records to `findings/<name>.md`.
+//! Invariant: with `--json`, stdout carries only JSON.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use speclab_experiments::bounds::{self, ProbeCtx};
+use speclab_experiments::findings;
+use speclab_experiments::manifest::{cap_name, Manifest};
+use speclab_experiments::record::{LegRecord, RunRecord};
+use speclab_experiments::runner::{self, Progress, RunCtx};
+
+/// The manifest `speclab run` uses when none is given.
+pub const EMBEDDED_MANIFEST: &str = include_str!("../../experiments/df2w-wedge.ron");
+const EMBEDDED_PATH: &str = "experiments/df2w-wedge.ron";
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Manifest (RON). Default: the embedded experiments/df2w-wedge.ron.
+    pub manifest: Option<PathBuf>,
+    /// Record path (default runs/<name>.json).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Ignore an existing record instead of resuming it.
+    #[arg(long)]
+    pub fresh: bool,
+    /// Print the record as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct BoundsArgs {
+    /// Manifest (RON).
+    pub manifest: PathBuf,
+    /// Print JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct FindingsArgs {
+    /// Run records (JSON) to render.
+    #[arg(required = true)]
+    pub records: Vec<PathBuf>,
+    /// Output directory.
+    #[arg(long, default_value = "findings")]
+    pub out_dir: PathBuf,
+    /// Print the written paths as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn load_manifest(path: Option<&Path>) -> anyhow::Result<(Manifest, PathBuf, String)> {
+    match path {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading manifest {}", p.display()))?;
+            let m: Manifest = speclab_experiments::manifest::parse_ron(p, &text)?;
+            m.validate(p)?;
+            Ok((m, p.to_path_buf(), text))
+        }
+        None => {
+            let p = Path::new(EMBEDDED_PATH);
+            let m: Manifest = speclab_experiments::manifest::parse_ron(p, EMBEDDED_MANIFEST)?;
+            m.validate(p)?;
+            Ok((m, p.to_path_buf(), EMBEDDED_MANIFEST.to_string()))
+        }
+    }
+}
+
+struct Bar {
+    bar: Option<ProgressBar>,
+}
+
+impl Progress for Bar {
+    fn leg_start(&mut self, index: usize, total: usize, id: &str, skipped: bool) {
+        if let Some(b) = &self.bar {
+            b.set_prefix(format!("leg {}/{}", index + 1, total));
+            b.set_message(format!("{id}{}", if skipped { " (recorded, skipped)" } else { "" }));
+            b.set_position(0);
+        }
+    }
+    fn step(&mut self, step: u64) {
+        if step % 64 == 0 {
+            if let Some(b) = &self.bar {
+                b.set_position(step);
+            }
+        }
+    }
+    fn leg_done(&mut self, leg: &LegRecord) {
+        if let Some(b) = &self.bar {
+            b.println(format!("  {}", findings::chain_line(leg).replace("**", "").replace('`', "")));
+        }
+    }
+}
+
+fn bar(enabled: bool) -> Bar {
+    if !enabled {
+        return Bar { bar: None };
+    }
+    let b = ProgressBar::new_spinner();
+    b.set_style(ProgressStyle::with_template("{spinner} {prefix} {msg} [{pos} steps, {elapsed}]").unwrap_or_else(|_| ProgressStyle::default_spinner()));
+    b.enable_steady_tick(std::time::Duration::from_millis(120));
+    Bar { bar: Some(b) }
+}
+
+/// `speclab run`.
+pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
+    let (m, mpath, text) = load_manifest(a.manifest.as_deref())?;
+    let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(format!("{}.json", m.name)));
+    let ctx = RunCtx { manifest: &m, manifest_path: &mpath, manifest_text: &text, record_path: &out, resume: !a.fresh };
+    let mut progress = bar(!a.json && std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    let rec = runner::run_manifest(&ctx, &mut progress)?;
+    if let Some(b) = progress.bar.take() {
+        b.finish_and_clear();
+    }
+    if a.json {
+        println!("{}", serde_json::to_string(&rec)?);
+    } else {
+        print_run(&rec, &out);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_run(rec: &RunRecord, out: &Path) {
+    println!("{} ({} legs) -> record {}", rec.manifest_path, rec.legs.len(), out.display());
+    for (i, l) in rec.legs.iter().enumerate() {
+        println!("{:>3}. {}", i + 1, findings::chain_line(l).replace("**", "").replace('`', ""));
+        if let Some(n) = &l.note {
+            println!("       {n}");
+        }
+    }
+}
+
+/// `speclab bounds`.
+pub fn bounds(a: BoundsArgs) -> anyhow::Result<ExitCode> {
+    let (m, _, _) = load_manifest(Some(&a.manifest))?;
+    let mut seen = std::collections::HashSet::new();
+    let mut rows = Vec::new();
+    for leg in m.legs()? {
+        let key = (leg.block_size, cap_name(leg.cap), leg.num_blocks);
+        if !seen.insert(key) {
+            continue;
+        }
+        let ctx = ProbeCtx {
+            layout: &leg.layout,
+            num_blocks: leg.num_blocks,
+            max_num_batched_tokens: u64::from(m.scheduler.max_num_batched_tokens),
+            lookahead: m.drafter.lookahead(),
+        };
+        let b = bounds::find_bound(&ctx)?;
+        rows.push(serde_json::json!({
+            "block_size": leg.block_size,
+            "cap": cap_name(leg.cap),
+            "num_blocks": leg.num_blocks,
+            "groups": leg.layout.groups.iter().map(|g| g.name.clone()).collect::<Vec<_>>(),
+            "bound": b,
+        }));
+        if !a.json {
+            let what = match (b.unbounded, b.largest_admissible) {
+                (true, _) => format!("no bound up to max_model_len {}", m.kv.max_model_len),
+                (false, Some(n)) => format!(
+                    "largest admissible prompt {n} tokens ({} blocks); {} tokens need {} blocks, binding group {}",
+                    b.need_at_bound.iter().sum::<u64>(),
+                    n + 1,
+                    b.need_above_bound.iter().sum::<u64>(),
+                    b.binding_group_above.as_deref().unwrap_or("?")
+                ),
+                (false, None) => "not even a 1-token prompt is admissible".into(),
+            };
+            println!(
+                "block_size {:>5} cap {:<15} pool {:>6} blocks: {what}",
+                leg.block_size.map(|b| b.to_string()).unwrap_or_else(|| "-".into()),
+                cap_name(leg.cap),
+                leg.num_blocks
+            );
+        }
+    }
+    if a.json {
+        println!("{}", serde_json::to_string(&rows)?);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `speclab findings`.
+pub fn findings(a: FindingsArgs) -> anyhow::Result<ExitCode> {
+    let written = findings::render_files(&a.records, &a.out_dir)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&written)?);
+    } else {
+        for w in written {
+            println!("wrote {}", w.display());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
