@@ -105,8 +105,13 @@ pub fn validate_layout(layout: &KvLayout, path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The field path of a deserialization error (`groups[1].kind`), without the
+/// trailing unknown segments (`?`) serde_path_to_error adds between fields.
 fn field_path(p: &serde_path_to_error::Path) -> Option<String> {
-    let s = p.to_string();
+    let mut s = p.to_string();
+    while let Some(t) = s.strip_suffix('?') {
+        s = t.strip_suffix('.').unwrap_or(t).to_string();
+    }
     (!s.is_empty() && s != ".").then_some(s)
 }
 
