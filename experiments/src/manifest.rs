@@ -542,3 +542,30 @@ mod tests {
         assert!(e.contains("bogus"), "{e}");
     }
 }
+
+#[cfg(test)]
+mod shipped {
+    use super::*;
+
+    #[test]
+    fn block_size_manifest_derives_pools_from_bytes() {
+        let p = Path::new("df2w-block-size.ron");
+        let m: Manifest = parse_ron(p, include_str!("../df2w-block-size.ron")).unwrap();
+        m.validate(p).unwrap();
+        let legs = m.legs().unwrap();
+        let pool = |bs: u32| legs.iter().find(|l| l.block_size == Some(bs)).unwrap().num_blocks;
+        // Calibrated: block 2304 gives the card's pool.
+        assert_eq!(pool(2304), 1012);
+        // At 1536 and 1024 the KDA state page (9 x 2,170,880 bytes) is the largest block.
+        assert_eq!(pool(1536), (24_174_526_464u64 / (9 * 2_170_880)) as u32);
+        assert_eq!(pool(1024), pool(1536));
+    }
+
+    #[test]
+    fn implied_pools_manifest_expands() {
+        let p = Path::new("df2w-implied-pools.ron");
+        let m: Manifest = parse_ron(p, include_str!("../df2w-implied-pools.ron")).unwrap();
+        m.validate(p).unwrap();
+        assert_eq!(m.legs().unwrap().len(), 15);
+    }
+}
