@@ -1,0 +1,455 @@
+//! The vLLM-faithful FCFS scheduler (and its reject-impossible variant).
+//!
+//! Ported behaviour (not code) of vLLM 0.33.0 `vllm/v1/core/sched/scheduler.py`,
+//! synchronous scheduling, no prefix caching, no connector, no encoder, FCFS
+//! policy, `scheduler_reserve_full_isl = True`:
+//! - `Scheduler.schedule`, running loop: each running request (in order) gets
+//!   `num_tokens_with_spec - num_computed_tokens` tokens (rest of the prompt,
+//!   or 1 + its drafts), capped by the token budget and by
+//!   `max_model_len - num_computed_tokens - 1`; `allocate_slots(num_new,
+//!   num_lookahead_tokens)`; on failure preempt `running[-1]` and retry; if the
+//!   request preempted itself, stop the running loop.
+//! - `Scheduler.schedule`, waiting loop (skipped if anything was preempted this
+//!   step): while budget > 0 and `len(running) < max_num_seqs`, the head of the
+//!   waiting queue gets `num_tokens - num_computed_tokens` capped by the budget
+//!   (chunked prefill), `allocate_slots(..., full_sequence_must_fit=True,
+//!   has_scheduled_reqs=bool(running))`; `None` ends admission for the step and
+//!   the request stays at the head (head-of-line blocking).
+//! - `Scheduler._preempt_request`: free the KV, `num_computed_tokens = 0`,
+//!   drop pending drafts, status PREEMPTED, push to the FRONT of the waiting queue.
+//! - `Scheduler._update_after_schedule` + `update_from_output`: computed tokens
+//!   advance by the scheduled count; a step that reaches `num_tokens` samples:
+//!   rejected drafts roll `num_computed_tokens` back, `accepted + 1` tokens are
+//!   appended one by one and `check_stop` (`sched/utils.py`) stops at
+//!   `max_tokens`, at `max_model_len`, or at EOS; finished requests free their KV.
+//!   Drafts exist for the next step only after a sampling step (vLLM proposes
+//!   after sampling; partial prefill chunks propose nothing).
+//!
+//! Beyond vLLM: a request that can never be admitted (admission need above the
+//! usable pool while nothing runs) is reported as `SchedulerOutput::wedged`
+//! instead of retrying forever; a step counter backstops any other livelock.
+//! `AdmissionPolicy::RejectImpossible` removes such requests instead.
+//!
+//! Invariants: every live request has one dense `ReqSlot` (freed slots are
+//! reused, lowest first); waiting requests hold no KV blocks; a step schedules
+//! at most `max_num_batched_tokens` tokens and never more than `max_num_seqs`
+//! running requests; finished and rejected requests hold nothing.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+
+use speclab_engine::kv::manager::AllocArgs;
+use speclab_engine::kv::{AllocOutcome, KvCacheManager};
+use speclab_engine::{
+    Admission, AdmissionReport, EngineError, ReqSlot, RequestId, RequestStatus, RequestView, ScheduledRequest, Scheduler, SchedulerOutput,
+    StepResult,
+};
+
+use crate::config::{AdmissionPolicy, RequestSpec, SchedulerConfig};
+use crate::error::SchedulerError;
+
+/// Scheduling state of one live request (vLLM `Request`, the fields scheduling reads).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestState {
+    pub id: RequestId,
+    pub slot: ReqSlot,
+    pub status: RequestStatus,
+    pub num_prompt_tokens: u64,
+    /// Prompt + committed output tokens (drafts are never counted).
+    pub num_tokens: u64,
+    /// Tokens whose KV is computed; `num_tokens - 1` between decode steps.
+    pub num_computed_tokens: u64,
+    pub num_output_tokens: u64,
+    pub max_tokens: u64,
+    /// Drafts were proposed after the last sampling step (vLLM `spec_token_ids`).
+    pub has_pending_drafts: bool,
+    pub num_preemptions: u64,
+}
+
+impl RequestState {
+    /// What `allocate_slots` sees (synchronous scheduling: nothing in flight).
+    pub fn view(&self) -> RequestView {
+        RequestView {
+            slot: self.slot,
+            num_computed_tokens: self.num_computed_tokens,
+            num_tokens: self.num_tokens,
+            num_prompt_tokens: self.num_prompt_tokens,
+            status: self.status,
+            num_in_flight_tokens: 0,
+        }
+    }
+}
+
+/// Build the report of why a request cannot (or could not) be admitted.
+fn admission_report(kv: &KvCacheManager, r: &RequestState, need: Vec<u64>) -> AdmissionReport {
+    let group_names: Vec<String> = kv.groups().iter().map(|g| g.name.clone()).collect();
+    let mut binding = 0usize;
+    for (g, &n) in need.iter().enumerate() {
+        if n > need[binding] {
+            binding = g;
+        }
+    }
+    AdmissionReport {
+        id: r.id,
+        num_tokens: r.num_tokens.min(kv.max_model_len()),
+        binding_group: group_names.get(binding).cloned().unwrap_or_default(),
+        need_per_group: need,
+        group_names,
+        usable: kv.usable_blocks(),
+    }
+}
+
+/// vLLM's FCFS scheduler (see the module docs).
+#[derive(Debug, Clone)]
+pub struct FcfsScheduler {
+    cfg: SchedulerConfig,
+    /// Live requests by slot. Shape: [slots ever used].
+    reqs: Vec<Option<RequestState>>,
+    free_slots: BinaryHeap<Reverse<u32>>,
+    by_id: HashMap<RequestId, ReqSlot>,
+    waiting: VecDeque<ReqSlot>,
+    running: Vec<ReqSlot>,
+    /// Rejections found by `add_request`, reported by the next `schedule`.
+    pending_rejected: Vec<AdmissionReport>,
+    /// Consecutive steps that scheduled nothing while work was left.
+    idle_steps: u64,
+}
+
+impl FcfsScheduler {
+    /// An empty scheduler. The config is validated by `add_request` and `schedule`.
+    pub fn new(cfg: SchedulerConfig) -> Self {
+        Self {
+            cfg,
+            reqs: Vec::new(),
+            free_slots: BinaryHeap::new(),
+            by_id: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            pending_rejected: Vec::new(),
+            idle_steps: 0,
+        }
+    }
+
+    /// Queue a request (vLLM `Scheduler.add_request`). Under `RejectImpossible`
+    /// a request that cannot fit even an empty pool is not queued; its report
+    /// comes with the next `schedule`.
+    pub fn add_request(&mut self, kv: &KvCacheManager, r: RequestSpec) -> Result<(), SchedulerError> {
+        self.cfg.validate()?;
+        if r.prompt_len == 0 {
+            return Err(SchedulerError::EmptyPrompt { id: r.id });
+        }
+        if r.max_tokens == 0 {
+            return Err(SchedulerError::ZeroMaxTokens { id: r.id });
+        }
+        if r.prompt_len >= kv.max_model_len() {
+            return Err(SchedulerError::PromptTooLong { id: r.id, prompt_len: r.prompt_len, max_model_len: kv.max_model_len() });
+        }
+        if self.by_id.contains_key(&r.id) {
+            return Err(SchedulerError::DuplicateRequest { id: r.id });
+        }
+        let slot = self.take_slot()?;
+        let state = RequestState {
+            id: r.id,
+            slot,
+            status: RequestStatus::Waiting,
+            num_prompt_tokens: r.prompt_len,
+            num_tokens: r.prompt_len,
+            num_computed_tokens: 0,
+            num_output_tokens: 0,
+            max_tokens: r.max_tokens,
+            has_pending_drafts: false,
+            num_preemptions: 0,
+        };
+        if self.cfg.policy == AdmissionPolicy::RejectImpossible {
+            let need = kv.admission_need(&state.view());
+            if need.iter().sum::<u64>() > kv.usable_blocks() {
+                self.pending_rejected.push(admission_report(kv, &state, need));
+                self.free_slots.push(Reverse(slot.0));
+                return Ok(());
+            }
+        }
+        self.reqs[slot.0 as usize] = Some(state);
+        self.by_id.insert(r.id, slot);
+        self.waiting.push_back(slot);
+        Ok(())
+    }
+
+    /// Requests waiting (new or preempted).
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Requests running.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// State of a live request.
+    pub fn request(&self, id: RequestId) -> Option<&RequestState> {
+        let slot = self.by_id.get(&id)?;
+        self.reqs.get(slot.0 as usize)?.as_ref()
+    }
+
+    /// Waiting request ids, head first.
+    pub fn waiting_ids(&self) -> impl Iterator<Item = RequestId> + '_ {
+        self.waiting.iter().filter_map(|s| self.state(*s).map(|r| r.id))
+    }
+
+    /// Running request ids, in scheduling order.
+    pub fn running_ids(&self) -> impl Iterator<Item = RequestId> + '_ {
+        self.running.iter().filter_map(|s| self.state(*s).map(|r| r.id))
+    }
+
+    fn state(&self, slot: ReqSlot) -> Option<&RequestState> {
+        self.reqs.get(slot.0 as usize)?.as_ref()
+    }
+
+    fn get(&self, slot: ReqSlot) -> Result<RequestState, SchedulerError> {
+        self.state(slot).copied().ok_or(SchedulerError::Engine(EngineError::UnknownRequest { req: format!("slot {}", slot.0) }))
+    }
+
+    fn get_mut(&mut self, slot: ReqSlot) -> Result<&mut RequestState, SchedulerError> {
+        self.reqs
+            .get_mut(slot.0 as usize)
+            .and_then(Option::as_mut)
+            .ok_or(SchedulerError::Engine(EngineError::UnknownRequest { req: format!("slot {}", slot.0) }))
+    }
+
+    /// Lowest free slot, or a new one.
+    fn take_slot(&mut self) -> Result<ReqSlot, SchedulerError> {
+        if let Some(Reverse(s)) = self.free_slots.pop() {
+            return Ok(ReqSlot(s));
+        }
+        let n = self.reqs.len();
+        let s = u32::try_from(n).map_err(|_| SchedulerError::TooManyRequests { live: n })?;
+        self.reqs.push(None);
+        Ok(ReqSlot(s))
+    }
+
+    /// Forget a request that holds no KV (finished and freed, or rejected).
+    fn release(&mut self, slot: ReqSlot) {
+        if let Some(r) = self.reqs.get_mut(slot.0 as usize).and_then(Option::take) {
+            self.by_id.remove(&r.id);
+            self.free_slots.push(Reverse(slot.0));
+        }
+    }
+
+    /// vLLM `Scheduler._preempt_request` (the caller already removed it from running).
+    fn preempt(&mut self, kv: &mut KvCacheManager, slot: ReqSlot) -> Result<RequestId, SchedulerError> {
+        kv.free(slot);
+        let r = self.get_mut(slot)?;
+        r.status = RequestStatus::Preempted;
+        r.num_computed_tokens = 0;
+        r.has_pending_drafts = false;
+        r.num_preemptions += 1;
+        let id = r.id;
+        self.waiting.push_front(slot);
+        Ok(id)
+    }
+
+    fn schedule_inner(&mut self, kv: &mut KvCacheManager) -> Result<SchedulerOutput, SchedulerError> {
+        self.cfg.validate()?;
+        let mut out = SchedulerOutput { rejected: std::mem::take(&mut self.pending_rejected), ..SchedulerOutput::default() };
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let k = self.cfg.num_speculative_tokens;
+        let lookahead = self.cfg.lookahead;
+        let mml = kv.max_model_len();
+
+        // Running requests first (vLLM schedule(): "First, schedule the RUNNING requests").
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let slot = self.running[i];
+            let r = self.get(slot)?;
+            let drafts = if r.has_pending_drafts { k } else { 0 };
+            let wanted = r.num_tokens.saturating_sub(r.num_computed_tokens) + drafts;
+            // "Make sure the input position does not exceed the max model len."
+            let n = wanted.min(budget).min(mml.saturating_sub(r.num_computed_tokens + 1));
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            let view = r.view();
+            let args = AllocArgs { num_new_tokens: n, num_lookahead_tokens: lookahead, full_sequence_must_fit: false, has_scheduled_reqs: true };
+            let fits = loop {
+                match kv.allocate_slots(&view, args)? {
+                    AllocOutcome::Allocated(_) => break true,
+                    AllocOutcome::NoFit => {
+                        // FCFS: preempt the lowest-priority (last) running request.
+                        let Some(victim) = self.running.pop() else { break false };
+                        out.preempted.push(self.preempt(kv, victim)?);
+                        if victim == slot {
+                            break false;
+                        }
+                    }
+                }
+            };
+            if !fits {
+                break;
+            }
+            out.scheduled.push(ScheduledRequest {
+                id: r.id,
+                slot,
+                num_tokens: n,
+                num_draft: (r.num_computed_tokens + n).saturating_sub(r.num_tokens),
+                is_prefill: r.num_computed_tokens + 1 < r.num_tokens,
+            });
+            budget -= n;
+            i += 1;
+        }
+
+        // Then waiting requests, FCFS, unless something was preempted this step.
+        if out.preempted.is_empty() {
+            while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+                let Some(&slot) = self.waiting.front() else { break };
+                let r = self.get(slot)?;
+                let view = r.view();
+                // The numbers the must-fit gate checks, before it runs.
+                let need = kv.admission_need(&view);
+                if self.cfg.policy == AdmissionPolicy::RejectImpossible && need.iter().sum::<u64>() > kv.usable_blocks() {
+                    self.waiting.pop_front();
+                    out.rejected.push(admission_report(kv, &r, need));
+                    self.release(slot);
+                    continue;
+                }
+                let n = r.num_tokens.saturating_sub(r.num_computed_tokens).min(budget);
+                let args = AllocArgs {
+                    num_new_tokens: n,
+                    num_lookahead_tokens: lookahead,
+                    full_sequence_must_fit: true,
+                    has_scheduled_reqs: !self.running.is_empty(),
+                };
+                match kv.allocate_slots(&view, args)? {
+                    // Head-of-line blocking: the request stays at the head.
+                    AllocOutcome::NoFit => break,
+                    AllocOutcome::Allocated(_) => {}
+                }
+                self.waiting.pop_front();
+                self.running.push(slot);
+                self.get_mut(slot)?.status = RequestStatus::Running;
+                out.admitted.push(Admission { id: r.id, slot, need_per_group: need });
+                out.scheduled.push(ScheduledRequest {
+                    id: r.id,
+                    slot,
+                    num_tokens: n,
+                    num_draft: 0,
+                    is_prefill: r.num_computed_tokens + 1 < r.num_tokens,
+                });
+                budget -= n;
+            }
+        }
+
+        // Wedge: nothing runs and the head can never fit, even in an empty pool.
+        // (vLLM retries forever here: Waiting 1 / Running 0.)
+        if self.cfg.policy == AdmissionPolicy::Fcfs && out.scheduled.is_empty() && self.running.is_empty() {
+            if let Some(&head) = self.waiting.front() {
+                let r = self.get(head)?;
+                let need = kv.admission_need(&r.view());
+                if need.iter().sum::<u64>() > kv.usable_blocks() {
+                    out.wedged = Some(admission_report(kv, &r, need));
+                }
+            }
+        }
+        // Backstop for any other livelock.
+        let work_left = !self.waiting.is_empty() || !self.running.is_empty();
+        self.idle_steps = if out.scheduled.is_empty() && work_left { self.idle_steps + 1 } else { 0 };
+        let limit = self.cfg.max_steps_without_progress;
+        if out.wedged.is_none() && limit > 0 && self.idle_steps >= limit {
+            if let Some(&head) = self.waiting.front().or(self.running.first()) {
+                let r = self.get(head)?;
+                let need = kv.admission_need(&r.view());
+                out.wedged = Some(admission_report(kv, &r, need));
+            }
+        }
+        Ok(out)
+    }
+
+    fn update_inner(&mut self, kv: &mut KvCacheManager, out: &SchedulerOutput, results: &[StepResult]) -> Result<Vec<RequestId>, SchedulerError> {
+        if results.len() != out.scheduled.len() {
+            let id = out.scheduled.first().map(|s| s.id).or(results.first().map(|r| r.id)).unwrap_or_default();
+            return Err(SchedulerError::BadStepResult {
+                id,
+                reason: format!("{} results for {} scheduled requests", results.len(), out.scheduled.len()),
+            });
+        }
+        let in_order = out.scheduled.iter().zip(results).all(|(s, r)| s.id == r.id);
+        let by_id: HashMap<RequestId, &StepResult> = if in_order { HashMap::new() } else { results.iter().map(|r| (r.id, r)).collect() };
+        let k = self.cfg.num_speculative_tokens;
+        let mml = kv.max_model_len();
+        let mut finished: Vec<(ReqSlot, RequestId)> = Vec::new();
+        for (i, s) in out.scheduled.iter().enumerate() {
+            let res = if in_order { results.get(i) } else { by_id.get(&s.id).copied() };
+            let res = res.ok_or_else(|| SchedulerError::BadStepResult { id: s.id, reason: "no result for a scheduled request".into() })?;
+            let slot = *self.by_id.get(&s.id).ok_or(SchedulerError::UnknownRequest { id: s.id })?;
+            if slot != s.slot {
+                return Err(SchedulerError::BadStepResult { id: s.id, reason: format!("scheduled in slot {}, lives in slot {}", s.slot.0, slot.0) });
+            }
+            if res.accepted > s.num_draft {
+                return Err(SchedulerError::BadStepResult { id: s.id, reason: format!("accepted {} of {} draft tokens", res.accepted, s.num_draft) });
+            }
+            let r = self.get_mut(slot)?;
+            if r.status != RequestStatus::Running {
+                return Err(SchedulerError::UnknownRequest { id: s.id });
+            }
+            let computed = r.num_computed_tokens + s.num_tokens;
+            let done = if computed >= r.num_tokens {
+                // A sampling step (last prefill chunk or decode): roll back the
+                // rejected drafts, then append accepted + 1 tokens until check_stop.
+                let drafts = computed - r.num_tokens;
+                if drafts != s.num_draft {
+                    return Err(SchedulerError::BadStepResult {
+                        id: s.id,
+                        reason: format!("scheduled {} drafts but the request state implies {drafts}", s.num_draft),
+                    });
+                }
+                r.num_computed_tokens = computed - (drafts - res.accepted);
+                let room = r.max_tokens.saturating_sub(r.num_output_tokens).min(mml.saturating_sub(r.num_tokens));
+                let commit = (res.accepted + 1).min(room);
+                r.num_tokens += commit;
+                r.num_output_tokens += commit;
+                r.has_pending_drafts = k > 0;
+                res.eos || r.num_output_tokens >= r.max_tokens || r.num_tokens >= mml
+            } else {
+                // A partial prefill chunk samples nothing and proposes nothing.
+                r.num_computed_tokens = computed;
+                r.has_pending_drafts = false;
+                false
+            };
+            if done {
+                r.status = RequestStatus::Finished;
+                finished.push((slot, s.id));
+            }
+        }
+        if finished.is_empty() {
+            return Ok(Vec::new());
+        }
+        let reqs = &self.reqs;
+        self.running
+            .retain(|s| reqs.get(s.0 as usize).and_then(Option::as_ref).is_some_and(|r| r.status != RequestStatus::Finished));
+        let mut ids = Vec::with_capacity(finished.len());
+        for (slot, id) in finished {
+            kv.free(slot);
+            self.release(slot);
+            ids.push(id);
+        }
+        Ok(ids)
+    }
+}
+
+impl Scheduler for FcfsScheduler {
+    fn schedule(&mut self, kv: &mut KvCacheManager) -> speclab_engine::Result<SchedulerOutput> {
+        self.schedule_inner(kv).map_err(EngineError::from)
+    }
+
+    fn update(&mut self, kv: &mut KvCacheManager, out: &SchedulerOutput, results: &[StepResult]) -> speclab_engine::Result<Vec<RequestId>> {
+        self.update_inner(kv, out, results).map_err(EngineError::from)
+    }
+
+    fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty() || !self.pending_rejected.is_empty()
+    }
+}
