@@ -27,8 +27,14 @@
 //!
 //! Beyond vLLM: a request that can never be admitted (admission need above the
 //! usable pool while nothing runs) is reported as `SchedulerOutput::wedged`
-//! instead of retrying forever; a step counter backstops any other livelock.
-//! `AdmissionPolicy::RejectImpossible` removes such requests instead.
+//! instead of retrying forever (`AdmissionPolicy::RejectImpossible` removes
+//! such requests instead). A request that preempts itself while running alone
+//! twice at the same `num_tokens` is also reported as wedged: its recompute
+//! replays the same chunks to the same failing per-step allocation (typically
+//! the lookahead slots pushing past the pool), so vLLM would thrash forever.
+//! A counter of consecutive steps that schedule nothing backstops any other
+//! livelock. In the last two cases the report carries the request's admission
+//! numbers, which may fit the pool: the per-step allocation is what fails.
 //!
 //! Invariants: every live request has one dense `ReqSlot` (freed slots are
 //! reused, lowest first); waiting requests hold no KV blocks; a step schedules
@@ -64,6 +70,9 @@ pub struct RequestState {
     /// Drafts were proposed after the last sampling step (vLLM `spec_token_ids`).
     pub has_pending_drafts: bool,
     pub num_preemptions: u64,
+    /// `num_tokens` when this request last preempted itself while it was the
+    /// only running request (it could not proceed even with the pool to itself).
+    pub alone_self_preempted_at: Option<u64>,
 }
 
 impl RequestState {
@@ -159,6 +168,7 @@ impl FcfsScheduler {
             max_tokens: r.max_tokens,
             has_pending_drafts: false,
             num_preemptions: 0,
+            alone_self_preempted_at: None,
         };
         if self.cfg.policy == AdmissionPolicy::RejectImpossible {
             let need = kv.admission_need(&state.view());
@@ -259,6 +269,7 @@ impl FcfsScheduler {
         let k = self.cfg.num_speculative_tokens;
         let lookahead = self.cfg.lookahead;
         let mml = kv.max_model_len();
+        let mut livelocked: Option<ReqSlot> = None;
 
         // Running requests first (vLLM schedule(): "First, schedule the RUNNING requests").
         let mut i = 0;
@@ -283,6 +294,16 @@ impl FcfsScheduler {
                         let Some(victim) = self.running.pop() else { break false };
                         out.preempted.push(self.preempt(kv, victim)?);
                         if victim == slot {
+                            if self.running.is_empty() {
+                                // Alone in the pool and still no fit. Recomputing from 0 replays
+                                // the same chunks to the same state, so a second time at the same
+                                // num_tokens is a certain livelock (vLLM would thrash forever).
+                                let st = self.get_mut(slot)?;
+                                if st.alone_self_preempted_at == Some(st.num_tokens) {
+                                    livelocked = Some(slot);
+                                }
+                                st.alone_self_preempted_at = Some(st.num_tokens);
+                            }
                             break false;
                         }
                     }
@@ -352,6 +373,14 @@ impl FcfsScheduler {
                 if need.iter().sum::<u64>() > kv.usable_blocks() {
                     out.wedged = Some(admission_report(kv, &r, need));
                 }
+            }
+        }
+        // Preemption thrash of a request that cannot proceed even alone.
+        if out.wedged.is_none() {
+            if let Some(slot) = livelocked {
+                let r = self.get(slot)?;
+                let need = kv.admission_need(&r.view());
+                out.wedged = Some(admission_report(kv, &r, need));
             }
         }
         // Backstop for any other livelock.

@@ -382,3 +382,19 @@ fn bad_step_results_are_errors() {
     res[0].accepted = 3; // only 2 drafts
     assert!(s.update(&mut kv, &out, &res).is_err());
 }
+
+#[test]
+fn preemption_thrash_is_reported() {
+    // Alone in 47 usable one-token blocks, a 45-token request at computed 44
+    // needs 44 + 1 + 3 lookahead = 48 slots: it preempts itself, recomputes
+    // one token a step, and fails at the same place again.
+    let mut kv = full_kv(1, 48, 48);
+    let mut s = FcfsScheduler::new(SchedulerConfig { max_num_seqs: 1, ..cfg(1, 3, 3) });
+    s.add_request(&kv, req(0, 17, 29)).unwrap();
+    let run = run_sim(&mut kv, &mut s, &mut no_accept(), SimLimits { max_steps: 10_000 }, &mut |_| {}).unwrap();
+    let w = run.wedged.expect("thrash reported");
+    assert_eq!((w.id, w.num_tokens, w.total(), w.usable), (0, 45, 45, 47));
+    assert_eq!(run.preemptions, 2);
+    assert!(!run.hit_step_limit);
+    assert_eq!(kv.num_free_blocks(), kv.usable_blocks());
+}
