@@ -31,7 +31,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::kv::KvCacheManager;
-use crate::traits::{Admission, AdmissionReport, Executor, RequestId, Scheduler, ScheduledRequest, SchedulerOutput, StepResult};
+use crate::traits::{Admission, AdmissionReport, Executor, RequestId, ScheduledRequest, Scheduler, SchedulerOutput, StepResult};
 use crate::{EngineError, Result};
 
 /// vLLM's per-position acceptance rates: `per_position[i]` is the fraction of
@@ -251,11 +251,7 @@ fn pair_results<'a>(batch: &'a SchedulerOutput, results: &'a [StepResult]) -> Re
         return Ok(batch.scheduled.iter().zip(results).collect());
     }
     let by_id: HashMap<RequestId, &StepResult> = results.iter().map(|r| (r.id, r)).collect();
-    batch
-        .scheduled
-        .iter()
-        .map(|s| by_id.get(&s.id).map(|r| (s, *r)).ok_or(EngineError::UnknownRequest { req: s.id.to_string() }))
-        .collect()
+    batch.scheduled.iter().map(|s| by_id.get(&s.id).map(|r| (s, *r)).ok_or(EngineError::UnknownRequest { req: s.id.to_string() })).collect()
 }
 
 /// Run a scheduler + executor against a KV manager until no work is left, a
@@ -318,8 +314,8 @@ pub fn run_sim(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::{GroupSpec, KvLayout};
     use crate::kv::manager::AllocArgs;
+    use crate::kv::{GroupSpec, KvLayout};
     use crate::request::{ReqSlot, RequestStatus, RequestView};
 
     #[test]
@@ -413,9 +409,18 @@ mod tests {
                 status: if prefill { RequestStatus::Waiting } else { RequestStatus::Running },
                 num_in_flight_tokens: 0,
             };
-            kv.allocate_slots(&view, AllocArgs { num_new_tokens: n, num_lookahead_tokens: 2, full_sequence_must_fit: prefill, has_scheduled_reqs: false })?;
+            kv.allocate_slots(
+                &view,
+                AllocArgs { num_new_tokens: n, num_lookahead_tokens: 2, full_sequence_must_fit: prefill, has_scheduled_reqs: false },
+            )?;
             Ok(SchedulerOutput {
-                scheduled: vec![ScheduledRequest { id: 9, slot: ReqSlot(0), num_tokens: n, num_draft: if prefill { 0 } else { 2 }, is_prefill: prefill }],
+                scheduled: vec![ScheduledRequest {
+                    id: 9,
+                    slot: ReqSlot(0),
+                    num_tokens: n,
+                    num_draft: if prefill { 0 } else { 2 },
+                    is_prefill: prefill,
+                }],
                 ..SchedulerOutput::default()
             })
         }

@@ -285,7 +285,10 @@ impl FcfsScheduler {
                 continue;
             }
             let view = r.view();
-            let args = AllocArgs { num_new_tokens: n, num_lookahead_tokens: lookahead, full_sequence_must_fit: false, has_scheduled_reqs: true };
+            // vLLM passes no has_scheduled_reqs here (default True); the watermark only
+            // applies to WAITING/PREEMPTED requests anyway.
+            let args =
+                AllocArgs { num_new_tokens: n, num_lookahead_tokens: lookahead, full_sequence_must_fit: false, has_scheduled_reqs: true };
             let fits = loop {
                 match kv.allocate_slots(&view, args)? {
                     AllocOutcome::Allocated(_) => break true,
@@ -397,7 +400,12 @@ impl FcfsScheduler {
         Ok(out)
     }
 
-    fn update_inner(&mut self, kv: &mut KvCacheManager, out: &SchedulerOutput, results: &[StepResult]) -> Result<Vec<RequestId>, SchedulerError> {
+    fn update_inner(
+        &mut self,
+        kv: &mut KvCacheManager,
+        out: &SchedulerOutput,
+        results: &[StepResult],
+    ) -> Result<Vec<RequestId>, SchedulerError> {
         if results.len() != out.scheduled.len() {
             let id = out.scheduled.first().map(|s| s.id).or(results.first().map(|r| r.id)).unwrap_or_default();
             return Err(SchedulerError::BadStepResult {
@@ -415,10 +423,16 @@ impl FcfsScheduler {
             let res = res.ok_or_else(|| SchedulerError::BadStepResult { id: s.id, reason: "no result for a scheduled request".into() })?;
             let slot = *self.by_id.get(&s.id).ok_or(SchedulerError::UnknownRequest { id: s.id })?;
             if slot != s.slot {
-                return Err(SchedulerError::BadStepResult { id: s.id, reason: format!("scheduled in slot {}, lives in slot {}", s.slot.0, slot.0) });
+                return Err(SchedulerError::BadStepResult {
+                    id: s.id,
+                    reason: format!("scheduled in slot {}, lives in slot {}", s.slot.0, slot.0),
+                });
             }
             if res.accepted > s.num_draft {
-                return Err(SchedulerError::BadStepResult { id: s.id, reason: format!("accepted {} of {} draft tokens", res.accepted, s.num_draft) });
+                return Err(SchedulerError::BadStepResult {
+                    id: s.id,
+                    reason: format!("accepted {} of {} draft tokens", res.accepted, s.num_draft),
+                });
             }
             let r = self.get_mut(slot)?;
             if r.status != RequestStatus::Running {
@@ -457,8 +471,7 @@ impl FcfsScheduler {
             return Ok(Vec::new());
         }
         let reqs = &self.reqs;
-        self.running
-            .retain(|s| reqs.get(s.0 as usize).and_then(Option::as_ref).is_some_and(|r| r.status != RequestStatus::Finished));
+        self.running.retain(|s| reqs.get(s.0 as usize).and_then(Option::as_ref).is_some_and(|r| r.status != RequestStatus::Finished));
         let mut ids = Vec::with_capacity(finished.len());
         for (slot, id) in finished {
             kv.free(slot);

@@ -89,11 +89,11 @@ fn chunked_prefill_obeys_the_budget() {
     assert_eq!(
         trace,
         vec![
-            vec![(1, 10)],         // A's first chunk takes the whole budget; B waits
-            vec![(1, 10)],         // running requests first
-            vec![(1, 5), (2, 5)],  // A finishes its prompt, B gets the rest of the budget
-            vec![(1, 1), (2, 2)],  // A decodes; B finishes its prompt
-            vec![(1, 1), (2, 1)],  // A reaches max_tokens 3, B reaches 2
+            vec![(1, 10)],        // A's first chunk takes the whole budget; B waits
+            vec![(1, 10)],        // running requests first
+            vec![(1, 5), (2, 5)], // A finishes its prompt, B gets the rest of the budget
+            vec![(1, 1), (2, 2)], // A decodes; B finishes its prompt
+            vec![(1, 1), (2, 1)], // A reaches max_tokens 3, B reaches 2
         ]
     );
     assert_eq!(finished, vec![1, 2]);

@@ -58,7 +58,14 @@ fn layout_strategy() -> impl Strategy<Value = KvLayout> {
         for (i, g) in groups.iter_mut().enumerate() {
             g.name = format!("g{i}");
         }
-        KvLayout { num_blocks: Some(num_blocks), kv_cache_memory_bytes: None, max_model_len: mml, max_in_flight_tokens: None, watermark: 0.0, groups }
+        KvLayout {
+            num_blocks: Some(num_blocks),
+            kv_cache_memory_bytes: None,
+            max_model_len: mml,
+            max_in_flight_tokens: None,
+            watermark: 0.0,
+            groups,
+        }
     })
 }
 
