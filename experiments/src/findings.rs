@@ -104,6 +104,14 @@ pub fn judge(e: &Expectation, rec: &RunRecord) -> (String, &'static str) {
         let obs = if b.unbounded { "no bound".to_string() } else { format!("bound {} (range {}-{})", thousands(got), thousands(lo), thousands(hi)) };
         return (obs, if ok { "matched" } else { "NOT matched" });
     }
+    if let Some((group, max)) = &e.peak_at_most {
+        let mut worst = 0u64;
+        for l in &legs {
+            let Some(gi) = l.group_names.iter().position(|g| g == group) else { return (format!("no group {group}"), "not measured") };
+            worst = worst.max(l.peak_held_per_group.get(gi).copied().unwrap_or(0));
+        }
+        return (format!("peak {worst} blocks of {group} over {} legs", legs.len()), if worst <= *max { "matched" } else { "NOT matched" });
+    }
     if let Some(st) = &e.status {
         let got: Vec<&str> = legs.iter().map(|l| status_word(l.status)).collect();
         let ok = got.iter().all(|g| g.eq_ignore_ascii_case(st));
@@ -194,7 +202,9 @@ pub fn render(rec: &RunRecord, record_path: &str) -> String {
             let _ = writeln!(md, "| leg | reference | source | speclab | verdict |");
             let _ = writeln!(md, "|---|---|---|---|---|");
             for e in &m.expectations {
-                let reference = if let Some(b) = e.bound_about {
+                let reference = if let Some((g, m)) = &e.peak_at_most {
+                    format!("`{g}` holds at most {m} blocks")
+                } else if let Some(b) = e.bound_about {
                     format!("bound ~{}", thousands(b))
                 } else if let Some((lo, hi)) = e.no_wedge_in {
                     format!("no wedge across {}-{}", thousands(lo), thousands(hi))

@@ -12,7 +12,7 @@ pub mod bounds;
 pub mod manifest;
 pub mod record;
 pub mod replay;
-// pub mod runner; (enabled once the schedulers crate lands)
+pub mod runner;
 
 pub use error::ExperimentError;
 

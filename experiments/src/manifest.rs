@@ -139,6 +139,9 @@ pub struct Expectation {
     /// The reference says: the leg ends with this status (e.g. "WEDGED", "COMPLETED").
     #[serde(default)]
     pub status: Option<String>,
+    /// The reference says: no request ever holds more than this many blocks of this group.
+    #[serde(default)]
+    pub peak_at_most: Option<(String, u64)>,
 }
 
 /// Scheduler settings (vLLM names).

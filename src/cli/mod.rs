@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 pub mod kv;
+pub mod run;
 
 /// speclab: a speculative-decoding research framework.
 #[derive(Debug, Parser)]
@@ -24,11 +25,20 @@ pub enum Command {
         #[command(subcommand)]
         command: kv::KvCommand,
     },
+    /// Run an experiment manifest (default: the embedded df2w-wedge) and record it.
+    Run(run::RunArgs),
+    /// Bisect the largest admissible prompt for each layout of a manifest.
+    Bounds(run::BoundsArgs),
+    /// Render run records into markdown findings.
+    Findings(run::FindingsArgs),
 }
 
 /// Run the parsed command.
 pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Kv { command } => kv::run(command),
+        Command::Run(a) => run::run(a),
+        Command::Bounds(a) => run::bounds(a),
+        Command::Findings(a) => run::findings(a),
     }
 }
