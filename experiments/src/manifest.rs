@@ -569,6 +569,6 @@ mod shipped {
         let p = Path::new("df2w-implied-pools.ron");
         let m: Manifest = parse_ron(p, include_str!("../df2w-implied-pools.ron")).unwrap();
         m.validate(p).unwrap();
-        assert_eq!(m.legs().unwrap().len(), 15);
+        assert_eq!(m.legs().unwrap().len(), 21);
     }
 }
