@@ -7,6 +7,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+pub mod bench;
 pub mod kv;
 pub mod run;
 
@@ -31,6 +32,11 @@ pub enum Command {
     Bounds(run::BoundsArgs),
     /// Render run records into markdown findings.
     Findings(run::FindingsArgs),
+    /// Side-by-side benchmarks against the reference implementations.
+    Bench {
+        #[command(subcommand)]
+        command: bench::BenchCommand,
+    },
 }
 
 /// Run the parsed command.
@@ -40,5 +46,6 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Run(a) => run::run(a),
         Command::Bounds(a) => run::bounds(a),
         Command::Findings(a) => run::findings(a),
+        Command::Bench { command } => bench::run(command),
     }
 }
