@@ -131,7 +131,7 @@ impl Driver {
                     num_new_tokens,
                     lookahead: u64::from((it.b >> 8) % 5),
                     must_fit: it.flag1,
-                    has_scheduled_reqs: (it.b >> 16) % 3 != 0,
+                    has_scheduled_reqs: !(it.b >> 16).is_multiple_of(3),
                 }
             }
             60..=74 if pending > 0 && !(it.flag1 && it.flag2) => Op::Computed { req, n: (1 + u64::from(it.b) % pending) as i64 },
@@ -395,7 +395,7 @@ fn computed_ahead_of_allocation_is_an_error_not_a_panic() {
         r.apply(&Op::Allocate { req: "a".into(), num_new_tokens: 1, lookahead: 0, must_fit: false, has_scheduled_reqs: false })
     }));
     match res {
-        Ok(Ok(rec)) => assert!(matches!(rec.blocks, Some(_))),
+        Ok(Ok(rec)) => assert!(rec.blocks.is_some()),
         Ok(Err(e)) => assert!(e.to_string().contains("op 2"), "{e}"),
         Err(_) => panic!("allocate panicked"),
     }
