@@ -59,9 +59,24 @@ pub struct ScheduledRequest {
     pub is_prefill: bool,
 }
 
+/// Why a run cannot make progress for a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StallKind {
+    /// The must-fit admission check needs more blocks than the usable pool
+    /// (vLLM: Waiting 1 / Running 0 forever).
+    MustFitExceedsPool,
+    /// The request runs alone, cannot fit its next step plus lookahead,
+    /// preempts itself and recomputes to the same point (a livelock).
+    PerStepLivelock,
+    /// The step backstop: nothing was scheduled for many consecutive steps.
+    NoProgress,
+}
+
 /// Why a request cannot be admitted into an empty pool, with the numbers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AdmissionReport {
+    /// What kind of stall this is.
+    pub kind: StallKind,
     pub id: RequestId,
     /// Tokens the admission check sized (min(num_tokens, max_model_len)).
     pub num_tokens: u64,
@@ -85,16 +100,36 @@ impl AdmissionReport {
 impl std::fmt::Display for AdmissionReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let per: Vec<String> = self.group_names.iter().zip(&self.need_per_group).map(|(n, b)| format!("{n}={b}")).collect();
-        write!(
-            f,
-            "request {} ({} tokens) needs {} blocks ({}) but the pool has {} usable blocks; binding group: {}",
-            self.id,
-            self.num_tokens,
-            self.total(),
-            per.join(", "),
-            self.usable,
-            self.binding_group
-        )
+        match self.kind {
+            StallKind::MustFitExceedsPool => write!(
+                f,
+                "request {} ({} tokens) needs {} blocks ({}) but the pool has {} usable blocks; binding group: {}",
+                self.id,
+                self.num_tokens,
+                self.total(),
+                per.join(", "),
+                self.usable,
+                self.binding_group
+            ),
+            StallKind::PerStepLivelock => write!(
+                f,
+                "request {} ({} tokens) passes admission ({} of {} usable blocks: {}) but cannot fit its next step plus lookahead even alone: it preempts itself and recomputes forever",
+                self.id,
+                self.num_tokens,
+                self.total(),
+                self.usable,
+                per.join(", ")
+            ),
+            StallKind::NoProgress => write!(
+                f,
+                "no request was scheduled for many consecutive steps; head request {} ({} tokens) admission need {} of {} usable blocks ({})",
+                self.id,
+                self.num_tokens,
+                self.total(),
+                self.usable,
+                per.join(", ")
+            ),
+        }
     }
 }
 

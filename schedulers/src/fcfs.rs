@@ -46,7 +46,7 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 
 use speclab_engine::kv::manager::AllocArgs;
 use speclab_engine::kv::{AllocOutcome, KvCacheManager};
-use speclab_engine::{
+use speclab_engine::{StallKind, 
     Admission, AdmissionReport, EngineError, ReqSlot, RequestId, RequestStatus, RequestView, ScheduledRequest, Scheduler, SchedulerOutput,
     StepResult,
 };
@@ -90,7 +90,7 @@ impl RequestState {
 }
 
 /// Build the report of why a request cannot (or could not) be admitted.
-fn admission_report(kv: &KvCacheManager, r: &RequestState, need: Vec<u64>) -> AdmissionReport {
+fn admission_report(kind: StallKind, kv: &KvCacheManager, r: &RequestState, need: Vec<u64>) -> AdmissionReport {
     let group_names: Vec<String> = kv.groups().iter().map(|g| g.name.clone()).collect();
     let mut binding = 0usize;
     for (g, &n) in need.iter().enumerate() {
@@ -99,6 +99,7 @@ fn admission_report(kv: &KvCacheManager, r: &RequestState, need: Vec<u64>) -> Ad
         }
     }
     AdmissionReport {
+        kind,
         id: r.id,
         num_tokens: r.num_tokens.min(kv.max_model_len()),
         binding_group: group_names.get(binding).cloned().unwrap_or_default(),
@@ -173,7 +174,7 @@ impl FcfsScheduler {
         if self.cfg.policy == AdmissionPolicy::RejectImpossible {
             let need = kv.admission_need(&state.view());
             if need.iter().sum::<u64>() > kv.usable_blocks() {
-                self.pending_rejected.push(admission_report(kv, &state, need));
+                self.pending_rejected.push(admission_report(StallKind::MustFitExceedsPool, kv, &state, need));
                 self.free_slots.push(Reverse(slot.0));
                 return Ok(());
             }
@@ -336,7 +337,7 @@ impl FcfsScheduler {
                 let need = kv.admission_need(&view);
                 if self.cfg.policy == AdmissionPolicy::RejectImpossible && need.iter().sum::<u64>() > kv.usable_blocks() {
                     self.waiting.pop_front();
-                    out.rejected.push(admission_report(kv, &r, need));
+                    out.rejected.push(admission_report(StallKind::MustFitExceedsPool, kv, &r, need));
                     self.release(slot);
                     continue;
                 }
@@ -374,7 +375,7 @@ impl FcfsScheduler {
                 let r = self.get(head)?;
                 let need = kv.admission_need(&r.view());
                 if need.iter().sum::<u64>() > kv.usable_blocks() {
-                    out.wedged = Some(admission_report(kv, &r, need));
+                    out.wedged = Some(admission_report(StallKind::MustFitExceedsPool, kv, &r, need));
                 }
             }
         }
@@ -383,7 +384,7 @@ impl FcfsScheduler {
             if let Some(slot) = livelocked {
                 let r = self.get(slot)?;
                 let need = kv.admission_need(&r.view());
-                out.wedged = Some(admission_report(kv, &r, need));
+                out.wedged = Some(admission_report(StallKind::PerStepLivelock, kv, &r, need));
             }
         }
         // Backstop for any other livelock.
@@ -394,7 +395,7 @@ impl FcfsScheduler {
             if let Some(&head) = self.waiting.front().or(self.running.first()) {
                 let r = self.get(head)?;
                 let need = kv.admission_need(&r.view());
-                out.wedged = Some(admission_report(kv, &r, need));
+                out.wedged = Some(admission_report(StallKind::NoProgress, kv, &r, need));
             }
         }
         Ok(out)

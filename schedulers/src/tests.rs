@@ -199,6 +199,7 @@ fn backstop_reports_a_lookahead_livelock() {
     s.add_request(&kv, req(3, 12, 4)).unwrap();
     let run = run_sim(&mut kv, &mut s, &mut no_accept(), SimLimits { max_steps: 100 }, &mut |_| {}).unwrap();
     let w = run.wedged.unwrap();
+    assert_eq!(w.kind, speclab_engine::StallKind::NoProgress);
     assert_eq!((w.id, w.total(), w.usable), (3, 3, 4));
     assert_eq!(run.steps, 4, "the 5th idle schedule reports");
     assert!(run.admitted.is_empty());
@@ -263,6 +264,7 @@ fn glm53_dflash2_card_wedge_numbers() {
     s.add_request(&kv, req(1, 15_556, 64)).unwrap();
     let run = run_sim(&mut kv, &mut s, &mut glm_exec(1), SimLimits { max_steps: 1000 }, &mut |_| {}).unwrap();
     let w = run.wedged.expect("15,556 tokens wedge at block 2304");
+    assert_eq!(w.kind, speclab_engine::StallKind::MustFitExceedsPool);
     assert_eq!(w.id, 1);
     assert_eq!(w.num_tokens, 15_556);
     assert_eq!(w.need_per_group, vec![7, 1, 8, 8, 8, 8, 973]);
@@ -393,6 +395,8 @@ fn preemption_thrash_is_reported() {
     s.add_request(&kv, req(0, 17, 29)).unwrap();
     let run = run_sim(&mut kv, &mut s, &mut no_accept(), SimLimits { max_steps: 10_000 }, &mut |_| {}).unwrap();
     let w = run.wedged.expect("thrash reported");
+    assert_eq!(w.kind, speclab_engine::StallKind::PerStepLivelock);
+    assert!(w.to_string().contains("preempts itself"), "{w}");
     assert_eq!((w.id, w.num_tokens, w.total(), w.usable), (0, 45, 45, 47));
     assert_eq!(run.preemptions, 2);
     assert!(!run.hit_step_limit);
