@@ -5,8 +5,10 @@
 //! value, bad op line, op the manager refuses) exits non-zero, never panics,
 //! and names the file and the place (`path:line:col`, the field path, or
 //! `path:line N` plus the request); a good replay prints exactly the expected
-//! records (`ops.expected.jsonl`, checked by hand against vLLM 0.33.0
-//! `allocate_slots` arithmetic) and nothing but JSON on stdout.
+//! records (`ops.expected.jsonl`: identical to what vLLM 0.33.0 answers,
+//! `recipes/kv_golden.py --layout tests/fixtures/kv/layout.json --ops
+//! tests/fixtures/kv/ops.jsonl`) and nothing but JSON on stdout, and the RON and
+//! JSON spellings of one layout replay identically.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -96,6 +98,14 @@ fn good_replay_matches_expected_output() {
     let got = String::from_utf8_lossy(&out.stdout);
     assert_eq!(got.lines().collect::<Vec<_>>(), want.lines().collect::<Vec<_>>());
     assert_eq!(got.lines().count(), 14);
+}
+
+#[test]
+fn ron_and_json_layouts_agree() {
+    let ron = replay("layout.ron", "ops.jsonl", &[]);
+    let json = replay("layout.json", "ops.jsonl", &[]);
+    assert!(ron.status.success() && json.status.success());
+    assert_eq!(ron.stdout, json.stdout);
 }
 
 #[test]
