@@ -333,17 +333,23 @@ fn kv_replay_100k(c: &mut Criterion) {
     g.finish();
 }
 
+// `bounds_1m`: exact bisection of the largest admissible prompt on a 1M-context layout.
 // ---------------------------------------------------------------------------
-// PLACEHOLDER (lead): `bounds_1m`.
-// ---------------------------------------------------------------------------
-/// PLACEHOLDER for the lead: a `bounds_1m` benchmark (e.g. one million
-/// admission-bound evaluations / bisection steps). Not registered in
-/// `criterion_group!` below until it is filled in; add it there as
-/// `criterion_group!(benches, kv_replay_100k, bounds_1m);`.
-#[allow(dead_code)]
-fn bounds_1m(_c: &mut Criterion) {
-    // TODO(lead): fill in.
+/// `bounds_1m/<cap>`: `speclab bounds` on GLM-5.3-Flash + DFlash2 at
+/// max_model_len 1,048,576 (the card's 2x DGX Spark serve) with a pool of
+/// 40,000 blocks: ~20 admission probes, each building a fresh manager.
+fn bounds_1m(c: &mut Criterion) {
+    use speclab_experiments::bounds::{find_bound, ProbeCtx};
+    let mut g = c.benchmark_group("bounds_1m");
+    for cap in [CapPolicy::None, CapPolicy::Upstream] {
+        let layout = glm53_dflash2(2304, cap, 40_000, 1_048_576, 8192);
+        let ctx = ProbeCtx { layout: &layout, num_blocks: 40_000, max_num_batched_tokens: 8192, lookahead: 8 };
+        let b = find_bound(&ctx).expect("bound");
+        eprintln!("bounds_1m/{cap:?}: largest admissible {:?} ({} probes)", b.largest_admissible, b.probes);
+        g.bench_function(format!("{cap:?}").to_lowercase(), |bch| bch.iter(|| black_box(find_bound(black_box(&ctx)).expect("bound"))));
+    }
+    g.finish();
 }
 
-criterion_group!(benches, kv_replay_100k);
+criterion_group!(benches, kv_replay_100k, bounds_1m);
 criterion_main!(benches);
