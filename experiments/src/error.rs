@@ -11,8 +11,8 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum ExperimentError {
     /// Reading or writing a file failed.
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     /// A file could not be parsed; `at` is `line:col` or `line N`.
     #[error("{path}:{at}: {msg}")]
     Parse { path: PathBuf, at: String, msg: String },
@@ -20,17 +20,19 @@ pub enum ExperimentError {
     #[error("{path}: {field}: {msg}")]
     Invalid { path: PathBuf, field: String, msg: String },
     /// The engine refused an operation.
-    #[error("{context}: {source}")]
-    Engine { context: String, source: speclab_engine::EngineError },
+    // Not marked as `#[source]`: the message already includes it, and a
+    // source would print twice in anyhow's `{:#}` chains.
+    #[error("{context}: {error}")]
+    Engine { context: String, error: speclab_engine::EngineError },
 }
 
 impl ExperimentError {
     /// Wrap an io error with its path.
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Self::Io { path: path.into(), source }
+        Self::Io { path: path.into(), error: source }
     }
     /// Wrap an engine error with where it happened.
     pub fn engine(context: impl Into<String>, source: speclab_engine::EngineError) -> Self {
-        Self::Engine { context: context.into(), source }
+        Self::Engine { context: context.into(), error: source }
     }
 }

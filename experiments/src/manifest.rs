@@ -372,7 +372,7 @@ impl Manifest {
             }
         }
         self.legs().map_err(|e| match e {
-            ExperimentError::Engine { context, source } => bad(&context, source.to_string()),
+            ExperimentError::Engine { context, error } => bad(&context, error.to_string()),
             other => other,
         })?;
         Ok(())

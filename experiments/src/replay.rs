@@ -638,7 +638,7 @@ fn unknown(id: &str) -> EngineError {
 /// Prefix an error from [`Replayer::apply`] with where the op came from.
 pub fn locate(e: ExperimentError, place: &str) -> ExperimentError {
     match e {
-        ExperimentError::Engine { context, source } => ExperimentError::Engine { context: format!("{place}: {context}"), source },
+        ExperimentError::Engine { context, error } => ExperimentError::Engine { context: format!("{place}: {context}"), error },
         other => other,
     }
 }

@@ -73,7 +73,7 @@ fn replay_cmd(layout_path: &Path, ops_path: &Path, summary: bool, check_startup:
             .map_err(|e| ExperimentError::io("<stdout>", e))
     });
     if let Err(e) = res {
-        if let ExperimentError::Io { source, .. } = &e {
+        if let ExperimentError::Io { error: source, .. } = &e {
             if is_broken_pipe(source) {
                 pipe_closed = true;
             }
