@@ -68,7 +68,9 @@ pub struct TensorData {
 fn dtype_size(dtype: Dtype) -> Result<usize> {
     let bits = dtype.bitsize();
     if bits % 8 != 0 {
-        return Err(QuantError::Checkpoint(format!("sub-byte dtype {dtype:?} is not supported")));
+        return Err(QuantError::Checkpoint(format!(
+            "sub-byte dtype {dtype:?} is not supported"
+        )));
     }
     Ok(bits / 8)
 }
@@ -97,49 +99,86 @@ impl TensorData {
 
     /// An f32 tensor.
     pub fn from_f32(shape: Vec<usize>, v: &[f32]) -> Result<Self> {
-        Self::new(Dtype::F32, shape, v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        Self::new(
+            Dtype::F32,
+            shape,
+            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        )
     }
 
     /// A bf16 tensor.
     pub fn from_bf16(shape: Vec<usize>, v: &[bf16]) -> Result<Self> {
-        Self::new(Dtype::BF16, shape, v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        Self::new(
+            Dtype::BF16,
+            shape,
+            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        )
     }
 
     /// An int32 tensor.
     pub fn from_i32(shape: Vec<usize>, v: &[i32]) -> Result<Self> {
-        Self::new(Dtype::I32, shape, v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        Self::new(
+            Dtype::I32,
+            shape,
+            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        )
     }
 
     /// An int64 tensor.
     pub fn from_i64(shape: Vec<usize>, v: &[i64]) -> Result<Self> {
-        Self::new(Dtype::I64, shape, v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        Self::new(
+            Dtype::I64,
+            shape,
+            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        )
     }
 
     /// Values as f32 (exact for BF16, F16 and F32; F64 is rounded).
     pub fn to_f32(&self) -> Result<Vec<f32>> {
         let d = &self.data;
         Ok(match self.dtype {
-            Dtype::F32 => d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            Dtype::BF16 => d.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            Dtype::F16 => d.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            Dtype::F32 => d
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            Dtype::BF16 => d
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            Dtype::F16 => d
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
             Dtype::F64 => d
                 .chunks_exact(8)
                 .map(|c| f64::from_le_bytes(c.try_into().expect("chunk of 8")) as f32)
                 .collect(),
-            other => return Err(QuantError::Checkpoint(format!("{other:?} is not a float dtype"))),
+            other => {
+                return Err(QuantError::Checkpoint(format!(
+                    "{other:?} is not a float dtype"
+                )))
+            }
         })
     }
 
     /// Values as bf16 (BF16 only).
     pub fn to_bf16(&self) -> Result<Vec<bf16>> {
         self.expect_dtype(Dtype::BF16)?;
-        Ok(self.data.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect())
+        Ok(self
+            .data
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]))
+            .collect())
     }
 
     /// Values as i32 (I32 only).
     pub fn to_i32(&self) -> Result<Vec<i32>> {
         self.expect_dtype(Dtype::I32)?;
-        Ok(self.data.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        Ok(self
+            .data
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
     }
 
     /// Values as i64 (I64 only).
@@ -154,7 +193,10 @@ impl TensorData {
 
     fn expect_dtype(&self, want: Dtype) -> Result<()> {
         if self.dtype != want {
-            return Err(QuantError::Checkpoint(format!("expected {want:?}, tensor is {:?}", self.dtype)));
+            return Err(QuantError::Checkpoint(format!(
+                "expected {want:?}, tensor is {:?}",
+                self.dtype
+            )));
         }
         Ok(())
     }
@@ -175,8 +217,11 @@ impl IgnoreList {
         for entry in ignore {
             match entry.strip_prefix("re:") {
                 Some(pat) => {
-                    let re = Regex::new(&format!("^(?:{pat})"))
-                        .map_err(|source| QuantError::Regex { entry: entry.clone(), source })?;
+                    let re =
+                        Regex::new(&format!("^(?:{pat})")).map_err(|source| QuantError::Regex {
+                            entry: entry.clone(),
+                            source,
+                        })?;
                     regexes.push((entry.clone(), re));
                 }
                 None => exact.push(entry.clone()),
@@ -190,7 +235,10 @@ impl IgnoreList {
         if let Some(e) = self.exact.iter().find(|e| e.as_str() == module) {
             return Some(e);
         }
-        self.regexes.iter().find(|(_, re)| re.is_match(module)).map(|(e, _)| e.as_str())
+        self.regexes
+            .iter()
+            .find(|(_, re)| re.is_match(module))
+            .map(|(e, _)| e.as_str())
     }
 
     /// True iff no entry matches `module` (the caller knows `module` is a Linear target).
@@ -205,7 +253,9 @@ impl IgnoreList {
 /// [`IgnoreList::new`] to have them reported.
 pub fn is_quantized(module: &str, ignore: &[String]) -> bool {
     ignore.iter().all(|entry| match entry.strip_prefix("re:") {
-        Some(pat) => Regex::new(&format!("^(?:{pat})")).map(|re| !re.is_match(module)).unwrap_or(true),
+        Some(pat) => Regex::new(&format!("^(?:{pat})"))
+            .map(|re| !re.is_match(module))
+            .unwrap_or(true),
         None => entry != module,
     })
 }
@@ -283,7 +333,10 @@ impl QuantizationConfig {
         if groups.len() != 1 {
             return Err(bad("expected exactly one config group"));
         }
-        let g = groups.values().next().ok_or_else(|| bad("empty config_groups"))?;
+        let g = groups
+            .values()
+            .next()
+            .ok_or_else(|| bad("empty config_groups"))?;
         if get(g, "targets") != json!(["Linear"]) {
             return Err(bad("targets is not [\"Linear\"]"));
         }
@@ -305,7 +358,10 @@ impl QuantizationConfig {
         ];
         for (key, want) in checks {
             if get(w, key) != want {
-                return Err(bad(&format!("weights.{key} is {}, expected {want}", get(w, key))));
+                return Err(bad(&format!(
+                    "weights.{key} is {}, expected {want}",
+                    get(w, key)
+                )));
             }
         }
         if get(w, "dynamic") == json!(true) {
@@ -314,14 +370,20 @@ impl QuantizationConfig {
         if let Some(a) = w.get("actorder").filter(|a| !a.is_null()) {
             // "group" would need g_idx, which this format does not store.
             if a != &json!("weight") && a != &json!(false) {
-                return Err(bad(&format!("weights.actorder {a} needs g_idx, unsupported")));
+                return Err(bad(&format!(
+                    "weights.actorder {a} needs g_idx, unsupported"
+                )));
             }
         }
         let ignore = match v.get("ignore") {
             None | Some(Value::Null) => Vec::new(),
             Some(Value::Array(items)) => items
                 .iter()
-                .map(|e| e.as_str().map(str::to_owned).ok_or_else(|| bad("ignore entry is not a string")))
+                .map(|e| {
+                    e.as_str()
+                        .map(str::to_owned)
+                        .ok_or_else(|| bad("ignore entry is not a string"))
+                })
                 .collect::<Result<Vec<_>>>()?,
             Some(_) => return Err(bad("ignore is not a list")),
         };
@@ -355,7 +417,10 @@ pub struct WriteReport {
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> QuantError + '_ {
-    move |source| QuantError::Io { path: path.to_path_buf(), source }
+    move |source| QuantError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 /// Write `bytes` to `dir/name` atomically (temporary sibling, fsync, rename).
@@ -383,7 +448,12 @@ fn json_bytes(v: &Value) -> Result<Vec<u8>> {
 fn serialize_tensors(items: &[(String, &TensorData)]) -> Result<Vec<u8>> {
     let views = items
         .iter()
-        .map(|(name, t)| Ok((name.clone(), TensorView::new(t.dtype, t.shape.clone(), &t.data)?)))
+        .map(|(name, t)| {
+            Ok((
+                name.clone(),
+                TensorView::new(t.dtype, t.shape.clone(), &t.data)?,
+            ))
+        })
         .collect::<Result<Vec<_>>>()?;
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
     Ok(safetensors::serialize(views, Some(meta))?)
@@ -395,11 +465,17 @@ fn is_checkpoint_file_name(name: &str) -> bool {
     if name == SINGLE_FILE || name == INDEX_FILE {
         return true;
     }
-    let Some(mid) = name.strip_prefix("model-").and_then(|s| s.strip_suffix(".safetensors")) else {
+    let Some(mid) = name
+        .strip_prefix("model-")
+        .and_then(|s| s.strip_suffix(".safetensors"))
+    else {
         return false;
     };
     let parts: Vec<&str> = mid.split("-of-").collect();
-    parts.len() == 2 && parts.iter().all(|p| p.len() == 5 && p.bytes().all(|b| b.is_ascii_digit()))
+    parts.len() == 2
+        && parts
+            .iter()
+            .all(|p| p.len() == 5 && p.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// Write a pack-quantized checkpoint into `dir` (created if missing).
@@ -417,7 +493,9 @@ pub fn write_pack_quantized(
 ) -> Result<WriteReport> {
     let ignore = IgnoreList::new(&qcfg.ignore)?;
     let Value::Object(base) = base_config else {
-        return Err(QuantError::Checkpoint("base config is not a JSON object".into()));
+        return Err(QuantError::Checkpoint(
+            "base config is not a JSON object".into(),
+        ));
     };
 
     // Output tensors.
@@ -429,9 +507,9 @@ pub fn write_pack_quantized(
             )));
         }
         let wname = format!("{m}.weight");
-        let orig = tensors
-            .get(&wname)
-            .ok_or_else(|| QuantError::Checkpoint(format!("quantized module {m}: no tensor {wname}")))?;
+        let orig = tensors.get(&wname).ok_or_else(|| {
+            QuantError::Checkpoint(format!("quantized module {m}: no tensor {wname}"))
+        })?;
         let [n, k] = qt.shape;
         if orig.shape != [n, k] {
             return Err(QuantError::Checkpoint(format!(
@@ -442,11 +520,21 @@ pub fn write_pack_quantized(
         // Re-validate (fields are public).
         let qt = W4A16Tensor::new(qt.packed.clone(), qt.scale.clone(), qt.shape)?;
         let to_i64 = |x: usize| {
-            i64::try_from(x).map_err(|_| QuantError::Shape(format!("dimension {x} does not fit int64")))
+            i64::try_from(x)
+                .map_err(|_| QuantError::Shape(format!("dimension {x} does not fit int64")))
         };
-        out.insert(format!("{m}.weight_packed"), TensorData::from_i32(vec![n, k / PACK_FACTOR], &qt.packed)?);
-        out.insert(format!("{m}.weight_scale"), TensorData::from_bf16(vec![n, k / GROUP_SIZE], &qt.scale)?);
-        out.insert(format!("{m}.weight_shape"), TensorData::from_i64(vec![2], &[to_i64(n)?, to_i64(k)?])?);
+        out.insert(
+            format!("{m}.weight_packed"),
+            TensorData::from_i32(vec![n, k / PACK_FACTOR], &qt.packed)?,
+        );
+        out.insert(
+            format!("{m}.weight_scale"),
+            TensorData::from_bf16(vec![n, k / GROUP_SIZE], &qt.scale)?,
+        );
+        out.insert(
+            format!("{m}.weight_shape"),
+            TensorData::from_i64(vec![2], &[to_i64(n)?, to_i64(k)?])?,
+        );
     }
     let mut unquantized_not_ignored = Vec::new();
     for (name, t) in tensors {
@@ -461,7 +549,9 @@ pub fn write_pack_quantized(
         // Re-validate byte lengths (fields are public).
         let t = TensorData::new(t.dtype, t.shape.clone(), t.data.clone())?;
         if out.insert(name.clone(), t).is_some() {
-            return Err(QuantError::Checkpoint(format!("tensor {name} would be written twice")));
+            return Err(QuantError::Checkpoint(format!(
+                "tensor {name} would be written twice"
+            )));
         }
     }
     let total_size: u64 = out.values().map(|t| t.data.len() as u64).sum();
@@ -476,7 +566,8 @@ pub fn write_pack_quantized(
             shard_names.push(items.iter().map(|(n, _)| n.clone()).collect());
         }
         Some(max) => {
-            let too_small = || QuantError::Checkpoint(format!("max_shard_bytes {max} is too small"));
+            let too_small =
+                || QuantError::Checkpoint(format!("max_shard_bytes {max} is too small"));
             if items.is_empty() {
                 let bytes = serialize_tensors(&[])?;
                 if bytes.len() as u64 > max {
@@ -506,7 +597,8 @@ pub fn write_pack_quantized(
                     let bytes = serialize_tensors(&items[start..end])?;
                     if bytes.len() as u64 <= max {
                         shards.push(bytes);
-                        shard_names.push(items[start..end].iter().map(|(n, _)| n.clone()).collect());
+                        shard_names
+                            .push(items[start..end].iter().map(|(n, _)| n.clone()).collect());
                         break;
                     }
                     end -= 1;
@@ -521,7 +613,9 @@ pub fn write_pack_quantized(
     let file_names: Vec<String> = if count == 1 {
         vec![SINGLE_FILE.to_string()]
     } else {
-        (1..=count).map(|i| format!("model-{i:05}-of-{count:05}.safetensors")).collect()
+        (1..=count)
+            .map(|i| format!("model-{i:05}-of-{count:05}.safetensors"))
+            .collect()
     };
     let mut files = Vec::new();
     for (name, bytes) in file_names.iter().zip(&shards) {
@@ -546,7 +640,11 @@ pub fn write_pack_quantized(
     }
     let mut config: BTreeMap<String, Value> = base.clone().into_iter().collect();
     config.insert("quantization_config".into(), qcfg.to_json());
-    write_atomic(dir, CONFIG_FILE, &json_bytes(&serde_json::to_value(config)?)?)?;
+    write_atomic(
+        dir,
+        CONFIG_FILE,
+        &json_bytes(&serde_json::to_value(config)?)?,
+    )?;
     files.push(CONFIG_FILE.to_string());
 
     // Remove stale files of the same naming scheme.
@@ -572,7 +670,11 @@ pub fn write_pack_quantized(
     })
 }
 
-fn read_one_file(path: &Path, out: &mut BTreeMap<String, TensorData>, only: Option<&[&str]>) -> Result<()> {
+fn read_one_file(
+    path: &Path,
+    out: &mut BTreeMap<String, TensorData>,
+    only: Option<&[&str]>,
+) -> Result<()> {
     let bytes = fs::read(path).map_err(io_err(path))?;
     let st = SafeTensors::deserialize(&bytes)?;
     for (name, view) in st.iter() {
@@ -586,7 +688,9 @@ fn read_one_file(path: &Path, out: &mut BTreeMap<String, TensorData>, only: Opti
         }
         let t = TensorData::new(view.dtype(), view.shape().to_vec(), view.data().to_vec())?;
         if out.insert(name.to_string(), t).is_some() {
-            return Err(QuantError::Checkpoint(format!("tensor {name} appears twice")));
+            return Err(QuantError::Checkpoint(format!(
+                "tensor {name} appears twice"
+            )));
         }
     }
     Ok(())
@@ -606,11 +710,13 @@ pub fn read_safetensors_dir(dir: &Path) -> Result<BTreeMap<String, TensorData>> 
             .ok_or_else(|| QuantError::Checkpoint("index has no weight_map".into()))?;
         let mut by_file: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
         for (name, file) in map {
-            let file = file
-                .as_str()
-                .ok_or_else(|| QuantError::Checkpoint(format!("weight_map[{name}] is not a string")))?;
+            let file = file.as_str().ok_or_else(|| {
+                QuantError::Checkpoint(format!("weight_map[{name}] is not a string"))
+            })?;
             if file.contains('/') || file.contains('\\') || file.starts_with('.') {
-                return Err(QuantError::Checkpoint(format!("weight_map names an unsafe path {file:?}")));
+                return Err(QuantError::Checkpoint(format!(
+                    "weight_map names an unsafe path {file:?}"
+                )));
             }
             by_file.entry(file).or_default().push(name);
         }
@@ -619,7 +725,9 @@ pub fn read_safetensors_dir(dir: &Path) -> Result<BTreeMap<String, TensorData>> 
         }
         for name in map.keys() {
             if !out.contains_key(name) {
-                return Err(QuantError::Checkpoint(format!("index lists {name}, not found in its shard")));
+                return Err(QuantError::Checkpoint(format!(
+                    "index lists {name}, not found in its shard"
+                )));
             }
         }
     } else {
@@ -640,12 +748,20 @@ pub fn read_config(dir: &Path) -> Result<Value> {
 pub fn read_w4a16(tensors: &BTreeMap<String, TensorData>, module: &str) -> Result<W4A16Tensor> {
     let get = |suffix: &str| {
         let name = format!("{module}.{suffix}");
-        tensors.get(&name).ok_or_else(|| QuantError::Checkpoint(format!("missing tensor {name}")))
+        tensors
+            .get(&name)
+            .ok_or_else(|| QuantError::Checkpoint(format!("missing tensor {name}")))
     };
-    let (p, s, sh) = (get("weight_packed")?, get("weight_scale")?, get("weight_shape")?);
+    let (p, s, sh) = (
+        get("weight_packed")?,
+        get("weight_scale")?,
+        get("weight_shape")?,
+    );
     let shape = sh.to_i64()?;
     if sh.shape != [2] || shape.iter().any(|&d| d < 0) {
-        return Err(QuantError::Checkpoint(format!("{module}.weight_shape is not [N, K]: {shape:?}")));
+        return Err(QuantError::Checkpoint(format!(
+            "{module}.weight_shape is not [N, K]: {shape:?}"
+        )));
     }
     let (n, k) = (shape[0] as usize, shape[1] as usize);
     if k % GROUP_SIZE != 0 {

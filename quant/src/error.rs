@@ -21,7 +21,11 @@ pub enum QuantError {
     OutOfRange { index: usize, value: i32 },
     /// NaN or infinity in an input.
     #[error("non-finite value {value} at flat index {index} of {what}")]
-    NonFinite { what: &'static str, index: usize, value: f64 },
+    NonFinite {
+        what: &'static str,
+        index: usize,
+        value: f64,
+    },
     /// An invalid configuration value.
     #[error("invalid config: {0}")]
     Config(String),
@@ -78,7 +82,11 @@ pub(crate) fn expect_len(what: &str, len: usize, expected: usize) -> Result<()> 
 /// First non-finite element of `v`, as an error.
 pub(crate) fn check_finite_f32(what: &'static str, v: &[f32]) -> Result<()> {
     match v.iter().position(|x| !x.is_finite()) {
-        Some(index) => Err(QuantError::NonFinite { what, index, value: v[index] as f64 }),
+        Some(index) => Err(QuantError::NonFinite {
+            what,
+            index,
+            value: v[index] as f64,
+        }),
         None => Ok(()),
     }
 }
@@ -86,7 +94,11 @@ pub(crate) fn check_finite_f32(what: &'static str, v: &[f32]) -> Result<()> {
 /// First non-finite element of `v`, as an error.
 pub(crate) fn check_finite_f64(what: &'static str, v: &[f64]) -> Result<()> {
     match v.iter().position(|x| !x.is_finite()) {
-        Some(index) => Err(QuantError::NonFinite { what, index, value: v[index] }),
+        Some(index) => Err(QuantError::NonFinite {
+            what,
+            index,
+            value: v[index],
+        }),
         None => Ok(()),
     }
 }

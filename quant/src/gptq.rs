@@ -44,7 +44,9 @@
 
 use half::bf16;
 
-use crate::error::{check_finite_f32, check_finite_f64, checked_len, expect_len, QuantError, Result};
+use crate::error::{
+    check_finite_f32, check_finite_f64, checked_len, expect_len, QuantError, Result,
+};
 use crate::linalg::inverse_upper_cholesky;
 use crate::w4a16::{scale_from_amax, W4A16Tensor, GROUP_SIZE, QMAX, QMIN};
 
@@ -66,7 +68,12 @@ impl Hessian {
     /// An empty accumulator for inputs of width `k` (`in_features`).
     pub fn new(k: usize) -> Result<Self> {
         let len = checked_len(k, k, "Hessian [K, K]")?;
-        Ok(Self { k, acc: vec![0.0; len], rows: 0, explicit: false })
+        Ok(Self {
+            k,
+            acc: vec![0.0; len],
+            rows: 0,
+            explicit: false,
+        })
     }
 
     /// Wrap an explicit symmetric `[K, K]` matrix (already scaled; e.g. a stored Hessian).
@@ -77,17 +84,26 @@ impl Hessian {
         for i in 0..k {
             for j in 0..i {
                 if h[i * k + j] != h[j * k + i] {
-                    return Err(QuantError::Shape(format!("H is not symmetric at ({i}, {j})")));
+                    return Err(QuantError::Shape(format!(
+                        "H is not symmetric at ({i}, {j})"
+                    )));
                 }
             }
         }
-        Ok(Self { k, acc: h, rows: 0, explicit: true })
+        Ok(Self {
+            k,
+            acc: h,
+            rows: 0,
+            explicit: true,
+        })
     }
 
     /// Add calibration rows `x` (`[rows, K]` row-major f32; `x.len()` a multiple of `K`).
     pub fn add_batch(&mut self, x: &[f32]) -> Result<()> {
         if self.explicit {
-            return Err(QuantError::Config("add_batch on an explicit Hessian".into()));
+            return Err(QuantError::Config(
+                "add_batch on an explicit Hessian".into(),
+            ));
         }
         let k = self.k;
         if k == 0 || x.len() % k != 0 {
@@ -166,7 +182,13 @@ pub struct GptqConfig {
 
 impl Default for GptqConfig {
     fn default() -> Self {
-        Self { block_size: 128, dampening: 0.01, group_size: 128, act_order: false, static_groups: false }
+        Self {
+            block_size: 128,
+            dampening: 0.01,
+            group_size: 128,
+            act_order: false,
+            static_groups: false,
+        }
     }
 }
 
@@ -186,7 +208,13 @@ pub struct GptqOutput {
 }
 
 /// GPTQ-quantize `w` (`[N, K]` row-major f32) with Hessian `h` (`[K, K]`).
-pub fn gptq_quantize(w: &[f32], n: usize, k: usize, h: &Hessian, cfg: &GptqConfig) -> Result<GptqOutput> {
+pub fn gptq_quantize(
+    w: &[f32],
+    n: usize,
+    k: usize,
+    h: &Hessian,
+    cfg: &GptqConfig,
+) -> Result<GptqOutput> {
     if k % GROUP_SIZE != 0 {
         return Err(QuantError::GroupMisaligned { k });
     }
@@ -200,10 +228,16 @@ pub fn gptq_quantize(w: &[f32], n: usize, k: usize, h: &Hessian, cfg: &GptqConfi
         return Err(QuantError::Config("block_size must be >= 1".into()));
     }
     if !(cfg.dampening.is_finite() && cfg.dampening >= 0.0) {
-        return Err(QuantError::Config(format!("dampening {} must be finite and >= 0", cfg.dampening)));
+        return Err(QuantError::Config(format!(
+            "dampening {} must be finite and >= 0",
+            cfg.dampening
+        )));
     }
     if h.k() != k {
-        return Err(QuantError::Shape(format!("Hessian is for K = {}, weight has K = {k}", h.k())));
+        return Err(QuantError::Shape(format!(
+            "Hessian is for K = {}, weight has K = {k}",
+            h.k()
+        )));
     }
     expect_len("w", w.len(), checked_len(n, k, "weight [N, K]")?)?;
     check_finite_f32("w", w)?;
@@ -218,7 +252,9 @@ pub fn gptq_quantize(w: &[f32], n: usize, k: usize, h: &Hessian, cfg: &GptqConfi
         let mut s = Vec::with_capacity(n * groups);
         for row in w.chunks_exact(k.max(1)) {
             for g in row.chunks_exact(GROUP_SIZE) {
-                s.push(scale_from_amax(g.iter().fold(0.0f32, |m, x| m.max(x.abs()))));
+                s.push(scale_from_amax(
+                    g.iter().fold(0.0f32, |m, x| m.max(x.abs())),
+                ));
             }
         }
         s
@@ -266,12 +302,20 @@ pub fn gptq_quantize(w: &[f32], n: usize, k: usize, h: &Hessian, cfg: &GptqConfi
     dead_columns.sort_unstable();
 
     // Dampening with the retry schedule.
-    let mean_diag = if k == 0 { 0.0 } else { (0..k).map(|i| hm[i * k + i]).sum::<f64>() / k as f64 };
+    let mean_diag = if k == 0 {
+        0.0
+    } else {
+        (0..k).map(|i| hm[i * k + i]).sum::<f64>() / k as f64
+    };
     let mut hinv = None;
     let mut frac = cfg.dampening;
     let mut retries = 0u32;
     for r in 0..=DAMPENING_RETRIES {
-        frac = if r == 0 { cfg.dampening } else { cfg.dampening.max(1e-3) * 10f64.powi(r as i32) };
+        frac = if r == 0 {
+            cfg.dampening
+        } else {
+            cfg.dampening.max(1e-3) * 10f64.powi(r as i32)
+        };
         let mut hd = hm.clone();
         let damp = frac * mean_diag;
         for i in 0..k {
@@ -362,7 +406,13 @@ pub fn gptq_quantize(w: &[f32], n: usize, k: usize, h: &Hessian, cfg: &GptqConfi
         out
     };
     let tensor = W4A16Tensor::from_q(&q_orig, scale, n, k)?;
-    Ok(GptqOutput { tensor, dampening_used: frac, retries, dead_columns, gptq_loss })
+    Ok(GptqOutput {
+        tensor,
+        dampening_used: frac,
+        retries,
+        dead_columns,
+        gptq_loss,
+    })
 }
 
 /// Reconstruction error of `w_hat` against `w` (both `[N, K]`) under Hessian `h`.
@@ -378,12 +428,21 @@ pub struct ReconError {
 }
 
 /// Compute [`ReconError`]; `h` is used as accumulated (no dead-column fix, no dampening).
-pub fn reconstruction_error(w: &[f32], w_hat: &[f32], n: usize, k: usize, h: &Hessian) -> Result<ReconError> {
+pub fn reconstruction_error(
+    w: &[f32],
+    w_hat: &[f32],
+    n: usize,
+    k: usize,
+    h: &Hessian,
+) -> Result<ReconError> {
     let len = checked_len(n, k, "weight [N, K]")?;
     expect_len("w", w.len(), len)?;
     expect_len("w_hat", w_hat.len(), len)?;
     if h.k() != k {
-        return Err(QuantError::Shape(format!("Hessian is for K = {}, weight has K = {k}", h.k())));
+        return Err(QuantError::Shape(format!(
+            "Hessian is for K = {}, weight has K = {k}",
+            h.k()
+        )));
     }
     let hm = h.matrix();
     let mut sq = 0.0f64;
@@ -407,9 +466,17 @@ pub fn reconstruction_error(w: &[f32], w_hat: &[f32], n: usize, k: usize, h: &He
     let mse_weight = if len == 0 { 0.0 } else { sq / len as f64 };
     let proxy_loss = if n == 0 { 0.0 } else { proxy / n as f64 };
     let rel_frobenius = if wsq == 0.0 {
-        if sq == 0.0 { 0.0 } else { f64::INFINITY }
+        if sq == 0.0 {
+            0.0
+        } else {
+            f64::INFINITY
+        }
     } else {
         (sq / wsq).sqrt()
     };
-    Ok(ReconError { mse_weight, proxy_loss, rel_frobenius })
+    Ok(ReconError {
+        mse_weight,
+        proxy_loss,
+        rel_frobenius,
+    })
 }

@@ -20,8 +20,8 @@ pub mod rtn;
 pub mod w4a16;
 
 pub use checkpoint::{
-    is_quantized, read_config, read_safetensors_dir, read_w4a16, write_pack_quantized, Dtype, IgnoreList,
-    QuantizationConfig, TensorData, WriteOptions, WriteReport,
+    is_quantized, read_config, read_safetensors_dir, read_w4a16, write_pack_quantized, Dtype,
+    IgnoreList, QuantizationConfig, TensorData, WriteOptions, WriteReport,
 };
 pub use error::{QuantError, Result};
 pub use gptq::{gptq_quantize, reconstruction_error, GptqConfig, GptqOutput, Hessian, ReconError};

@@ -108,7 +108,9 @@ mod tests {
 
     fn spd(k: usize) -> Vec<f64> {
         // B^T B + I with a deterministic B.
-        let b: Vec<f64> = (0..k * k).map(|i| ((i * 7919 % 97) as f64 - 48.0) / 31.0).collect();
+        let b: Vec<f64> = (0..k * k)
+            .map(|i| ((i * 7919 % 97) as f64 - 48.0) / 31.0)
+            .collect();
         let mut a = matmul_t(&b, &b, k);
         for i in 0..k {
             a[i * k + i] += 1.0;

@@ -30,7 +30,10 @@ pub fn quantize_rtn(w: &[f32], n: usize, k: usize) -> Result<W4A16Tensor> {
     let mut q = vec![0i8; w.len()];
     let mut scale = Vec::with_capacity(n * groups);
     for (row_w, row_q) in w.chunks_exact(k.max(1)).zip(q.chunks_exact_mut(k.max(1))) {
-        for (gw, gq) in row_w.chunks_exact(GROUP_SIZE).zip(row_q.chunks_exact_mut(GROUP_SIZE)) {
+        for (gw, gq) in row_w
+            .chunks_exact(GROUP_SIZE)
+            .zip(row_q.chunks_exact_mut(GROUP_SIZE))
+        {
             let amax = gw.iter().fold(0.0f32, |m, x| m.max(x.abs()));
             let s: bf16 = scale_from_amax(amax);
             let sf = s.to_f32();

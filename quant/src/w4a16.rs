@@ -48,7 +48,10 @@ pub fn pack_int4(q: &[i8], n: usize, k: usize) -> Result<Vec<i32>> {
         let mut word: u32 = 0;
         for (j, &v) in chunk.iter().enumerate() {
             if !(QMIN..=QMAX).contains(&v) {
-                return Err(QuantError::OutOfRange { index: w * PACK_FACTOR + j, value: v as i32 });
+                return Err(QuantError::OutOfRange {
+                    index: w * PACK_FACTOR + j,
+                    value: v as i32,
+                });
             }
             word |= ((v as i32 + 8) as u32) << (4 * j);
         }
@@ -77,7 +80,11 @@ pub fn unpack_int4(packed: &[i32], n: usize, k: usize) -> Result<Vec<i8>> {
 pub fn dequantize(packed: &[i32], scale: &[bf16], n: usize, k: usize) -> Result<Vec<f32>> {
     let q = unpack_int4(packed, n, k)?;
     let groups = k / GROUP_SIZE;
-    expect_len("scale", scale.len(), checked_len(n, groups, "scale [N, K/128]")?)?;
+    expect_len(
+        "scale",
+        scale.len(),
+        checked_len(n, groups, "scale [N, K/128]")?,
+    )?;
     let mut out = Vec::with_capacity(q.len());
     for (i, &v) in q.iter().enumerate() {
         let (row, col) = (i / k, i % k);
@@ -103,8 +110,16 @@ impl W4A16Tensor {
         let [n, k] = shape;
         let len = check_nk(n, k)?;
         expect_len("packed", packed.len(), len / PACK_FACTOR)?;
-        expect_len("scale", scale.len(), checked_len(n, k / GROUP_SIZE, "scale")?)?;
-        Ok(Self { packed, scale, shape })
+        expect_len(
+            "scale",
+            scale.len(),
+            checked_len(n, k / GROUP_SIZE, "scale")?,
+        )?;
+        Ok(Self {
+            packed,
+            scale,
+            shape,
+        })
     }
 
     /// Build from INT4 values `q` (`[N, K]`, in `[-8, 7]`) and scales (`[N, K/128]`).

@@ -13,7 +13,10 @@ use speclab_quant::{
     gptq_quantize, quantize_rtn, reconstruction_error, GptqConfig, Hessian, QuantError, TensorData,
 };
 
-const GOLDEN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/quant/gptq_golden.safetensors");
+const GOLDEN: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../tests/fixtures/quant/gptq_golden.safetensors"
+);
 
 struct Golden {
     tensors: BTreeMap<String, TensorData>,
@@ -28,7 +31,12 @@ fn golden() -> Golden {
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let tensors = st
         .iter()
-        .map(|(n, v)| (n.to_string(), TensorData::new(v.dtype(), v.shape().to_vec(), v.data().to_vec()).unwrap()))
+        .map(|(n, v)| {
+            (
+                n.to_string(),
+                TensorData::new(v.dtype(), v.shape().to_vec(), v.data().to_vec()).unwrap(),
+            )
+        })
         .collect();
     Golden { tensors, cases }
 }
@@ -47,7 +55,10 @@ fn golden_cases_match_reference_exactly() {
     let g = golden();
     assert_eq!(g.cases.len(), 5);
     for (name, c) in &g.cases {
-        let (n, k) = (c["n"].as_u64().unwrap() as usize, c["k"].as_u64().unwrap() as usize);
+        let (n, k) = (
+            c["n"].as_u64().unwrap() as usize,
+            c["k"].as_u64().unwrap() as usize,
+        );
         let t = |s: &str| &g.tensors[&format!("{name}.{s}")];
         let w = t("w").to_f32().unwrap();
         let x = t("x").to_f32().unwrap();
@@ -66,33 +77,64 @@ fn golden_cases_match_reference_exactly() {
         };
         let out = gptq_quantize(&w, n, k, &h, &cfg).unwrap();
         assert_eq!(out.retries, 0);
-        let dead: Vec<usize> = c["dead"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
+        let dead: Vec<usize> = c["dead"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as usize)
+            .collect();
         assert_eq!(out.dead_columns, dead, "{name}");
 
         let q = out.tensor.unpack().unwrap();
         let q_ref = i8s(t("q"));
         let differ = q.iter().zip(&q_ref).filter(|(a, b)| a != b).count();
         println!("{name}: {}/{} integers equal", q.len() - differ, q.len());
-        assert_eq!(differ, 0, "{name}: {differ} integers differ from the reference");
-        assert_eq!(out.tensor.scale, t("scale").to_bf16().unwrap(), "{name}: scales");
-        assert_eq!(out.tensor.packed, t("packed").to_i32().unwrap(), "{name}: packed words");
+        assert_eq!(
+            differ, 0,
+            "{name}: {differ} integers differ from the reference"
+        );
+        assert_eq!(
+            out.tensor.scale,
+            t("scale").to_bf16().unwrap(),
+            "{name}: scales"
+        );
+        assert_eq!(
+            out.tensor.packed,
+            t("packed").to_i32().unwrap(),
+            "{name}: packed words"
+        );
 
         // losses agree to f64 rounding
         let w_hat = out.tensor.dequantize().unwrap();
         let e = reconstruction_error(&w, &w_hat, n, k, &h).unwrap();
         let pl_ref = f64_scalar(t("proxy_loss"));
-        assert!((e.proxy_loss - pl_ref).abs() <= 1e-9 * pl_ref, "{name}: proxy {} vs {pl_ref}", e.proxy_loss);
+        assert!(
+            (e.proxy_loss - pl_ref).abs() <= 1e-9 * pl_ref,
+            "{name}: proxy {} vs {pl_ref}",
+            e.proxy_loss
+        );
         let gl_ref = f64_scalar(t("gptq_loss"));
-        assert!((out.gptq_loss - gl_ref).abs() <= 1e-7 * gl_ref, "{name}: gptq loss {} vs {gl_ref}", out.gptq_loss);
+        assert!(
+            (out.gptq_loss - gl_ref).abs() <= 1e-7 * gl_ref,
+            "{name}: gptq loss {} vs {gl_ref}",
+            out.gptq_loss
+        );
 
         // RTN on the same weights is the reference's RTN, and GPTQ beats it
         let r = quantize_rtn(&w, n, k).unwrap();
         assert_eq!(r.unpack().unwrap(), i8s(t("rtn_q")), "{name}: rtn q");
-        assert_eq!(r.scale, t("rtn_scale").to_bf16().unwrap(), "{name}: rtn scale");
+        assert_eq!(
+            r.scale,
+            t("rtn_scale").to_bf16().unwrap(),
+            "{name}: rtn scale"
+        );
         let er = reconstruction_error(&w, &r.dequantize().unwrap(), n, k, &h).unwrap();
         let rpl_ref = f64_scalar(t("rtn_proxy_loss"));
         assert!((er.proxy_loss - rpl_ref).abs() <= 1e-9 * rpl_ref);
-        println!("{name}: proxy loss gptq/rtn = {:.4}", e.proxy_loss / er.proxy_loss);
+        println!(
+            "{name}: proxy loss gptq/rtn = {:.4}",
+            e.proxy_loss / er.proxy_loss
+        );
         assert!(e.proxy_loss < er.proxy_loss);
     }
 }
@@ -105,8 +147,12 @@ fn correlated_x(rng: &mut ChaCha8Rng, rows: usize, k: usize, r: usize, noise: f3
         let u2: f32 = rng.random();
         (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
     };
-    let a: Vec<f32> = (0..r * k).map(|_| normal(rng) / (r as f32).sqrt()).collect();
-    let chan: Vec<f32> = (0..k).map(|_| (rng.random_range(-2.3f32..2.3)).exp()).collect();
+    let a: Vec<f32> = (0..r * k)
+        .map(|_| normal(rng) / (r as f32).sqrt())
+        .collect();
+    let chan: Vec<f32> = (0..k)
+        .map(|_| (rng.random_range(-2.3f32..2.3)).exp())
+        .collect();
     let mut x = vec![0.0f32; rows * k];
     for row in 0..rows {
         let z: Vec<f32> = (0..r).map(|_| normal(rng)).collect();
@@ -122,7 +168,9 @@ fn correlated_x(rng: &mut ChaCha8Rng, rows: usize, k: usize, r: usize, noise: f3
 }
 
 fn weights(rng: &mut ChaCha8Rng, n: usize, k: usize) -> Vec<f32> {
-    (0..n * k).map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0) / (k as f32).sqrt()).to_f32()).collect()
+    (0..n * k)
+        .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0) / (k as f32).sqrt()).to_f32())
+        .collect()
 }
 
 #[test]
@@ -140,8 +188,14 @@ fn gptq_beats_rtn_on_correlated_inputs() {
         let r = quantize_rtn(&w, n, k).unwrap();
         let eg = reconstruction_error(&w, &g.tensor.dequantize().unwrap(), n, k, &h).unwrap();
         let er = reconstruction_error(&w, &r.dequantize().unwrap(), n, k, &h).unwrap();
-        println!("seed {seed} noise {noise}: gptq/rtn proxy {:.4}", eg.proxy_loss / er.proxy_loss);
-        assert!(eg.proxy_loss < er.proxy_loss, "seed {seed}: {eg:?} vs {er:?}");
+        println!(
+            "seed {seed} noise {noise}: gptq/rtn proxy {:.4}",
+            eg.proxy_loss / er.proxy_loss
+        );
+        assert!(
+            eg.proxy_loss < er.proxy_loss,
+            "seed {seed}: {eg:?} vs {er:?}"
+        );
         // GPTQ trades weight error for output error
         assert!(eg.mse_weight > 0.0 && eg.rel_frobenius > 0.0);
     }
@@ -175,7 +229,10 @@ fn block_size_does_not_change_the_result_much() {
     h.add_batch(&x).unwrap();
     let base = gptq_quantize(&w, n, k, &h, &GptqConfig::default()).unwrap();
     for bs in [32, 64, 256] {
-        let cfg = GptqConfig { block_size: bs, ..GptqConfig::default() };
+        let cfg = GptqConfig {
+            block_size: bs,
+            ..GptqConfig::default()
+        };
         let o = gptq_quantize(&w, n, k, &h, &cfg).unwrap();
         let qa = base.tensor.unpack().unwrap();
         let qb = o.tensor.unpack().unwrap();
@@ -185,9 +242,13 @@ fn block_size_does_not_change_the_result_much() {
         } else {
             // block 256 > group 128: the second group's scale is taken from the block-start
             // state (fasterquant's behaviour), so integers may differ; the loss stays close.
-            let la = reconstruction_error(&w, &base.tensor.dequantize().unwrap(), n, k, &h).unwrap();
+            let la =
+                reconstruction_error(&w, &base.tensor.dequantize().unwrap(), n, k, &h).unwrap();
             let lb = reconstruction_error(&w, &o.tensor.dequantize().unwrap(), n, k, &h).unwrap();
-            assert!(lb.proxy_loss < 2.0 * la.proxy_loss, "block 256: {lb:?} vs {la:?}");
+            assert!(
+                lb.proxy_loss < 2.0 * la.proxy_loss,
+                "block 256: {lb:?} vs {la:?}"
+            );
         }
     }
 }
@@ -244,7 +305,10 @@ fn cholesky_failure_retries_with_larger_dampening() {
     // Hopeless: eigenvalue 1 - 1000 needs a dampening above the schedule's last (100).
     let err = gptq_quantize(&w, n, k, &paired(k, 1000.0), &GptqConfig::default()).unwrap_err();
     match err {
-        QuantError::NotPositiveDefinite { attempts, last_dampening } => {
+        QuantError::NotPositiveDefinite {
+            attempts,
+            last_dampening,
+        } => {
             assert_eq!(attempts, 5);
             assert!((last_dampening - 100.0).abs() < 1e-9);
         }
@@ -253,7 +317,10 @@ fn cholesky_failure_retries_with_larger_dampening() {
     // Zero dampening on a rank-deficient H: the schedule starts at 0, then 0.01.
     let mut h = Hessian::new(k).unwrap();
     h.add_batch(&vec![1.0f32; k]).unwrap(); // rank 1
-    let cfg = GptqConfig { dampening: 0.0, ..GptqConfig::default() };
+    let cfg = GptqConfig {
+        dampening: 0.0,
+        ..GptqConfig::default()
+    };
     let g = gptq_quantize(&w, n, k, &h, &cfg).unwrap();
     assert!(g.retries >= 1);
     assert!(g.dampening_used > 0.0);
@@ -267,7 +334,10 @@ fn act_order_output_is_in_original_column_order() {
     let w = weights(&mut rng, n, k);
     let mut h = Hessian::new(k).unwrap();
     h.add_batch(&x).unwrap();
-    let cfg = GptqConfig { act_order: true, ..GptqConfig::default() };
+    let cfg = GptqConfig {
+        act_order: true,
+        ..GptqConfig::default()
+    };
     let a = gptq_quantize(&w, n, k, &h, &cfg).unwrap();
     // static scales: exactly RTN's scales
     let r = quantize_rtn(&w, n, k).unwrap();
@@ -280,7 +350,9 @@ fn act_order_output_is_in_original_column_order() {
 #[test]
 fn hessian_streaming_and_scale() {
     let k = 128;
-    let x: Vec<f32> = (0..5 * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+    let x: Vec<f32> = (0..5 * k)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+        .collect();
     let mut one = Hessian::new(k).unwrap();
     one.add_batch(&x).unwrap();
     let mut two = Hessian::new(k).unwrap();
@@ -291,14 +363,21 @@ fn hessian_streaming_and_scale() {
     let m = one.matrix();
     // H = 2/n sum x x^T
     let (a, b) = (3, 77);
-    let want: f64 = (0..5).map(|r| x[r * k + a] as f64 * x[r * k + b] as f64).sum::<f64>() * 2.0 / 5.0;
+    let want: f64 = (0..5)
+        .map(|r| x[r * k + a] as f64 * x[r * k + b] as f64)
+        .sum::<f64>()
+        * 2.0
+        / 5.0;
     assert!((m[a * k + b] - want).abs() < 1e-12);
     assert_eq!(m[a * k + b], m[b * k + a]);
     // errors
     assert!(one.add_batch(&x[..k - 1]).is_err());
     let mut bad = x.clone();
     bad[9] = f32::INFINITY;
-    assert!(matches!(one.add_batch(&bad), Err(QuantError::NonFinite { index: 9, .. })));
+    assert!(matches!(
+        one.add_batch(&bad),
+        Err(QuantError::NonFinite { index: 9, .. })
+    ));
     assert!(Hessian::from_matrix(vec![1.0, 2.0, 3.0, 1.0], 2).is_err()); // not symmetric
     assert!(Hessian::from_matrix(vec![1.0; 3], 2).is_err());
 }
@@ -309,19 +388,43 @@ fn gptq_input_errors() {
     let h = Hessian::new(k).unwrap();
     let w = vec![0.1f32; 2 * k];
     let d = GptqConfig::default();
-    assert!(matches!(gptq_quantize(&w, 2, 64, &h, &d), Err(QuantError::GroupMisaligned { .. })));
+    assert!(matches!(
+        gptq_quantize(&w, 2, 64, &h, &d),
+        Err(QuantError::GroupMisaligned { .. })
+    ));
     assert!(gptq_quantize(&w, 3, k, &h, &d).is_err());
     assert!(gptq_quantize(&w, 2, k, &Hessian::new(256).unwrap(), &d).is_err());
     for bad in [
-        GptqConfig { group_size: 64, ..d.clone() },
-        GptqConfig { block_size: 0, ..d.clone() },
-        GptqConfig { dampening: -1.0, ..d.clone() },
-        GptqConfig { dampening: f64::NAN, ..d.clone() },
+        GptqConfig {
+            group_size: 64,
+            ..d.clone()
+        },
+        GptqConfig {
+            block_size: 0,
+            ..d.clone()
+        },
+        GptqConfig {
+            dampening: -1.0,
+            ..d.clone()
+        },
+        GptqConfig {
+            dampening: f64::NAN,
+            ..d.clone()
+        },
     ] {
-        assert!(matches!(gptq_quantize(&w, 2, k, &h, &bad), Err(QuantError::Config(_))), "{bad:?}");
+        assert!(
+            matches!(
+                gptq_quantize(&w, 2, k, &h, &bad),
+                Err(QuantError::Config(_))
+            ),
+            "{bad:?}"
+        );
     }
     let mut wn = w.clone();
     wn[1] = f32::NAN;
-    assert!(matches!(gptq_quantize(&wn, 2, k, &h, &d), Err(QuantError::NonFinite { .. })));
+    assert!(matches!(
+        gptq_quantize(&wn, 2, k, &h, &d),
+        Err(QuantError::NonFinite { .. })
+    ));
     assert!(reconstruction_error(&w, &w[..k], 2, k, &h).is_err());
 }
