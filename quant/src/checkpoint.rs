@@ -367,12 +367,15 @@ impl QuantizationConfig {
         if get(w, "dynamic") == json!(true) {
             return Err(bad("weights.dynamic is true"));
         }
-        if let Some(a) = w.get("actorder").filter(|a| !a.is_null()) {
-            // "group" would need g_idx, which this format does not store.
-            if a != &json!("weight") && a != &json!(false) {
+        // "weight" / its alias "static" only change calibration; "group" / "dynamic" (or
+        // `true`) need a g_idx tensor, which this format does not store.
+        match w.get("actorder") {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => {}
+            Some(Value::String(a)) if a == "weight" || a == "static" => {}
+            Some(a) => {
                 return Err(bad(&format!(
                     "weights.actorder {a} needs g_idx, unsupported"
-                )));
+                )))
             }
         }
         let ignore = match v.get("ignore") {

@@ -113,19 +113,27 @@ impl Hessian {
             )));
         }
         check_finite_f32("x", x)?;
-        let mut row = vec![0.0f64; k];
-        for xr in x.chunks_exact(k) {
-            for (d, &s) in row.iter_mut().zip(xr) {
+        // Tiles of rows: each accumulator row stays in cache across the tile. For every
+        // (a, b) the rows are still added in input order, so the result does not depend on
+        // the tiling or on how the rows were split into batches.
+        const TILE: usize = 32;
+        let mut tile = vec![0.0f64; TILE * k];
+        for xt in x.chunks(TILE * k) {
+            let rows = xt.len() / k;
+            for (d, &s) in tile.iter_mut().zip(xt) {
                 *d = s as f64;
             }
             for a in 0..k {
-                let xa = row[a];
-                if xa == 0.0 {
-                    continue;
-                }
                 let dst = &mut self.acc[a * k + a..(a + 1) * k];
-                for (d, &xb) in dst.iter_mut().zip(&row[a..]) {
-                    *d += xa * xb;
+                for r in 0..rows {
+                    let row = &tile[r * k..(r + 1) * k];
+                    let xa = row[a];
+                    if xa == 0.0 {
+                        continue;
+                    }
+                    for (d, &xb) in dst.iter_mut().zip(&row[a..]) {
+                        *d += xa * xb;
+                    }
                 }
             }
         }

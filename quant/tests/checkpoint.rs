@@ -442,6 +442,12 @@ fn quantization_config_json() {
     let v = qc.to_json();
     assert_eq!(v, serde_json::from_str::<Value>(DOC_QCFG).unwrap());
     assert_eq!(QuantizationConfig::from_json(&v).unwrap(), qc);
+    // actorder "weight" (alias "static") keeps the format
+    for a in ["weight", "static"] {
+        let mut w = v.clone();
+        w["config_groups"]["group_0"]["weights"]["actorder"] = json!(a);
+        assert!(QuantizationConfig::from_json(&w).is_ok(), "{a}");
+    }
     // rejects other schemes
     for (ptr, bad) in [
         ("/format", json!("int-quantized")),
@@ -450,6 +456,8 @@ fn quantization_config_json() {
         ("/config_groups/group_0/weights/group_size", json!(64)),
         ("/config_groups/group_0/weights/symmetric", json!(false)),
         ("/config_groups/group_0/weights/actorder", json!("group")),
+        ("/config_groups/group_0/weights/actorder", json!("dynamic")),
+        ("/config_groups/group_0/weights/actorder", json!(true)),
         (
             "/config_groups/group_0/input_activations",
             json!({"num_bits": 8}),

@@ -130,7 +130,7 @@ fn rtn_scale_is_bf16_of_amax_over_7() {
     let (_, s) = rtn_group(&[1.0]);
     assert_eq!(s, bf16::from_f32(1.0 / 7.0).to_f32());
     assert_eq!(s, 73.0 / 512.0); // 0.142578125
-    // negative amax counts by magnitude
+                                 // negative amax counts by magnitude
     let (q, s) = rtn_group(&[-14.0, 2.0]);
     assert_eq!(s, 2.0);
     assert_eq!(&q[..2], &[-7, 1]);
