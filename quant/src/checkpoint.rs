@@ -761,7 +761,7 @@ pub fn read_w4a16(tensors: &BTreeMap<String, TensorData>, module: &str) -> Resul
         get("weight_shape")?,
     );
     let shape = sh.to_i64()?;
-    if sh.shape != [2] || shape.iter().any(|&d| d < 0) {
+    if sh.shape != [2] || shape.len() != 2 || shape.iter().any(|&d| d < 0) {
         return Err(QuantError::Checkpoint(format!(
             "{module}.weight_shape is not [N, K]: {shape:?}"
         )));
