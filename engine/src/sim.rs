@@ -137,14 +137,14 @@ impl SimExecutor {
 }
 
 impl Executor for SimExecutor {
-    fn execute(&mut self, batch: &SchedulerOutput) -> Result<Vec<StepResult>> {
+    fn execute(&mut self, _kv: &KvCacheManager, batch: &SchedulerOutput) -> Result<Vec<StepResult>> {
         if let Some(e) = &self.invalid {
             return Err(e.clone());
         }
         let mut out = Vec::with_capacity(batch.scheduled.len());
         for s in &batch.scheduled {
             let accepted = if s.is_prefill || s.num_draft == 0 { 0 } else { self.sample_accepted(s.num_draft) };
-            out.push(StepResult { id: s.id, accepted, eos: false });
+            out.push(StepResult { id: s.id, accepted, eos: false, next_drafts: None });
         }
         Ok(out)
     }
@@ -290,7 +290,7 @@ pub fn run_sim(
             break;
         }
 
-        let results = exec.execute(&out)?;
+        let results = exec.execute(kv, &out)?;
         for (s, r) in pair_results(&out, &results)? {
             if r.accepted > s.num_draft {
                 return Err(EngineError::BadTokenCount {
@@ -333,7 +333,19 @@ mod tests {
     #[test]
     fn invalid_model_is_reported_by_execute() {
         let mut e = SimExecutor::new(1, AcceptanceModel { per_position: vec![0.2, 0.9] });
-        assert!(e.execute(&SchedulerOutput::default()).is_err());
+        let kv = KvCacheManager::new(
+            &crate::kv::KvLayout {
+                num_blocks: Some(4),
+                kv_cache_memory_bytes: None,
+                max_model_len: 16,
+                max_in_flight_tokens: None,
+                watermark: 0.0,
+                groups: vec![crate::kv::GroupSpec::full("f", 4)],
+            },
+            4,
+        )
+        .unwrap();
+        assert!(e.execute(&kv, &SchedulerOutput::default()).is_err());
     }
 
     #[test]
@@ -415,6 +427,7 @@ mod tests {
             )?;
             Ok(SchedulerOutput {
                 scheduled: vec![ScheduledRequest {
+                    start_pos: 0,
                     id: 9,
                     slot: ReqSlot(0),
                     num_tokens: n,

@@ -51,6 +51,8 @@ pub trait Drafter {
 pub struct ScheduledRequest {
     pub id: RequestId,
     pub slot: ReqSlot,
+    /// Tokens already computed before this step (the chunk starts at this position).
+    pub start_pos: u64,
     /// Tokens computed this step (prefill chunk, or 1 + drafts in decode).
     pub num_tokens: u64,
     /// Draft tokens included in `num_tokens` (decode only).
@@ -165,6 +167,9 @@ pub struct StepResult {
     pub accepted: u64,
     /// The model emitted end-of-sequence.
     pub eos: bool,
+    /// Draft tokens the drafter proposed for this request's next step (after a
+    /// sampling step); `None` = the scheduler's configured number (simulation).
+    pub next_drafts: Option<u64>,
 }
 
 /// Decides admission and per-step token budgets against the KV manager.
@@ -181,5 +186,6 @@ pub trait Scheduler {
 /// Runs one step for a scheduled batch.
 pub trait Executor {
     /// Execute the step and report per-request results (one per scheduled request).
-    fn execute(&mut self, batch: &SchedulerOutput) -> Result<Vec<StepResult>>;
+    /// `kv` holds the block tables the scheduler allocated for this step.
+    fn execute(&mut self, kv: &KvCacheManager, batch: &SchedulerOutput) -> Result<Vec<StepResult>>;
 }

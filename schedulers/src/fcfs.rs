@@ -68,7 +68,7 @@ pub struct RequestState {
     pub num_output_tokens: u64,
     pub max_tokens: u64,
     /// Drafts were proposed after the last sampling step (vLLM `spec_token_ids`).
-    pub has_pending_drafts: bool,
+    pub pending_drafts: u64,
     pub num_preemptions: u64,
     /// `num_tokens` when this request last preempted itself while it was the
     /// only running request (it could not proceed even with the pool to itself).
@@ -167,7 +167,7 @@ impl FcfsScheduler {
             num_computed_tokens: 0,
             num_output_tokens: 0,
             max_tokens: r.max_tokens,
-            has_pending_drafts: false,
+            pending_drafts: 0,
             num_preemptions: 0,
             alone_self_preempted_at: None,
         };
@@ -256,7 +256,7 @@ impl FcfsScheduler {
         let r = self.get_mut(slot)?;
         r.status = RequestStatus::Preempted;
         r.num_computed_tokens = 0;
-        r.has_pending_drafts = false;
+        r.pending_drafts = 0;
         r.num_preemptions += 1;
         let id = r.id;
         self.waiting.push_front(slot);
@@ -267,7 +267,6 @@ impl FcfsScheduler {
         self.cfg.validate()?;
         let mut out = SchedulerOutput { rejected: std::mem::take(&mut self.pending_rejected), ..SchedulerOutput::default() };
         let mut budget = self.cfg.max_num_batched_tokens;
-        let k = self.cfg.num_speculative_tokens;
         let lookahead = self.cfg.lookahead;
         let mml = kv.max_model_len();
         let mut livelocked: Option<ReqSlot> = None;
@@ -277,7 +276,7 @@ impl FcfsScheduler {
         while i < self.running.len() && budget > 0 {
             let slot = self.running[i];
             let r = self.get(slot)?;
-            let drafts = if r.has_pending_drafts { k } else { 0 };
+            let drafts = r.pending_drafts;
             let wanted = r.num_tokens.saturating_sub(r.num_computed_tokens) + drafts;
             // "Make sure the input position does not exceed the max model len."
             let n = wanted.min(budget).min(mml.saturating_sub(r.num_computed_tokens + 1));
@@ -319,6 +318,7 @@ impl FcfsScheduler {
             out.scheduled.push(ScheduledRequest {
                 id: r.id,
                 slot,
+                start_pos: r.num_computed_tokens,
                 num_tokens: n,
                 num_draft: (r.num_computed_tokens + n).saturating_sub(r.num_tokens),
                 is_prefill: r.num_computed_tokens + 1 < r.num_tokens,
@@ -360,6 +360,7 @@ impl FcfsScheduler {
                 out.scheduled.push(ScheduledRequest {
                     id: r.id,
                     slot,
+                    start_pos: r.num_computed_tokens,
                     num_tokens: n,
                     num_draft: 0,
                     is_prefill: r.num_computed_tokens + 1 < r.num_tokens,
@@ -455,12 +456,12 @@ impl FcfsScheduler {
                 let commit = (res.accepted + 1).min(room);
                 r.num_tokens += commit;
                 r.num_output_tokens += commit;
-                r.has_pending_drafts = k > 0;
+                r.pending_drafts = res.next_drafts.unwrap_or(k);
                 res.eos || r.num_output_tokens >= r.max_tokens || r.num_tokens >= mml
             } else {
                 // A partial prefill chunk samples nothing and proposes nothing.
                 r.num_computed_tokens = computed;
-                r.has_pending_drafts = false;
+                r.pending_drafts = 0;
                 false
             };
             if done {

@@ -4,7 +4,7 @@
 use speclab_engine::kv::presets::glm53_dflash2;
 use speclab_engine::kv::{CapPolicy, GroupSpec, KvCacheManager, KvLayout};
 use speclab_engine::sim::{run_sim, AcceptanceModel, SimExecutor, SimLimits};
-use speclab_engine::{Executor, ReqSlot, RequestId, RequestStatus, Scheduler, SchedulerOutput};
+use speclab_engine::{Executor, ReqSlot, RequestId, RequestStatus, Scheduler, SchedulerOutput, StepResult};
 
 use crate::{AdmissionPolicy, FcfsScheduler, RequestSpec, SchedulerConfig, SchedulerError};
 
@@ -38,7 +38,7 @@ fn req(id: RequestId, prompt_len: u64, max_tokens: u64) -> RequestSpec {
 /// One engine step; returns the scheduler output and the finished ids.
 fn step(s: &mut FcfsScheduler, kv: &mut KvCacheManager, e: &mut SimExecutor) -> (SchedulerOutput, Vec<RequestId>) {
     let out = s.schedule(kv).unwrap();
-    let res = e.execute(&out).unwrap();
+    let res = e.execute(kv, &out).unwrap();
     let fin = s.update(kv, &out, &res).unwrap();
     (out, fin)
 }
@@ -257,6 +257,26 @@ fn rejected_drafts_roll_back() {
 }
 
 #[test]
+fn proposed_draft_count_drives_the_next_step() {
+    // A real drafter may propose fewer than k tokens (n-gram with no match: 0);
+    // the next step verifies exactly what was proposed, as vLLM schedules
+    // 1 + len(spec_token_ids).
+    let mut kv = full_kv(4, 100, 1024);
+    let mut s = FcfsScheduler::new(cfg(100, 4, 4));
+    s.add_request(&kv, req(1, 10, 50)).unwrap();
+    let out = s.schedule(&mut kv).unwrap();
+    assert_eq!(out.scheduled[0].start_pos, 0);
+    let res = vec![StepResult { id: 1, accepted: 0, eos: false, next_drafts: Some(2) }];
+    s.update(&mut kv, &out, &res).unwrap();
+    let out = s.schedule(&mut kv).unwrap();
+    assert_eq!((out.scheduled[0].start_pos, out.scheduled[0].num_tokens, out.scheduled[0].num_draft), (10, 3, 2));
+    let res = vec![StepResult { id: 1, accepted: 2, eos: false, next_drafts: Some(0) }];
+    s.update(&mut kv, &out, &res).unwrap();
+    let out = s.schedule(&mut kv).unwrap();
+    assert_eq!((out.scheduled[0].start_pos, out.scheduled[0].num_tokens, out.scheduled[0].num_draft), (13, 1, 0));
+}
+
+#[test]
 fn glm53_dflash2_card_wedge_numbers() {
     // Model card: ~15,556 tokens need 1,013 blocks of a 1,011-block usable pool.
     let mut kv = glm_kv(CapPolicy::None);
@@ -377,10 +397,10 @@ fn bad_step_results_are_errors() {
     s.add_request(&kv, req(1, 4, 8)).unwrap();
     let out = s.schedule(&mut kv).unwrap();
     assert!(s.update(&mut kv, &out, &[]).is_err());
-    let res = no_accept().execute(&out).unwrap();
+    let res = no_accept().execute(&kv, &out).unwrap();
     s.update(&mut kv, &out, &res).unwrap();
     let out = s.schedule(&mut kv).unwrap();
-    let mut res = no_accept().execute(&out).unwrap();
+    let mut res = no_accept().execute(&kv, &out).unwrap();
     res[0].accepted = 3; // only 2 drafts
     assert!(s.update(&mut kv, &out, &res).is_err());
 }
