@@ -36,4 +36,38 @@ pub enum EngineError {
     /// A configuration value is unsupported.
     #[error("unsupported: {0}")]
     Unsupported(String),
+    // ---- model/ (docs/model.md) -------------------------------------------------
+    /// A file could not be opened, mapped or read.
+    #[error("{path}: {reason}")]
+    Io { path: String, reason: String },
+    /// A safetensors file (or its shard index) is malformed: bad header, truncated data.
+    #[error("{file}: corrupt or truncated checkpoint: {reason}")]
+    CorruptCheckpoint { file: String, reason: String },
+    /// A tensor the model needs is absent.
+    #[error("{file}: missing tensor `{tensor}`")]
+    MissingTensor { file: String, tensor: String },
+    /// A tensor has the wrong shape.
+    #[error("{file}: tensor `{tensor}` has shape {found}, expected {expected}")]
+    TensorShape { file: String, tensor: String, expected: String, found: String },
+    /// A tensor has the wrong dtype.
+    #[error("{file}: tensor `{tensor}` has dtype {found}, expected {expected}")]
+    TensorDtype { file: String, tensor: String, expected: String, found: String },
+    /// config.json could not be parsed.
+    #[error("{file}: cannot parse model config: {reason}")]
+    ConfigParse { file: String, reason: String },
+    /// A config value is invalid or unsupported (names the key and the allowed values).
+    #[error("config key `{key}`: {reason}")]
+    InvalidConfig { key: String, reason: String },
+    /// The config does not describe the checkpoint's tensors.
+    #[error("config key `{key}` does not match the checkpoint: {reason} (tensor `{tensor}`)")]
+    ConfigMismatch { key: String, tensor: String, reason: String },
+    /// A quantized module is inconsistent with `quantization_config` or malformed.
+    #[error("quantized module `{module}`: {reason}")]
+    Quantization { module: String, reason: String },
+    /// A forward-pass input is invalid (token out of range, KV not allocated, ...).
+    #[error("model input: {0}")]
+    ModelInput(String),
+    /// A tokenizer file is invalid or an operation failed.
+    #[error("tokenizer {path}: {reason}")]
+    Tokenizer { path: String, reason: String },
 }

@@ -11,6 +11,7 @@
 
 pub mod error;
 pub mod kv;
+pub mod model;
 pub mod request;
 pub mod sim;
 pub mod traits;

@@ -1,0 +1,464 @@
+//! Safetensors checkpoints: memory-mapped reading with typed, checked getters, and writing.
+//!
+//! Source: the safetensors format (8-byte little-endian header length, JSON header,
+//! contiguous row-major data), read through the `safetensors` crate's header parser
+//! over a `memmap2` map; HF sharding (`model.safetensors.index.json` with a
+//! `weight_map` of tensor -> shard file); docs/model.md §7 (dtypes) and §12.
+//!
+//! Invariants: every error names the file and, where there is one, the tensor; a
+//! truncated or corrupt file, an index naming a missing shard, a tensor listed in two
+//! shards or a shard tensor the index does not list are errors, never panics. Getters
+//! check dtype and shape before converting: bf16 -> f32 is exact (§1.1); int32 and
+//! int64 are read little-endian. Maps are read-only; the files must not be modified
+//! while a [`Checkpoint`] is alive (the usual mmap contract).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, Metadata, SafeTensors};
+
+use crate::{EngineError, Result};
+
+/// Name of a single-file checkpoint.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// Name of a sharded checkpoint's index.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// A tensor dtype this crate reads or writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorDtype {
+    Bf16,
+    F32,
+    I32,
+    I64,
+}
+
+impl TensorDtype {
+    fn to_st(self) -> Dtype {
+        match self {
+            Self::Bf16 => Dtype::BF16,
+            Self::F32 => Dtype::F32,
+            Self::I32 => Dtype::I32,
+            Self::I64 => Dtype::I64,
+        }
+    }
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Self::Bf16 => 2,
+            Self::F32 | Self::I32 => 4,
+            Self::I64 => 8,
+        }
+    }
+}
+
+/// Which float dtypes a getter accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloatKind {
+    /// bf16 (the contract) or f32 (an f32 export of the same model).
+    Bf16OrF32,
+    /// Only f32 (`A_log`, `dt_bias`, `e_score_correction_bias`, §1.1).
+    F32Only,
+}
+
+/// One expected dimension: its size and the config expression that gives it
+/// (used to name the config key when a checkpoint does not match the config).
+#[derive(Debug, Clone, Copy)]
+pub struct Dim {
+    pub size: usize,
+    /// Config key(s) behind the size, e.g. `"hidden_size"`; `""` when fixed.
+    pub key: &'static str,
+}
+
+/// Shorthand for a [`Dim`].
+pub const fn dim(size: usize, key: &'static str) -> Dim {
+    Dim { size, key }
+}
+
+struct Shard {
+    path: PathBuf,
+    /// The whole file. Shape: [file bytes].
+    mmap: Mmap,
+    /// Offset of the data section (8 + header length).
+    data_start: usize,
+    meta: Metadata,
+}
+
+/// An opened checkpoint: one file or several shards.
+pub struct Checkpoint {
+    dir: PathBuf,
+    shards: Vec<Shard>,
+    /// Tensor name -> shard index.
+    names: BTreeMap<String, usize>,
+}
+
+impl std::fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpoint")
+            .field("dir", &self.dir)
+            .field("shards", &self.shards.len())
+            .field("tensors", &self.names.len())
+            .finish()
+    }
+}
+
+fn io_err(path: &Path, e: impl std::fmt::Display) -> EngineError {
+    EngineError::Io {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    }
+}
+
+fn corrupt(path: &Path, reason: impl Into<String>) -> EngineError {
+    EngineError::CorruptCheckpoint {
+        file: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
+fn dtype_name(d: Dtype) -> String {
+    format!("{d:?}")
+}
+
+fn fmt_shape(s: &[usize]) -> String {
+    format!("{s:?}")
+}
+
+fn open_shard(path: &Path) -> Result<Shard> {
+    let file = File::open(path).map_err(|e| io_err(path, e))?;
+    // SAFETY: the map is read-only and private to this process; the checkpoint
+    // contract (module doc) is that files are not modified while mapped.
+    let mmap = unsafe { Mmap::map(&file) }.map_err(|e| io_err(path, e))?;
+    let (n, meta) = SafeTensors::read_metadata(&mmap).map_err(|e| corrupt(path, format!("{e:?}")))?;
+    Ok(Shard {
+        path: path.to_path_buf(),
+        mmap,
+        data_start: 8 + n,
+        meta,
+    })
+}
+
+impl Checkpoint {
+    /// Open `dir/model.safetensors`, or the shards of `dir/model.safetensors.index.json`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let index = dir.join(INDEX_FILE);
+        if index.exists() {
+            return Self::open_index(dir, &index);
+        }
+        let single = dir.join(SINGLE_FILE);
+        if !single.exists() {
+            return Err(io_err(dir, format!("no {SINGLE_FILE} or {INDEX_FILE} in this directory")));
+        }
+        Self::open_file(&single)
+    }
+
+    /// Open one safetensors file.
+    pub fn open_file(path: &Path) -> Result<Self> {
+        let shard = open_shard(path)?;
+        let names = shard.meta.tensors().into_keys().map(|k| (k, 0)).collect();
+        Ok(Self {
+            dir: path.parent().map(Path::to_path_buf).unwrap_or_default(),
+            shards: vec![shard],
+            names,
+        })
+    }
+
+    fn open_index(dir: &Path, index: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(index).map_err(|e| io_err(index, e))?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| corrupt(index, format!("invalid JSON: {e}")))?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| corrupt(index, "no `weight_map` object"))?;
+        let mut shard_of: BTreeMap<String, String> = BTreeMap::new();
+        for (name, file) in map {
+            let f = file
+                .as_str()
+                .ok_or_else(|| corrupt(index, format!("weight_map[{name:?}] is not a file name")))?;
+            if f.contains('/') || f.contains('\\') || f == ".." {
+                return Err(corrupt(index, format!("weight_map[{name:?}] = {f:?} is not a plain file name")));
+            }
+            shard_of.insert(name.clone(), f.to_string());
+        }
+        let mut files: Vec<String> = shard_of.values().cloned().collect();
+        files.sort();
+        files.dedup();
+        let mut shards = Vec::with_capacity(files.len());
+        let mut file_idx = HashMap::new();
+        for f in &files {
+            let p = dir.join(f);
+            if !p.exists() {
+                let t = shard_of.iter().find(|(_, v)| *v == f).map(|(k, _)| k.clone()).unwrap_or_default();
+                return Err(corrupt(
+                    index,
+                    format!("names shard {f:?} (e.g. for tensor `{t}`), which does not exist in {}", dir.display()),
+                ));
+            }
+            file_idx.insert(f.clone(), shards.len());
+            shards.push(open_shard(&p)?);
+        }
+        let mut names = BTreeMap::new();
+        for (name, f) in &shard_of {
+            let i = file_idx[f];
+            if shards[i].meta.info(name).is_none() {
+                return Err(EngineError::MissingTensor {
+                    file: shards[i].path.display().to_string(),
+                    tensor: name.clone(),
+                });
+            }
+            names.insert(name.clone(), i);
+        }
+        for s in &shards {
+            for name in s.meta.tensors().keys() {
+                match shard_of.get(name) {
+                    None => return Err(corrupt(&s.path, format!("tensor `{name}` is not listed in {INDEX_FILE}"))),
+                    Some(f) if dir.join(f) != s.path => {
+                        return Err(corrupt(
+                            &s.path,
+                            format!("tensor `{name}` is also stored here, but {INDEX_FILE} maps it to {f:?}"),
+                        ))
+                    }
+                    _ => {}
+                }
+            }
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            shards,
+            names,
+        })
+    }
+
+    /// Directory of the checkpoint.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+    /// Whether a tensor exists.
+    pub fn contains(&self, name: &str) -> bool {
+        self.names.contains_key(name)
+    }
+    /// Every tensor name, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.names.keys().map(String::as_str)
+    }
+    /// Number of tensors.
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+    /// Whether the checkpoint has no tensors.
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+    /// File holding a tensor (or the first shard / the directory when unknown), for errors.
+    pub fn file_of(&self, name: &str) -> String {
+        match self.names.get(name) {
+            Some(&i) => self.shards[i].path.display().to_string(),
+            None if self.shards.len() == 1 => self.shards[0].path.display().to_string(),
+            None => self.dir.join(INDEX_FILE).display().to_string(),
+        }
+    }
+    /// The shape of a tensor, if present.
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        let &i = self.names.get(name)?;
+        self.shards[i].meta.info(name).map(|t| t.shape.as_slice())
+    }
+
+    /// Raw bytes of a tensor after checking dtype (one of `allowed`) and shape.
+    fn raw(&self, name: &str, allowed: &[Dtype], dims: &[Dim]) -> Result<(Dtype, &[u8])> {
+        let &i = self.names.get(name).ok_or_else(|| EngineError::MissingTensor {
+            file: self.file_of(name),
+            tensor: name.into(),
+        })?;
+        let s = &self.shards[i];
+        let file = s.path.display().to_string();
+        let info = s.meta.info(name).ok_or_else(|| EngineError::MissingTensor {
+            file: file.clone(),
+            tensor: name.into(),
+        })?;
+        if !allowed.contains(&info.dtype) {
+            let exp: Vec<String> = allowed.iter().map(|d| dtype_name(*d)).collect();
+            return Err(EngineError::TensorDtype {
+                file,
+                tensor: name.into(),
+                expected: exp.join(" or "),
+                found: dtype_name(info.dtype),
+            });
+        }
+        let expected: Vec<usize> = dims.iter().map(|d| d.size).collect();
+        if info.shape != expected {
+            // Name the config key behind the first differing dimension, if any.
+            if info.shape.len() == dims.len() {
+                if let Some((d, found)) = dims.iter().zip(&info.shape).find(|(d, f)| d.size != **f && !d.key.is_empty()) {
+                    return Err(EngineError::ConfigMismatch {
+                        key: d.key.into(),
+                        tensor: name.into(),
+                        reason: format!(
+                            "{} = {} implies shape {}, but {file} stores {} (dimension {})",
+                            d.key,
+                            d.size,
+                            fmt_shape(&expected),
+                            fmt_shape(&info.shape),
+                            found
+                        ),
+                    });
+                }
+            }
+            return Err(EngineError::TensorShape {
+                file,
+                tensor: name.into(),
+                expected: fmt_shape(&expected),
+                found: fmt_shape(&info.shape),
+            });
+        }
+        let (a, b) = info.data_offsets;
+        let bytes = s
+            .mmap
+            .get(s.data_start + a..s.data_start + b)
+            .ok_or_else(|| corrupt(&s.path, format!("tensor `{name}` data is out of the file")))?;
+        Ok((info.dtype, bytes))
+    }
+
+    /// A float tensor as f32 (bf16 upcast exactly), checking dtype and shape.
+    pub fn f32(&self, name: &str, kind: FloatKind, dims: &[Dim]) -> Result<Vec<f32>> {
+        let allowed: &[Dtype] = match kind {
+            FloatKind::Bf16OrF32 => &[Dtype::BF16, Dtype::F32],
+            FloatKind::F32Only => &[Dtype::F32],
+        };
+        let (dt, bytes) = self.raw(name, allowed, dims)?;
+        Ok(match dt {
+            Dtype::BF16 => bytes
+                .chunks_exact(2)
+                .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16))
+                .collect(),
+            _ => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        })
+    }
+
+    /// An int32 tensor, checking dtype and shape.
+    pub fn i32(&self, name: &str, dims: &[Dim]) -> Result<Vec<i32>> {
+        let (_, bytes) = self.raw(name, &[Dtype::I32], dims)?;
+        Ok(bytes.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+
+    /// An int64 tensor, checking dtype and shape.
+    pub fn i64(&self, name: &str, dims: &[Dim]) -> Result<Vec<i64>> {
+        let (_, bytes) = self.raw(name, &[Dtype::I64], dims)?;
+        Ok(bytes
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+            .collect())
+    }
+
+    /// A float tensor of whatever shape it has (for goldens): (values, shape).
+    pub fn f32_any_shape(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
+        let shape = self
+            .shape(name)
+            .ok_or_else(|| EngineError::MissingTensor {
+                file: self.file_of(name),
+                tensor: name.into(),
+            })?
+            .to_vec();
+        let dims: Vec<Dim> = shape.iter().map(|&s| dim(s, "")).collect();
+        Ok((self.f32(name, FloatKind::Bf16OrF32, &dims)?, shape))
+    }
+
+    /// An int32 tensor of whatever shape it has: (values, shape).
+    pub fn i32_any_shape(&self, name: &str) -> Result<(Vec<i32>, Vec<usize>)> {
+        let shape = self
+            .shape(name)
+            .ok_or_else(|| EngineError::MissingTensor {
+                file: self.file_of(name),
+                tensor: name.into(),
+            })?
+            .to_vec();
+        let dims: Vec<Dim> = shape.iter().map(|&s| dim(s, "")).collect();
+        Ok((self.i32(name, &dims)?, shape))
+    }
+
+    /// Header metadata (`__metadata__`) of the first shard.
+    pub fn metadata(&self) -> Option<&HashMap<String, String>> {
+        self.shards.first().and_then(|s| s.meta.metadata().as_ref())
+    }
+}
+
+/// A named tensor ready to be written (little-endian bytes).
+#[derive(Debug, Clone, PartialEq)]
+pub struct NamedTensor {
+    pub name: String,
+    pub dtype: TensorDtype,
+    pub shape: Vec<usize>,
+    /// Shape: [prod(shape) * dtype.size()] bytes.
+    pub data: Vec<u8>,
+}
+
+impl NamedTensor {
+    /// f32 values stored as bf16 (round to nearest even; exact for bf16-valued weights).
+    pub fn bf16(name: &str, shape: Vec<usize>, v: &[f32]) -> Self {
+        let data = v.iter().flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes()).collect();
+        Self {
+            name: name.into(),
+            dtype: TensorDtype::Bf16,
+            shape,
+            data,
+        }
+    }
+    /// f32 values stored as f32.
+    pub fn f32(name: &str, shape: Vec<usize>, v: &[f32]) -> Self {
+        Self {
+            name: name.into(),
+            dtype: TensorDtype::F32,
+            shape,
+            data: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+    /// int32 values.
+    pub fn i32(name: &str, shape: Vec<usize>, v: &[i32]) -> Self {
+        Self {
+            name: name.into(),
+            dtype: TensorDtype::I32,
+            shape,
+            data: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+    /// int64 values.
+    pub fn i64(name: &str, shape: Vec<usize>, v: &[i64]) -> Self {
+        Self {
+            name: name.into(),
+            dtype: TensorDtype::I64,
+            shape,
+            data: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+}
+
+impl safetensors::View for &NamedTensor {
+    fn dtype(&self) -> Dtype {
+        self.dtype.to_st()
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// Write tensors to one safetensors file (header metadata `{"format": "pt"}`).
+pub fn write_safetensors(path: &Path, tensors: &[NamedTensor]) -> Result<()> {
+    for t in tensors {
+        let n: usize = t.shape.iter().product();
+        if n * t.dtype.size() != t.data.len() {
+            return Err(corrupt(
+                path,
+                format!("tensor `{}`: {} bytes for shape {:?} {:?}", t.name, t.data.len(), t.shape, t.dtype),
+            ));
+        }
+    }
+    let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into_iter().collect();
+    safetensors::serialize_to_file(tensors.iter().map(|t| (t.name.as_str(), t)), Some(meta), path).map_err(|e| io_err(path, format!("{e:?}")))
+}

@@ -1,0 +1,146 @@
+//! KDA (Kimi Delta Attention) linear attention, per-token recurrence with state blocks.
+//!
+//! Source: docs/model.md §4 (Kimi-Linear `KimiDeltaAttention`; the loop body is vLLM /
+//! fla `fused_recurrent_kda` with `use_qk_l2norm_in_kernel`, the fused gate and
+//! `sigmoid` on beta, written out per token, no chunking): q/k/v projections, a causal
+//! depthwise conv (kc taps, left-padded with the conv state) + SiLU, l2norm of q
+//! (times `dl^-0.5`) and k, channel-wise decay `alpha = exp(-exp(A_log) *
+//! softplus(f + dt_bias))` through the low-rank f projection, `beta = sigmoid(b)`, the
+//! gated delta rule on `S [nl, dl (key), dl (value)]`, then the gated output norm
+//! `rmsnorm(o, o_norm) * sigmoid(g)` and `o_proj`.
+//!
+//! State blocks (see `model/kv_store.rs`): a chunk of `T` tokens at position `p` starts
+//! from the zero state when `p == 0`, else from the committed state in state block
+//! `table[0]`. The state after the chunk's last token is written to `table[0]`. With
+//! `snapshot`, the state after token `j` (`j < T-1`) is also written to `table[j+1]`,
+//! so that `commit_state(accepted)` can make the state after `accepted + 1` tokens the
+//! committed one by one copy (or none when all were accepted).
+//!
+//! Invariants: conv states hold the last `kc-1` *pre-conv* projection outputs, oldest
+//! first; the conv sums taps `j = 0..kc-1` in order from 0 (as the reference); the
+//! caller has checked the state table (1 block, or `T` blocks with `snapshot`).
+
+use crate::kv::BlockId;
+use crate::model::attention::Span;
+use crate::model::config::ModelConfig;
+use crate::model::kv_store::KvStore;
+use crate::model::ops::{l2norm_inplace, rmsnorm_into, sigmoid, silu, softplus};
+use crate::model::weights::KdaWeights;
+use crate::Result;
+
+/// KDA of one layer over a batch: `a [T_total, H] -> [T_total, H]`; `layer` indexes the
+/// KDA layers (0..num_kda_layers).
+pub fn kda(w: &KdaWeights, cfg: &ModelConfig, a: &[f32], spans: &[Span<'_>], store: &mut KvStore, layer: usize) -> Result<Vec<f32>> {
+    let h = cfg.hidden_size;
+    let t_total = a.len() / h;
+    let (nl, dl, kc) = (cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim);
+    let c = nl * dl;
+    let eps = cfg.rms_norm_eps as f32;
+    let xs = [w.q.forward(a, t_total)?, w.k.forward(a, t_total)?, w.v.forward(a, t_total)?]; // 3 x [T_total, C]
+    let f = w.f_b.forward(&w.f_a.forward(a, t_total)?, t_total)?; // [T_total, C]
+    let gout = w.g_b.forward(&w.g_a.forward(a, t_total)?, t_total)?; // [T_total, C]
+    let b = w.b.forward(a, t_total)?; // [T_total, nl]
+    let qscale = (dl as f64).powf(-0.5) as f32;
+    let neg_a: Vec<f32> = w.a_log.iter().map(|x| -x.exp()).collect(); // [nl]
+    let mut o = vec![0.0f32; t_total * c]; // [T_total, nl, dl]
+    let win_len = (kc - 1) * c;
+    for sp in spans {
+        let base = sp.offset;
+        // Working state: conv windows [3, kc-1, C] and S [nl, dl, dl].
+        let (mut conv, mut s) = if sp.start_pos == 0 {
+            (vec![0.0f32; 3 * win_len], vec![0.0f32; nl * dl * dl])
+        } else {
+            let (cv, sv) = store.state(layer, sp.state_table[0]);
+            (cv.to_vec(), sv.to_vec())
+        };
+        // 1. conv + SiLU per token, conv snapshots.
+        let mut qkv = vec![0.0f32; 3 * sp.len * c]; // [3, T, C]
+        for t in 0..sp.len {
+            for (which, x) in xs.iter().enumerate() {
+                let xt = &x[(base + t) * c..(base + t + 1) * c];
+                let win = &mut conv[which * win_len..(which + 1) * win_len];
+                let taps = &w.conv[which]; // [C, kc]
+                let out = &mut qkv[(which * sp.len + t) * c..(which * sp.len + t + 1) * c];
+                for ch in 0..c {
+                    let mut y = 0.0f32;
+                    for j in 0..kc - 1 {
+                        y += taps[ch * kc + j] * win[j * c + ch];
+                    }
+                    y += taps[ch * kc + kc - 1] * xt[ch];
+                    out[ch] = silu(y);
+                }
+                if kc > 1 {
+                    win.copy_within(c.., 0);
+                    win[(kc - 2) * c..].copy_from_slice(xt);
+                }
+            }
+            if sp.snapshot && t + 1 < sp.len {
+                let (cv, _) = store.state_mut(layer, sp.state_table[t + 1]);
+                cv.copy_from_slice(&conv);
+            }
+        }
+        // 2. gated delta rule per token and head.
+        let mut u = vec![0.0f32; dl];
+        for t in 0..sp.len {
+            let row = base + t;
+            for hd in 0..nl {
+                let mut qv = qkv[t * c + hd * dl..t * c + (hd + 1) * dl].to_vec();
+                let mut kv = qkv[(sp.len + t) * c + hd * dl..(sp.len + t) * c + (hd + 1) * dl].to_vec();
+                let vv = &qkv[(2 * sp.len + t) * c + hd * dl..(2 * sp.len + t) * c + (hd + 1) * dl];
+                l2norm_inplace(&mut qv);
+                for x in qv.iter_mut() {
+                    *x *= qscale;
+                }
+                l2norm_inplace(&mut kv);
+                let beta = sigmoid(b[row * nl + hd]);
+                let sh = &mut s[hd * dl * dl..(hd + 1) * dl * dl]; // [key, value]
+                for i in 0..dl {
+                    let ch = hd * dl + i;
+                    let alpha = (neg_a[hd] * softplus(f[row * c + ch] + w.dt_bias[ch])).exp();
+                    for x in &mut sh[i * dl..(i + 1) * dl] {
+                        *x *= alpha;
+                    }
+                }
+                // u = v - S^T k
+                for (vi, uv) in u.iter_mut().enumerate() {
+                    let mut acc = 0.0f32;
+                    for i in 0..dl {
+                        acc += sh[i * dl + vi] * kv[i];
+                    }
+                    *uv = vv[vi] - acc;
+                }
+                // S += beta * k u^T
+                for i in 0..dl {
+                    let ki = kv[i];
+                    for (x, &uv) in sh[i * dl..(i + 1) * dl].iter_mut().zip(&u) {
+                        *x += beta * (ki * uv);
+                    }
+                }
+                // o = S^T q
+                let orow = &mut o[row * c + hd * dl..row * c + (hd + 1) * dl];
+                for (vi, ov) in orow.iter_mut().enumerate() {
+                    let mut acc = 0.0f32;
+                    for i in 0..dl {
+                        acc += sh[i * dl + vi] * qv[i];
+                    }
+                    *ov = acc;
+                }
+            }
+            if sp.snapshot && t + 1 < sp.len {
+                let (_, sv) = store.state_mut(layer, sp.state_table[t + 1]);
+                sv.copy_from_slice(&s);
+            }
+        }
+        let committed: BlockId = sp.state_table[0];
+        let (cv, sv) = store.state_mut(layer, committed);
+        cv.copy_from_slice(&conv);
+        sv.copy_from_slice(&s);
+    }
+    // 3. gated output norm per (token, head), then o_proj.
+    let mut normed = vec![0.0f32; o.len()];
+    rmsnorm_into(&o, &w.o_norm, eps, &mut normed);
+    for (x, g) in normed.iter_mut().zip(&gout) {
+        *x *= sigmoid(*g);
+    }
+    w.o.forward(&normed, t_total)
+}
