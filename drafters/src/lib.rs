@@ -1,9 +1,13 @@
 //! speclab-drafters: drafters around the target model, behind the engine's
 //! [`speclab_engine::Drafter`] trait.
 //!
-//! Today: [`NoDraft`] (the spec-off control). The n-gram, MTP and DFlash2
-//! drafters arrive with the engine issue. Invariant: a drafter never proposes
-//! more than `ctx.max_draft` tokens.
+//! Today: [`NoDraft`] (the spec-off control) and [`Ngram`] (vLLM's prompt
+//! lookup, `ngram`). MTP and DFlash2 arrive with the engine issue.
+//! Invariant: a drafter never proposes more than `ctx.max_draft` tokens.
+
+pub mod ngram;
+
+pub use ngram::Ngram;
 
 use speclab_engine::{Drafter, Proposal, ProposeCtx, Result};
 

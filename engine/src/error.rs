@@ -36,6 +36,15 @@ pub enum EngineError {
     /// A configuration value is unsupported.
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// A drafter's configuration is invalid (e.g. n-gram min > max).
+    #[error("invalid {drafter} drafter config: {reason}")]
+    InvalidDrafterConfig { drafter: String, reason: String },
+    /// A sampling parameter is out of range (vLLM `SamplingParams` checks).
+    #[error("invalid sampling params: {field}: {reason}")]
+    InvalidSamplingParams { field: String, reason: String },
+    /// Verification inputs disagree (shapes, vocabulary sizes, token ids, non-finite values).
+    #[error("speculative verification: {reason}")]
+    InvalidVerifyInput { reason: String },
     // ---- model/ (docs/model.md) -------------------------------------------------
     /// A file could not be opened, mapped or read.
     #[error("{path}: {reason}")]

@@ -14,6 +14,7 @@ pub mod kv;
 pub mod model;
 pub mod request;
 pub mod sim;
+pub mod spec;
 pub mod traits;
 pub mod util;
 
