@@ -126,12 +126,28 @@ fn fmt_shape(s: &[usize]) -> String {
     format!("{s:?}")
 }
 
+/// A readable reason for a safetensors header error.
+fn explain(e: &safetensors::SafeTensorError, file_len: usize) -> String {
+    use safetensors::SafeTensorError as E;
+    match e {
+        E::HeaderTooSmall => format!("{file_len} bytes: shorter than the 8-byte header length"),
+        E::InvalidHeaderLength => format!("the header length exceeds the file ({file_len} bytes)"),
+        E::HeaderTooLarge => "the header length is implausibly large".into(),
+        E::MetadataIncompleteBuffer => format!("the file size ({file_len} bytes) does not match the tensors the header describes (truncated?)"),
+        E::InvalidHeader(_) => "the JSON header is not UTF-8".into(),
+        E::InvalidHeaderDeserialization(err) => format!("the JSON header does not parse: {err}"),
+        E::InvalidOffset(t) => format!("tensor `{t}` has data offsets that are not contiguous"),
+        E::TensorInvalidInfo => "a tensor's byte size does not match its dtype and shape".into(),
+        other => format!("{other:?}"),
+    }
+}
+
 fn open_shard(path: &Path) -> Result<Shard> {
     let file = File::open(path).map_err(|e| io_err(path, e))?;
     // SAFETY: the map is read-only and private to this process; the checkpoint
     // contract (module doc) is that files are not modified while mapped.
     let mmap = unsafe { Mmap::map(&file) }.map_err(|e| io_err(path, e))?;
-    let (n, meta) = SafeTensors::read_metadata(&mmap).map_err(|e| corrupt(path, format!("{e:?}")))?;
+    let (n, meta) = SafeTensors::read_metadata(&mmap).map_err(|e| corrupt(path, explain(&e, mmap.len())))?;
     Ok(Shard {
         path: path.to_path_buf(),
         mmap,
@@ -290,17 +306,16 @@ impl Checkpoint {
         if info.shape != expected {
             // Name the config key behind the first differing dimension, if any.
             if info.shape.len() == dims.len() {
-                if let Some((d, found)) = dims.iter().zip(&info.shape).find(|(d, f)| d.size != **f && !d.key.is_empty()) {
+                if let Some((ax, (d, found))) = dims.iter().zip(&info.shape).enumerate().find(|(_, (d, f))| d.size != **f && !d.key.is_empty()) {
                     return Err(EngineError::ConfigMismatch {
                         key: d.key.into(),
                         tensor: name.into(),
                         reason: format!(
-                            "{} = {} implies shape {}, but {file} stores {} (dimension {})",
+                            "{} = {} implies shape {}, but {file} stores {} (axis {ax} is {found})",
                             d.key,
                             d.size,
                             fmt_shape(&expected),
                             fmt_shape(&info.shape),
-                            found
                         ),
                     });
                 }
@@ -461,4 +476,50 @@ pub fn write_safetensors(path: &Path, tensors: &[NamedTensor]) -> Result<()> {
     }
     let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into_iter().collect();
     safetensors::serialize_to_file(tensors.iter().map(|t| (t.name.as_str(), t)), Some(meta), path).map_err(|e| io_err(path, format!("{e:?}")))
+}
+
+/// Write a checkpoint into `dir`: one `model.safetensors`, or, when `max_shard_bytes` is
+/// given and the tensors exceed it, HF-style shards `model-0000i-of-0000n.safetensors`
+/// (tensors kept in order, a new shard when the next tensor would overflow) plus
+/// `model.safetensors.index.json` (`metadata.total_size`, `weight_map`). Returns the
+/// written file names.
+pub fn write_checkpoint(dir: &Path, tensors: &[NamedTensor], max_shard_bytes: Option<usize>) -> Result<Vec<String>> {
+    std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
+    let total: usize = tensors.iter().map(|t| t.data.len()).sum();
+    let limit = match max_shard_bytes {
+        Some(l) if total > l => l.max(1),
+        _ => {
+            write_safetensors(&dir.join(SINGLE_FILE), tensors)?;
+            return Ok(vec![SINGLE_FILE.to_string()]);
+        }
+    };
+    let mut shards: Vec<Vec<NamedTensor>> = vec![Vec::new()];
+    let mut size = 0;
+    for t in tensors {
+        if size > 0 && size + t.data.len() > limit {
+            shards.push(Vec::new());
+            size = 0;
+        }
+        size += t.data.len();
+        if let Some(s) = shards.last_mut() {
+            s.push(t.clone());
+        }
+    }
+    let n = shards.len();
+    let mut names = Vec::with_capacity(n);
+    let mut weight_map = serde_json::Map::new();
+    for (i, s) in shards.iter().enumerate() {
+        let name = format!("model-{:05}-of-{:05}.safetensors", i + 1, n);
+        write_safetensors(&dir.join(&name), s)?;
+        for t in s {
+            weight_map.insert(t.name.clone(), serde_json::Value::String(name.clone()));
+        }
+        names.push(name);
+    }
+    let index = serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
+    let path = dir.join(INDEX_FILE);
+    let text = serde_json::to_string_pretty(&index).map_err(|e| io_err(&path, e))?;
+    std::fs::write(&path, text + "\n").map_err(|e| io_err(&path, e))?;
+    names.push(INDEX_FILE.to_string());
+    Ok(names)
 }

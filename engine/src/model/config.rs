@@ -298,13 +298,20 @@ impl QuantizationConfig {
                     "asymmetric quantization (zero points) is not supported; allowed: true",
                 ));
             }
-            must_equal(&gk("weights.strategy"), &w.strategy.as_deref(), &Some("group"))?;
-            must_equal(&gk("weights.group_size"), &w.group_size, &Some(GROUP_SIZE as i64))?;
+            must_equal(&gk("weights.strategy"), &w.strategy.as_deref().unwrap_or("null"), &"group")?;
+            must_equal(
+                &gk("weights.group_size"),
+                &w.group_size.map_or("null".to_string(), |g| g.to_string()).as_str(),
+                &"128",
+            )?;
             let actorder_off = matches!(&w.actorder, None | Some(Value::Null) | Some(Value::Bool(false)));
             if !actorder_off {
                 return Err(invalid(
                     gk("weights.actorder"),
-                    format!("got {:?}; activation ordering (g_idx) is not supported; allowed: null", w.actorder),
+                    format!(
+                        "got {}; activation ordering (g_idx) is not supported; allowed: null",
+                        w.actorder.as_ref().map_or("null".to_string(), |v| v.to_string())
+                    ),
                 ));
             }
             if !matches!(w.dynamic, Value::Null | Value::Bool(false)) {

@@ -609,6 +609,7 @@ impl ModelWeights {
         let quant: BTreeSet<String> = quantized_module_names(&cfg)?.into_iter().collect();
         let mut src = RandomSource {
             rng: ChaCha8Rng::seed_from_u64(seed),
+            spare: None,
             h: cfg.hidden_size,
             quant,
         };
@@ -637,6 +638,12 @@ impl ModelWeights {
 
     /// Write `dir/config.json` (sorted keys) and `dir/model.safetensors`.
     pub fn save(&self, dir: &Path) -> Result<()> {
+        self.save_sharded(dir, None).map(|_| ())
+    }
+
+    /// Write `dir/config.json` and the tensors, sharded above `max_shard_bytes`
+    /// (see [`super::checkpoint::write_checkpoint`]); returns the tensor file names.
+    pub fn save_sharded(&self, dir: &Path, max_shard_bytes: Option<usize>) -> Result<Vec<String>> {
         std::fs::create_dir_all(dir).map_err(|e| EngineError::Io {
             path: dir.display().to_string(),
             reason: e.to_string(),
@@ -647,7 +654,7 @@ impl ModelWeights {
             path: cfg_path.display().to_string(),
             reason: e.to_string(),
         })?;
-        super::checkpoint::write_safetensors(&dir.join(super::checkpoint::SINGLE_FILE), &self.tensors())
+        super::checkpoint::write_checkpoint(dir, &self.tensors(), max_shard_bytes)
     }
 
     /// A copy whose W4A16 layers are dense f32 (the dequantized side of the benchmarks).
@@ -763,16 +770,25 @@ fn export_layer(out: &mut Vec<NamedTensor>, cfg: &ModelConfig, i: usize, l: &Lay
 /// Seeded generator behind [`ModelWeights::random`].
 struct RandomSource {
     rng: ChaCha8Rng,
+    /// Second Box-Muller output, not yet used.
+    spare: Option<f64>,
     h: usize,
     quant: BTreeSet<String>,
 }
 
 impl RandomSource {
     fn normal(&mut self) -> f64 {
-        // Box-Muller (one value per pair of uniforms; simple and stream-stable).
-        let u1: f64 = 1.0 - self.rng.random::<f64>();
-        let u2: f64 = self.rng.random::<f64>();
-        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+        // Box-Muller on two 32-bit uniforms from one 64-bit draw; both outputs are used.
+        if let Some(z) = self.spare.take() {
+            return z;
+        }
+        let x: u64 = self.rng.random();
+        let u1 = ((x >> 32) as f64 + 0.5) / 4_294_967_296.0; // (0, 1)
+        let u2 = (x & 0xffff_ffff) as f64 / 4_294_967_296.0; // [0, 1)
+        let r = (-2.0 * u1.ln()).sqrt();
+        let a = std::f64::consts::TAU * u2;
+        self.spare = Some(r * a.sin());
+        r * a.cos()
     }
     fn bf16(x: f64) -> f32 {
         half::bf16::from_f64(x).to_f32()
