@@ -55,12 +55,12 @@ pub enum EngineError {
     /// A tensor the model needs is absent.
     #[error("{file}: missing tensor `{tensor}`")]
     MissingTensor { file: String, tensor: String },
-    /// A tensor has the wrong shape.
-    #[error("{file}: tensor `{tensor}` has shape {found}, expected {expected}")]
-    TensorShape { file: String, tensor: String, expected: String, found: String },
-    /// A tensor has the wrong dtype.
-    #[error("{file}: tensor `{tensor}` has dtype {found}, expected {expected}")]
-    TensorDtype { file: String, tensor: String, expected: String, found: String },
+    /// A tensor has the wrong shape (`detail`: "shape [..], expected [..]").
+    #[error("{file}: tensor `{tensor}` has {detail}")]
+    TensorShape { file: String, tensor: String, detail: String },
+    /// A tensor has the wrong dtype (`detail`: "dtype X, expected Y").
+    #[error("{file}: tensor `{tensor}` has {detail}")]
+    TensorDtype { file: String, tensor: String, detail: String },
     /// config.json could not be parsed.
     #[error("{file}: cannot parse model config: {reason}")]
     ConfigParse { file: String, reason: String },

@@ -32,6 +32,9 @@ pub struct Span<'a> {
     pub state_table: &'a [BlockId],
     /// Write per-position KDA state snapshots (speculative verify).
     pub snapshot: bool,
+    /// RoPE tables of positions `start_pos..start_pos+len` ([`rope_tables`]), computed
+    /// once per batch and shared by every attention layer. Shapes: [len, d] each.
+    pub rope: (Vec<f32>, Vec<f32>),
 }
 
 /// RoPE `cos`, `sin` of positions `start..start+len`. Shapes: [len, d] each.
@@ -84,11 +87,18 @@ pub fn full_attention(w: &AttnWeights, cfg: &ModelConfig, a: &[f32], spans: &[Sp
     let mut o = vec![0.0f32; t_total * nh * d]; // [T_total, nh, d]
     let mut scores: Vec<f32> = Vec::new();
     for sp in spans {
-        let (cos, sin) = rope_tables(sp.start_pos, sp.len, d, cfg.rope_theta);
+        let (cos, sin) = (&sp.rope.0, &sp.rope.1);
+        if cos.len() != sp.len * d || sin.len() != sp.len * d {
+            return Err(crate::EngineError::ModelInput(format!(
+                "RoPE tables of {} values for a chunk of {} tokens (internal)",
+                cos.len(),
+                sp.len
+            )));
+        }
         let qs = &mut q[sp.offset * nh * d..(sp.offset + sp.len) * nh * d];
-        apply_rope(qs, nh, d, &cos, &sin);
+        apply_rope(qs, nh, d, cos, sin);
         let ks = &mut k[sp.offset * nkv * d..(sp.offset + sp.len) * nkv * d];
-        apply_rope(ks, nkv, d, &cos, &sin);
+        apply_rope(ks, nkv, d, cos, sin);
         for t in 0..sp.len {
             let pos = sp.start_pos + t;
             let row = (sp.offset + t) * nkv * d;

@@ -298,8 +298,7 @@ impl Checkpoint {
             return Err(EngineError::TensorDtype {
                 file,
                 tensor: name.into(),
-                expected: exp.join(" or "),
-                found: dtype_name(info.dtype),
+                detail: format!("dtype {}, expected {}", dtype_name(info.dtype), exp.join(" or ")),
             });
         }
         let expected: Vec<usize> = dims.iter().map(|d| d.size).collect();
@@ -323,8 +322,7 @@ impl Checkpoint {
             return Err(EngineError::TensorShape {
                 file,
                 tensor: name.into(),
-                expected: fmt_shape(&expected),
-                found: fmt_shape(&info.shape),
+                detail: format!("shape {}, expected {}", fmt_shape(&info.shape), fmt_shape(&expected)),
             });
         }
         let (a, b) = info.data_offsets;

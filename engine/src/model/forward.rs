@@ -30,7 +30,7 @@
 use std::collections::HashMap;
 
 use crate::kv::{BlockId, KvCacheManager, NULL_BLOCK};
-use crate::model::attention::{full_attention, Span};
+use crate::model::attention::{full_attention, rope_tables, Span};
 use crate::model::config::{LayerKind, ModelConfig};
 use crate::model::kda::kda;
 use crate::model::kv_store::KvStore;
@@ -260,6 +260,11 @@ impl ModelRunner {
                 };
                 self.check_table(state_table, need, ch.slot, crate::model::config::STATE_GROUP, &what)?;
             }
+            let rope = if cfg.num_full_layers() > 0 {
+                rope_tables(ch.start_pos, ch.tokens.len(), cfg.head_dim, cfg.rope_theta)
+            } else {
+                (Vec::new(), Vec::new())
+            };
             spans.push(Span {
                 offset,
                 len: ch.tokens.len(),
@@ -267,6 +272,7 @@ impl ModelRunner {
                 full_table,
                 state_table,
                 snapshot: ch.snapshot,
+                rope,
             });
             offset += ch.tokens.len();
         }

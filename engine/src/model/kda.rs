@@ -79,13 +79,18 @@ pub fn kda(w: &KdaWeights, cfg: &ModelConfig, a: &[f32], spans: &[Span<'_>], sto
                 cv.copy_from_slice(&conv);
             }
         }
-        // 2. gated delta rule per token and head.
+        // 2. gated delta rule per token and head. S is walked row by row (key i), two
+        //    fused passes, each per-element sum still in ascending i from 0:
+        //    pass 1: S[i,:] *= alpha_i; acc += S[i,:] * k_i   (u = v - acc = v - S^T k)
+        //    pass 2: S[i,:] += beta * (k_i * u);  o += S[i,:] * q_i   (o = S^T q)
         let mut u = vec![0.0f32; dl];
+        let mut qv = vec![0.0f32; dl];
+        let mut kv = vec![0.0f32; dl];
         for t in 0..sp.len {
             let row = base + t;
             for hd in 0..nl {
-                let mut qv = qkv[t * c + hd * dl..t * c + (hd + 1) * dl].to_vec();
-                let mut kv = qkv[(sp.len + t) * c + hd * dl..(sp.len + t) * c + (hd + 1) * dl].to_vec();
+                qv.copy_from_slice(&qkv[t * c + hd * dl..t * c + (hd + 1) * dl]);
+                kv.copy_from_slice(&qkv[(sp.len + t) * c + hd * dl..(sp.len + t) * c + (hd + 1) * dl]);
                 let vv = &qkv[(2 * sp.len + t) * c + hd * dl..(2 * sp.len + t) * c + (hd + 1) * dl];
                 l2norm_inplace(&mut qv);
                 for x in qv.iter_mut() {
@@ -94,36 +99,27 @@ pub fn kda(w: &KdaWeights, cfg: &ModelConfig, a: &[f32], spans: &[Span<'_>], sto
                 l2norm_inplace(&mut kv);
                 let beta = sigmoid(b[row * nl + hd]);
                 let sh = &mut s[hd * dl * dl..(hd + 1) * dl * dl]; // [key, value]
-                for i in 0..dl {
+                u.fill(0.0);
+                for (i, srow) in sh.chunks_exact_mut(dl).enumerate() {
                     let ch = hd * dl + i;
                     let alpha = (neg_a[hd] * softplus(f[row * c + ch] + w.dt_bias[ch])).exp();
-                    for x in &mut sh[i * dl..(i + 1) * dl] {
-                        *x *= alpha;
-                    }
-                }
-                // u = v - S^T k
-                for (vi, uv) in u.iter_mut().enumerate() {
-                    let mut acc = 0.0f32;
-                    for i in 0..dl {
-                        acc += sh[i * dl + vi] * kv[i];
-                    }
-                    *uv = vv[vi] - acc;
-                }
-                // S += beta * k u^T
-                for i in 0..dl {
                     let ki = kv[i];
-                    for (x, &uv) in sh[i * dl..(i + 1) * dl].iter_mut().zip(&u) {
-                        *x += beta * (ki * uv);
+                    for (x, acc) in srow.iter_mut().zip(u.iter_mut()) {
+                        *x *= alpha;
+                        *acc += *x * ki;
                     }
                 }
-                // o = S^T q
+                for (uv, &v) in u.iter_mut().zip(vv) {
+                    *uv = v - *uv;
+                }
                 let orow = &mut o[row * c + hd * dl..row * c + (hd + 1) * dl];
-                for (vi, ov) in orow.iter_mut().enumerate() {
-                    let mut acc = 0.0f32;
-                    for i in 0..dl {
-                        acc += sh[i * dl + vi] * qv[i];
+                orow.fill(0.0);
+                for (i, srow) in sh.chunks_exact_mut(dl).enumerate() {
+                    let (ki, qi) = (kv[i], qv[i]);
+                    for ((x, &uv), ov) in srow.iter_mut().zip(&u).zip(orow.iter_mut()) {
+                        *x += beta * (ki * uv);
+                        *ov += *x * qi;
                     }
-                    *ov = acc;
                 }
             }
             if sp.snapshot && t + 1 < sp.len {

@@ -18,7 +18,7 @@
 //! MTP layer drafts several tokens).
 
 use crate::kv::KvCacheManager;
-use crate::model::attention::Span;
+use crate::model::attention::{rope_tables, Span};
 use crate::model::config::FULL_GROUP;
 use crate::model::forward::{decoder_layer, CacheIndex, ForwardOptions, LogitsRows, ModelRunner};
 use crate::model::moe::RouterTrace;
@@ -88,6 +88,7 @@ impl ModelRunner {
             let table = kv.table(full, ch.slot);
             let end = ch.start_pos + t;
             self.check_table(table, end.div_ceil(bs), ch.slot, FULL_GROUP, &format!("MTP positions 0..{end}"))?;
+            let rope = rope_tables(ch.start_pos, t, cfg.head_dim, cfg.rope_theta);
             spans.push(Span {
                 offset,
                 len: t,
@@ -95,6 +96,7 @@ impl ModelRunner {
                 full_table: table,
                 state_table: &[],
                 snapshot: false,
+                rope,
             });
             offset += t;
         }
