@@ -16,7 +16,7 @@ use speclab_engine::kv::manager::AllocArgs;
 use speclab_engine::kv::{AllocOutcome, KvCacheManager};
 use speclab_engine::model::checkpoint::Checkpoint;
 use speclab_engine::model::ops::{argmax, rel_err};
-use speclab_engine::model::{ForwardOptions, ModelRunner, ModelWeights, MtpChunk, SeqChunk};
+use speclab_engine::model::{ForwardOptions, LogitsRows, ModelRunner, ModelWeights, MtpChunk, SeqChunk};
 use speclab_engine::{ReqSlot, RequestStatus, RequestView};
 
 const CONTRACT: f32 = 1e-2; // docs/model.md §1.6
@@ -288,6 +288,59 @@ fn prefill_decode_chunked_batched_agree() {
             rel_err(&out.logits[p1.len() * v..], &pre[10 * v..]),
             SELF_TOL,
         );
+        // Last-row logits only (serving prefill) equal the last rows of the full logits.
+        eng.alloc(6, p2.len());
+        let last = eng
+            .runner
+            .forward_with(
+                &eng.kv,
+                &[SeqChunk {
+                    slot: ReqSlot(6),
+                    tokens: &p2,
+                    start_pos: 0,
+                    snapshot: false,
+                }],
+                &ForwardOptions {
+                    logits: LogitsRows::LastPerChunk,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        assert_eq!(last.logits.len(), v);
+        report(
+            &format!("{variant} LastPerChunk vs last row"),
+            rel_err(&last.logits, &pre[(p2.len() - 1) * v..]),
+            SELF_TOL,
+        );
+        // MTP over all positions at once vs one position at a time (docs/model.md §12 check).
+        let h = eng.runner.config().hidden_size;
+        let hidden = last.hidden;
+        let mut next: Vec<u32> = p2[1..].to_vec();
+        next.push(7);
+        let all = eng
+            .runner
+            .mtp_forward(
+                &eng.kv,
+                &[MtpChunk {
+                    slot: ReqSlot(6),
+                    hidden: &hidden,
+                    next_tokens: &next,
+                    start_pos: 0,
+                }],
+                &ForwardOptions::default(),
+            )
+            .unwrap();
+        let mut steps = Vec::new();
+        for t in 0..p2.len() {
+            let chunk = MtpChunk {
+                slot: ReqSlot(6),
+                hidden: &hidden[t * h..(t + 1) * h],
+                next_tokens: &next[t..=t],
+                start_pos: t,
+            };
+            steps.extend(eng.runner.mtp_forward(&eng.kv, &[chunk], &ForwardOptions::default()).unwrap().logits);
+        }
+        report(&format!("{variant} MTP all positions vs one at a time"), rel_err(&steps, &all.logits), SELF_TOL);
     }
 }
 

@@ -86,7 +86,10 @@ impl ModelRunner {
                 )));
             }
             let table = kv.table(full, ch.slot);
-            let end = ch.start_pos + t;
+            let end = ch
+                .start_pos
+                .checked_add(t)
+                .ok_or_else(|| input_err(format!("request slot {}: MTP position overflow", ch.slot.0)))?;
             self.check_table(table, end.div_ceil(bs), ch.slot, FULL_GROUP, &format!("MTP positions 0..{end}"))?;
             let rope = rope_tables(ch.start_pos, t, cfg.head_dim, cfg.rope_theta);
             spans.push(Span {
