@@ -569,26 +569,29 @@ class TrainStream:
 
 class WindowPool:
     """Windows on the device; each epoch visits every window once in a random order;
-    windows that arrive mid-epoch join the unvisited part."""
+    windows that arrive mid-epoch join the unvisited part. The index queue lives on the
+    device, so drawing a batch never synchronises with the GPU."""
 
     def __init__(self, stream: TrainStream, device, seed: int):
         self.stream, self.device = stream, device
         self.gen = torch.Generator().manual_seed(seed)
         self.win = None
-        self.queue = torch.zeros(0, dtype=torch.long)
+        self.queue = torch.zeros(0, dtype=torch.long, device=device)
         self.epoch = 0
         self.served = 0
+
+    def _perm(self, n: int) -> torch.Tensor:
+        return torch.randperm(n, generator=self.gen).to(self.device)
 
     def _absorb(self) -> int:
         new = self.stream.take()
         if not new:
             return 0
-        t = torch.from_numpy(np.concatenate(new)).to(self.device, non_blocking=False)
+        t = torch.from_numpy(np.concatenate(new)).to(self.device)
         n0 = 0 if self.win is None else self.win.shape[0]
         self.win = t if self.win is None else torch.cat([self.win, t])
-        idx = torch.arange(n0, n0 + t.shape[0])
-        rest = torch.cat([self.queue, idx])
-        self.queue = rest[torch.randperm(rest.numel(), generator=self.gen)]
+        rest = torch.cat([self.queue, torch.arange(n0, n0 + t.shape[0], device=self.device)])
+        self.queue = rest[self._perm(rest.numel())]
         return t.shape[0]
 
     def wait_for(self, n: int, timeout: float):
@@ -607,10 +610,10 @@ class WindowPool:
             if self.win is None:
                 raise RuntimeError("no training windows available")
             self.epoch += 1
-            self.queue = torch.cat([self.queue, torch.randperm(self.win.shape[0], generator=self.gen)])
+            self.queue = torch.cat([self.queue, self._perm(self.win.shape[0])])
         idx, self.queue = self.queue[:B], self.queue[B:]
         self.served += B
-        return self.win[idx.to(self.device)].long()
+        return self.win[idx].long()
 
     def size(self) -> int:
         return 0 if self.win is None else int(self.win.shape[0])
