@@ -19,7 +19,7 @@ use crate::Result;
 
 /// One sequence's rows in a batch.
 #[derive(Debug, Clone)]
-pub struct Span<'a> {
+pub(crate) struct Span<'a> {
     /// First row of the chunk in the batch's `[T_total, ...]` tensors.
     pub offset: usize,
     /// Tokens in the chunk.
@@ -57,7 +57,9 @@ pub fn rope_tables(start: usize, len: usize, d: usize, theta: f64) -> (Vec<f32>,
     (cos, sin)
 }
 
-/// In place `x * cos + rotate_half(x) * sin` for `x [T, heads, d]`.
+/// In place `x * cos + rotate_half(x) * sin` for `x [T, heads, d]`, with `cos`, `sin`
+/// `[T, d]` from [`rope_tables`] (a precondition: the tables cover every row of `x`;
+/// callers build both from the same chunk, never from user-supplied lengths).
 pub fn apply_rope(x: &mut [f32], heads: usize, d: usize, cos: &[f32], sin: &[f32]) {
     let half = d / 2;
     let mut tmp = vec![0.0f32; d];
@@ -75,7 +77,7 @@ pub fn apply_rope(x: &mut [f32], heads: usize, d: usize, cos: &[f32], sin: &[f32
 
 /// Full attention of one layer over a batch: `a [T_total, H] -> [T_total, H]`.
 /// `layer` indexes the attention layers of the `full` group (MTP last).
-pub fn full_attention(w: &AttnWeights, cfg: &ModelConfig, a: &[f32], spans: &[Span<'_>], store: &mut KvStore, layer: usize) -> Result<Vec<f32>> {
+pub(crate) fn full_attention(w: &AttnWeights, cfg: &ModelConfig, a: &[f32], spans: &[Span<'_>], store: &mut KvStore, layer: usize) -> Result<Vec<f32>> {
     let t_total = a.len() / cfg.hidden_size;
     let (nh, nkv, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
     let g = nh / nkv;

@@ -30,7 +30,7 @@ use crate::Result;
 
 /// KDA of one layer over a batch: `a [T_total, H] -> [T_total, H]`; `layer` indexes the
 /// KDA layers (0..num_kda_layers).
-pub fn kda(w: &KdaWeights, cfg: &ModelConfig, a: &[f32], spans: &[Span<'_>], store: &mut KvStore, layer: usize) -> Result<Vec<f32>> {
+pub(crate) fn kda(w: &KdaWeights, cfg: &ModelConfig, a: &[f32], spans: &[Span<'_>], store: &mut KvStore, layer: usize) -> Result<Vec<f32>> {
     let h = cfg.hidden_size;
     let t_total = a.len() / h;
     let (nl, dl, kc) = (cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim);

@@ -20,9 +20,9 @@
 //! `model/forward.rs`).
 //!
 //! Invariants: the store is built for one `KvCacheManager`'s pool (`num_blocks`) and its
-//! `full` / `kda_state` groups, whose `memory` must equal the model's page sizes; every
-//! accessor takes a block id `< num_blocks` (callers check tables first) and never
-//! reads another block.
+//! `full` / `kda_state` groups, whose `memory` must equal the model's page sizes; the
+//! block accessors are crate-private and take a block id `< num_blocks` (the forward
+//! pass checks every table first), never touching another block.
 
 use crate::kv::{BlockId, GroupKind, KvCacheManager};
 use crate::model::config::{ModelConfig, FULL_GROUP, STATE_GROUP};
@@ -163,14 +163,14 @@ impl KvStore {
     }
 
     /// K and V of one block of attention layer `layer`. Shapes: [bs, nkv, d] each.
-    pub fn kv_block(&self, layer: usize, block: BlockId) -> (&[f32], &[f32]) {
+    pub(crate) fn kv_block(&self, layer: usize, block: BlockId) -> (&[f32], &[f32]) {
         let b = self.attn_base(layer, block);
         let half = self.full_page / 2;
         (&self.data[b..b + half], &self.data[b + half..b + 2 * half])
     }
 
     /// Write one token's K and V (`[nkv, d]` each) at `offset` of `block`.
-    pub fn write_kv(&mut self, layer: usize, block: BlockId, offset: usize, k: &[f32], v: &[f32]) {
+    pub(crate) fn write_kv(&mut self, layer: usize, block: BlockId, offset: usize, k: &[f32], v: &[f32]) {
         let b = self.attn_base(layer, block);
         let half = self.full_page / 2;
         let o = offset * self.kv_row;
@@ -179,20 +179,20 @@ impl KvStore {
     }
 
     /// Conv states `[3, kc-1, C]` and S `[nl, dl, dl]` of KDA layer `layer` in `block`.
-    pub fn state(&self, layer: usize, block: BlockId) -> (&[f32], &[f32]) {
+    pub(crate) fn state(&self, layer: usize, block: BlockId) -> (&[f32], &[f32]) {
         let b = self.state_base(layer, block);
         (&self.data[b..b + self.conv_len], &self.data[b + self.conv_len..b + self.state_page])
     }
 
     /// Mutable conv states and S of KDA layer `layer` in `block`.
-    pub fn state_mut(&mut self, layer: usize, block: BlockId) -> (&mut [f32], &mut [f32]) {
+    pub(crate) fn state_mut(&mut self, layer: usize, block: BlockId) -> (&mut [f32], &mut [f32]) {
         let b = self.state_base(layer, block);
         let (conv, s) = self.data[b..b + self.state_page].split_at_mut(self.conv_len);
         (conv, s)
     }
 
     /// Copy KDA layer `layer`'s state from block `from` to block `to`.
-    pub fn copy_state(&mut self, layer: usize, from: BlockId, to: BlockId) {
+    pub(crate) fn copy_state(&mut self, layer: usize, from: BlockId, to: BlockId) {
         if from == to {
             return;
         }
