@@ -304,12 +304,18 @@ impl QuantizationConfig {
                 &w.group_size.map_or("null".to_string(), |g| g.to_string()).as_str(),
                 &"128",
             )?;
-            let actorder_off = matches!(&w.actorder, None | Some(Value::Null) | Some(Value::Bool(false)));
-            if !actorder_off {
+            // "weight" / "static" only change GPTQ's calibration order (groups stay
+            // contiguous, nothing extra is stored); "group" / "dynamic" / true need g_idx.
+            let no_g_idx = match &w.actorder {
+                None | Some(Value::Null) | Some(Value::Bool(false)) => true,
+                Some(Value::String(a)) => a == "weight" || a == "static",
+                _ => false,
+            };
+            if !no_g_idx {
                 return Err(invalid(
                     gk("weights.actorder"),
                     format!(
-                        "got {}; activation ordering (g_idx) is not supported; allowed: null",
+                        "got {}; activation ordering with g_idx is not supported; allowed: null, false, \"weight\", \"static\"",
                         w.actorder.as_ref().map_or("null".to_string(), |v| v.to_string())
                     ),
                 ));
@@ -781,6 +787,22 @@ mod tests {
         assert_eq!(ModelConfig::tiny().num_parameters(), 20_909_592);
         assert_eq!(ModelConfig::glm53_flash().num_hidden_layers, 45);
         assert_eq!(ModelConfig::glm53_flash().num_full_layers(), 9);
+    }
+
+    #[test]
+    fn actorder_without_g_idx_is_accepted() {
+        for (v, ok) in [("static", true), ("weight", true), ("group", false), ("dynamic", false)] {
+            let mut c = ModelConfig::micro().with_quantization();
+            if let Some(w) = c
+                .quantization_config
+                .as_mut()
+                .and_then(|q| q.config_groups.get_mut("group_0"))
+                .and_then(|g| g.weights.as_mut())
+            {
+                w.actorder = Some(Value::String(v.into()));
+            }
+            assert_eq!(c.validate().is_ok(), ok, "actorder {v}");
+        }
     }
 
     #[test]
