@@ -489,7 +489,7 @@ class TrainModel(nn.Module):
 def encode_docs(tok, texts, bos: int, eos: int) -> list[np.ndarray]:
     """Each text -> int32 [bos] + ids + [eos]."""
     out = []
-    for e in tok.encode_batch(texts):
+    for e in tok.encode_batch(texts, add_special_tokens=False):
         a = np.empty(len(e.ids) + 2, dtype=np.int32)
         a[0] = bos
         a[1:-1] = e.ids

@@ -12,9 +12,11 @@ plus merges), then 8 special tokens at the last ids of the vocab, exactly where
     V-4 .. V-1 <|reserved_0|> .. <|reserved_3|>
 
 Pre-tokenizer and decoder: GPT-2 byte-level (``ByteLevel(add_prefix_space=False)``,
-its regex split), no normalizer, no post-processor (callers add ``<|bos|>`` /
-``<|eos|>`` themselves: a document is packed as ``<|bos|> text <|eos|>``), so
-``decode(encode(s)) == s`` for every string. Trained on a deterministic sample of the
+its regex split), no normalizer, so ``decode(encode(s)) == s`` for every string.
+Post-processor: ``TemplateProcessing("<|bos|> $A")``, as the engine's tokenizer fixture
+(``tests/fixtures/tokenizer/make.py``): ``encode(text, add_special_tokens=True)`` is
+``<|bos|>`` + ids, the prompt format. Training data is encoded with
+``add_special_tokens=False`` and packed as ``<|bos|> text <|eos|>`` per document. Trained on a deterministic sample of the
 train split (files with ``corpus.unit_hash(relpath, "tokenizer") < fraction``).
 """
 
@@ -67,7 +69,7 @@ def _added(tok_cls, content: str):
 
 def train_tokenizer(texts: list[str], cfg: dict, log=print, min_frequency: int = 2):
     """Train on ``texts`` -> ``tokenizers.Tokenizer`` with the special ids of ``cfg``."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     t0 = time.time()
     V = cfg["vocab_size"]
@@ -97,6 +99,10 @@ def train_tokenizer(texts: list[str], cfg: dict, log=print, min_frequency: int =
         tok.add_tokens([_added(AddedToken, f"<|unused_{i}|>") for i in range(n_regular - got)])
     assert tok.get_vocab_size(with_added_tokens=True) == n_regular, tok.get_vocab_size()
     tok.add_special_tokens([_added(AddedToken, s) for s in SPECIAL_TOKENS])
+    bos = cfg["bos_token_id"]
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", special_tokens=[("<|bos|>", bos)]
+    )
     check_tokenizer(tok, cfg)
     log(f"[tokenizer] trained BPE vocab {V} ({n_regular} + {n_special} special) on "
         f"{len(texts)} files / {sum(len(t) for t in texts) / 1e6:.1f} MB in {time.time() - t0:.1f} s")
@@ -111,10 +117,12 @@ def check_tokenizer(tok, cfg: dict) -> None:
     for s, i in special_ids(cfg).items():
         assert tok.token_to_id(s) == i, (s, i)
     probe = "def f(x):\n    return x ** 2  # \u00e9\u4e2d \U0001F600\n\t<|eos|>"
-    enc = tok.encode(probe)
+    enc = tok.encode(probe, add_special_tokens=False)
     assert tok.decode(enc.ids, skip_special_tokens=False) == probe, "byte-level round trip failed"
-    assert cfg["eos_token_id"] in enc.ids
+    assert cfg["eos_token_id"] in enc.ids and cfg["bos_token_id"] not in enc.ids
     assert max(enc.ids) < V
+    with_bos = tok.encode(probe).ids  # add_special_tokens=True: the prompt format
+    assert with_bos == [cfg["bos_token_id"]] + enc.ids, "post-processor must prepend <|bos|>"
 
 
 def load_tokenizer(path: str, cfg: dict | None = None):
@@ -143,7 +151,7 @@ def main(argv=None) -> int:
     tok.save(a.out)
     held = c.heldout.texts
     t0 = time.time()
-    n = sum(len(e.ids) for e in tok.encode_batch(held))
+    n = sum(len(e.ids) for e in tok.encode_batch(held, add_special_tokens=False))
     nbytes = sum(len(t.encode("utf-8")) for t in held)
     print(json.dumps({"heldout_tokens": n, "heldout_bytes": nbytes, "bytes_per_token": nbytes / n,
                       "encode_s": round(time.time() - t0, 2)}))
