@@ -1243,6 +1243,10 @@ def run(args, device) -> int:
                     log(f"probe batch {b}: out of memory")
                     probe.append({"batch": b, "oom": True})
                     break
+                except Exception:  # noqa: BLE001  (training will hit it too, and log it)
+                    tl["probe_error"] = traceback.format_exc()
+                    log(f"probe batch {b} failed:\n" + tl["probe_error"])
+                    break
                 finally:
                     model.zero_grad(set_to_none=True)
                     win = None
