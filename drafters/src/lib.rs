@@ -2,11 +2,14 @@
 //! [`speclab_engine::Drafter`] trait.
 //!
 //! Today: [`NoDraft`] (the spec-off control) and [`Ngram`] (vLLM's prompt
-//! lookup, `ngram`). MTP and DFlash2 arrive with the engine issue.
+//! lookup, `ngram`), and [`DFlash2`] (docs/dflash2.md; v1 and v2 modes; driven with
+//! target features rather than through the `Drafter` trait). MTP arrives with the engine issue.
 //! Invariant: a drafter never proposes more than `ctx.max_draft` tokens.
 
+pub mod dflash2;
 pub mod ngram;
 
+pub use dflash2::{DFlash2, DFlash2Config, DFlash2Weights, Draft, DraftMode, DraftRequest};
 pub use ngram::Ngram;
 
 use speclab_engine::{Drafter, Proposal, ProposeCtx, Result};
