@@ -174,7 +174,7 @@ impl Hessian {
 }
 
 /// GPTQ settings. Defaults: block 128, dampening 0.01, group 128, no act-order, dynamic groups.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GptqConfig {
     /// Columns per lazy-batch block.
     pub block_size: usize,

@@ -15,6 +15,7 @@
 pub mod checkpoint;
 pub mod error;
 pub mod gptq;
+pub mod pipeline;
 mod linalg;
 pub mod rtn;
 pub mod w4a16;

@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 
 pub mod bench;
 pub mod kv;
+pub mod model;
 pub mod run;
 
 /// speclab: a speculative-decoding research framework.
@@ -32,6 +33,10 @@ pub enum Command {
     Bounds(run::BoundsArgs),
     /// Render run records into markdown findings.
     Findings(run::FindingsArgs),
+    /// Write a random-weight checkpoint of a model preset.
+    InitModel(model::InitModelArgs),
+    /// Quantize a bf16 checkpoint's routed experts to W4A16 (GPTQ or RTN).
+    Quantize(model::QuantizeArgs),
     /// Side-by-side benchmarks against the reference implementations.
     Bench {
         #[command(subcommand)]
@@ -47,5 +52,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bounds(a) => run::bounds(a),
         Command::Findings(a) => run::findings(a),
         Command::Bench { command } => bench::run(command),
+        Command::InitModel(a) => model::init_model(a),
+        Command::Quantize(a) => model::quantize(a),
     }
 }

@@ -34,7 +34,7 @@ use crate::model::attention::{full_attention, rope_tables, Span};
 use crate::model::config::{LayerKind, ModelConfig};
 use crate::model::kda::kda;
 use crate::model::kv_store::KvStore;
-use crate::model::moe::{mlp, moe, RouterTrace};
+use crate::model::moe::{mlp, moe, ExpertObserver, RouterTrace, Taps};
 use crate::model::ops::rmsnorm;
 use crate::model::weights::{Ffn, LayerWeights, Mixer, ModelWeights};
 use crate::request::ReqSlot;
@@ -119,7 +119,7 @@ pub(crate) fn decoder_layer(
     spans: &[Span<'_>],
     store: &mut KvStore,
     cache: CacheIndex,
-    trace: Option<&mut Vec<RouterTrace>>,
+    taps: &mut Taps<'_>,
 ) -> Result<()> {
     let eps = cfg.rms_norm_eps as f32;
     let t = x.len() / cfg.hidden_size;
@@ -135,7 +135,7 @@ pub(crate) fn decoder_layer(
     let fin = rmsnorm(x, &lw.post_norm, eps);
     let ff = match &lw.ffn {
         Ffn::Dense(m) => mlp(m, &fin, t)?,
-        Ffn::Moe(m) => moe(m, cfg, &fin, t, layer, trace)?,
+        Ffn::Moe(m) => moe(m, cfg, &fin, t, layer, taps)?,
     };
     for (xv, f) in x.iter_mut().zip(&ff) {
         *xv += f;
@@ -286,6 +286,28 @@ impl ModelRunner {
 
     /// Forward a batch: see the module doc for the KV / state protocol.
     pub fn forward_with(&mut self, kv: &KvCacheManager, batch: &[SeqChunk<'_>], opts: &ForwardOptions) -> Result<ForwardOut> {
+        self.forward_inner(kv, batch, opts, None)
+    }
+
+    /// [`Self::forward_with`], showing every routed expert's projection inputs to
+    /// `observer` (GPTQ calibration). The outputs are identical.
+    pub fn forward_observed(
+        &mut self,
+        kv: &KvCacheManager,
+        batch: &[SeqChunk<'_>],
+        opts: &ForwardOptions,
+        observer: &mut dyn ExpertObserver,
+    ) -> Result<ForwardOut> {
+        self.forward_inner(kv, batch, opts, Some(observer))
+    }
+
+    fn forward_inner(
+        &mut self,
+        kv: &KvCacheManager,
+        batch: &[SeqChunk<'_>],
+        opts: &ForwardOptions,
+        observer: Option<&mut dyn ExpertObserver>,
+    ) -> Result<ForwardOut> {
         self.check_manager(kv)?;
         let need_full = self.weights.cfg.num_full_layers() > 0;
         let spans = self.plan(kv, batch, need_full)?;
@@ -304,7 +326,7 @@ impl ModelRunner {
             v.extend_from_slice(&x);
             v
         });
-        let mut router = opts.collect_router.then(Vec::new);
+        let mut taps = Taps { router: opts.collect_router.then(Vec::new), experts: observer };
         let (mut ai, mut ki) = (0, 0);
         for (i, lw) in weights.layers.iter().enumerate() {
             let cache = match cfg.layer_kind(i) {
@@ -317,7 +339,7 @@ impl ModelRunner {
                     CacheIndex::Kda(ki - 1)
                 }
             };
-            decoder_layer(lw, cfg, i, &mut x, &spans, store, cache, router.as_mut())?;
+            decoder_layer(lw, cfg, i, &mut x, &spans, store, cache, &mut taps)?;
             if let Some(p) = per_layer.as_mut() {
                 p.extend_from_slice(&x);
             }
@@ -345,7 +367,7 @@ impl ModelRunner {
             logits,
             hidden,
             per_layer_hidden: per_layer,
-            router,
+            router: taps.router,
             num_tokens: t_total,
         })
     }

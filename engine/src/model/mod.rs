@@ -34,7 +34,7 @@ pub use config::{LayerKind, ModelConfig, QuantizationConfig};
 pub use forward::{ForwardOptions, ForwardOut, LogitsRows, ModelRunner, SeqChunk};
 pub use kv_store::KvStore;
 pub use linear::Linear;
-pub use moe::RouterTrace;
+pub use moe::{ExpertInput, ExpertObserver, RouterTrace};
 pub use mtp::{MtpChunk, MtpOut};
 pub use tokenizer::Tokenizer;
 pub use weights::ModelWeights;

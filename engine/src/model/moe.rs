@@ -29,6 +29,29 @@ pub struct RouterTrace {
     pub weights: Vec<f32>,
 }
 
+/// Which projection's input an [`ExpertObserver`] sees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ExpertInput {
+    /// The input of `gate_proj` and `up_proj` (the rows routed to the expert). Shape: [rows, H].
+    GateUp,
+    /// The input of `down_proj`: `silu(x Wg^T) * (x Wu^T)`. Shape: [rows, Im].
+    Down,
+}
+
+/// Sees the inputs of every routed expert's projections during a forward pass
+/// (GPTQ calibration: the Hessian of each quantized matrix is built from them).
+pub trait ExpertObserver {
+    /// `x` holds `rows` input rows of expert `expert` of MoE layer `layer`.
+    fn observe(&mut self, layer: usize, expert: usize, input: ExpertInput, x: &[f32], rows: usize);
+}
+
+/// Optional taps of a forward pass through the MoE layers.
+#[derive(Default)]
+pub(crate) struct Taps<'a> {
+    pub router: Option<Vec<RouterTrace>>,
+    pub experts: Option<&'a mut dyn ExpertObserver>,
+}
+
 /// SwiGLU `(silu(x Wg^T) * (x Wu^T)) Wd^T`: `x [T, H] -> [T, H]`.
 pub fn mlp(m: &Mlp, x: &[f32], t: usize) -> Result<Vec<f32>> {
     let mut g = m.gate.forward(x, t)?; // [T, I]
@@ -49,7 +72,7 @@ pub fn topk_desc(biased: &[f32], k: usize) -> Vec<usize> {
 }
 
 /// MoE of one layer: `f [T, H] -> [T, H]`; appends the routing to `trace` when given.
-pub fn moe(m: &MoeWeights, cfg: &ModelConfig, f: &[f32], t: usize, layer: usize, trace: Option<&mut Vec<RouterTrace>>) -> Result<Vec<f32>> {
+pub(crate) fn moe(m: &MoeWeights, cfg: &ModelConfig, f: &[f32], t: usize, layer: usize, taps: &mut Taps<'_>) -> Result<Vec<f32>> {
     let h = cfg.hidden_size;
     let e = cfg.n_routed_experts;
     let k = cfg.num_experts_per_tok;
@@ -96,7 +119,21 @@ pub fn moe(m: &MoeWeights, cfg: &ModelConfig, f: &[f32], t: usize, layer: usize,
         for &(row, _) in &rows {
             xg.extend_from_slice(&f[row * h..(row + 1) * h]);
         }
-        let y = mlp(ex, &xg, rows.len())?; // [n_j, H]
+        let y = match taps.experts.as_mut() {
+            None => mlp(ex, &xg, rows.len())?, // [n_j, H]
+            Some(obs) => {
+                // The same computation as `mlp`, with its two inputs observed.
+                let n = rows.len();
+                obs.observe(layer, j, ExpertInput::GateUp, &xg, n);
+                let mut g = ex.gate.forward(&xg, n)?;
+                let u = ex.up.forward(&xg, n)?;
+                for (gv, uv) in g.iter_mut().zip(&u) {
+                    *gv = silu(*gv) * uv;
+                }
+                obs.observe(layer, j, ExpertInput::Down, &g, n);
+                ex.down.forward(&g, n)?
+            }
+        };
         for (i, &(row, wt)) in rows.iter().enumerate() {
             for (o, &yv) in out[row * h..(row + 1) * h].iter_mut().zip(&y[i * h..(i + 1) * h]) {
                 *o += wt * yv;
@@ -107,7 +144,7 @@ pub fn moe(m: &MoeWeights, cfg: &ModelConfig, f: &[f32], t: usize, layer: usize,
     for (o, s) in out.iter_mut().zip(&shared) {
         *o += s;
     }
-    if let Some(tr) = trace {
+    if let Some(tr) = taps.router.as_mut() {
         tr.push(RouterTrace {
             layer,
             ids: sel.iter().map(|&x| x as u32).collect(),

@@ -21,7 +21,7 @@ use crate::kv::KvCacheManager;
 use crate::model::attention::{rope_tables, Span};
 use crate::model::config::FULL_GROUP;
 use crate::model::forward::{decoder_layer, CacheIndex, ForwardOptions, LogitsRows, ModelRunner};
-use crate::model::moe::RouterTrace;
+use crate::model::moe::{RouterTrace, Taps};
 use crate::model::ops::rmsnorm;
 use crate::request::ReqSlot;
 use crate::{EngineError, Result};
@@ -121,7 +121,7 @@ impl ModelRunner {
             }
         }
         let mut x = mtp.eh_proj.forward(&cat, t_total)?; // [T_total, H]
-        let mut router = opts.collect_router.then(Vec::new);
+        let mut taps = Taps { router: opts.collect_router.then(Vec::new), experts: None };
         let attn_index = cfg.num_full_layers();
         decoder_layer(
             &mtp.layer,
@@ -131,7 +131,7 @@ impl ModelRunner {
             &spans,
             &mut self.store,
             CacheIndex::Attn(attn_index),
-            router.as_mut(),
+            &mut taps,
         )?;
         let m = rmsnorm(&x, &mtp.head_norm, eps);
         let logits = match opts.logits {
@@ -145,6 +145,6 @@ impl ModelRunner {
                 self.weights.lm_head.forward(&last, spans.len())?
             }
         };
-        Ok(MtpOut { logits, hidden: x, router })
+        Ok(MtpOut { logits, hidden: x, router: taps.router })
     }
 }

@@ -1,0 +1,179 @@
+//! `speclab init-model` and `speclab quantize`.
+//!
+//! `init-model` writes a random-weight checkpoint of a preset (docs/model.md
+//! §10) in the real on-disk format (bf16, or W4A16 routed experts with
+//! `--w4a16`), for tests and benchmarks. `quantize` turns a bf16 checkpoint
+//! into a W4A16 compressed-tensors `pack-quantized` one with sequential
+//! per-layer GPTQ (or RTN) on calibration tokens (`speclab_quant::pipeline`),
+//! and prints / writes the per-matrix GPTQ-vs-RTN error report.
+//! Invariant: `--json` prints only JSON on stdout.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+use speclab_engine::model::{Checkpoint, ModelConfig, ModelWeights};
+use speclab_quant::pipeline::{quantize_model, Method, QuantizeJob};
+use speclab_quant::GptqConfig;
+
+#[derive(Debug, Args)]
+pub struct InitModelArgs {
+    /// Preset: micro, tiny, glm53-flash.
+    #[arg(long)]
+    pub preset: String,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Output directory.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Quantize the routed experts (RTN) and write a W4A16 checkpoint.
+    #[arg(long)]
+    pub w4a16: bool,
+    /// Shard tensor files above this many MiB.
+    #[arg(long)]
+    pub max_shard_mib: Option<usize>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum MethodArg {
+    Gptq,
+    Rtn,
+}
+
+#[derive(Debug, Args)]
+pub struct QuantizeArgs {
+    /// bf16 checkpoint directory.
+    pub model: PathBuf,
+    /// Output directory for the W4A16 checkpoint.
+    #[arg(long)]
+    pub out: PathBuf,
+    #[arg(long, value_enum, default_value = "gptq")]
+    pub method: MethodArg,
+    /// Calibration tokens: a .safetensors file (int32 [n, len], tensor --calib-tensor)
+    /// or a .json list of token-id lists.
+    #[arg(long)]
+    pub calib: Option<PathBuf>,
+    #[arg(long, default_value = "calib_tokens")]
+    pub calib_tensor: String,
+    /// Use only the first N calibration sequences.
+    #[arg(long)]
+    pub calib_limit: Option<usize>,
+    /// Random calibration tokens instead of a file: N:LEN (tests only).
+    #[arg(long)]
+    pub calib_random: Option<String>,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// GPTQ dampening (fraction of the mean Hessian diagonal).
+    #[arg(long, default_value_t = 0.01)]
+    pub dampening: f64,
+    /// GPTQ: compute group scales from the original weights up front (llm-compressor).
+    #[arg(long)]
+    pub static_groups: bool,
+    /// Shard tensor files above this many MiB.
+    #[arg(long)]
+    pub max_shard_mib: Option<usize>,
+    /// Write the per-matrix report (JSON) here too.
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `speclab init-model`.
+pub fn init_model(a: InitModelArgs) -> anyhow::Result<ExitCode> {
+    let cfg = ModelConfig::preset(&a.preset)?;
+    if cfg.num_parameters() > 2_000_000_000 {
+        bail!("preset {} has {} parameters: random weights that large are for memory planning only, not written", a.preset, cfg.num_parameters());
+    }
+    let cfg = if a.w4a16 { cfg.with_quantization() } else { cfg };
+    let w = ModelWeights::random(&cfg, a.seed, a.w4a16)?;
+    let files = w.save_sharded(&a.out, a.max_shard_mib.map(|m| m << 20))?;
+    if a.json {
+        println!("{}", serde_json::json!({"out": a.out, "preset": a.preset, "seed": a.seed, "w4a16": a.w4a16, "files": files, "parameters": cfg.num_parameters()}));
+    } else {
+        println!("wrote {} ({} parameters, {}) to {}", a.preset, cfg.num_parameters(), if a.w4a16 { "W4A16 experts" } else { "bf16" }, a.out.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn load_calib(a: &QuantizeArgs, vocab: usize) -> anyhow::Result<Vec<Vec<u32>>> {
+    let mut seqs: Vec<Vec<u32>> = match (&a.calib, &a.calib_random) {
+        (Some(_), Some(_)) => bail!("give --calib or --calib-random, not both"),
+        (None, None) => match a.method {
+            MethodArg::Gptq => bail!("GPTQ needs calibration tokens: --calib FILE (or --calib-random N:LEN for tests)"),
+            MethodArg::Rtn => vec![],
+        },
+        (None, Some(spec)) => {
+            let (n, len) = spec
+                .split_once(':')
+                .and_then(|(n, l)| Some((n.parse::<usize>().ok()?, l.parse::<usize>().ok()?)))
+                .with_context(|| format!("--calib-random {spec:?}: expected N:LEN, e.g. 16:256"))?;
+            use rand::{Rng, SeedableRng};
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(a.seed);
+            (0..n).map(|_| (0..len).map(|_| rng.random_range(0..vocab as u32)).collect()).collect()
+        }
+        (Some(p), None) => read_calib_file(p, &a.calib_tensor)?,
+    };
+    if let Some(l) = a.calib_limit {
+        seqs.truncate(l);
+    }
+    Ok(seqs)
+}
+
+fn read_calib_file(p: &Path, tensor: &str) -> anyhow::Result<Vec<Vec<u32>>> {
+    match p.extension().and_then(|e| e.to_str()) {
+        Some("json") => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let v: Vec<Vec<u32>> = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}:{}:{}: expected a JSON list of token-id lists: {e}", p.display(), e.line(), e.column()))?;
+            Ok(v)
+        }
+        Some("safetensors") => {
+            let ck = Checkpoint::open_file(p)?;
+            let names: Vec<&str> = ck.names().collect();
+            let shape = ck.shape(tensor).with_context(|| format!("{}: no tensor {tensor:?} (names: {names:?})", p.display()))?;
+            if shape.len() != 2 {
+                bail!("{}: tensor {tensor:?} has shape {shape:?}, expected [n, len]", p.display());
+            }
+            let (flat, _) = ck.i32_any_shape(tensor)?;
+            let len = shape[1];
+            flat.chunks(len.max(1))
+                .map(|row| row.iter().map(|&t| u32::try_from(t).map_err(|_| anyhow::anyhow!("{}: {tensor}: negative token id {t}", p.display()))).collect())
+                .collect()
+        }
+        _ => bail!("{}: calibration file must be .safetensors or .json", p.display()),
+    }
+}
+
+/// `speclab quantize`.
+pub fn quantize(a: QuantizeArgs) -> anyhow::Result<ExitCode> {
+    let cfg = ModelConfig::from_file(&a.model.join("config.json"))?;
+    let calib = load_calib(&a, cfg.vocab_size)?;
+    let method = match a.method {
+        MethodArg::Gptq => Method::Gptq(GptqConfig { dampening: a.dampening, static_groups: a.static_groups, ..GptqConfig::default() }),
+        MethodArg::Rtn => Method::Rtn,
+    };
+    let job = QuantizeJob { model_dir: &a.model, out_dir: &a.out, calib: &calib, method, max_shard_bytes: a.max_shard_mib.map(|m| m << 20) };
+    let quiet = a.json;
+    let report = quantize_model(&job, &mut |line| {
+        if !quiet {
+            eprintln!("{line}");
+        }
+    })?;
+    if let Some(p) = &a.report {
+        speclab_experiments::record::write_atomic(p, &serde_json::to_vec_pretty(&report)?)?;
+    }
+    if a.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!("{} on {} calibration sequences ({} tokens) -> {}", report.method, report.calib_sequences, report.calib_tokens, a.out.display());
+        println!("{:<46} {:>10} {:>12} {:>12} {:>7}", "matrix", "rows", "proxy loss", "RTN proxy", "ratio");
+        for m in &report.matrices {
+            println!("{:<46} {:>10} {:>12.4e} {:>12.4e} {:>7.3}", m.module, m.calib_rows, m.proxy_loss, m.rtn_proxy_loss, m.proxy_loss / m.rtn_proxy_loss);
+        }
+        println!("total proxy loss vs RTN: {:.3}", report.total_proxy_ratio_vs_rtn);
+    }
+    Ok(ExitCode::SUCCESS)
+}
