@@ -37,6 +37,8 @@ pub enum Command {
     InitModel(model::InitModelArgs),
     /// Quantize a bf16 checkpoint's routed experts to W4A16 (GPTQ or RTN).
     Quantize(model::QuantizeArgs),
+    /// Held-out loss / perplexity of checkpoints side by side (teacher forcing).
+    EvalPpl(model::EvalPplArgs),
     /// Side-by-side benchmarks against the reference implementations.
     Bench {
         #[command(subcommand)]
@@ -54,5 +56,6 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench { command } => bench::run(command),
         Command::InitModel(a) => model::init_model(a),
         Command::Quantize(a) => model::quantize(a),
+        Command::EvalPpl(a) => model::eval_ppl(a),
     }
 }

@@ -177,3 +177,92 @@ pub fn quantize(a: QuantizeArgs) -> anyhow::Result<ExitCode> {
     }
     Ok(ExitCode::SUCCESS)
 }
+
+#[derive(Debug, Args)]
+pub struct EvalPplArgs {
+    /// Checkpoint directories to evaluate (bf16 or W4A16), side by side.
+    #[arg(required = true)]
+    pub models: Vec<PathBuf>,
+    /// Token file: .safetensors (int32 [n, len], tensor --tensor) or .json lists.
+    #[arg(long)]
+    pub data: PathBuf,
+    #[arg(long, default_value = "eval_tokens")]
+    pub tensor: String,
+    /// Use only the first N sequences.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Mean next-token cross-entropy (nats) of a model over sequences (teacher forcing, f32).
+pub fn eval_ce(weights: &ModelWeights, seqs: &[Vec<u32>]) -> anyhow::Result<(f64, u64, f64)> {
+    use speclab_engine::kv::manager::AllocArgs;
+    use speclab_engine::kv::{AllocOutcome, KvCacheManager};
+    use speclab_engine::model::{ModelRunner, SeqChunk};
+    use speclab_engine::{ReqSlot, RequestStatus, RequestView};
+    let cfg = &weights.cfg;
+    let longest = seqs.iter().map(Vec::len).max().unwrap_or(1) as u32;
+    let mut kv = KvCacheManager::from_layout(&cfg.kv_layout(16, 0, longest.div_ceil(16) + 8)?)?;
+    let mut runner = ModelRunner::new(weights.clone(), &kv)?;
+    let v = cfg.vocab_size;
+    let (mut nll, mut n, mut correct) = (0f64, 0u64, 0u64);
+    for (i, s) in seqs.iter().enumerate() {
+        if s.len() < 2 {
+            continue;
+        }
+        if let Some(&bad) = s.iter().find(|&&t| t as usize >= v) {
+            bail!("sequence {i}: token id {bad} >= vocab_size {v}");
+        }
+        let len = s.len() as u64;
+        let slot = ReqSlot(0);
+        let view = RequestView { slot, num_computed_tokens: 0, num_tokens: len, num_prompt_tokens: len, status: RequestStatus::Waiting, num_in_flight_tokens: 0 };
+        match kv.allocate_slots(&view, AllocArgs { num_new_tokens: len, num_lookahead_tokens: 0, full_sequence_must_fit: true, has_scheduled_reqs: false })? {
+            AllocOutcome::Allocated(_) => {}
+            AllocOutcome::NoFit => bail!("sequence {i} does not fit the KV pool"),
+        }
+        let out = runner.forward(&kv, &[SeqChunk { slot, tokens: s, start_pos: 0, snapshot: false }])?;
+        for t in 0..s.len() - 1 {
+            let row = &out.logits[t * v..(t + 1) * v];
+            let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+            let lse = m + row.iter().map(|&x| ((x as f64) - m).exp()).sum::<f64>().ln();
+            let target = s[t + 1] as usize;
+            nll += lse - row[target] as f64;
+            let arg = row.iter().enumerate().fold((0, f32::NEG_INFINITY), |(bi, bv), (j, &x)| if x > bv { (j, x) } else { (bi, bv) }).0;
+            correct += u64::from(arg == target);
+            n += 1;
+        }
+        kv.free(slot);
+        runner.release(slot);
+    }
+    if n == 0 {
+        bail!("no sequence of at least 2 tokens to evaluate");
+    }
+    Ok((nll / n as f64, n, correct as f64 / n as f64))
+}
+
+/// `speclab eval-ppl`: held-out loss / perplexity of several checkpoints side by side.
+pub fn eval_ppl(a: EvalPplArgs) -> anyhow::Result<ExitCode> {
+    let mut seqs = read_calib_file(&a.data, &a.tensor)?;
+    if let Some(l) = a.limit {
+        seqs.truncate(l);
+    }
+    let mut rows = Vec::new();
+    for m in &a.models {
+        let w = ModelWeights::load(m).with_context(|| format!("loading {}", m.display()))?;
+        let t0 = std::time::Instant::now();
+        let (ce, n, top1) = eval_ce(&w, &seqs)?;
+        let row = serde_json::json!({
+            "model": m, "quantized": w.cfg.quantization_config.is_some(), "ce_nats": ce, "ppl": ce.exp(),
+            "top1": top1, "positions": n, "seconds": t0.elapsed().as_secs_f64(),
+        });
+        if !a.json {
+            println!("{:<40} ce {:.4} nats  ppl {:.3}  top1 {:.4}  ({} positions, {:.1} s)", m.display(), ce, ce.exp(), top1, n, t0.elapsed().as_secs_f64());
+        }
+        rows.push(row);
+    }
+    if a.json {
+        println!("{}", serde_json::to_string(&rows)?);
+    }
+    Ok(ExitCode::SUCCESS)
+}
