@@ -79,7 +79,7 @@ enum TestDrafter {
 }
 
 impl Drafter for TestDrafter {
-    fn propose(&mut self, ctx: &ProposeCtx<'_>) -> speclab_engine::Result<Proposal> {
+    fn propose(&mut self, ctx: &mut ProposeCtx<'_>) -> speclab_engine::Result<Proposal> {
         match self {
             TestDrafter::Ngram(d) => d.propose(ctx),
             TestDrafter::Oracle { reference, prompt_len, k, corrupt_every } => {
@@ -117,7 +117,7 @@ fn spec_decode(prompt: &[u32], n: usize, salt: u64, drafter: &mut dyn Drafter, k
         let remaining = n - (t.len() - prompt.len());
         // Like vLLM's max_model_len clip: never draft past the budget.
         let max_draft = k.min(remaining - 1);
-        let p = drafter.propose(&ProposeCtx { request: 1, tokens: &t, max_draft }).unwrap();
+        let p = drafter.propose(&mut ProposeCtx::new(1, &t, max_draft)).unwrap();
         assert!(p.tokens.len() <= max_draft);
         let l = verify_logits(&t, &p.tokens, salt);
         let v = if !via_ctx {
@@ -128,7 +128,6 @@ fn spec_decode(prompt: &[u32], n: usize, salt: u64, drafter: &mut dyn Drafter, k
         assert_eq!(v.tokens.len(), v.accepted + 1);
         assert_eq!(&v.tokens[..v.accepted], &p.tokens[..v.accepted]);
         v.observe(metrics);
-        drafter.commit(1, v.accepted).unwrap();
         t.extend(&v.tokens);
         via_ctx = !via_ctx;
     }

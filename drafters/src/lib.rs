@@ -1,15 +1,21 @@
 //! speclab-drafters: drafters around the target model, behind the engine's
 //! [`speclab_engine::Drafter`] trait.
 //!
-//! Today: [`NoDraft`] (the spec-off control) and [`Ngram`] (vLLM's prompt
-//! lookup, `ngram`), and [`DFlash2`] (docs/dflash2.md; v1 and v2 modes; driven with
-//! target features rather than through the `Drafter` trait). MTP arrives with the engine issue.
+//! Today: [`NoDraft`] (the spec-off control), [`Ngram`] (vLLM's prompt lookup,
+//! `ngram`), [`Mtp`] (the target's MTP layer, `mtp.rs`), and [`DFlash2`] (docs/dflash2.md;
+//! v1 and v2 modes), which [`DFlash2Drafter`] (`adapters.rs`) puts behind the `Drafter`
+//! trait. [`DrafterSpec`] names and validates a drafter against a target and is the
+//! engine's `DrafterFactory` (`speclab_engine::exec::generate`).
 //! Invariant: a drafter never proposes more than `ctx.max_draft` tokens.
 
+pub mod adapters;
 pub mod dflash2;
+pub mod mtp;
 pub mod ngram;
 
+pub use adapters::{DFlash2Drafter, DrafterKind, DrafterSpec};
 pub use dflash2::{DFlash2, DFlash2Config, DFlash2Weights, Draft, DraftMode, DraftRequest};
+pub use mtp::Mtp;
 pub use ngram::Ngram;
 
 use speclab_engine::{Drafter, Proposal, ProposeCtx, Result};
@@ -19,7 +25,7 @@ use speclab_engine::{Drafter, Proposal, ProposeCtx, Result};
 pub struct NoDraft;
 
 impl Drafter for NoDraft {
-    fn propose(&mut self, _ctx: &ProposeCtx<'_>) -> Result<Proposal> {
+    fn propose(&mut self, _ctx: &mut ProposeCtx<'_>) -> Result<Proposal> {
         Ok(Proposal::default())
     }
     fn lookahead_slots(&self) -> usize {
@@ -33,7 +39,7 @@ mod tests {
     #[test]
     fn nodraft_proposes_nothing() {
         let mut d = NoDraft;
-        let p = d.propose(&ProposeCtx { request: 0, tokens: &[1, 2, 3], max_draft: 4 }).unwrap();
+        let p = d.propose(&mut ProposeCtx::new(0, &[1, 2, 3], 4)).unwrap();
         assert!(p.tokens.is_empty());
         assert_eq!(d.lookahead_slots(), 0);
     }

@@ -130,7 +130,7 @@ pub fn find_longest_matched_ngram(tokens: &[u32], min_n: usize, max_n: usize, k:
 }
 
 impl Drafter for Ngram {
-    fn propose(&mut self, ctx: &ProposeCtx<'_>) -> Result<Proposal> {
+    fn propose(&mut self, ctx: &mut ProposeCtx<'_>) -> Result<Proposal> {
         self.validate()?;
         let k = self.num_speculative_tokens.min(ctx.max_draft);
         let draft = find_longest_matched_ngram(ctx.tokens, self.prompt_lookup_min, self.prompt_lookup_max, k);
@@ -149,7 +149,7 @@ mod tests {
 
     fn propose(d: Ngram, tokens: &[u32], max_draft: usize) -> Vec<u32> {
         let mut d = d;
-        let p = d.propose(&ProposeCtx { request: 0, tokens, max_draft }).unwrap();
+        let p = d.propose(&mut ProposeCtx::new(0, tokens, max_draft)).unwrap();
         assert!(p.probs.is_none());
         p.tokens
     }
@@ -165,7 +165,7 @@ mod tests {
         }
         // A hand-built invalid drafter is refused at propose time.
         let mut d = Ngram { prompt_lookup_min: 0, prompt_lookup_max: 2, num_speculative_tokens: 2 };
-        assert!(d.propose(&ProposeCtx { request: 0, tokens: &[1, 2, 1], max_draft: 2 }).is_err());
+        assert!(d.propose(&mut ProposeCtx::new(0, &[1, 2, 1], 2)).is_err());
         assert_eq!(Ngram::new(1, 2, 3).unwrap().lookahead_slots(), 0);
     }
 

@@ -10,6 +10,7 @@
 //! operation returns [`EngineError`].
 
 pub mod error;
+pub mod exec;
 pub mod kv;
 pub mod model;
 pub mod request;

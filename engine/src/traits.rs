@@ -7,21 +7,74 @@
 //! Invariant: a scheduler never allocates KV outside `KvCacheManager`, and
 //! an executor never changes which requests are scheduled.
 
+use std::ops::Range;
+
+use rand::RngCore;
+
 use crate::kv::KvCacheManager;
+use crate::model::{ForwardOut, ModelRunner};
 use crate::request::ReqSlot;
+use crate::spec::SamplingParams;
 use crate::Result;
 
 /// Identifier of a request in an engine run.
 pub type RequestId = u64;
 
-/// What a drafter sees when proposing for one request.
-#[derive(Debug, Clone, Copy)]
+/// Real mode: the target model and this step's forward pass, as a drafter that reads
+/// target hidden states or keeps its own KV (MTP, DFlash2) sees them.
+pub struct TargetStep<'a> {
+    /// The target (its weights, and for MTP its KV store: the MTP layer's K/V live in
+    /// the target's `full` group).
+    pub runner: &'a mut ModelRunner,
+    /// The KV manager of the run (block tables of every group, the drafter's included).
+    pub kv: &'a KvCacheManager,
+    /// This step's target forward (`hidden` always; `per_layer_hidden` when the drafter
+    /// asked for it through [`Drafter::wants_layer_hidden`]).
+    pub forward: &'a ForwardOut,
+    /// This request's rows of `forward` whose tokens are now committed: a prefill
+    /// chunk's rows, or a verify pass's last committed token + accepted drafts.
+    pub rows: Range<usize>,
+    /// Absolute position of row `rows.start`.
+    pub start_pos: usize,
+}
+
+/// What a drafter sees for one request after a target pass.
 pub struct ProposeCtx<'a> {
     pub request: RequestId,
-    /// Prompt + committed output tokens so far. Shape: [num_tokens].
+    /// The request's slot in the KV manager.
+    pub slot: ReqSlot,
+    /// Prompt + committed output tokens so far (the last one is the token to draft
+    /// after). Shape: [num_tokens].
     pub tokens: &'a [u32],
-    /// Maximum number of draft tokens to propose this step.
+    /// Maximum number of draft tokens to propose this step; 0 = only observe the
+    /// target rows (a partial prefill chunk), propose nothing.
     pub max_draft: usize,
+    /// The target's sampling parameters (drafters that sample use its temperature).
+    pub sampling: SamplingParams,
+    /// The request's RNG (needed by drafters that sample when `sampling` is not greedy).
+    pub rng: Option<&'a mut dyn RngCore>,
+    /// The target pass (real mode); `None` for token-only drafters (tests, simulation).
+    pub target: Option<TargetStep<'a>>,
+}
+
+impl<'a> ProposeCtx<'a> {
+    /// A token-only context (no target pass, greedy, no RNG, slot 0).
+    pub fn new(request: RequestId, tokens: &'a [u32], max_draft: usize) -> Self {
+        Self { request, slot: ReqSlot(0), tokens, max_draft, sampling: SamplingParams::GREEDY, rng: None, target: None }
+    }
+}
+
+impl std::fmt::Debug for ProposeCtx<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProposeCtx")
+            .field("request", &self.request)
+            .field("slot", &self.slot)
+            .field("num_tokens", &self.tokens.len())
+            .field("max_draft", &self.max_draft)
+            .field("sampling", &self.sampling)
+            .field("target_rows", &self.target.as_ref().map(|t| (t.rows.clone(), t.start_pos)))
+            .finish_non_exhaustive()
+    }
 }
 
 /// A drafter's proposal.
@@ -34,16 +87,30 @@ pub struct Proposal {
 }
 
 /// Proposes draft tokens around a target model.
+///
+/// Protocol (the model executor, `crate::exec`): after every target pass of a live
+/// request (every prefill chunk, every verify) the executor calls [`Drafter::propose`]
+/// once for it, with the rows that pass committed (`ctx.target`) and the committed
+/// tokens (`ctx.tokens`, including the token just sampled). Drafters with state
+/// (their own KV, context length) update it from those rows, in position order, and
+/// then draft up to `ctx.max_draft` tokens (vLLM proposes right after sampling; a
+/// partial prefill chunk proposes nothing). A chunk starting at position 0 starts the
+/// request afresh (first prefill, or the recompute after a preemption).
 pub trait Drafter {
-    /// Draft up to `ctx.max_draft` tokens.
-    fn propose(&mut self, ctx: &ProposeCtx<'_>) -> Result<Proposal>;
+    /// Observe the committed rows of this step's target pass, then draft up to
+    /// `ctx.max_draft` tokens.
+    fn propose(&mut self, ctx: &mut ProposeCtx<'_>) -> Result<Proposal>;
     /// Lookahead slots the KV manager must reserve per decode step
-    /// (vLLM: num_speculative_tokens, +1 for DFlash-style drafters).
+    /// (vLLM: num_speculative_tokens, +1 for DFlash-style drafters, 0 without KV).
     fn lookahead_slots(&self) -> usize;
-    /// Called after verification with the number of accepted draft tokens.
-    fn commit(&mut self, _request: RequestId, _accepted: usize) -> Result<()> {
-        Ok(())
+    /// Whether the target forward must collect per-layer hidden states
+    /// (`ForwardOptions::collect_hidden`; DFlash2's target features).
+    fn wants_layer_hidden(&self) -> bool {
+        false
     }
+    /// Forget a request's state (it finished or was preempted; its KV blocks belong
+    /// to the KV manager and are freed there).
+    fn release(&mut self, _slot: ReqSlot) {}
 }
 
 /// One request's share of a step.

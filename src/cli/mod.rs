@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 pub mod bench;
+pub mod generate;
 pub mod kv;
 pub mod model;
 pub mod run;
@@ -39,6 +40,10 @@ pub enum Command {
     Quantize(model::QuantizeArgs),
     /// Held-out loss / perplexity of checkpoints side by side (teacher forcing).
     EvalPpl(model::EvalPplArgs),
+    /// Generate with the real target (+ a drafter) through the FCFS scheduler and model executor.
+    Generate(generate::GenerateArgs),
+    /// Check that greedy output with a drafter equals the output without it, token for token.
+    VerifyLossless(generate::VerifyLosslessArgs),
     /// Side-by-side benchmarks against the reference implementations.
     Bench {
         #[command(subcommand)]
@@ -54,6 +59,8 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bounds(a) => run::bounds(a),
         Command::Findings(a) => run::findings(a),
         Command::Bench { command } => bench::run(command),
+        Command::Generate(a) => generate::generate(a),
+        Command::VerifyLossless(a) => generate::verify(a),
         Command::InitModel(a) => model::init_model(a),
         Command::Quantize(a) => model::quantize(a),
         Command::EvalPpl(a) => model::eval_ppl(a),
