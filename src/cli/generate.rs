@@ -174,7 +174,7 @@ fn drafter_spec(a: &EngineArgs, target: &ModelWeights) -> anyhow::Result<Drafter
 fn options(
     a: &EngineArgs,
     target: &ModelWeights,
-    n_reqs: usize,
+    reqs: &[EngineRequest],
     n_spec: usize,
     sampling: SamplingParams,
     collect_router: bool,
@@ -182,10 +182,22 @@ fn options(
     let mml = a
         .max_model_len
         .unwrap_or(target.cfg.max_position_embeddings as u64);
-    let bs = u64::from(a.block_size.clamp(1, a.drafter_block_size.max(1)));
-    // Every request at max_model_len at once, in every group (full, state, drafter window), + null.
-    let per_req = 2 * mml.div_ceil(bs) + n_spec as u64 + 4;
-    let default_blocks = u32::try_from((n_reqs as u64).max(1) * per_req + 1).unwrap_or(u32::MAX);
+    // Default pool: every request at its full length at once, in every group (full
+    // attention, 1 + N KDA snapshot blocks, a DFlash window group sized without a cap),
+    // plus the null block. The host KV store allocates every block for every layer, so
+    // the pool is sized from the requests rather than from max_model_len.
+    let (bs, dbs) = (
+        u64::from(a.block_size.max(1)),
+        u64::from(a.drafter_block_size.max(1)),
+    );
+    let need: u64 = reqs
+        .iter()
+        .map(|r| {
+            let len = (r.prompt.len() as u64 + r.max_tokens + n_spec as u64 + 1).min(mml);
+            len.div_ceil(bs) + 1 + n_spec as u64 + len.div_ceil(dbs) + 2
+        })
+        .sum();
+    let default_blocks = u32::try_from(need + 1).unwrap_or(u32::MAX);
     EngineOptions {
         block_size: a.block_size,
         num_blocks: a.num_blocks.unwrap_or(default_blocks),
@@ -277,12 +289,12 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
     let sampling = SamplingParams::random(a.temperature);
     sampling.validate()?;
     let n_spec = speclab_engine::exec::DrafterFactory::num_speculative_tokens(&spec);
-    let opts = options(e, &target, 1, n_spec, sampling, a.experts);
     let reqs = [EngineRequest {
         id: 0,
         prompt: prompt.clone(),
         max_tokens: e.max_tokens,
     }];
+    let opts = options(e, &target, &reqs, n_spec, sampling, a.experts);
     let mut make = fcfs(e);
     let run = run_generate(&target, &spec, &reqs, &opts, &mut make)?;
     let out = run.output(0).unwrap_or(&[]).to_vec();
@@ -409,14 +421,6 @@ pub fn verify(a: VerifyLosslessArgs) -> anyhow::Result<ExitCode> {
     }
     let spec = drafter_spec(e, &target)?;
     let n_spec = speclab_engine::exec::DrafterFactory::num_speculative_tokens(&spec);
-    let opts = options(
-        e,
-        &target,
-        prompts.len(),
-        n_spec,
-        SamplingParams::GREEDY,
-        false,
-    );
     let reqs: Vec<EngineRequest> = prompts
         .into_iter()
         .enumerate()
@@ -426,6 +430,7 @@ pub fn verify(a: VerifyLosslessArgs) -> anyhow::Result<ExitCode> {
             max_tokens: e.max_tokens,
         })
         .collect();
+    let opts = options(e, &target, &reqs, n_spec, SamplingParams::GREEDY, false);
     let mut make = fcfs(e);
     let report = verify_lossless(&target, &spec, &reqs, &opts, &mut make)?;
     if e.json {
