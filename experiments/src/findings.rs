@@ -14,7 +14,8 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use crate::manifest::{Expectation, Manifest};
-use crate::record::{LegRecord, LegStatus, RunRecord};
+use crate::real::{temp_label, RealSpec};
+use crate::record::{LegRecord, LegStatus, RealLegRecord, RunRecord};
 use crate::{ExperimentError, Result};
 
 fn thousands(n: u64) -> String {
@@ -51,8 +52,36 @@ fn bound_text(l: &LegRecord) -> String {
     }
 }
 
+/// `x` with `d` decimals, or `-`.
+fn opt(x: Option<f64>, d: usize) -> String {
+    x.map(|v| format!("{v:.d$}")).unwrap_or_else(|| "-".into())
+}
+
+/// The leg-chain line of a real leg.
+fn real_chain_line(l: &LegRecord, r: &RealLegRecord) -> String {
+    let mut s = format!(
+        "`{}`: **{}**; {} requests, {} output tokens in {} steps ({:.1} tok/s)",
+        l.id,
+        status_word(l.status),
+        r.num_requests,
+        thousands(r.output_tokens),
+        thousands(r.steps),
+        r.tokens_per_s
+    );
+    if let (Some(a), Some(t)) = (r.draft_acceptance_rate, r.tau) {
+        let _ = write!(s, ", acceptance {:.1}%, tau {t:.3}", 100.0 * a);
+    }
+    if let Some(n) = &l.note {
+        let _ = write!(s, "; {n}");
+    }
+    s
+}
+
 /// The leg-chain line of one leg.
 pub fn chain_line(l: &LegRecord) -> String {
+    if let Some(r) = &l.real {
+        return real_chain_line(l, r);
+    }
     let mut s = format!("`{}`: **{}**", l.id, status_word(l.status));
     if let Some(a) = l.admissions.first() {
         let margin = a.usable as i64 - a.total as i64;
@@ -133,14 +162,26 @@ pub fn render(rec: &RunRecord, record_path: &str) -> String {
     }
     let _ = writeln!(
         md,
-        "Rendered by `speclab findings` from the run record [`{record_path}`](../{record_path}) (manifest `{}`, commit `{}`, speclab {}). {} of the manifest's legs are recorded{}.\n",
+        "Rendered by `speclab findings` from the run record [`{record_path}`]({}) (manifest `{}`, commit `{}`, speclab {}). {} of the manifest's legs are recorded{}.\n",
+        if Path::new(record_path).is_absolute() { record_path.to_string() } else { format!("../{record_path}") },
         rec.manifest_path,
         rec.git_commit.as_deref().unwrap_or("unknown"),
         rec.speclab_version,
         rec.legs.len(),
         if rec.complete { " (complete)" } else { " (INCOMPLETE: resume with `speclab run`)" }
     );
-    if let Some(m) = &manifest {
+    if let Some(real) = manifest.as_ref().and_then(|m| m.real.as_ref()) {
+        real_setup(&mut md, real, rec);
+        if let Some(m) = &manifest {
+            if !m.assumptions.is_empty() {
+                let _ = writeln!(md, "### Assumptions\n");
+                for a in &m.assumptions {
+                    let _ = writeln!(md, "- {a}");
+                }
+                let _ = writeln!(md);
+            }
+        }
+    } else if let Some(m) = &manifest {
         let _ = writeln!(md, "## Setup\n");
         let _ = writeln!(
             md,
@@ -172,30 +213,36 @@ pub fn render(rec: &RunRecord, record_path: &str) -> String {
         }
         let _ = writeln!(md);
     }
-    let _ = writeln!(md, "## Legs\n");
-    let names = rec.legs.first().map(|l| l.group_names.clone()).unwrap_or_default();
-    let _ = writeln!(md, "| leg | pool (usable) | admission need (total) | per-group need ({}) | status | steps | peak held per request, per group | largest admissible prompt |", names.join(" / "));
-    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|");
-    for l in &rec.legs {
-        let (need, per) = match l.admissions.first() {
-            Some(a) => (thousands(a.total), a.need_per_group.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(" / ")),
-            None => ("-".into(), "-".into()),
-        };
-        let peaks = if l.steps > 0 { l.peak_held_per_group.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(" / ") } else { "-".into() };
-        let _ = writeln!(
-            md,
-            "| `{}` | {} | {} | {} | {} | {} | {} | {} |",
-            l.id,
-            thousands(l.usable_blocks),
-            need,
-            per,
-            status_word(l.status),
-            thousands(l.steps),
-            peaks,
-            bound_text(l)
-        );
+    let sim_legs: Vec<&LegRecord> = rec.legs.iter().filter(|l| l.real.is_none()).collect();
+    if !sim_legs.is_empty() {
+        let _ = writeln!(md, "## Legs\n");
+        let names = sim_legs.first().map(|l| l.group_names.clone()).unwrap_or_default();
+        let _ = writeln!(md, "| leg | pool (usable) | admission need (total) | per-group need ({}) | status | steps | peak held per request, per group | largest admissible prompt |", names.join(" / "));
+        let _ = writeln!(md, "|---|---|---|---|---|---|---|---|");
+        for l in sim_legs {
+            let (need, per) = match l.admissions.first() {
+                Some(a) => (thousands(a.total), a.need_per_group.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(" / ")),
+                None => ("-".into(), "-".into()),
+            };
+            let peaks = if l.steps > 0 { l.peak_held_per_group.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(" / ") } else { "-".into() };
+            let _ = writeln!(
+                md,
+                "| `{}` | {} | {} | {} | {} | {} | {} | {} |",
+                l.id,
+                thousands(l.usable_blocks),
+                need,
+                per,
+                status_word(l.status),
+                thousands(l.steps),
+                peaks,
+                bound_text(l)
+            );
+        }
+        let _ = writeln!(md);
     }
-    let _ = writeln!(md);
+    if rec.legs.iter().any(|l| l.real.is_some()) {
+        real_section(&mut md, rec, &name);
+    }
     if let Some(m) = &manifest {
         if !m.expectations.is_empty() {
             let _ = writeln!(md, "## Comparison with the reference\n");
@@ -217,7 +264,7 @@ pub fn render(rec: &RunRecord, record_path: &str) -> String {
             let _ = writeln!(md);
         }
     }
-    let spec_legs: Vec<&LegRecord> = rec.legs.iter().filter(|l| l.spec.num_drafts > 0).collect();
+    let spec_legs: Vec<&LegRecord> = rec.legs.iter().filter(|l| l.real.is_none() && l.spec.num_drafts > 0).collect();
     if !spec_legs.is_empty() {
         let _ = writeln!(md, "## Speculative decoding (simulated acceptance)\n");
         let _ = writeln!(md, "| leg | drafts | draft tokens | accepted | acceptance rate | tau |");
@@ -257,7 +304,13 @@ pub fn render(rec: &RunRecord, record_path: &str) -> String {
     md
 }
 
-/// Render records into `out_dir/<manifest name>.md`; returns the written paths.
+/// The plot file name of a record named `name` (next to its markdown).
+pub fn plot_file_name(name: &str) -> String {
+    format!("{name}-tau.svg")
+}
+
+/// Render records into `out_dir/<manifest name>.md` (and `<name>-tau.svg` for a real
+/// sweep over N); returns the written paths.
 pub fn render_files(records: &[std::path::PathBuf], out_dir: &Path) -> Result<Vec<std::path::PathBuf>> {
     let mut written = Vec::new();
     for p in records {
@@ -267,11 +320,140 @@ pub fn render_files(records: &[std::path::PathBuf], out_dir: &Path) -> Result<Ve
         let out = out_dir.join(format!("{name}.md"));
         crate::record::write_atomic(&out, md.as_bytes())?;
         written.push(out);
+        if let Some(svg) = crate::plot::tau_svg(&rec, &format!("{name}: tau and acceptance rate vs N")) {
+            let sp = out_dir.join(plot_file_name(&name));
+            crate::record::write_atomic(&sp, svg.as_bytes())?;
+            written.push(sp);
+        }
     }
     if written.is_empty() {
         return Err(ExperimentError::Invalid { path: out_dir.to_path_buf(), field: "records".into(), msg: "no record given".into() });
     }
     Ok(written)
+}
+
+/// The setup of a real manifest, from the manifest stored in the record.
+fn real_setup(md: &mut String, real: &RealSpec, rec: &RunRecord) {
+    let _ = writeln!(md, "## Setup (real engine)\n");
+    let _ = writeln!(md, "- target: `{}`", real.model);
+    let p = &real.prompts;
+    let prompts = match (&p.file, &p.generated) {
+        (Some(f), _) => {
+            let rows = match p.count {
+                Some(c) => format!("{c} rows from row {}", p.offset),
+                None => format!("every row from row {}", p.offset),
+            };
+            let trunc = p.truncate.map(|t| format!(", truncated to {t} tokens")).unwrap_or_default();
+            format!("{rows} of `{}` in `{f}`{trunc}", p.tensor)
+        }
+        (None, Some(g)) => format!("{} random prompts of {} tokens (seed {})", g.count, g.len, g.seed),
+        (None, None) => "-".into(),
+    };
+    let _ = writeln!(md, "- prompts: {prompts}");
+    if let Some(r) = rec.legs.iter().find_map(|l| l.real.as_ref()) {
+        let _ = writeln!(md, "- per leg: {} requests, {} prompt tokens in all, max_tokens {} each{}", r.num_requests, thousands(r.prompt_tokens), r.max_tokens, if real.ignore_eos { " (ignore_eos)" } else { "" });
+    }
+    let ns: Vec<String> = real
+        .drafters
+        .iter()
+        .map(|&d| {
+            let n = real.ns_for(d).iter().map(|n| n.to_string()).collect::<Vec<_>>().join(", ");
+            format!("`{}` (N {n})", d.name())
+        })
+        .collect();
+    let _ = writeln!(md, "- drafters: {}", ns.join(", "));
+    let _ = writeln!(
+        md,
+        "- concurrency (max_num_seqs): {}; temperatures: {}; seed {}",
+        real.concurrency.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(", "),
+        real.temperatures.iter().map(|&t| temp_label(t)).collect::<Vec<_>>().join(", "),
+        real.seed
+    );
+    let _ = writeln!(
+        md,
+        "- engine: vLLM-faithful FCFS scheduler, max_num_batched_tokens {}, KV block size {}, pool {}; DFlash window group block {} cap `{}`",
+        real.max_num_batched_tokens,
+        real.block_size,
+        real.num_blocks.map(|n| format!("{n} blocks")).unwrap_or_else(|| "sized per leg so every request fits at once".into()),
+        real.drafter_block_size,
+        crate::manifest::cap_name(real.cap)
+    );
+    for n in &rec.notes {
+        let _ = writeln!(md, "- note: {n}");
+    }
+    let _ = writeln!(md);
+}
+
+/// "k/n" requests whose greedy output equals the spec-off leg's (same concurrency), from digests.
+fn greedy_vs_control(r: &RealLegRecord, rec: &RunRecord) -> String {
+    if r.temperature != 0.0 {
+        return "-".into();
+    }
+    if r.drafter == "none" {
+        return "control".into();
+    }
+    let control = rec.legs.iter().filter_map(|l| l.real.as_ref()).find(|c| c.drafter == "none" && c.temperature == 0.0 && c.concurrency == r.concurrency);
+    match control {
+        None => "no control leg".into(),
+        Some(c) => {
+            let n = r.output_digests.len().min(c.output_digests.len());
+            let equal = r.output_digests.iter().zip(&c.output_digests).filter(|(a, b)| a == b).count();
+            let first = r.output_digests.iter().zip(&c.output_digests).position(|(a, b)| a != b);
+            match first {
+                None if r.output_digests.len() == c.output_digests.len() => format!("{equal}/{n}"),
+                None => format!("{equal}/{n} (request counts differ)"),
+                Some(i) => format!("**{equal}/{n}** (request {i} differs)"),
+            }
+        }
+    }
+}
+
+/// The real-engine table (and the plot link), every number from the record.
+fn real_section(md: &mut String, rec: &RunRecord, name: &str) {
+    let _ = writeln!(md, "## Speculative decoding (real engine)\n");
+    let _ = writeln!(
+        md,
+        "vLLM's definitions: acceptance rate = accepted / drafted tokens; tau = 1 + accepted / drafts (mean acceptance length); per-position rate k = drafts whose position k was accepted / drafts. Verify width = tokens the target verified in one decode step over the batch. Experts = distinct (MoE layer, expert) pairs the verify rows of a step routed to. Greedy = spec-off: requests whose output equals the `none` leg's at the same concurrency (FNV-1a digests of the token ids).\n"
+    );
+    let _ = writeln!(md, "| leg | drafter | N | c | T | status | acceptance rate | tau | per-position rates | tokens/s | verify width (mean / max) | experts per verify step (mean / max of slots) | TTFT mean (steps / s) | greedy = spec-off |");
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for l in &rec.legs {
+        let Some(r) = &l.real else { continue };
+        let per = if r.acceptance_per_position.is_empty() { "-".into() } else { r.acceptance_per_position.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(" / ") };
+        let width = match r.mean_verify_width {
+            Some(w) => format!("{w:.2} / {}", r.max_verify_width),
+            None => "-".into(),
+        };
+        let experts = match (r.mean_verify_experts, r.max_verify_experts) {
+            (Some(m), Some(x)) => format!("{m:.1} / {x} of {}", r.expert_slots),
+            _ => "-".into(),
+        };
+        let _ = writeln!(
+            md,
+            "| `{}` | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} / {} | {} |",
+            l.id,
+            r.drafter,
+            r.num_speculative_tokens,
+            r.concurrency,
+            temp_label(r.temperature),
+            status_word(l.status),
+            r.draft_acceptance_rate.map(|a| format!("{:.1}%", 100.0 * a)).unwrap_or_else(|| "-".into()),
+            opt(r.tau, 3),
+            per,
+            r.tokens_per_s,
+            width,
+            experts,
+            opt(r.mean_ttft_steps, 1),
+            opt(r.mean_ttft_s, 3),
+            greedy_vs_control(r, rec)
+        );
+    }
+    let _ = writeln!(md);
+    if crate::plot::has_n_sweep(rec) {
+        let f = plot_file_name(name);
+        let _ = writeln!(md, "![tau and acceptance rate vs N, per drafter]({f})\n");
+        let _ = writeln!(md, "Plot: [`{f}`]({f}), rendered from the same record.\n");
+    }
 }
 
 #[cfg(test)]

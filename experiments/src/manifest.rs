@@ -32,13 +32,18 @@ pub struct Manifest {
     /// The assumptions behind the model (rendered into findings verbatim).
     #[serde(default)]
     pub assumptions: Vec<String>,
+    /// KV layout of simulated legs (not used with `real`).
+    #[serde(default)]
     pub kv: KvSpec,
+    /// Scheduler of simulated legs (not used with `real`, which sets its own).
+    #[serde(default)]
     pub scheduler: SchedulerSpec,
     #[serde(default)]
     pub drafter: DrafterSpec,
     /// Per-position acceptance rates (vLLM's unconditional definition).
     #[serde(default)]
     pub acceptance: Vec<f64>,
+    #[serde(default)]
     pub workload: Workload,
     #[serde(default)]
     pub sweep: Sweep,
@@ -55,6 +60,11 @@ pub struct Manifest {
     /// Backstop on simulated steps per leg.
     #[serde(default = "default_max_steps")]
     pub max_steps: u64,
+    /// The real engine: target checkpoint, drafters, prompts, sampling, concurrency
+    /// ([`crate::real`]). With it, the legs are real runs (drafter x N x concurrency x
+    /// temperature) and the simulated sections must be left out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub real: Option<crate::real::RealSpec>,
 }
 
 fn default_max_steps() -> u64 {
@@ -94,6 +104,22 @@ pub struct KvSpec {
 
 fn default_mml() -> u32 {
     262_144
+}
+
+impl Default for KvSpec {
+    fn default() -> Self {
+        Self {
+            preset: None,
+            layout: None,
+            block_size: None,
+            cap: CapPolicy::default(),
+            num_blocks: None,
+            kv_cache_memory_bytes: None,
+            memory: None,
+            max_model_len: default_mml(),
+            watermark: 0.0,
+        }
+    }
 }
 
 /// The byte model of the GLM-5.3-Flash + DFlash2 preset: per-layer page sizes
@@ -155,6 +181,12 @@ pub struct SchedulerSpec {
     pub max_num_seqs: usize,
     #[serde(default = "default_mnbt")]
     pub max_num_batched_tokens: u32,
+}
+
+impl Default for SchedulerSpec {
+    fn default() -> Self {
+        Self { policy: PolicyName::default(), max_num_seqs: default_max_num_seqs(), max_num_batched_tokens: default_mnbt() }
+    }
 }
 
 fn default_max_num_seqs() -> usize {
@@ -240,6 +272,12 @@ pub struct Workload {
     pub each_prompt_alone: bool,
 }
 
+impl Default for Workload {
+    fn default() -> Self {
+        Self { prompts: vec![], generate: None, output_len: default_output_len(), each_prompt_alone: true }
+    }
+}
+
 fn default_output_len() -> u64 {
     256
 }
@@ -303,13 +341,40 @@ pub struct Leg {
 /// The preset's name.
 pub const PRESET_GLM53_DFLASH2: &str = "glm53-flash-dflash2";
 
-/// Parse RON with positions: `path:line:col: message`.
+/// Parse RON with positions and the field path: `path:line:col: field `a.b[2]`: message`.
+/// `Option` fields may be written bare (RON's `implicit_some`): `truncate: 128` and
+/// `truncate: Some(128)` both work.
 pub fn parse_ron<T: for<'de> Deserialize<'de>>(path: &Path, text: &str) -> Result<T> {
-    ron::from_str(text).map_err(|e| ExperimentError::Parse {
+    let opts = ron::Options::default().with_default_extension(ron::extensions::Extensions::IMPLICIT_SOME);
+    let err = |e: ron::error::SpannedError, field: Option<String>| ExperimentError::Parse {
         path: path.to_path_buf(),
         at: format!("{}:{}", e.position.line, e.position.col),
-        msg: e.code.to_string(),
-    })
+        msg: match field {
+            Some(f) => format!("field `{f}`: {}", e.code),
+            None => e.code.to_string(),
+        },
+    };
+    let mut de = ron::Deserializer::from_str_with_options(text, &opts).map_err(|e| err(e, None))?;
+    let v: T = match serde_path_to_error::deserialize(&mut de) {
+        Ok(v) => v,
+        Err(e) => {
+            let field = field_path(e.path());
+            let spanned = de.span_error(e.into_inner());
+            return Err(err(spanned, field));
+        }
+    };
+    de.end().map_err(|code| err(de.span_error(code), None))?;
+    Ok(v)
+}
+
+/// The field path of a deserialization error (`real.drafters[2]`), without the trailing
+/// unknown segments (`?`) serde_path_to_error adds.
+fn field_path(p: &serde_path_to_error::Path) -> Option<String> {
+    let mut s = p.to_string();
+    while let Some(t) = s.strip_suffix('?') {
+        s = t.strip_suffix('.').unwrap_or(t).to_string();
+    }
+    (!s.is_empty() && s != ".").then_some(s)
 }
 
 impl Manifest {
@@ -330,6 +395,10 @@ impl Manifest {
         let bad = |f: &str, m: String| Self::invalid(path, f, m);
         if self.name.trim().is_empty() || self.name.contains(['/', '\\']) {
             return Err(bad("name", format!("must be a non-empty file-name-safe string, got {:?}", self.name)));
+        }
+        if let Some(real) = &self.real {
+            self.check_no_sim_sections(path)?;
+            return real.validate(path);
         }
         if self.scheduler.max_num_seqs == 0 {
             return Err(bad("scheduler.max_num_seqs", "must be > 0".into()));
@@ -376,6 +445,33 @@ impl Manifest {
             other => other,
         })?;
         Ok(())
+    }
+
+    /// A manifest with `real` must leave the simulated sections out (they would be ignored).
+    fn check_no_sim_sections(&self, path: &Path) -> Result<()> {
+        let given = [
+            ("kv", self.kv != KvSpec::default()),
+            ("scheduler", self.scheduler != SchedulerSpec::default()),
+            ("drafter", self.drafter != DrafterSpec::default()),
+            ("acceptance", !self.acceptance.is_empty()),
+            ("workload", self.workload != Workload::default()),
+            ("sweep", self.sweep != Sweep::default()),
+            ("measure", self.measure != Measure::default()),
+            ("expectations", !self.expectations.is_empty()),
+        ];
+        match given.iter().find(|(_, g)| *g) {
+            Some((f, _)) => Err(Self::invalid(
+                path,
+                f,
+                "belongs to simulated manifests; a manifest with `real` runs the real engine (its drafters, N, concurrency, prompts and pool are set in `real`), so leave this section out",
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// True when the legs run the real engine.
+    pub fn is_real(&self) -> bool {
+        self.real.is_some()
     }
 
     /// All prompt lengths: the listed ones, then the generated ones (seeded).
@@ -447,8 +543,12 @@ impl Manifest {
         Ok(layout)
     }
 
-    /// Expand the sweep into legs, in order: block size, cap, pool, workload.
+    /// Expand the sweep into simulated legs, in order: block size, cap, pool, workload.
+    /// A real manifest has none (its legs are [`crate::real::RealSpec::legs`]).
     pub fn legs(&self) -> Result<Vec<Leg>> {
+        if self.real.is_some() {
+            return Ok(Vec::new());
+        }
         let bss: Vec<Option<u32>> =
             if self.sweep.block_sizes.is_empty() { vec![self.kv.block_size] } else { self.sweep.block_sizes.iter().map(|&b| Some(b)).collect() };
         let caps = if self.sweep.caps.is_empty() { vec![self.kv.cap] } else { self.sweep.caps.clone() };

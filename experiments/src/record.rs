@@ -101,6 +101,86 @@ pub struct LegRecord {
     /// The wedge/reject explanation, verbatim.
     pub note: Option<String>,
     pub wall_ms: f64,
+    /// What a real-engine leg measured (absent in simulated legs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub real: Option<RealLegRecord>,
+}
+
+/// One real-engine leg's measurements (vLLM's spec-decode definitions).
+///
+/// Acceptance: `num_drafts` = verify chunks with at least one draft, `num_draft_tokens`,
+/// `num_accepted_tokens`, `accepted_per_position[k]` = drafts whose position k was
+/// accepted; `acceptance_per_position[k]` = that / `num_drafts` (unconditional);
+/// `draft_acceptance_rate` = accepted / drafted; `tau` = 1 + accepted / drafts (the mean
+/// acceptance length). Verify width: tokens the target verified in one decode step,
+/// summed over the batch (`1 + drafts` per decode request), over steps with decode rows.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RealLegRecord {
+    pub drafter: String,
+    /// N (0 for `none`).
+    pub num_speculative_tokens: u32,
+    /// vLLM `max_num_seqs`.
+    pub concurrency: usize,
+    pub temperature: f32,
+    pub num_requests: u64,
+    /// Prompt tokens over all requests.
+    pub prompt_tokens: u64,
+    pub max_tokens: u64,
+    /// Pool blocks (incl. the null block) and the KV block size of the target.
+    pub num_blocks: u32,
+    pub num_drafts: u64,
+    pub num_draft_tokens: u64,
+    pub num_accepted_tokens: u64,
+    pub accepted_per_position: Vec<u64>,
+    pub acceptance_per_position: Vec<f64>,
+    /// None without drafts.
+    pub draft_acceptance_rate: Option<f64>,
+    /// Mean acceptance length, 1 + accepted / drafts; None without drafts.
+    pub tau: Option<f64>,
+    pub output_tokens: u64,
+    /// Executed engine steps, and those with decode (verify) rows.
+    pub steps: u64,
+    pub decode_steps: u64,
+    /// Output tokens per wall second of the engine loop.
+    pub tokens_per_s: f64,
+    /// Wall seconds of the engine loop (model and drafter loading excluded).
+    pub wall_s: f64,
+    pub mean_verify_width: Option<f64>,
+    pub max_verify_width: u64,
+    /// Distinct (MoE layer, expert) pairs the verify rows of a step routed to, mean and
+    /// max over decode steps (with `collect_router`), out of `expert_slots` = MoE layers x
+    /// routed experts.
+    pub mean_verify_experts: Option<f64>,
+    pub max_verify_experts: Option<u64>,
+    pub expert_slots: u64,
+    /// Time to first token, mean over requests: executed steps and seconds from the run start.
+    pub mean_ttft_steps: Option<f64>,
+    pub mean_ttft_s: Option<f64>,
+    pub max_ttft_s: Option<f64>,
+    /// Every request finished (nothing wedged, rejected or cut by the step limit).
+    pub complete: bool,
+    pub wedged: Option<String>,
+    pub hit_step_limit: bool,
+    pub preemptions: u64,
+    /// Requests per finish reason (`length`, `eos`, `max_model_len`, `unfinished`).
+    pub finish: std::collections::BTreeMap<String, u64>,
+    /// FNV-1a 64 of each request's output token ids (hex), in request order: greedy legs
+    /// with a drafter are compared with the spec-off leg through these.
+    pub output_digests: Vec<String>,
+    /// The engine's allocator check, if it failed.
+    pub allocator_violation: Option<String>,
+}
+
+/// FNV-1a 64 of token ids (little-endian u32 bytes), as 16 hex digits.
+pub fn digest_tokens(tokens: &[u32]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for t in tokens {
+        for b in t.to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    format!("{h:016x}")
 }
 
 /// A whole run.
@@ -117,6 +197,9 @@ pub struct RunRecord {
     pub legs: Vec<LegRecord>,
     /// Set when every leg of the manifest is recorded.
     pub complete: bool,
+    /// Run-level notes (e.g. drafters skipped because their checkpoint is missing).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
 }
 
 /// Seconds since the epoch (0 if the clock is before it).

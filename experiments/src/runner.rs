@@ -8,6 +8,10 @@
 //! the step backstop is hit. After each leg the record is saved atomically;
 //! legs already in a record for the same manifest text are skipped (resume).
 //!
+//! A manifest with a `real` section runs its legs through the real engine instead
+//! ([`crate::real_run`]): the target, prompts and drafter checkpoints are loaded once,
+//! only when some leg is left to run; the record bookkeeping is the same.
+//!
 //! Invariant: the record on disk only ever gains complete legs.
 
 use std::path::Path;
@@ -19,6 +23,7 @@ use speclab_schedulers::{AdmissionPolicy, FcfsScheduler, RequestSpec, SchedulerC
 
 use crate::bounds::{self, ProbeCtx};
 use crate::manifest::{cap_name, Leg, Manifest, PolicyName};
+use crate::real_run::RealRunner;
 use crate::record::{self, AdmissionRecord, LegRecord, LegStatus, RunRecord, SpecRecord};
 use crate::{ExperimentError, Result};
 
@@ -53,7 +58,37 @@ pub struct RunCtx<'a> {
 /// Run (or resume) every leg of a manifest, saving the record after each leg.
 pub fn run_manifest(ctx: &RunCtx<'_>, progress: &mut dyn Progress) -> Result<RunRecord> {
     let m = ctx.manifest;
+    if let Some(real) = &m.real {
+        let legs = real.legs();
+        let ids: Vec<String> = legs.iter().map(|l| l.id.clone()).collect();
+        let notes: Vec<String> = real.skipped_drafters().into_iter().map(|(_, n)| n).collect();
+        // The model is loaded only if some leg is left to run.
+        let mut runner: Option<RealRunner<'_>> = None;
+        return run_legs(ctx, &ids, notes, progress, &mut |i, _progress| {
+            if runner.is_none() {
+                runner = Some(RealRunner::load(real, ctx.manifest_path)?);
+            }
+            match &runner {
+                Some(r) => r.run_leg(&legs[i]),
+                None => unreachable!("loaded above"),
+            }
+        });
+    }
     let legs = m.legs()?;
+    let ids: Vec<String> = legs.iter().map(|l| l.id.clone()).collect();
+    run_legs(ctx, &ids, vec![], progress, &mut |i, progress| run_leg(m, &legs[i], progress))
+}
+
+/// The record bookkeeping shared by simulated and real manifests: load (resume) or start
+/// the record, run each leg not yet recorded, save atomically after each.
+fn run_legs(
+    ctx: &RunCtx<'_>,
+    ids: &[String],
+    notes: Vec<String>,
+    progress: &mut dyn Progress,
+    run_one: &mut dyn FnMut(usize, &mut dyn Progress) -> Result<LegRecord>,
+) -> Result<RunRecord> {
+    let m = ctx.manifest;
     let mut rec = match (ctx.resume, ctx.record_path.exists()) {
         (true, true) => {
             let r = RunRecord::load(ctx.record_path)?;
@@ -76,24 +111,26 @@ pub fn run_manifest(ctx: &RunCtx<'_>, progress: &mut dyn Progress) -> Result<Run
             updated_unix_s: record::now_unix(),
             legs: vec![],
             complete: false,
+            notes: vec![],
         },
     };
-    let total = legs.len();
-    for (i, leg) in legs.iter().enumerate() {
-        if rec.leg(&leg.id).is_some() {
-            progress.leg_start(i, total, &leg.id, true);
+    rec.notes = notes;
+    let total = ids.len();
+    for (i, id) in ids.iter().enumerate() {
+        if rec.leg(id).is_some() {
+            progress.leg_start(i, total, id, true);
             continue;
         }
-        progress.leg_start(i, total, &leg.id, false);
-        let lr = run_leg(m, leg, progress)?;
+        progress.leg_start(i, total, id, false);
+        let lr = run_one(i, progress)?;
         progress.leg_done(&lr);
         rec.legs.push(lr);
         rec.updated_unix_s = record::now_unix();
         rec.save(ctx.record_path)?;
     }
     // Keep manifest order even after a resume.
-    rec.legs.sort_by_key(|l| legs.iter().position(|x| x.id == l.id).unwrap_or(usize::MAX));
-    rec.complete = legs.iter().all(|l| rec.leg(&l.id).is_some());
+    rec.legs.sort_by_key(|l| ids.iter().position(|x| *x == l.id).unwrap_or(usize::MAX));
+    rec.complete = ids.iter().all(|id| rec.leg(id).is_some());
     rec.updated_unix_s = record::now_unix();
     rec.save(ctx.record_path)?;
     Ok(rec)
@@ -130,6 +167,7 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
         bound: None,
         note: None,
         wall_ms: 0.0,
+        real: None,
     };
     if let Err(e) = planning::check_startup(&leg.layout, leg.num_blocks) {
         lr.status = LegStatus::RefusedAtStartup;

@@ -117,7 +117,17 @@ pub struct GenerateArgs {
 }
 
 #[derive(Debug, Args)]
+// The manifest form needs no --model: it comes from the manifest's `real` section.
+#[command(mut_arg("model", |a| a
+    .required(false)
+    .default_value("")
+    .hide_default_value(true)
+    .value_parser(clap::builder::TypedValueParser::map(clap::builder::OsStringValueParser::new(), PathBuf::from))))]
 pub struct VerifyLosslessArgs {
+    /// Manifest form: a RON manifest with a `real` section; checks every drafter x N x
+    /// concurrency there (greedy) instead of the flags below (speclab run's verify_manifest).
+    #[arg(conflicts_with_all = ["model", "prompts", "random_prompts", "drafter", "num_spec"])]
+    pub manifest: Option<PathBuf>,
     #[command(flatten)]
     pub engine: EngineArgs,
     /// Prompts: a .json list of strings or of token-id lists, or a text file (one prompt a line).
@@ -392,7 +402,13 @@ fn read_prompts(p: &Path, tok: Option<&Tokenizer>) -> anyhow::Result<Vec<Vec<u32
 
 /// `speclab verify-lossless`.
 pub fn verify(a: VerifyLosslessArgs) -> anyhow::Result<ExitCode> {
+    if let Some(m) = &a.manifest {
+        return super::run::verify_manifest(m, a.engine.json);
+    }
     let e = &a.engine;
+    if e.model.as_os_str().is_empty() {
+        bail!("give --model DIR (with --drafter, --num-spec, --prompts or --random-prompts), or a manifest with a `real` section");
+    }
     let target = ModelWeights::load(&e.model)?;
     let tok = tokenizer(&e.model)?;
     let prompts: Vec<Vec<u32>> = match (&a.prompts, &a.random_prompts) {

@@ -4,7 +4,9 @@
 //! with a progress bar per leg and writes the record atomically after each leg
 //! (`runs/<name>.json` unless `--out`), resuming finished legs. `bounds`
 //! bisects the largest admissible prompt for each distinct layout of a
-//! manifest. `findings` renders records to `findings/<name>.md`.
+//! manifest. `findings` renders records to `findings/<name>.md` (and `<name>-tau.svg` for
+//! a real sweep over N). `verify_manifest` is `speclab verify-lossless <manifest>`: the
+//! lossless check of every drafter x N x concurrency of a real manifest.
 //! Invariant: with `--json`, stdout carries only JSON.
 
 use std::path::{Path, PathBuf};
@@ -17,6 +19,7 @@ use speclab_experiments::bounds::{self, ProbeCtx};
 use speclab_experiments::findings;
 use speclab_experiments::manifest::{cap_name, Manifest};
 use speclab_experiments::record::{LegRecord, RunRecord};
+use speclab_experiments::real_run;
 use speclab_experiments::runner::{self, Progress, RunCtx};
 
 /// The manifest `speclab run` uses when none is given.
@@ -36,6 +39,9 @@ pub struct RunArgs {
     /// Print the record as JSON on stdout.
     #[arg(long)]
     pub json: bool,
+    /// Validate the manifest and list its legs (and what is already recorded) without running.
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 #[derive(Debug, Args)]
@@ -117,6 +123,9 @@ fn bar(enabled: bool) -> Bar {
 pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     let (m, mpath, text) = load_manifest(a.manifest.as_deref())?;
     let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(format!("{}.json", m.name)));
+    if a.dry_run {
+        return dry_run(&m, &mpath, &text, &out, a.fresh, a.json);
+    }
     let ctx = RunCtx { manifest: &m, manifest_path: &mpath, manifest_text: &text, record_path: &out, resume: !a.fresh };
     let mut progress = bar(!a.json && std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let rec = runner::run_manifest(&ctx, &mut progress)?;
@@ -131,19 +140,58 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `speclab run --dry-run`: the legs of a validated manifest, and which a resume would skip.
+fn dry_run(m: &Manifest, mpath: &Path, text: &str, out: &Path, fresh: bool, json: bool) -> anyhow::Result<ExitCode> {
+    let (ids, notes): (Vec<String>, Vec<String>) = match &m.real {
+        Some(r) => (r.legs().into_iter().map(|l| l.id).collect(), r.skipped_drafters().into_iter().map(|(_, n)| n).collect()),
+        None => (m.legs()?.into_iter().map(|l| l.id).collect(), vec![]),
+    };
+    let recorded: Vec<String> = match (fresh, out.exists()) {
+        (false, true) => match RunRecord::load(out) {
+            Ok(r) if r.manifest_text == text => r.legs.into_iter().map(|l| l.id).collect(),
+            _ => vec![],
+        },
+        _ => vec![],
+    };
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"manifest": mpath.display().to_string(), "name": m.name, "real": m.is_real(), "record": out.display().to_string(), "legs": ids, "recorded": recorded, "notes": notes})
+        );
+    } else {
+        println!("{} ({} legs{}) -> record {}", mpath.display(), ids.len(), if m.is_real() { ", real engine" } else { "" }, out.display());
+        for (i, id) in ids.iter().enumerate() {
+            println!("{:>3}. {id}{}", i + 1, if recorded.contains(id) { " (recorded)" } else { "" });
+        }
+        for n in &notes {
+            println!("note: {n}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 fn print_run(rec: &RunRecord, out: &Path) {
     println!("{} ({} legs) -> record {}", rec.manifest_path, rec.legs.len(), out.display());
     for (i, l) in rec.legs.iter().enumerate() {
         println!("{:>3}. {}", i + 1, findings::chain_line(l).replace("**", "").replace('`', ""));
-        if let Some(n) = &l.note {
+        if let (Some(n), None) = (&l.note, &l.real) {
             println!("       {n}");
         }
+    }
+    for n in &rec.notes {
+        println!("note: {n}");
     }
 }
 
 /// `speclab bounds`.
 pub fn bounds(a: BoundsArgs) -> anyhow::Result<ExitCode> {
     let (m, _, _) = load_manifest(Some(&a.manifest))?;
+    if m.is_real() {
+        anyhow::bail!(
+            "{}: a manifest with `real` runs the real engine and has no simulated KV layout to bisect; `speclab bounds` takes simulated manifests",
+            a.manifest.display()
+        );
+    }
     let mut seen = std::collections::HashSet::new();
     let mut rows = Vec::new();
     for leg in m.legs()? {
@@ -202,4 +250,66 @@ pub fn findings(a: FindingsArgs) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `speclab verify-lossless <manifest.ron>`: the manifest form. For every drafter (but
+/// `none`) x N x concurrency of the manifest's `real` section, greedy output with the
+/// drafter must equal the output without it, token for token (`verify_lossless`); a
+/// mismatch reports the first diverging index, both tokens and the target's logit margin
+/// there. Exit 1 on any mismatch.
+pub fn verify_manifest(path: &Path, json: bool) -> anyhow::Result<ExitCode> {
+    let (m, mpath, _) = load_manifest(Some(path))?;
+    let Some(real) = &m.real else {
+        anyhow::bail!("{}: no `real` section; the manifest form of verify-lossless needs a real manifest (model, drafters, prompts)", mpath.display());
+    };
+    let legs = real_run::lossless_legs(real);
+    if legs.is_empty() {
+        anyhow::bail!("{}: field real.drafters: no drafter besides `none`; nothing to compare with the spec-off control", mpath.display());
+    }
+    let runner = real_run::RealRunner::load(real, &mpath)?;
+    let mut rows = Vec::new();
+    let mut all_ok = true;
+    for (i, &(d, n, c)) in legs.iter().enumerate() {
+        if !json {
+            eprintln!("[{}/{}] drafter={} n={n} c={c} ...", i + 1, legs.len(), d.name());
+        }
+        let (leg, _) = runner.verify_leg(d, n, c)?;
+        all_ok &= leg.lossless;
+        if !json {
+            println!(
+                "{}: {}/{} requests equal, {} tokens compared: {} (acceptance {:.1}%, tau {:.3}; {:.1} s)",
+                leg.id,
+                leg.requests_equal,
+                leg.num_requests,
+                leg.num_tokens_compared,
+                if leg.lossless { "LOSSLESS (token for token)" } else { "MISMATCH" },
+                100.0 * leg.acceptance_rate,
+                leg.tau,
+                leg.wall_s
+            );
+            for mm in &leg.mismatches {
+                let verdict = if mm.margin <= 1e-3 { "near tie: numeric drift likely" } else { "clear margin: logic bug likely" };
+                println!(
+                    "  request {}: first divergence at output {}: reference {:?} vs drafter {:?}; target top1 {} ({:.6}) top2 {} ({:.6}), margin {:.3e} -> {verdict}",
+                    mm.request, mm.index, mm.reference_token, mm.candidate_token, mm.top1_token, mm.top1_logit, mm.top2_token, mm.top2_logit, mm.margin
+                );
+            }
+        }
+        rows.push(leg);
+    }
+    let skipped: Vec<String> = real.skipped_drafters().into_iter().map(|(_, n)| n).collect();
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"manifest": mpath.display().to_string(), "lossless": all_ok, "legs": rows, "skipped": skipped})
+        );
+    } else {
+        for n in &skipped {
+            println!("note: {n}");
+        }
+        let equal: usize = rows.iter().map(|r| r.requests_equal).sum();
+        let total: usize = rows.iter().map(|r| r.num_requests).sum();
+        println!("{}: {} legs, {equal}/{total} request checks equal: {}", mpath.display(), rows.len(), if all_ok { "PASS" } else { "FAIL" });
+    }
+    Ok(if all_ok { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }

@@ -1,0 +1,311 @@
+//! Running real legs: the target, the drafter and the vLLM FCFS scheduler through
+//! `speclab_engine::exec::generate`, and the lossless check of a real manifest.
+//!
+//! [`RealRunner::load`] loads the target checkpoint, the prompts and the DFlash
+//! checkpoints once; [`RealRunner::run_leg`] builds the leg's drafter
+//! (`speclab_drafters::DrafterSpec`), its requests (every prompt queued at once, `max_tokens`
+//! each), the scheduler (the same FCFS scheduler and config as `speclab generate`, with
+//! `max_num_seqs` = the leg's concurrency) and the pool (sized like `speclab generate`:
+//! every request at its full length at once, unless `num_blocks` is given), runs the
+//! engine, and turns the [`EngineRun`] into a [`LegRecord`] with a [`RealLegRecord`].
+//! [`RealRunner::verify_leg`] runs `verify_lossless` (greedy, with vs without the drafter).
+//!
+//! Invariant: the record's numbers are computed from the run only (acceptance from vLLM's
+//! counters, verify width and experts from the per-step stats, TTFT from the per-request
+//! stats); an engine error is returned with the leg id, never a panic.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use speclab_drafters::{DFlash2Weights, DraftMode, DrafterSpec};
+use speclab_engine::exec::{
+    generate, verify_lossless, DrafterFactory, EngineOptions, EngineRequest, EngineRun, LosslessReport, SchedulerParams,
+};
+use speclab_engine::kv::KvCacheManager;
+use speclab_engine::model::ModelWeights;
+use speclab_engine::spec::SamplingParams;
+use speclab_engine::{EngineError, Scheduler};
+use speclab_schedulers::{FcfsScheduler, RequestSpec, SchedulerConfig};
+
+use crate::manifest::cap_name;
+use crate::real::{RealDrafter, RealLeg, RealSpec};
+use crate::record::{digest_tokens, LegRecord, LegStatus, RealLegRecord, SpecRecord};
+use crate::{ExperimentError, Result};
+
+/// The loaded inputs of a real manifest.
+pub struct RealRunner<'a> {
+    pub spec: &'a RealSpec,
+    pub target: ModelWeights,
+    pub prompts: Vec<Vec<u32>>,
+    dflash: BTreeMap<RealDrafter, DFlash2Weights>,
+}
+
+/// The FCFS scheduler factory of `speclab generate` (vLLM defaults but `max_num_seqs`
+/// and `max_num_batched_tokens`), every request queued in order.
+pub fn fcfs_factory(
+    max_num_seqs: usize,
+    max_num_batched_tokens: u64,
+) -> impl FnMut(&KvCacheManager, &SchedulerParams, &[EngineRequest]) -> speclab_engine::Result<Box<dyn Scheduler>> {
+    move |kv, p, reqs| {
+        let cfg = SchedulerConfig {
+            max_num_seqs,
+            max_num_batched_tokens,
+            num_speculative_tokens: p.num_speculative_tokens,
+            lookahead: p.lookahead,
+            ..SchedulerConfig::default()
+        };
+        let mut s = FcfsScheduler::new(cfg);
+        for r in reqs {
+            s.add_request(kv, RequestSpec { id: r.id, prompt_len: r.prompt.len() as u64, max_tokens: r.max_tokens }).map_err(EngineError::from)?;
+        }
+        Ok(Box::new(s) as Box<dyn Scheduler>)
+    }
+}
+
+/// The result of the lossless check of one drafter x N x concurrency leg.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LosslessLeg {
+    /// `drafter=mtp n=2 c=1`.
+    pub id: String,
+    pub drafter: String,
+    pub num_speculative_tokens: u32,
+    pub concurrency: usize,
+    pub lossless: bool,
+    pub num_requests: usize,
+    /// Requests whose greedy output with the drafter equals the one without, token for token.
+    pub requests_equal: usize,
+    pub num_tokens_compared: u64,
+    /// First divergence per mismatching request (index, both tokens, the target's margin).
+    pub mismatches: Vec<speclab_engine::exec::Mismatch>,
+    pub acceptance_rate: f64,
+    pub tau: f64,
+    pub reference_tokens_per_s: f64,
+    pub candidate_tokens_per_s: f64,
+    pub wall_s: f64,
+}
+
+impl<'a> RealRunner<'a> {
+    /// Load the target, the prompts and the DFlash checkpoints the legs use.
+    pub fn load(spec: &'a RealSpec, manifest_path: &Path) -> Result<Self> {
+        let dir = spec.model_dir();
+        let target = ModelWeights::load(&dir).map_err(|e| ExperimentError::engine(format!("real.model {}", dir.display()), e))?;
+        let prompts = spec.load_prompts(manifest_path, &target.cfg)?;
+        let mut dflash = BTreeMap::new();
+        let used: Vec<RealDrafter> = spec.legs().iter().map(|l| l.drafter).collect();
+        for d in RealDrafter::ALL.into_iter().filter(|d| d.is_dflash() && used.contains(d)) {
+            let p: PathBuf = spec.drafter_dir(d).ok_or_else(|| ExperimentError::Invalid {
+                path: manifest_path.to_path_buf(),
+                field: "real.drafter_dirs".into(),
+                msg: format!("drafter `{}` needs its checkpoint directory", d.name()),
+            })?;
+            let w = DFlash2Weights::load_for_target(&p, &target.cfg).map_err(|e| ExperimentError::engine(format!("real.drafter_dirs.{} {}", d.name(), p.display()), e))?;
+            dflash.insert(d, w);
+        }
+        Ok(Self { spec, target, prompts, dflash })
+    }
+
+    /// The requests of every leg: one per prompt, ids 0.., `max_tokens` each.
+    pub fn requests(&self) -> Vec<EngineRequest> {
+        self.prompts.iter().enumerate().map(|(i, p)| EngineRequest { id: i as u64, prompt: p.clone(), max_tokens: self.spec.max_tokens }).collect()
+    }
+
+    /// The drafter of a leg.
+    pub fn drafter(&self, d: RealDrafter, n: u32) -> speclab_engine::Result<DrafterSpec> {
+        let s = self.spec;
+        let n = n as usize;
+        let cfg = &self.target.cfg;
+        match d {
+            RealDrafter::None => Ok(DrafterSpec::none()),
+            RealDrafter::Ngram => DrafterSpec::ngram(n, s.ngram_min, s.ngram_max),
+            RealDrafter::Mtp => DrafterSpec::mtp(cfg, n),
+            RealDrafter::Dflash2 | RealDrafter::Dflash1 => {
+                let w = self.dflash.get(&d).cloned().ok_or_else(|| EngineError::InvalidDrafterConfig {
+                    drafter: d.name().into(),
+                    reason: "no checkpoint loaded".into(),
+                })?;
+                let mode = if d == RealDrafter::Dflash2 { DraftMode::V2 } else { DraftMode::V1 };
+                DrafterSpec::dflash(w, cfg, n, mode, s.drafter_block_size, s.cap)
+            }
+        }
+    }
+
+    /// Engine options of a leg (pool sized as `speclab generate` does unless given).
+    pub fn options(&self, reqs: &[EngineRequest], n_spec: usize, temperature: f32, collect_router: bool) -> EngineOptions {
+        let s = self.spec;
+        let mml = s.max_model_len.unwrap_or(self.target.cfg.max_position_embeddings as u64);
+        let (bs, dbs) = (u64::from(s.block_size.max(1)), u64::from(s.drafter_block_size.max(1)));
+        // Every request at its full length at once, in every group (full attention,
+        // 1 + N KDA snapshot blocks, a DFlash window group sized without a cap), + null.
+        let need: u64 = reqs
+            .iter()
+            .map(|r| {
+                let len = (r.prompt.len() as u64 + r.max_tokens + n_spec as u64 + 1).min(mml);
+                len.div_ceil(bs) + 1 + n_spec as u64 + len.div_ceil(dbs) + 2
+            })
+            .sum();
+        EngineOptions {
+            block_size: s.block_size,
+            num_blocks: s.num_blocks.unwrap_or_else(|| u32::try_from(need + 1).unwrap_or(u32::MAX)),
+            max_model_len: s.max_model_len,
+            sampling: SamplingParams::random(temperature),
+            seed: s.seed,
+            ignore_eos: s.ignore_eos,
+            collect_router,
+            max_steps: s.max_steps,
+        }
+    }
+
+    /// MoE layers x routed experts of the target: the most (layer, expert) pairs a step can touch.
+    pub fn expert_slots(&self) -> u64 {
+        let c = &self.target.cfg;
+        ((0..c.num_hidden_layers).filter(|&i| c.is_moe_layer(i)).count() * c.n_routed_experts) as u64
+    }
+
+    /// Run one leg and record it.
+    pub fn run_leg(&self, leg: &RealLeg) -> Result<LegRecord> {
+        let t0 = Instant::now();
+        let ctx = format!("leg {}", leg.id);
+        let eng = |e| ExperimentError::engine(ctx.clone(), e);
+        let spec = self.drafter(leg.drafter, leg.num_speculative_tokens).map_err(eng)?;
+        let reqs = self.requests();
+        let opts = self.options(&reqs, spec.num_speculative_tokens(), leg.temperature, self.spec.collect_router);
+        let mut make = fcfs_factory(leg.concurrency, self.spec.max_num_batched_tokens);
+        let run = generate(&self.target, &spec, &reqs, &opts, &mut make).map_err(eng)?;
+        let real = self.real_record(leg, &reqs, &opts, &run);
+        let status = if run.wedged.is_some() {
+            LegStatus::Wedged
+        } else if !run.rejected.is_empty() {
+            LegStatus::Rejected
+        } else if run.hit_step_limit {
+            LegStatus::StepLimit
+        } else {
+            LegStatus::Completed
+        };
+        let notes: Vec<String> = run.wedged.iter().cloned().chain(run.rejected.iter().cloned()).chain(run.allocator_violation.iter().map(|v| format!("allocator check: {v}"))).collect();
+        Ok(LegRecord {
+            id: leg.id.clone(),
+            block_size: Some(self.spec.block_size),
+            cap: cap_name(self.spec.cap).to_string(),
+            num_blocks: opts.num_blocks,
+            usable_blocks: run.kv_usable_blocks,
+            group_names: vec![],
+            prompts: reqs.iter().map(|r| r.prompt.len() as u64).collect(),
+            status,
+            admissions: vec![],
+            steps: run.num_steps,
+            preemptions: run.preemptions,
+            finished: run.requests.iter().filter(|r| r.finish.is_some()).count() as u64,
+            peak_held_per_group: vec![],
+            peak_total_held: 0,
+            spec: SpecRecord {
+                num_drafts: run.spec.num_drafts,
+                num_draft_tokens: run.spec.num_draft_tokens,
+                num_accepted_tokens: run.spec.num_accepted_tokens,
+                accepted_per_position: run.spec.accepted_per_position.clone(),
+                draft_acceptance_rate: (run.spec.num_draft_tokens > 0).then_some(run.acceptance_rate),
+                mean_acceptance_length: (run.spec.num_drafts > 0).then_some(run.tau),
+            },
+            bound: None,
+            note: (!notes.is_empty()).then(|| notes.join("; ")),
+            wall_ms: t0.elapsed().as_secs_f64() * 1e3,
+            real: Some(real),
+        })
+    }
+
+    fn real_record(&self, leg: &RealLeg, reqs: &[EngineRequest], opts: &EngineOptions, run: &EngineRun) -> RealLegRecord {
+        let decode: Vec<_> = run.steps.iter().filter(|s| s.verify_tokens > 0).collect();
+        let mean = |xs: &[f64]| (!xs.is_empty()).then(|| xs.iter().sum::<f64>() / xs.len() as f64);
+        let widths: Vec<f64> = decode.iter().map(|s| s.verify_tokens as f64).collect();
+        let experts: Vec<u64> = decode.iter().filter_map(|s| s.verify_experts).collect();
+        let ttft_steps: Vec<f64> = run.requests.iter().filter_map(|r| r.ttft_steps).map(|x| x as f64).collect();
+        let ttft_s: Vec<f64> = run.requests.iter().filter_map(|r| r.ttft_s).collect();
+        let mut finish = BTreeMap::new();
+        for r in &run.requests {
+            let k = match r.finish {
+                Some(f) => serde_json::to_value(f).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_else(|| format!("{f:?}")),
+                None => "unfinished".into(),
+            };
+            *finish.entry(k).or_insert(0u64) += 1;
+        }
+        RealLegRecord {
+            drafter: leg.drafter.name().into(),
+            num_speculative_tokens: leg.num_speculative_tokens,
+            concurrency: leg.concurrency,
+            temperature: leg.temperature,
+            num_requests: reqs.len() as u64,
+            prompt_tokens: reqs.iter().map(|r| r.prompt.len() as u64).sum(),
+            max_tokens: self.spec.max_tokens,
+            num_blocks: opts.num_blocks,
+            num_drafts: run.spec.num_drafts,
+            num_draft_tokens: run.spec.num_draft_tokens,
+            num_accepted_tokens: run.spec.num_accepted_tokens,
+            accepted_per_position: run.spec.accepted_per_position.clone(),
+            acceptance_per_position: run.per_position.clone(),
+            draft_acceptance_rate: (run.spec.num_draft_tokens > 0).then_some(run.acceptance_rate),
+            tau: (run.spec.num_drafts > 0).then_some(run.tau),
+            output_tokens: run.output_tokens,
+            steps: run.num_steps,
+            decode_steps: decode.len() as u64,
+            tokens_per_s: run.tokens_per_s,
+            wall_s: run.wall_s,
+            mean_verify_width: mean(&widths),
+            max_verify_width: decode.iter().map(|s| s.verify_tokens).max().unwrap_or(0),
+            mean_verify_experts: mean(&experts.iter().map(|&x| x as f64).collect::<Vec<_>>()),
+            max_verify_experts: experts.iter().copied().max(),
+            expert_slots: self.expert_slots(),
+            mean_ttft_steps: mean(&ttft_steps),
+            mean_ttft_s: mean(&ttft_s),
+            max_ttft_s: ttft_s.iter().copied().fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x)))),
+            complete: run.complete(),
+            wedged: run.wedged.clone(),
+            hit_step_limit: run.hit_step_limit,
+            preemptions: run.preemptions,
+            finish,
+            output_digests: run.requests.iter().map(|r| digest_tokens(&r.output)).collect(),
+            allocator_violation: run.allocator_violation.clone(),
+        }
+    }
+
+    /// The lossless check of drafter `d` at N = `n` and concurrency `c` (greedy).
+    pub fn verify_leg(&self, d: RealDrafter, n: u32, c: usize) -> Result<(LosslessLeg, LosslessReport)> {
+        let id = format!("drafter={} n={n} c={c}", d.name());
+        let eng = |e| ExperimentError::engine(format!("verify-lossless {id}"), e);
+        let t0 = Instant::now();
+        let spec = self.drafter(d, n).map_err(eng)?;
+        let reqs = self.requests();
+        let opts = self.options(&reqs, spec.num_speculative_tokens(), 0.0, false);
+        let mut make = fcfs_factory(c, self.spec.max_num_batched_tokens);
+        let report = verify_lossless(&self.target, &spec, &reqs, &opts, &mut make).map_err(eng)?;
+        let leg = LosslessLeg {
+            id,
+            drafter: d.name().into(),
+            num_speculative_tokens: n,
+            concurrency: c,
+            lossless: report.is_lossless(),
+            num_requests: report.num_requests,
+            requests_equal: report.num_requests - report.mismatches.len(),
+            num_tokens_compared: report.num_tokens_compared,
+            mismatches: report.mismatches.clone(),
+            acceptance_rate: report.candidate.acceptance_rate,
+            tau: report.candidate.tau,
+            reference_tokens_per_s: report.reference.tokens_per_s,
+            candidate_tokens_per_s: report.candidate.tokens_per_s,
+            wall_s: t0.elapsed().as_secs_f64(),
+        };
+        Ok((leg, report))
+    }
+}
+
+/// The legs of the lossless check of a real manifest: every drafter but `none` x its N x
+/// concurrency (temperatures are not used: the check is greedy).
+pub fn lossless_legs(spec: &RealSpec) -> Vec<(RealDrafter, u32, usize)> {
+    let mut out = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for l in spec.legs() {
+        if l.drafter != RealDrafter::None && seen.insert((l.drafter, l.num_speculative_tokens, l.concurrency)) {
+            out.push((l.drafter, l.num_speculative_tokens, l.concurrency));
+        }
+    }
+    out
+}
