@@ -115,7 +115,7 @@ fn draw(out: &mut String, series: &[Series], title: &str) -> Result<(), Box<dyn 
                 .label(s.label.clone())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
         }
-        chart.configure_series_labels().position(if pi == 0 { SeriesLabelPosition::UpperLeft } else { SeriesLabelPosition::LowerLeft }).background_style(WHITE.mix(0.85)).border_style(BLACK).draw()?;
+        chart.configure_series_labels().position(if pi == 0 { SeriesLabelPosition::UpperLeft } else { SeriesLabelPosition::UpperRight }).background_style(WHITE.mix(0.85)).border_style(BLACK).draw()?;
     }
     root.present()?;
     Ok(())
