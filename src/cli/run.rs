@@ -22,9 +22,13 @@ use speclab_experiments::record::{LegRecord, RunRecord};
 use speclab_experiments::real_run;
 use speclab_experiments::runner::{self, Progress, RunCtx};
 
-/// The manifest `speclab run` uses when none is given.
+/// The manifest `speclab run` uses first when none is given (simulated, no weights).
 pub const EMBEDDED_MANIFEST: &str = include_str!("../../experiments/df2w-wedge.ron");
 const EMBEDDED_PATH: &str = "experiments/df2w-wedge.ron";
+/// The second default job: the quality spot-suite on the trained checkpoint
+/// (`models/tiny` + `models/dflash2-tiny`, paths relative to the repository root).
+const EMBEDDED_REAL: &str = include_str!("../../experiments/quality-spot.ron");
+const EMBEDDED_REAL_PATH: &str = "experiments/quality-spot.ron";
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
@@ -119,9 +123,31 @@ fn bar(enabled: bool) -> Bar {
     Bar { bar: Some(b) }
 }
 
-/// `speclab run`.
+/// `speclab run`: the given manifest, or with none the embedded defaults: the
+/// DFlash2 wedge experiment (simulated), then, when `models/tiny` is present, the
+/// quality spot-suite on the trained checkpoint (real engine).
 pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
-    let (m, mpath, text) = load_manifest(a.manifest.as_deref())?;
+    if a.manifest.is_some() {
+        let (m, mpath, text) = load_manifest(a.manifest.as_deref())?;
+        return run_one(&a, m, mpath, text);
+    }
+    if a.out.is_some() {
+        anyhow::bail!("--out needs a manifest (the default run writes one record per embedded manifest under runs/)");
+    }
+    let (m, mpath, text) = load_manifest(None)?;
+    run_one(&a, m, mpath, text)?;
+    if Path::new("models/tiny/config.json").exists() {
+        let p = Path::new(EMBEDDED_REAL_PATH);
+        let m: Manifest = speclab_experiments::manifest::parse_ron(p, EMBEDDED_REAL)?;
+        m.validate(p)?;
+        run_one(&a, m, p.to_path_buf(), EMBEDDED_REAL.to_string())?;
+    } else if !a.json {
+        println!("(models/tiny not found here: skipped the quality spot-suite on the trained checkpoint; run from the repository root)");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_one(a: &RunArgs, m: Manifest, mpath: PathBuf, text: String) -> anyhow::Result<ExitCode> {
     let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(format!("{}.json", m.name)));
     if a.dry_run {
         return dry_run(&m, &mpath, &text, &out, a.fresh, a.json);
