@@ -18,26 +18,11 @@ use speclab_drafters::DrafterSpec;
 use speclab_engine::exec::{generate, EngineOptions, EngineRequest, SchedulerFactory};
 use speclab_engine::kv::CapPolicy;
 use speclab_engine::model::{Checkpoint, ModelWeights};
-use speclab_engine::{EngineError, Scheduler};
-use speclab_schedulers::{FcfsScheduler, RequestSpec, SchedulerConfig};
 
 const OUT_TOKENS: u64 = 64;
 
 fn fcfs() -> Box<SchedulerFactory<'static>> {
-    Box::new(|kv, p, reqs| {
-        let cfg = SchedulerConfig {
-            max_num_seqs: 4,
-            max_num_batched_tokens: 2048,
-            num_speculative_tokens: p.num_speculative_tokens,
-            lookahead: p.lookahead,
-            ..SchedulerConfig::default()
-        };
-        let mut s = FcfsScheduler::new(cfg);
-        for r in reqs {
-            s.add_request(kv, RequestSpec { id: r.id, prompt_len: r.prompt.len() as u64, max_tokens: r.max_tokens }).map_err(EngineError::from)?;
-        }
-        Ok(Box::new(s) as Box<dyn Scheduler>)
-    })
+    Box::new(speclab_schedulers::fcfs_factory(4, 2048))
 }
 
 fn bench_spec(c: &mut Criterion) {

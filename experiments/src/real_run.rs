@@ -20,13 +20,11 @@ use std::time::Instant;
 
 use speclab_drafters::{DFlash2Weights, DraftMode, DrafterSpec};
 use speclab_engine::exec::{
-    generate, verify_lossless, DrafterFactory, EngineOptions, EngineRequest, EngineRun, LosslessReport, SchedulerParams,
+    generate, verify_lossless, DrafterFactory, EngineOptions, EngineRequest, EngineRun, LosslessReport,
 };
-use speclab_engine::kv::KvCacheManager;
 use speclab_engine::model::ModelWeights;
 use speclab_engine::spec::SamplingParams;
-use speclab_engine::{EngineError, Scheduler};
-use speclab_schedulers::{FcfsScheduler, RequestSpec, SchedulerConfig};
+use speclab_engine::EngineError;
 
 use crate::manifest::cap_name;
 use crate::real::{RealDrafter, RealLeg, RealSpec};
@@ -41,27 +39,7 @@ pub struct RealRunner<'a> {
     dflash: BTreeMap<RealDrafter, DFlash2Weights>,
 }
 
-/// The FCFS scheduler factory of `speclab generate` (vLLM defaults but `max_num_seqs`
-/// and `max_num_batched_tokens`), every request queued in order.
-pub fn fcfs_factory(
-    max_num_seqs: usize,
-    max_num_batched_tokens: u64,
-) -> impl FnMut(&KvCacheManager, &SchedulerParams, &[EngineRequest]) -> speclab_engine::Result<Box<dyn Scheduler>> {
-    move |kv, p, reqs| {
-        let cfg = SchedulerConfig {
-            max_num_seqs,
-            max_num_batched_tokens,
-            num_speculative_tokens: p.num_speculative_tokens,
-            lookahead: p.lookahead,
-            ..SchedulerConfig::default()
-        };
-        let mut s = FcfsScheduler::new(cfg);
-        for r in reqs {
-            s.add_request(kv, RequestSpec { id: r.id, prompt_len: r.prompt.len() as u64, max_tokens: r.max_tokens }).map_err(EngineError::from)?;
-        }
-        Ok(Box::new(s) as Box<dyn Scheduler>)
-    }
-}
+pub use speclab_schedulers::fcfs_factory;
 
 /// The result of the lossless check of one drafter x N x concurrency leg.
 #[derive(Debug, Clone, serde::Serialize)]

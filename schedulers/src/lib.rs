@@ -15,10 +15,12 @@
 
 pub mod config;
 pub mod error;
+pub mod factory;
 pub mod fcfs;
 
 pub use config::{AdmissionPolicy, RequestSpec, SchedulerConfig};
 pub use error::SchedulerError;
+pub use factory::fcfs_factory;
 pub use fcfs::{FcfsScheduler, RequestState};
 
 #[cfg(test)]

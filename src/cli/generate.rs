@@ -22,8 +22,7 @@ use speclab_engine::exec::{
 use speclab_engine::kv::{CapPolicy, KvCacheManager};
 use speclab_engine::model::{ModelWeights, Tokenizer};
 use speclab_engine::spec::SamplingParams;
-use speclab_engine::{EngineError, Scheduler};
-use speclab_schedulers::{FcfsScheduler, RequestSpec, SchedulerConfig};
+use speclab_engine::Scheduler;
 
 /// Sliding-window cap policy of the DFlash drafter's KV group.
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -220,36 +219,8 @@ fn options(
     }
 }
 
-fn fcfs(
-    a: &EngineArgs,
-) -> impl FnMut(
-    &KvCacheManager,
-    &SchedulerParams,
-    &[EngineRequest],
-) -> speclab_engine::Result<Box<dyn Scheduler>>
-       + '_ {
-    move |kv, p, reqs| {
-        let cfg = SchedulerConfig {
-            max_num_seqs: a.max_num_seqs,
-            max_num_batched_tokens: a.max_num_batched_tokens,
-            num_speculative_tokens: p.num_speculative_tokens,
-            lookahead: p.lookahead,
-            ..SchedulerConfig::default()
-        };
-        let mut s = FcfsScheduler::new(cfg);
-        for r in reqs {
-            s.add_request(
-                kv,
-                RequestSpec {
-                    id: r.id,
-                    prompt_len: r.prompt.len() as u64,
-                    max_tokens: r.max_tokens,
-                },
-            )
-            .map_err(EngineError::from)?;
-        }
-        Ok(Box::new(s) as Box<dyn Scheduler>)
-    }
+fn fcfs(a: &EngineArgs) -> impl FnMut(&KvCacheManager, &SchedulerParams, &[EngineRequest]) -> speclab_engine::Result<Box<dyn Scheduler>> {
+    speclab_schedulers::fcfs_factory(a.max_num_seqs, a.max_num_batched_tokens)
 }
 
 fn summary_line(run: &EngineRun) -> String {

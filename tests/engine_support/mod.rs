@@ -6,40 +6,14 @@ use speclab_drafters::{DFlash2Config, DFlash2Weights, DraftMode, DrafterSpec};
 use speclab_engine::exec::{EngineRequest, EngineRun, SchedulerParams};
 use speclab_engine::kv::{CapPolicy, KvCacheManager};
 use speclab_engine::model::{ModelConfig, ModelWeights};
-use speclab_engine::{EngineError, Scheduler};
-use speclab_schedulers::{FcfsScheduler, RequestSpec, SchedulerConfig};
+use speclab_engine::Scheduler;
 
 /// A FCFS scheduler factory with the given step budget and batch size.
 pub fn fcfs(
     max_num_batched_tokens: u64,
     max_num_seqs: usize,
-) -> impl FnMut(
-    &KvCacheManager,
-    &SchedulerParams,
-    &[EngineRequest],
-) -> speclab_engine::Result<Box<dyn Scheduler>> {
-    move |kv, p, reqs| {
-        let cfg = SchedulerConfig {
-            max_num_seqs,
-            max_num_batched_tokens,
-            num_speculative_tokens: p.num_speculative_tokens,
-            lookahead: p.lookahead,
-            ..SchedulerConfig::default()
-        };
-        let mut s = FcfsScheduler::new(cfg);
-        for r in reqs {
-            s.add_request(
-                kv,
-                RequestSpec {
-                    id: r.id,
-                    prompt_len: r.prompt.len() as u64,
-                    max_tokens: r.max_tokens,
-                },
-            )
-            .map_err(EngineError::from)?;
-        }
-        Ok(Box::new(s) as Box<dyn Scheduler>)
-    }
+) -> impl FnMut(&KvCacheManager, &SchedulerParams, &[EngineRequest]) -> speclab_engine::Result<Box<dyn Scheduler>> {
+    speclab_schedulers::fcfs_factory(max_num_seqs, max_num_batched_tokens)
 }
 
 /// The micro target with random weights.

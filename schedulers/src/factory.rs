@@ -1,0 +1,34 @@
+//! The FCFS scheduler factory the model engine asks for (`speclab_engine::exec::SchedulerFactory`).
+//!
+//! One place builds a vLLM-default [`FcfsScheduler`] for a real-engine run (only
+//! `max_num_seqs` and `max_num_batched_tokens` set, speculative tokens and lookahead
+//! from the engine's drafter) and queues the run's requests in order; the CLI, the
+//! experiments runner, tests and benches all call this. Invariant: requests are added
+//! in the order given, so FCFS order is request order.
+
+use speclab_engine::exec::{EngineRequest, SchedulerParams};
+use speclab_engine::kv::KvCacheManager;
+use speclab_engine::{EngineError, Scheduler};
+
+use crate::{FcfsScheduler, RequestSpec, SchedulerConfig};
+
+/// A factory of FCFS schedulers with `max_num_seqs` and `max_num_batched_tokens`.
+pub fn fcfs_factory(
+    max_num_seqs: usize,
+    max_num_batched_tokens: u64,
+) -> impl FnMut(&KvCacheManager, &SchedulerParams, &[EngineRequest]) -> speclab_engine::Result<Box<dyn Scheduler>> {
+    move |kv, p, reqs| {
+        let cfg = SchedulerConfig {
+            max_num_seqs,
+            max_num_batched_tokens,
+            num_speculative_tokens: p.num_speculative_tokens,
+            lookahead: p.lookahead,
+            ..SchedulerConfig::default()
+        };
+        let mut s = FcfsScheduler::new(cfg);
+        for r in reqs {
+            s.add_request(kv, RequestSpec { id: r.id, prompt_len: r.prompt.len() as u64, max_tokens: r.max_tokens }).map_err(EngineError::from)?;
+        }
+        Ok(Box::new(s) as Box<dyn Scheduler>)
+    }
+}
