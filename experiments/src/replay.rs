@@ -414,46 +414,9 @@ pub struct ReplaySummary {
     pub usable_blocks: u64,
 }
 
-/// FxHash (rustc's hasher): request ids are short local strings, SipHash's
-/// DoS resistance buys nothing here and cost a third of replay time.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct FxHasher(u64);
-
-impl std::hash::Hasher for FxHasher {
-    #[inline]
-    fn write(&mut self, bytes: &[u8]) {
-        let mut chunks = bytes.chunks_exact(8);
-        for c in &mut chunks {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(c);
-            self.add(u64::from_le_bytes(w));
-        }
-        for &b in chunks.remainder() {
-            self.add(u64::from(b));
-        }
-    }
-    #[inline]
-    fn write_u8(&mut self, b: u8) {
-        self.add(u64::from(b));
-    }
-    #[inline]
-    fn write_usize(&mut self, n: usize) {
-        self.add(n as u64);
-    }
-    #[inline]
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
-impl FxHasher {
-    #[inline]
-    fn add(&mut self, w: u64) {
-        self.0 = (self.0.rotate_left(5) ^ w).wrapping_mul(0x517c_c1b7_2722_0a95);
-    }
-}
-
-type FxBuild = std::hash::BuildHasherDefault<FxHasher>;
+/// Request ids are short local strings: SipHash's DoS resistance buys nothing here
+/// and cost a third of replay time, so the table uses rustc's FxHash (`rustc-hash`).
+type FxBuild = rustc_hash::FxBuildHasher;
 
 /// Streaming replayer: owns a [`KvCacheManager`] and the request table.
 #[derive(Debug)]
