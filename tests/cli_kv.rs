@@ -65,7 +65,7 @@ fn unknown_group_kind_names_line_col_and_field() {
 
 #[test]
 fn prompt_over_max_model_len_names_line_and_request() {
-    fails_with("layout.ron", "prompt_too_long.jsonl", &["prompt_too_long.jsonl:line 2:", "\"long\"", "exceeds max_model_len 256"]);
+    fails_with("layout.ron", "prompt_too_long.jsonl", &["prompt_too_long.jsonl:line 2:", "\"long\"", "does not fit max_model_len 256"]);
 }
 
 #[test]

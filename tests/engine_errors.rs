@@ -151,7 +151,7 @@ fn request_and_run_errors() {
     };
     let e = err_text(go(req(vec![1; mml], 4), &opts));
     assert!(
-        e.contains("prompt of 256 tokens exceeds max_model_len 256"),
+        e.contains("prompt of 256 tokens does not fit max_model_len 256"),
         "{e}"
     );
     let capped = EngineOptions {
@@ -160,7 +160,7 @@ fn request_and_run_errors() {
     };
     let e = err_text(go(req(vec![1; 40], 4), &capped));
     assert!(
-        e.contains("prompt of 40 tokens exceeds max_model_len 32"),
+        e.contains("prompt of 40 tokens does not fit max_model_len 32"),
         "{e}"
     );
     let e = err_text(go(
@@ -384,7 +384,7 @@ fn cli_generate_and_verify_lossless() {
         .join(",");
     let (code, _, err) = speclab(&["generate", "--model", model, "--prompt-ids", &long]);
     assert_eq!(code, 2);
-    assert!(err.contains("exceeds max_model_len 256"), "{err}");
+    assert!(err.contains("does not fit max_model_len 256"), "{err}");
     // A working run, JSON.
     let (code, out, err) = speclab(&[
         "generate",

@@ -16,7 +16,7 @@ pub enum EngineError {
     #[error("request {req}: allocate_slots with num_new_tokens = 0 (vLLM raises ValueError: num_new_tokens must be greater than 0)")]
     ZeroTokenAllocation { req: String },
     /// A request longer than the model can serve.
-    #[error("request {req}: prompt of {prompt_len} tokens exceeds max_model_len {max_model_len}")]
+    #[error("request {req}: prompt of {prompt_len} tokens does not fit max_model_len {max_model_len}")]
     PromptTooLong { req: String, prompt_len: u64, max_model_len: u64 },
     /// An operation named a request the manager does not know.
     #[error("unknown request {req}")]
