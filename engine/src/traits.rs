@@ -159,6 +159,14 @@ pub struct AdmissionReport {
     pub binding_group: String,
 }
 
+/// The group(s) needing the most blocks: one name, or the tied names joined by
+/// " = " (e.g. `full = drafter_swa`), so a tie is never reported as one group binding.
+pub fn binding_group(names: &[String], need: &[u64]) -> Option<String> {
+    let max = *need.iter().max()?;
+    let tied: Vec<&str> = need.iter().zip(names).filter(|(&n, _)| n == max).map(|(_, s)| s.as_str()).collect();
+    (!tied.is_empty()).then(|| tied.join(" = "))
+}
+
 impl AdmissionReport {
     /// Total blocks needed.
     pub fn total(&self) -> u64 {

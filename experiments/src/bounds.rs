@@ -84,15 +84,9 @@ pub fn find_bound(ctx: &ProbeCtx<'_>) -> Result<BoundRecord> {
     Ok(BoundRecord { largest_admissible: Some(lo), unbounded: false, need_at_bound: need_at, need_above_bound: need_above, binding_group_above: bind, probes })
 }
 
-/// The group with the largest need (first on ties).
+/// The group with the largest need (tied groups joined by " = ").
 pub fn binding(names: &[String], need: &[u64]) -> Option<String> {
-    let mut best: Option<(usize, u64)> = None;
-    for (i, &n) in need.iter().enumerate() {
-        if best.is_none_or(|(_, b)| n > b) {
-            best = Some((i, n));
-        }
-    }
-    best.and_then(|(i, _)| names.get(i).cloned())
+    speclab_engine::binding_group(names, need)
 }
 
 #[cfg(test)]
@@ -112,6 +106,14 @@ mod tests {
         // Exactness: the bound is admissible, one more token is not.
         assert!(admissible(&ctx, 15_536).unwrap());
         assert!(!admissible(&ctx, 15_537).unwrap());
+    }
+
+    #[test]
+    fn ties_name_every_binding_group() {
+        let names: Vec<String> = ["full", "state", "swa"].iter().map(|s| s.to_string()).collect();
+        assert_eq!(binding(&names, &[49, 8, 49]).as_deref(), Some("full = swa"));
+        assert_eq!(binding(&names, &[7, 8, 971]).as_deref(), Some("swa"));
+        assert_eq!(binding(&names, &[]), None);
     }
 
     #[test]

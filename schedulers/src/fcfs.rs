@@ -92,17 +92,11 @@ impl RequestState {
 /// Build the report of why a request cannot (or could not) be admitted.
 fn admission_report(kind: StallKind, kv: &KvCacheManager, r: &RequestState, need: Vec<u64>) -> AdmissionReport {
     let group_names: Vec<String> = kv.groups().iter().map(|g| g.name.clone()).collect();
-    let mut binding = 0usize;
-    for (g, &n) in need.iter().enumerate() {
-        if n > need[binding] {
-            binding = g;
-        }
-    }
     AdmissionReport {
         kind,
         id: r.id,
         num_tokens: r.num_tokens.min(kv.max_model_len()),
-        binding_group: group_names.get(binding).cloned().unwrap_or_default(),
+        binding_group: speclab_engine::binding_group(&group_names, &need).unwrap_or_default(),
         need_per_group: need,
         group_names,
         usable: kv.usable_blocks(),
