@@ -207,7 +207,8 @@ pub fn now_unix() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
-/// The current git commit of the working directory, if any.
+/// The current git commit of the working directory, if any; `-dirty` when tracked
+/// files other than records and findings (`runs/`, `findings/`) have changes.
 pub fn git_commit() -> Option<String> {
     let out = std::process::Command::new("git").args(["rev-parse", "HEAD"]).output().ok()?;
     if !out.status.success() {
@@ -215,7 +216,7 @@ pub fn git_commit() -> Option<String> {
     }
     let s = String::from_utf8(out.stdout).ok()?.trim().to_string();
     let dirty = std::process::Command::new("git")
-        .args(["status", "--porcelain", "--untracked-files=no"])
+        .args(["status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)runs", ":(exclude)findings"])
         .output()
         .ok()
         .map(|o| !o.stdout.is_empty())
