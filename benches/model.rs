@@ -21,10 +21,9 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use speclab_engine::kv::manager::AllocArgs;
 use speclab_engine::kv::KvCacheManager;
 use speclab_engine::model::{ForwardOptions, LogitsRows, ModelConfig, ModelRunner, ModelWeights, SeqChunk};
-use speclab_engine::{ReqSlot, RequestStatus, RequestView};
+use speclab_engine::ReqSlot;
 
 const PROMPT: usize = 128;
 const SEED: u64 = 0x5eed;
@@ -35,21 +34,7 @@ fn setup(w: ModelWeights) -> (KvCacheManager, ModelRunner, Vec<u32>) {
     let layout = cfg.kv_layout(16, 0, 64).expect("layout");
     let mut kv = KvCacheManager::new(&layout, 64).expect("kv");
     let n = (PROMPT + 1) as u64;
-    let view = RequestView {
-        slot: ReqSlot(0),
-        num_computed_tokens: 0,
-        num_tokens: n,
-        num_prompt_tokens: n,
-        status: RequestStatus::Waiting,
-        num_in_flight_tokens: 0,
-    };
-    let args = AllocArgs {
-        num_new_tokens: n,
-        num_lookahead_tokens: 0,
-        full_sequence_must_fit: true,
-        has_scheduled_reqs: false,
-    };
-    kv.allocate_slots(&view, args).expect("allocate");
+    kv.allocate_whole(ReqSlot(0), n).expect("allocate");
     let runner = ModelRunner::new(w, &kv).expect("runner");
     let prompt: Vec<u32> = (0..PROMPT as u64).map(|i| ((i * 2_654_435_761) % 8192) as u32).collect();
     (kv, runner, prompt)

@@ -8,10 +8,9 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use speclab_engine::kv::manager::AllocArgs;
 use speclab_engine::kv::KvCacheManager;
 use speclab_engine::model::{Checkpoint, ExpertInput, ExpertObserver, ForwardOptions, ModelConfig, ModelRunner, ModelWeights, SeqChunk};
-use speclab_engine::{ReqSlot, RequestStatus, RequestView};
+use speclab_engine::ReqSlot;
 
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_speclab"))
@@ -41,8 +40,7 @@ fn observed_forward_is_the_forward() {
     let toks: Vec<u32> = (0..20).map(|i| (i * 37 % 500) as u32).collect();
     let run = |observe: bool| {
         let mut kv = KvCacheManager::from_layout(&cfg.kv_layout(16, 0, 16).unwrap()).unwrap();
-        let v = RequestView { slot: ReqSlot(0), num_computed_tokens: 0, num_tokens: 20, num_prompt_tokens: 20, status: RequestStatus::Waiting, num_in_flight_tokens: 0 };
-        kv.allocate_slots(&v, AllocArgs { num_new_tokens: 20, num_lookahead_tokens: 0, full_sequence_must_fit: true, has_scheduled_reqs: false }).unwrap();
+        kv.allocate_whole(ReqSlot(0), 20).unwrap();
         let mut r = ModelRunner::new(w.clone(), &kv).unwrap();
         let chunk = [SeqChunk { slot: ReqSlot(0), tokens: &toks, start_pos: 0, snapshot: false }];
         let mut c = Count::default();

@@ -22,10 +22,9 @@ use std::path::Path;
 
 use serde::Serialize;
 use speclab_engine::kv::{AllocOutcome, KvCacheManager};
-use speclab_engine::kv::manager::AllocArgs;
 use speclab_engine::model::weights::Ffn;
 use speclab_engine::model::{ExpertInput, ExpertObserver, ForwardOptions, Linear, LogitsRows, ModelWeights, ModelRunner, SeqChunk};
-use speclab_engine::{ReqSlot, RequestStatus, RequestView};
+use speclab_engine::ReqSlot;
 
 use crate::gptq::{gptq_quantize, reconstruction_error, GptqConfig, Hessian};
 use crate::rtn::quantize_rtn;
@@ -133,9 +132,7 @@ fn collect(weights: &ModelWeights, layer: usize, calib: &[Vec<u32>]) -> Result<C
             continue;
         }
         let n = seq.len() as u64;
-        let view = RequestView { slot, num_computed_tokens: 0, num_tokens: n, num_prompt_tokens: n, status: RequestStatus::Waiting, num_in_flight_tokens: 0 };
-        let args = AllocArgs { num_new_tokens: n, num_lookahead_tokens: 0, full_sequence_must_fit: true, has_scheduled_reqs: false };
-        match kv.allocate_slots(&view, args).map_err(eng)? {
+        match kv.allocate_whole(slot, n).map_err(eng)? {
             AllocOutcome::Allocated(_) => {}
             AllocOutcome::NoFit => return Err(QuantError::Config(format!("calibration sequence {i} ({n} tokens) does not fit the KV pool"))),
         }

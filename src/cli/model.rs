@@ -197,10 +197,9 @@ pub struct EvalPplArgs {
 
 /// Mean next-token cross-entropy (nats) of a model over sequences (teacher forcing, f32).
 pub fn eval_ce(weights: &ModelWeights, seqs: &[Vec<u32>]) -> anyhow::Result<(f64, u64, f64)> {
-    use speclab_engine::kv::manager::AllocArgs;
     use speclab_engine::kv::{AllocOutcome, KvCacheManager};
     use speclab_engine::model::{ModelRunner, SeqChunk};
-    use speclab_engine::{ReqSlot, RequestStatus, RequestView};
+    use speclab_engine::ReqSlot;
     let cfg = &weights.cfg;
     let longest = seqs.iter().map(Vec::len).max().unwrap_or(1) as u32;
     let mut kv = KvCacheManager::from_layout(&cfg.kv_layout(16, 0, longest.div_ceil(16) + 8)?)?;
@@ -216,8 +215,7 @@ pub fn eval_ce(weights: &ModelWeights, seqs: &[Vec<u32>]) -> anyhow::Result<(f64
         }
         let len = s.len() as u64;
         let slot = ReqSlot(0);
-        let view = RequestView { slot, num_computed_tokens: 0, num_tokens: len, num_prompt_tokens: len, status: RequestStatus::Waiting, num_in_flight_tokens: 0 };
-        match kv.allocate_slots(&view, AllocArgs { num_new_tokens: len, num_lookahead_tokens: 0, full_sequence_must_fit: true, has_scheduled_reqs: false })? {
+        match kv.allocate_whole(slot, len)? {
             AllocOutcome::Allocated(_) => {}
             AllocOutcome::NoFit => bail!("sequence {i} does not fit the KV pool"),
         }

@@ -19,10 +19,9 @@ use crate::exec::run::{
     check_requests, generate, DrafterFactory, EngineOptions, EngineRequest, EngineRun,
     NoDrafterFactory, SchedulerFactory,
 };
-use crate::kv::manager::AllocArgs;
 use crate::kv::{AllocOutcome, KvCacheManager};
 use crate::model::{ForwardOptions, LogitsRows, ModelRunner, ModelWeights, SeqChunk};
-use crate::request::{ReqSlot, RequestStatus, RequestView};
+use crate::request::ReqSlot;
 use crate::traits::RequestId;
 use crate::{EngineError, Result};
 
@@ -98,21 +97,7 @@ pub fn teacher_forced_logits(target: &ModelWeights, context: &[u32]) -> Result<V
     let layout = target.cfg.kv_layout(bs, 0, blocks)?;
     let mut kv = KvCacheManager::new(&layout, blocks)?;
     let n = context.len() as u64;
-    let view = RequestView {
-        slot: ReqSlot(0),
-        num_computed_tokens: 0,
-        num_tokens: n,
-        num_prompt_tokens: n,
-        status: RequestStatus::Waiting,
-        num_in_flight_tokens: 0,
-    };
-    let args = AllocArgs {
-        num_new_tokens: n,
-        num_lookahead_tokens: 0,
-        full_sequence_must_fit: true,
-        has_scheduled_reqs: false,
-    };
-    if let AllocOutcome::NoFit = kv.allocate_slots(&view, args)? {
+    if let AllocOutcome::NoFit = kv.allocate_whole(ReqSlot(0), n)? {
         return Err(EngineError::InsufficientKvMemory(format!(
             "teacher-forced pass of {n} tokens does not fit {blocks} blocks"
         )));

@@ -163,6 +163,22 @@ impl KvCacheManager {
         Ok(AllocOutcome::Allocated(out))
     }
 
+    /// Admit a fresh `n`-token sequence in one step: the must-fit allocation of a
+    /// WAITING request with nothing computed (what a whole-prompt prefill, a
+    /// calibration pass or a teacher-forced scoring pass needs).
+    pub fn allocate_whole(&mut self, slot: ReqSlot, n: u64) -> Result<AllocOutcome> {
+        let view = RequestView {
+            slot,
+            num_computed_tokens: 0,
+            num_tokens: n,
+            num_prompt_tokens: n,
+            status: RequestStatus::Waiting,
+            num_in_flight_tokens: 0,
+        };
+        let args = AllocArgs { num_new_tokens: n, num_lookahead_tokens: 0, full_sequence_must_fit: true, has_scheduled_reqs: false };
+        self.allocate_slots(&view, args)
+    }
+
     /// vLLM `KVCacheManager.free`: every group in order, each tail first.
     pub fn free(&mut self, slot: ReqSlot) {
         for m in &mut self.managers {
