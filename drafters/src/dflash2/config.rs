@@ -326,27 +326,17 @@ impl DFlash2Config {
 
     /// Parse and validate a `config.json` text (`file` names it in errors).
     pub fn from_json_str(text: &str, file: &str) -> Result<Self> {
-        let cfg: Self = serde_json::from_str(text).map_err(|e| EngineError::ConfigParse {
-            file: file.into(),
-            reason: e.to_string(),
-        })?;
-        cfg.validate()?;
-        Ok(cfg)
+        speclab_engine::model::config::parse_json_config(text, file, Self::validate)
     }
 
     /// Read and validate `config.json`.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| EngineError::Io {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
-        Self::from_json_str(&text, &path.display().to_string())
+        speclab_engine::model::config::read_json_config(path, Self::validate)
     }
 
     /// Pretty JSON with sorted keys (the layout `recipes/dflash2.py::save_checkpoint` writes).
     pub fn to_json_string(&self) -> Result<String> {
-        let v = serde_json::to_value(self).map_err(|e| invalid("<serialize>", e.to_string()))?;
-        serde_json::to_string_pretty(&v).map_err(|e| invalid("<serialize>", e.to_string()))
+        speclab_engine::model::config::json_config_string(self)
     }
 
     /// Refuse invalid or unsupported values, naming the key (module doc).

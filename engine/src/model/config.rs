@@ -174,6 +174,26 @@ pub struct QuantArgs {
     pub zp_dtype: Option<Value>,
 }
 
+/// Parse an HF-style JSON config and validate it (shared by the target's and the
+/// drafters' configs): errors name the file.
+pub fn parse_json_config<T: serde::de::DeserializeOwned>(text: &str, file: &str, validate: impl Fn(&T) -> Result<()>) -> Result<T> {
+    let cfg: T = serde_json::from_str(text).map_err(|e| EngineError::ConfigParse { file: file.into(), reason: e.to_string() })?;
+    validate(&cfg)?;
+    Ok(cfg)
+}
+
+/// Read, parse and validate a JSON config file.
+pub fn read_json_config<T: serde::de::DeserializeOwned>(path: &Path, validate: impl Fn(&T) -> Result<()>) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|e| EngineError::Io { path: path.display().to_string(), reason: e.to_string() })?;
+    parse_json_config(&text, &path.display().to_string(), validate)
+}
+
+/// Pretty JSON with sorted keys (serde_json's map is ordered).
+pub fn json_config_string<T: Serialize>(cfg: &T) -> Result<String> {
+    let v = serde_json::to_value(cfg).map_err(|e| invalid("<serialize>", e.to_string()))?;
+    serde_json::to_string_pretty(&v).map_err(|e| invalid("<serialize>", e.to_string()))
+}
+
 fn invalid(key: impl Into<String>, reason: impl Into<String>) -> EngineError {
     EngineError::InvalidConfig {
         key: key.into(),
@@ -538,27 +558,17 @@ impl ModelConfig {
 
     /// Parse and validate a `config.json` text (`file` names it in errors).
     pub fn from_json_str(text: &str, file: &str) -> Result<Self> {
-        let cfg: Self = serde_json::from_str(text).map_err(|e| EngineError::ConfigParse {
-            file: file.into(),
-            reason: e.to_string(),
-        })?;
-        cfg.validate()?;
-        Ok(cfg)
+        parse_json_config(text, file, Self::validate)
     }
 
     /// Read and validate `config.json` from a file.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| EngineError::Io {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
-        Self::from_json_str(&text, &path.display().to_string())
+        read_json_config(path, Self::validate)
     }
 
     /// Pretty JSON with sorted keys (the layout `save_checkpoint` writes).
     pub fn to_json_string(&self) -> Result<String> {
-        let v = serde_json::to_value(self).map_err(|e| invalid("<serialize>", e.to_string()))?;
-        serde_json::to_string_pretty(&v).map_err(|e| invalid("<serialize>", e.to_string()))
+        json_config_string(self)
     }
 
     /// Refuse unknown or unsupported values, naming the key and the allowed values.
