@@ -95,7 +95,10 @@ impl Sim {
     }
 
     fn emit(&mut self, op: Op) -> OpResult {
-        let res = self.r.apply(&op).unwrap_or_else(|e| panic!("generator emitted an invalid op: {e}"));
+        let res = self
+            .r
+            .apply(&op)
+            .unwrap_or_else(|e| panic!("generator emitted an invalid op: {e}"));
         self.ops.push(op);
         self.results.push(res.clone());
         res
@@ -106,10 +109,23 @@ impl Sim {
     }
 
     fn arrive(&mut self) {
-        let prompt = if self.rng.chance(0.01) { self.rng.range(8_000, 16_000) } else { self.rng.range(32, 2000) };
-        let req = SimReq { id: format!("r{}", self.next_id), num_tokens: prompt, computed: 0, outputs: 0, max_outputs: self.rng.range(1, 64) };
+        let prompt = if self.rng.chance(0.01) {
+            self.rng.range(8_000, 16_000)
+        } else {
+            self.rng.range(32, 2000)
+        };
+        let req = SimReq {
+            id: format!("r{}", self.next_id),
+            num_tokens: prompt,
+            computed: 0,
+            outputs: 0,
+            max_outputs: self.rng.range(1, 64),
+        };
         self.next_id += 1;
-        self.emit(Op::Add { req: req.id.clone(), prompt_len: prompt });
+        self.emit(Op::Add {
+            req: req.id.clone(),
+            prompt_len: prompt,
+        });
         self.waiting.push_back(req);
     }
 
@@ -117,7 +133,11 @@ impl Sim {
     fn plan(&mut self, q: &SimReq, budget: u64) -> Option<(u64, u64)> {
         let remaining = q.num_tokens - q.computed;
         if remaining > 1 {
-            let chunk = if self.rng.chance(0.05) { remaining.min(budget).min(self.rng.range(1, 512)) } else { remaining.min(budget) };
+            let chunk = if self.rng.chance(0.05) {
+                remaining.min(budget).min(self.rng.range(1, 512))
+            } else {
+                remaining.min(budget)
+            };
             (chunk > 0).then_some((chunk, 0))
         } else {
             let n = (1 + K).min(budget);
@@ -132,9 +152,17 @@ impl Sim {
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let q = self.running[i].clone();
-            let Some((n, la)) = self.plan(&q, budget) else { break };
+            let Some((n, la)) = self.plan(&q, budget) else {
+                break;
+            };
             loop {
-                let res = self.emit(Op::Allocate { req: q.id.clone(), num_new_tokens: n, lookahead: la, must_fit: false, has_scheduled_reqs: true });
+                let res = self.emit(Op::Allocate {
+                    req: q.id.clone(),
+                    num_new_tokens: n,
+                    lookahead: la,
+                    must_fit: false,
+                    has_scheduled_reqs: true,
+                });
                 if Self::allocated(&res) {
                     scheduled.push((q.id.clone(), n, la > 0));
                     budget -= n;
@@ -143,7 +171,9 @@ impl Sim {
                 }
                 // vLLM: preempt the lowest-priority (last) running request, maybe itself.
                 let victim = self.running.pop().expect("running is not empty");
-                self.emit(Op::Preempt { req: victim.id.clone() });
+                self.emit(Op::Preempt {
+                    req: victim.id.clone(),
+                });
                 scheduled.retain(|s| s.0 != victim.id);
                 let mut v = victim;
                 v.computed = 0;
@@ -156,11 +186,21 @@ impl Sim {
         }
         // Admit waiting / preempted requests (must-fit admission gate).
         while budget > 0 && self.running.len() < MAX_RUNNING {
-            let Some(q) = self.waiting.front().cloned() else { break };
-            let Some((n, la)) = self.plan(&q, budget) else { break };
+            let Some(q) = self.waiting.front().cloned() else {
+                break;
+            };
+            let Some((n, la)) = self.plan(&q, budget) else {
+                break;
+            };
             let must_fit = !self.rng.chance(0.1);
             let has_sched = !scheduled.is_empty();
-            let res = self.emit(Op::Allocate { req: q.id.clone(), num_new_tokens: n, lookahead: la, must_fit, has_scheduled_reqs: has_sched });
+            let res = self.emit(Op::Allocate {
+                req: q.id.clone(),
+                num_new_tokens: n,
+                lookahead: la,
+                must_fit,
+                has_scheduled_reqs: has_sched,
+            });
             if !Self::allocated(&res) {
                 break;
             }
@@ -171,15 +211,23 @@ impl Sim {
         }
         // Model step done: settle computed / outputs, finish requests.
         for (id, n, decode) in scheduled {
-            let Some(pos) = self.running.iter().position(|q| q.id == id) else { continue };
-            self.emit(Op::Computed { req: id.clone(), n: n as i64 });
+            let Some(pos) = self.running.iter().position(|q| q.id == id) else {
+                continue;
+            };
+            self.emit(Op::Computed {
+                req: id.clone(),
+                n: n as i64,
+            });
             let mut q = self.running[pos].clone();
             q.computed += n;
             let new_tokens = if decode {
                 let accepted = self.rng.range(0, K);
                 let rejected = K - accepted;
                 if rejected > 0 {
-                    self.emit(Op::Computed { req: id.clone(), n: -(rejected as i64) });
+                    self.emit(Op::Computed {
+                        req: id.clone(),
+                        n: -(rejected as i64),
+                    });
                     q.computed -= rejected;
                 }
                 accepted + 1
@@ -190,7 +238,10 @@ impl Sim {
             };
             let new_tokens = new_tokens.min(self.mml.saturating_sub(q.num_tokens));
             if new_tokens > 0 {
-                self.emit(Op::Append { req: id.clone(), n: new_tokens });
+                self.emit(Op::Append {
+                    req: id.clone(),
+                    n: new_tokens,
+                });
                 q.num_tokens += new_tokens;
                 q.outputs += new_tokens;
             }
@@ -235,13 +286,18 @@ fn generate(layout: &KvLayout) -> (Vec<Op>, Vec<OpResult>, replay::ReplaySummary
 }
 
 fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target"))
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target"))
 }
 
 fn write_trace(layout: &KvLayout, ops: &[Op], results: &[OpResult]) -> std::io::Result<PathBuf> {
     let dir = target_dir().join("kv-bench");
     std::fs::create_dir_all(&dir)?;
-    std::fs::write(dir.join("layout.json"), serde_json::to_string_pretty(layout).map_err(std::io::Error::from)? + "\n")?;
+    std::fs::write(
+        dir.join("layout.json"),
+        serde_json::to_string_pretty(layout).map_err(std::io::Error::from)? + "\n",
+    )?;
     let mut f = std::io::BufWriter::new(std::fs::File::create(dir.join("ops.jsonl"))?);
     for op in ops {
         serde_json::to_writer(&mut f, op).map_err(std::io::Error::from)?;
@@ -263,7 +319,10 @@ fn recipe_trace() -> Option<(KvLayout, Vec<Op>)> {
     let mut ops_files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .ok()?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.to_string_lossy().ends_with(".ops.jsonl") || p.file_name().is_some_and(|n| n == "ops.jsonl"))
+        .filter(|p| {
+            p.to_string_lossy().ends_with(".ops.jsonl")
+                || p.file_name().is_some_and(|n| n == "ops.jsonl")
+        })
         .collect();
     ops_files.sort();
     let ops_path = ops_files.into_iter().next()?;
@@ -276,8 +335,12 @@ fn recipe_trace() -> Option<(KvLayout, Vec<Op>)> {
         let stem = stem.rsplit_once('_').map_or(stem, |(a, _)| a);
         dir.join(format!("{stem}.layout.json"))
     };
-    let layout = replay::load_layout(&layout_path).map_err(|e| eprintln!("kv bench: skipping recipe trace: {e}")).ok()?;
-    let trace = replay::parse_ops(&ops_path).map_err(|e| eprintln!("kv bench: skipping recipe trace: {e}")).ok()?;
+    let layout = replay::load_layout(&layout_path)
+        .map_err(|e| eprintln!("kv bench: skipping recipe trace: {e}"))
+        .ok()?;
+    let trace = replay::parse_ops(&ops_path)
+        .map_err(|e| eprintln!("kv bench: skipping recipe trace: {e}"))
+        .ok()?;
     Some((layout, trace.ops))
 }
 
@@ -310,24 +373,32 @@ fn kv_replay_100k(c: &mut Criterion) {
     g.throughput(Throughput::Elements(ops.len() as u64));
     g.sample_size(20);
     g.bench_function("generated", |b| {
-        b.iter_batched(|| Replayer::new(&layout).expect("layout"), |mut r| {
-            for op in &ops {
-                black_box(r.apply(op).expect("valid trace"));
-            }
-            r
-        }, BatchSize::LargeInput)
+        b.iter_batched(
+            || Replayer::new(&layout).expect("layout"),
+            |mut r| {
+                for op in &ops {
+                    black_box(r.apply(op).expect("valid trace"));
+                }
+                r
+            },
+            BatchSize::LargeInput,
+        )
     });
     if let Some((l2, ops2)) = recipe_trace() {
         // Sanity: the recipe trace must replay without error before we time it.
         black_box(replay_all(&l2, &ops2));
         g.throughput(Throughput::Elements(ops2.len() as u64));
         g.bench_function("recipe_trace", |b| {
-            b.iter_batched(|| Replayer::new(&l2).expect("layout"), |mut r| {
-                for op in &ops2 {
-                    black_box(r.apply(op).expect("valid trace"));
-                }
-                r
-            }, BatchSize::LargeInput)
+            b.iter_batched(
+                || Replayer::new(&l2).expect("layout"),
+                |mut r| {
+                    for op in &ops2 {
+                        black_box(r.apply(op).expect("valid trace"));
+                    }
+                    r
+                },
+                BatchSize::LargeInput,
+            )
         });
     }
     g.finish();
@@ -343,10 +414,20 @@ fn bounds_1m(c: &mut Criterion) {
     let mut g = c.benchmark_group("bounds_1m");
     for cap in [CapPolicy::None, CapPolicy::Upstream] {
         let layout = glm53_dflash2(2304, cap, 40_000, 1_048_576, 8192);
-        let ctx = ProbeCtx { layout: &layout, num_blocks: 40_000, max_num_batched_tokens: 8192, lookahead: 8 };
+        let ctx = ProbeCtx {
+            layout: &layout,
+            num_blocks: 40_000,
+            max_num_batched_tokens: 8192,
+            lookahead: 8,
+        };
         let b = find_bound(&ctx).expect("bound");
-        eprintln!("bounds_1m/{cap:?}: largest admissible {:?} ({} probes)", b.largest_admissible, b.probes);
-        g.bench_function(format!("{cap:?}").to_lowercase(), |bch| bch.iter(|| black_box(find_bound(black_box(&ctx)).expect("bound"))));
+        eprintln!(
+            "bounds_1m/{cap:?}: largest admissible {:?} ({} probes)",
+            b.largest_admissible, b.probes
+        );
+        g.bench_function(format!("{cap:?}").to_lowercase(), |bch| {
+            bch.iter(|| black_box(find_bound(black_box(&ctx)).expect("bound")))
+        });
     }
     g.finish();
 }

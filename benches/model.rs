@@ -22,7 +22,9 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use speclab_engine::kv::KvCacheManager;
-use speclab_engine::model::{ForwardOptions, LogitsRows, ModelConfig, ModelRunner, ModelWeights, SeqChunk};
+use speclab_engine::model::{
+    ForwardOptions, LogitsRows, ModelConfig, ModelRunner, ModelWeights, SeqChunk,
+};
 use speclab_engine::ReqSlot;
 
 const PROMPT: usize = 128;
@@ -36,7 +38,9 @@ fn setup(w: ModelWeights) -> (KvCacheManager, ModelRunner, Vec<u32>) {
     let n = (PROMPT + 1) as u64;
     kv.allocate_whole(ReqSlot(0), n).expect("allocate");
     let runner = ModelRunner::new(w, &kv).expect("runner");
-    let prompt: Vec<u32> = (0..PROMPT as u64).map(|i| ((i * 2_654_435_761) % 8192) as u32).collect();
+    let prompt: Vec<u32> = (0..PROMPT as u64)
+        .map(|i| ((i * 2_654_435_761) % 8192) as u32)
+        .collect();
     (kv, runner, prompt)
 }
 
@@ -52,7 +56,9 @@ fn bench_model(c: &mut Criterion) {
                 speclab_engine::model::weights::Ffn::Moe(m) => Some(
                     m.experts
                         .iter()
-                        .map(|e| e.gate.weight_bytes() + e.up.weight_bytes() + e.down.weight_bytes())
+                        .map(|e| {
+                            e.gate.weight_bytes() + e.up.weight_bytes() + e.down.weight_bytes()
+                        })
                         .sum::<usize>(),
                 ),
                 _ => None,
@@ -74,7 +80,9 @@ fn bench_model(c: &mut Criterion) {
         ..Default::default()
     };
     let mut g = c.benchmark_group("model_tiny_prefill_128");
-    g.sample_size(10).warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(4));
+    g.sample_size(10)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(4));
     g.throughput(Throughput::Elements(PROMPT as u64));
     for (name, (kv, runner, prompt)) in paths.iter_mut() {
         g.bench_function(BenchmarkId::from_parameter(*name), |b| {
@@ -98,7 +106,9 @@ fn bench_model(c: &mut Criterion) {
     g.finish();
 
     let mut g = c.benchmark_group("model_tiny_decode");
-    g.sample_size(20).warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(3));
+    g.sample_size(20)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3));
     g.throughput(Throughput::Elements(1));
     for (name, (kv, runner, prompt)) in paths.iter_mut() {
         runner

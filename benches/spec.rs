@@ -33,14 +33,29 @@ fn bench_spec(c: &mut Criterion) {
     };
     let data = Checkpoint::open_file(&dir.join("data.safetensors")).expect("data.safetensors");
     let (prompts, shape) = data.i32_any_shape("prompt_tokens").expect("prompt_tokens");
-    let prompt: Vec<u32> = prompts[..shape[1].min(128)].iter().map(|&t| t as u32).collect();
-    let req = vec![EngineRequest { id: 0, prompt, max_tokens: OUT_TOKENS }];
-    let opts = EngineOptions { max_model_len: Some(1024), num_blocks: 256, ignore_eos: true, ..EngineOptions::default() };
+    let prompt: Vec<u32> = prompts[..shape[1].min(128)]
+        .iter()
+        .map(|&t| t as u32)
+        .collect();
+    let req = vec![EngineRequest {
+        id: 0,
+        prompt,
+        max_tokens: OUT_TOKENS,
+    }];
+    let opts = EngineOptions {
+        max_model_len: Some(1024),
+        num_blocks: 256,
+        ignore_eos: true,
+        ..EngineOptions::default()
+    };
     let cfg = &target.cfg;
     let dflash_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/dflash2-tiny");
     let mut specs: Vec<(String, DrafterSpec)> = vec![("none".into(), DrafterSpec::none())];
     for n in 1..=7 {
-        specs.push((format!("ngram/n={n}"), DrafterSpec::ngram(n, 3, 5).expect("ngram")));
+        specs.push((
+            format!("ngram/n={n}"),
+            DrafterSpec::ngram(n, 3, 5).expect("ngram"),
+        ));
         specs.push((format!("mtp/n={n}"), DrafterSpec::mtp(cfg, n).expect("mtp")));
     }
     for kind in ["dflash2", "dflash1"] {
@@ -53,7 +68,10 @@ fn bench_spec(c: &mut Criterion) {
     g.throughput(Throughput::Elements(OUT_TOKENS));
     for (name, spec) in &specs {
         let run = generate(&target, spec, &req, &opts, &mut *fcfs()).expect("run");
-        eprintln!("{name}: tau {:.3}, acceptance {:.3}", run.tau, run.acceptance_rate);
+        eprintln!(
+            "{name}: tau {:.3}, acceptance {:.3}",
+            run.tau, run.acceptance_rate
+        );
         g.bench_function(BenchmarkId::from_parameter(name), |b| {
             b.iter(|| black_box(generate(&target, spec, &req, &opts, &mut *fcfs()).expect("run")))
         });

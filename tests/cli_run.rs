@@ -14,7 +14,9 @@ fn bin() -> Command {
 }
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/manifests").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/manifests")
+        .join(name)
 }
 
 fn tmpdir(tag: &str) -> PathBuf {
@@ -24,7 +26,11 @@ fn tmpdir(tag: &str) -> PathBuf {
 }
 
 fn json(out: &Output) -> serde_json::Value {
-    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     serde_json::from_slice(&out.stdout).expect("stdout is JSON")
 }
 
@@ -36,7 +42,12 @@ fn legs(v: &serde_json::Value) -> Vec<serde_json::Value> {
 fn run_reproduces_the_card_numbers() {
     let d = tmpdir("numbers");
     let rec = d.join("r.json");
-    let out = bin().args(["run", "--json", "--out"]).arg(&rec).arg(fixture("small.ron")).output().unwrap();
+    let out = bin()
+        .args(["run", "--json", "--out"])
+        .arg(&rec)
+        .arg(fixture("small.ron"))
+        .output()
+        .unwrap();
     let v = json(&out);
     let l = legs(&v);
     assert_eq!(l.len(), 6);
@@ -53,7 +64,8 @@ fn run_reproduces_the_card_numbers() {
         assert!(leg["peak_held_per_group"][6].as_u64().unwrap() <= 130);
     }
     // The record on disk equals what was printed.
-    let on_disk: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&rec).unwrap()).unwrap();
+    let on_disk: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&rec).unwrap()).unwrap();
     assert_eq!(on_disk, v);
     assert_eq!(on_disk["complete"], true);
     std::fs::remove_dir_all(&d).ok();
@@ -63,7 +75,14 @@ fn run_reproduces_the_card_numbers() {
 fn interrupted_run_resumes_and_keeps_finished_legs() {
     let d = tmpdir("resume");
     let rec = d.join("r.json");
-    let full = json(&bin().args(["run", "--json", "--out"]).arg(&rec).arg(fixture("small.ron")).output().unwrap());
+    let full = json(
+        &bin()
+            .args(["run", "--json", "--out"])
+            .arg(&rec)
+            .arg(fixture("small.ron"))
+            .output()
+            .unwrap(),
+    );
     // Simulate a crash after two legs: keep them, mark them with a sentinel wall time.
     let mut partial = full.clone();
     let mut kept = legs(&full)[..2].to_vec();
@@ -73,7 +92,14 @@ fn interrupted_run_resumes_and_keeps_finished_legs() {
     partial["legs"] = serde_json::Value::Array(kept);
     partial["complete"] = serde_json::json!(false);
     std::fs::write(&rec, serde_json::to_vec(&partial).unwrap()).unwrap();
-    let resumed = json(&bin().args(["run", "--json", "--out"]).arg(&rec).arg(fixture("small.ron")).output().unwrap());
+    let resumed = json(
+        &bin()
+            .args(["run", "--json", "--out"])
+            .arg(&rec)
+            .arg(fixture("small.ron"))
+            .output()
+            .unwrap(),
+    );
     let l = legs(&resumed);
     assert_eq!(l.len(), 6);
     assert_eq!(resumed["complete"], true);
@@ -88,8 +114,17 @@ fn interrupted_run_resumes_and_keeps_finished_legs() {
         assert!(a["wall_ms"].as_f64().unwrap() >= 0.0);
     }
     // --fresh recomputes everything.
-    let fresh = json(&bin().args(["run", "--json", "--fresh", "--out"]).arg(&rec).arg(fixture("small.ron")).output().unwrap());
-    assert!(legs(&fresh).iter().all(|x| x["wall_ms"].as_f64().unwrap() >= 0.0));
+    let fresh = json(
+        &bin()
+            .args(["run", "--json", "--fresh", "--out"])
+            .arg(&rec)
+            .arg(fixture("small.ron"))
+            .output()
+            .unwrap(),
+    );
+    assert!(legs(&fresh)
+        .iter()
+        .all(|x| x["wall_ms"].as_f64().unwrap() >= 0.0));
     std::fs::remove_dir_all(&d).ok();
 }
 
@@ -97,10 +132,28 @@ fn interrupted_run_resumes_and_keeps_finished_legs() {
 fn a_record_from_another_manifest_is_not_resumed() {
     let d = tmpdir("othermanifest");
     let rec = d.join("r.json");
-    json(&bin().args(["run", "--json", "--out"]).arg(&rec).arg(fixture("small.ron")).output().unwrap());
+    json(
+        &bin()
+            .args(["run", "--json", "--out"])
+            .arg(&rec)
+            .arg(fixture("small.ron"))
+            .output()
+            .unwrap(),
+    );
     let other = d.join("other.ron");
-    std::fs::write(&other, std::fs::read_to_string(fixture("small.ron")).unwrap().replace("output_len: 32", "output_len: 33")).unwrap();
-    let out = bin().args(["run", "--out"]).arg(&rec).arg(&other).output().unwrap();
+    std::fs::write(
+        &other,
+        std::fs::read_to_string(fixture("small.ron"))
+            .unwrap()
+            .replace("output_len: 32", "output_len: 33"),
+    )
+    .unwrap();
+    let out = bin()
+        .args(["run", "--out"])
+        .arg(&rec)
+        .arg(&other)
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("different manifest"));
     std::fs::remove_dir_all(&d).ok();
@@ -108,7 +161,13 @@ fn a_record_from_another_manifest_is_not_resumed() {
 
 #[test]
 fn bounds_json_gives_the_exact_bound() {
-    let v = json(&bin().args(["bounds", "--json"]).arg(fixture("small.ron")).output().unwrap());
+    let v = json(
+        &bin()
+            .args(["bounds", "--json"])
+            .arg(fixture("small.ron"))
+            .output()
+            .unwrap(),
+    );
     let rows = v.as_array().unwrap();
     assert_eq!(rows.len(), 2);
     assert_eq!(rows[0]["cap"], "none");
@@ -122,18 +181,43 @@ fn bounds_json_gives_the_exact_bound() {
 fn findings_render_from_a_record() {
     let d = tmpdir("findings");
     let rec = d.join("r.json");
-    json(&bin().args(["run", "--json", "--out"]).arg(&rec).arg(fixture("small.ron")).output().unwrap());
-    let out = bin().args(["findings", "--out-dir"]).arg(&d).arg(&rec).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    json(
+        &bin()
+            .args(["run", "--json", "--out"])
+            .arg(&rec)
+            .arg(fixture("small.ron"))
+            .output()
+            .unwrap(),
+    );
+    let out = bin()
+        .args(["findings", "--out-dir"])
+        .arg(&d)
+        .arg(&rec)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let md = std::fs::read_to_string(d.join("small.md")).unwrap();
-    assert!(md.contains("| `bs=2304 cap=none prompt=15556` | 1,011 | 1,013 |"), "{md}");
+    assert!(
+        md.contains("| `bs=2304 cap=none prompt=15556` | 1,011 | 1,013 |"),
+        "{md}"
+    );
     assert!(md.contains("WEDGED"));
     assert!(md.contains("## Leg chain"));
     std::fs::remove_dir_all(&d).ok();
 }
 
 fn bad(name: &str) -> String {
-    let out = bin().arg("run").arg("--out").arg(std::env::temp_dir().join("speclab-never-written.json")).arg(fixture(name)).output().unwrap();
+    let out = bin()
+        .arg("run")
+        .arg("--out")
+        .arg(std::env::temp_dir().join("speclab-never-written.json"))
+        .arg(fixture(name))
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(!out.status.success(), "{name} should fail");
     assert!(!err.contains("panicked"), "{err}");
@@ -147,7 +231,10 @@ fn bad_manifests_are_clear_errors() {
     assert!(e.contains("unknown_field.ron:4:"), "line:col: {e}");
     assert!(e.contains("max_num_seq"), "field: {e}");
     let e = bad("prompt_too_long.ron");
-    assert!(e.contains("workload.prompts[1]") && e.contains("5000"), "{e}");
+    assert!(
+        e.contains("workload.prompts[1]") && e.contains("5000"),
+        "{e}"
+    );
     let e = bad("zero_block_size.ron");
     assert!(e.contains("block_size"), "{e}");
     let e = bad("unknown_preset.ron");

@@ -25,7 +25,8 @@ fn drafter_dir() -> PathBuf {
 }
 
 fn fixture_config() -> Value {
-    serde_json::from_str(&std::fs::read_to_string(drafter_dir().join("config.json")).unwrap()).unwrap()
+    serde_json::from_str(&std::fs::read_to_string(drafter_dir().join("config.json")).unwrap())
+        .unwrap()
 }
 
 /// Parse a config JSON value; return the error message (panics if it parses).
@@ -64,7 +65,10 @@ fn presets_equal_the_reference() {
     // tiny and glm53-flash: make_config's JSON, copied from `recipes/dflash2.py`.
     let tiny = json!({"architectures": ["DFlash2DraftModel"], "attention_bias": false, "block_size": 8, "dflash_config": {"conv_group_size": 16, "conv_kernel_size": 2, "mask_token_id": 8195, "selector_rank": 32, "selector_top_k": 8, "target_layer_ids": [1, 3, 5]}, "head_dim": 64, "hidden_act": "silu", "hidden_size": 256, "intermediate_size": 512, "is_causal": false, "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention"], "max_position_embeddings": 4096, "model_type": "qwen3", "num_attention_heads": 4, "num_hidden_layers": 3, "num_key_value_heads": 2, "num_target_layers": 8, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 256, "speclab_preset": "dflash2-tiny", "target_hidden_size": 256, "target_preset": "tiny", "tie_word_embeddings": false, "torch_dtype": "bfloat16", "training": {"loss_decay_gamma": 4.0, "num_anchors": 512, "selector_loss_weight": 1.0}, "use_sliding_window": true, "vocab_size": 8200});
     let glm = json!({"architectures": ["DFlash2DraftModel"], "attention_bias": false, "block_size": 8, "dflash_config": {"conv_group_size": 16, "conv_kernel_size": 2, "mask_token_id": 154875, "selector_rank": 256, "selector_top_k": 16, "target_layer_ids": [5, 14, 24, 33, 42]}, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 12288, "is_causal": false, "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention"], "max_position_embeddings": 262144, "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 5, "num_key_value_heads": 8, "num_target_layers": 45, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": 2048, "speclab_preset": "dflash2-glm53-flash", "target_hidden_size": 4096, "target_preset": "glm53-flash", "tie_word_embeddings": false, "torch_dtype": "bfloat16", "training": {"loss_decay_gamma": 4.0, "num_anchors": 512, "selector_loss_weight": 1.0}, "use_sliding_window": true, "vocab_size": 154880});
-    assert_eq!(serde_json::to_value(DFlash2Config::preset("dflash2-tiny").unwrap()).unwrap(), tiny);
+    assert_eq!(
+        serde_json::to_value(DFlash2Config::preset("dflash2-tiny").unwrap()).unwrap(),
+        tiny
+    );
     assert_eq!(
         serde_json::to_value(DFlash2Config::preset("dflash2-glm53-flash").unwrap()).unwrap(),
         glm
@@ -83,12 +87,21 @@ fn presets_equal_the_reference() {
     let g = DFlash2Config::preset("dflash2-glm53-flash").unwrap();
     assert_eq!(g.kv_bytes_per_token(2), 5 * 4096);
     let spec = g.kv_group(16, CapPolicy::WindowPlusTwo).unwrap();
-    assert_eq!((spec.block_size, spec.sliding_window), (Some(16), Some(2048)));
+    assert_eq!(
+        (spec.block_size, spec.sliding_window),
+        (Some(16), Some(2048))
+    );
     assert_eq!(spec.memory.unwrap().page_size_bytes, 16 * 2 * 8 * 128 * 4);
     // JSON round trip.
     let m = DFlash2Config::preset("dflash2-micro").unwrap();
-    assert_eq!(DFlash2Config::from_json_str(&m.to_json_string().unwrap(), "x").unwrap(), m);
-    expect_err(DFlash2Config::preset("dflash2-huge"), &["speclab_preset", "dflash2-micro"]);
+    assert_eq!(
+        DFlash2Config::from_json_str(&m.to_json_string().unwrap(), "x").unwrap(),
+        m
+    );
+    expect_err(
+        DFlash2Config::preset("dflash2-huge"),
+        &["speclab_preset", "dflash2-micro"],
+    );
 }
 
 #[test]
@@ -98,31 +111,76 @@ fn invalid_configs_name_the_key() {
         (with(base.clone(), &["block_size"], json!(1)), "block_size"),
         (with(base.clone(), &["block_size"], json!(32)), "block_size"),
         (with(base.clone(), &["is_causal"], json!(true)), "is_causal"),
-        (with(base.clone(), &["use_sliding_window"], json!(false)), "use_sliding_window"),
         (
-            with(base.clone(), &["layer_types"], json!(["sliding_attention", "full_attention"])),
+            with(base.clone(), &["use_sliding_window"], json!(false)),
+            "use_sliding_window",
+        ),
+        (
+            with(
+                base.clone(),
+                &["layer_types"],
+                json!(["sliding_attention", "full_attention"]),
+            ),
             "layer_types",
         ),
-        (with(base.clone(), &["architectures"], json!(["DFlashDraftModel"])), "architectures"),
-        (with(base.clone(), &["model_type"], json!("llama")), "model_type"),
-        (with(base.clone(), &["hidden_act"], json!("gelu")), "hidden_act"),
-        (with(base.clone(), &["torch_dtype"], json!("float16")), "torch_dtype"),
-        (with(base.clone(), &["num_key_value_heads"], json!(3)), "num_attention_heads"),
-        (with(base.clone(), &["hidden_size"], json!(64)), "hidden_size"),
         (
-            with(base.clone(), &["dflash_config", "target_layer_ids"], json!([0, 4])),
+            with(
+                base.clone(),
+                &["architectures"],
+                json!(["DFlashDraftModel"]),
+            ),
+            "architectures",
+        ),
+        (
+            with(base.clone(), &["model_type"], json!("llama")),
+            "model_type",
+        ),
+        (
+            with(base.clone(), &["hidden_act"], json!("gelu")),
+            "hidden_act",
+        ),
+        (
+            with(base.clone(), &["torch_dtype"], json!("float16")),
+            "torch_dtype",
+        ),
+        (
+            with(base.clone(), &["num_key_value_heads"], json!(3)),
+            "num_attention_heads",
+        ),
+        (
+            with(base.clone(), &["hidden_size"], json!(64)),
+            "hidden_size",
+        ),
+        (
+            with(
+                base.clone(),
+                &["dflash_config", "target_layer_ids"],
+                json!([0, 4]),
+            ),
             "dflash_config.target_layer_ids",
         ),
         (
-            with(base.clone(), &["dflash_config", "target_layer_ids"], json!([])),
+            with(
+                base.clone(),
+                &["dflash_config", "target_layer_ids"],
+                json!([]),
+            ),
             "dflash_config.target_layer_ids",
         ),
         (
-            with(base.clone(), &["dflash_config", "mask_token_id"], json!(512)),
+            with(
+                base.clone(),
+                &["dflash_config", "mask_token_id"],
+                json!(512),
+            ),
             "dflash_config.mask_token_id",
         ),
         (
-            with(base.clone(), &["dflash_config", "conv_group_size"], json!(3)),
+            with(
+                base.clone(),
+                &["dflash_config", "conv_group_size"],
+                json!(3),
+            ),
             "dflash_config.conv_group_size",
         ),
         (
@@ -130,7 +188,11 @@ fn invalid_configs_name_the_key() {
             "dflash_config.selector_top_k",
         ),
         (
-            with(base.clone(), &["dflash_config", "selector_top_k"], json!(513)),
+            with(
+                base.clone(),
+                &["dflash_config", "selector_top_k"],
+                json!(513),
+            ),
             "dflash_config.selector_top_k",
         ),
         (
@@ -138,15 +200,28 @@ fn invalid_configs_name_the_key() {
             "final_logit_softcapping",
         ),
         (
-            with(base.clone(), &["dflash_config", "mask_embedding"], json!([0.0])),
+            with(
+                base.clone(),
+                &["dflash_config", "mask_embedding"],
+                json!([0.0]),
+            ),
             "dflash_config.mask_embedding",
         ),
-        (with(base.clone(), &["draft_vocab_size"], json!(256)), "draft_vocab_size"),
-        (with(base.clone(), &["rms_norm_eps"], json!(0.0)), "rms_norm_eps"),
+        (
+            with(base.clone(), &["draft_vocab_size"], json!(256)),
+            "draft_vocab_size",
+        ),
+        (
+            with(base.clone(), &["rms_norm_eps"], json!(0.0)),
+            "rms_norm_eps",
+        ),
     ];
     for (v, key) in &cases {
         let e = config_err(v);
-        assert!(e.contains(&format!("`{key}`")), "error {e:?} should name key {key}");
+        assert!(
+            e.contains(&format!("`{key}`")),
+            "error {e:?} should name key {key}"
+        );
     }
     // A missing key names it; neutral vLLM knobs are accepted.
     let mut v = base.clone();
@@ -159,7 +234,10 @@ fn invalid_configs_name_the_key() {
         Value::Null,
     );
     DFlash2Config::from_json_str(&ok.to_string(), "config.json").unwrap();
-    expect_err(DFlash2Config::from_json_str("{", "cfg.json"), &["cfg.json", "parse"]);
+    expect_err(
+        DFlash2Config::from_json_str("{", "cfg.json"),
+        &["cfg.json", "parse"],
+    );
 }
 
 /// A micro drafter config with `f` applied, valid on its own.
@@ -172,7 +250,9 @@ fn micro_cfg(f: impl FnOnce(&mut DFlash2Config)) -> DFlash2Config {
 
 fn manager(target: &ModelConfig, dcfg: &DFlash2Config, bs: u32) -> KvCacheManager {
     let mut layout = target.kv_layout(16, 7, 64).unwrap();
-    layout.groups.push(dcfg.kv_group(bs, CapPolicy::None).unwrap());
+    layout
+        .groups
+        .push(dcfg.kv_group(bs, CapPolicy::None).unwrap());
     KvCacheManager::new(&layout, 64).unwrap()
 }
 
@@ -187,13 +267,20 @@ fn drafter_target_mismatch() {
             }),
             vec!["`hidden_size`", "64", "128"],
         ),
-        (micro_cfg(|c| c.vocab_size = 1024), vec!["`vocab_size`", "1024", "512"]),
+        (
+            micro_cfg(|c| c.vocab_size = 1024),
+            vec!["`vocab_size`", "1024", "512"],
+        ),
         (
             micro_cfg(|c| {
                 c.num_target_layers = 8;
                 c.dflash_config.target_layer_ids = vec![0, 5];
             }),
-            vec!["`dflash_config.target_layer_ids`", "layer 5", "4 decoder layers"],
+            vec![
+                "`dflash_config.target_layer_ids`",
+                "layer 5",
+                "4 decoder layers",
+            ],
         ),
     ];
     for (cfg, needles) in cases {
@@ -249,32 +336,63 @@ fn broken_checkpoints() {
         DFlash2Weights::load(&drafter_dir()).unwrap()
     );
     // A missing v1 tensor: names the file and the tensor.
-    let d = TmpDir::fixture_with("missing", |t| t.retain(|x| x.name != "layers.1.mlp.up_proj.weight"));
+    let d = TmpDir::fixture_with("missing", |t| {
+        t.retain(|x| x.name != "layers.1.mlp.up_proj.weight")
+    });
     let e = expect_err(
         DFlash2Weights::load(&d.0),
-        &["layers.1.mlp.up_proj.weight", "model.safetensors", "missing"],
+        &[
+            "layers.1.mlp.up_proj.weight",
+            "model.safetensors",
+            "missing",
+        ],
     );
     println!("missing tensor: {e}");
     // Half a v2 set.
-    let d = TmpDir::fixture_with("half-v2", |t| t.retain(|x| x.name != "layers.0.mlp_conv.base_kernel"));
-    let e = expect_err(DFlash2Weights::load(&d.0), &["layers.0.mlp_conv.base_kernel", "all present"]);
+    let d = TmpDir::fixture_with("half-v2", |t| {
+        t.retain(|x| x.name != "layers.0.mlp_conv.base_kernel")
+    });
+    let e = expect_err(
+        DFlash2Weights::load(&d.0),
+        &["layers.0.mlp_conv.base_kernel", "all present"],
+    );
     println!("half v2: {e}");
     // An extra tensor (the drafter never stores the shared head).
     let d = TmpDir::fixture_with("extra", |t| {
-        t.push(NamedTensor::bf16("lm_head.weight", vec![512, 128], &vec![0.0; 512 * 128]))
+        t.push(NamedTensor::bf16(
+            "lm_head.weight",
+            vec![512, 128],
+            &vec![0.0; 512 * 128],
+        ))
     });
-    expect_err(DFlash2Weights::load(&d.0), &["lm_head.weight", "does not use"]);
+    expect_err(
+        DFlash2Weights::load(&d.0),
+        &["lm_head.weight", "does not use"],
+    );
     // A misshapen tensor names the config key.
     let d = TmpDir::fixture_with("shape", |t| {
         let i = t.iter().position(|x| x.name == "fc.weight").unwrap();
         t[i] = NamedTensor::bf16("fc.weight", vec![128, 384], &vec![0.0; 128 * 384]);
     });
-    expect_err(DFlash2Weights::load(&d.0), &["fc.weight", "target_layer_ids"]);
+    expect_err(
+        DFlash2Weights::load(&d.0),
+        &["fc.weight", "target_layer_ids"],
+    );
     let d = TmpDir::fixture_with("rank", |t| {
-        let i = t.iter().position(|x| x.name == "candidate_selector.successor_codebook").unwrap();
-        t[i] = NamedTensor::bf16("candidate_selector.successor_codebook", vec![512, 8], &vec![0.0; 512 * 8]);
+        let i = t
+            .iter()
+            .position(|x| x.name == "candidate_selector.successor_codebook")
+            .unwrap();
+        t[i] = NamedTensor::bf16(
+            "candidate_selector.successor_codebook",
+            vec![512, 8],
+            &vec![0.0; 512 * 8],
+        );
     });
-    expect_err(DFlash2Weights::load(&d.0), &["successor_codebook", "dflash_config.selector_rank"]);
+    expect_err(
+        DFlash2Weights::load(&d.0),
+        &["successor_codebook", "dflash_config.selector_rank"],
+    );
     // No weights file / no config.
     let d = TmpDir::new("empty");
     expect_err(DFlash2Weights::load(&d.0), &["config.json"]);
@@ -314,7 +432,10 @@ fn alloc(kv: &mut KvCacheManager, slot: u32, computed: u64, new: u64) {
         full_sequence_must_fit: computed == 0,
         has_scheduled_reqs: false,
     };
-    assert!(matches!(kv.allocate_slots(&view, args).unwrap(), AllocOutcome::Allocated(_)));
+    assert!(matches!(
+        kv.allocate_slots(&view, args).unwrap(),
+        AllocOutcome::Allocated(_)
+    ));
 }
 
 fn setup(weights: DFlash2Weights) -> Setup {
@@ -322,7 +443,11 @@ fn setup(weights: DFlash2Weights) -> Setup {
     let kv = manager(&target.cfg, &weights.cfg, 4);
     let g = DFlash2::find_group(&kv).unwrap();
     let drafter = DFlash2::new(weights, &target.cfg, &kv, g).unwrap();
-    Setup { kv, target, drafter }
+    Setup {
+        kv,
+        target,
+        drafter,
+    }
 }
 
 fn golden_features(name: &str) -> Vec<f32> {
@@ -353,67 +478,107 @@ fn runtime_errors_and_v1_only() {
     let sl = ReqSlot(0);
     // Drafting before any context; appending without allocated blocks.
     expect_err(
-        s.drafter.draft(&s.kv, &s.target, &req(0, 5, 0, 7, DraftMode::V2), None),
+        s.drafter
+            .draft(&s.kv, &s.target, &req(0, 5, 0, 7, DraftMode::V2), None),
         &["no DFlash2 context"],
     );
-    expect_err(s.drafter.append_context(&s.kv, sl, 0, &feats), &["allocate_slots"]);
+    expect_err(
+        s.drafter.append_context(&s.kv, sl, 0, &feats),
+        &["allocate_slots"],
+    );
     alloc(&mut s.kv, 0, 0, 13);
-    expect_err(s.drafter.append_context(&s.kv, sl, 0, &feats[..f - 1]), &["features", "256"]);
-    expect_err(s.drafter.append_context(&s.kv, sl, 3, &feats), &["in order"]);
+    expect_err(
+        s.drafter.append_context(&s.kv, sl, 0, &feats[..f - 1]),
+        &["features", "256"],
+    );
+    expect_err(
+        s.drafter.append_context(&s.kv, sl, 3, &feats),
+        &["in order"],
+    );
     s.drafter.append_context(&s.kv, sl, 0, &feats).unwrap();
     // num_speculative_tokens out of range: 0 and B = 8 (> B - 1).
     for n in [0, 8, 100] {
         expect_err(
-            s.drafter.draft(&s.kv, &s.target, &req(0, 5, 13, n, DraftMode::V2), None),
+            s.drafter
+                .draft(&s.kv, &s.target, &req(0, 5, 13, n, DraftMode::V2), None),
             &["num_speculative_tokens", "1..=7"],
         );
     }
     // N < B - 1 is allowed (untrained, vLLM sizes the block 1 + N).
-    let d3 = s.drafter.draft(&s.kv, &s.target, &req(0, 5, 13, 3, DraftMode::V2), None).unwrap();
+    let d3 = s
+        .drafter
+        .draft(&s.kv, &s.target, &req(0, 5, 13, 3, DraftMode::V2), None)
+        .unwrap();
     assert_eq!(d3.tokens.len(), 3);
     // Anchor position / token, temperature.
     expect_err(
-        s.drafter.draft(&s.kv, &s.target, &req(0, 5, 12, 7, DraftMode::V2), None),
+        s.drafter
+            .draft(&s.kv, &s.target, &req(0, 5, 12, 7, DraftMode::V2), None),
         &["position 12", "n = 13"],
     );
     expect_err(
-        s.drafter.draft(&s.kv, &s.target, &req(0, 512, 13, 7, DraftMode::V2), None),
+        s.drafter
+            .draft(&s.kv, &s.target, &req(0, 512, 13, 7, DraftMode::V2), None),
         &["anchor token id 512"],
     );
     let mut hot = req(0, 5, 13, 7, DraftMode::V2);
     hot.temperature = 0.7;
-    expect_err(s.drafter.draft(&s.kv, &s.target, &hot, None), &["temperature", "RNG"]);
+    expect_err(
+        s.drafter.draft(&s.kv, &s.target, &hot, None),
+        &["temperature", "RNG"],
+    );
     hot.temperature = -1.0;
-    expect_err(s.drafter.draft(&s.kv, &s.target, &hot, None), &["temperature"]);
+    expect_err(
+        s.drafter.draft(&s.kv, &s.target, &hot, None),
+        &["temperature"],
+    );
     hot.temperature = f32::NAN;
-    expect_err(s.drafter.draft(&s.kv, &s.target, &hot, None), &["temperature"]);
+    expect_err(
+        s.drafter.draft(&s.kv, &s.target, &hot, None),
+        &["temperature"],
+    );
     // Another target's weights.
     let mut other = s.target.clone();
     other.cfg.vocab_size = 1024;
-    expect_err(s.drafter.draft(&s.kv, &other, &req(0, 5, 13, 7, DraftMode::V2), None), &["vocab"]);
+    expect_err(
+        s.drafter
+            .draft(&s.kv, &other, &req(0, 5, 13, 7, DraftMode::V2), None),
+        &["vocab"],
+    );
     // Another manager.
     let kv2 = manager(&s.target.cfg, s.drafter.config(), 4);
     let mut kv3 = {
         let mut layout = s.target.cfg.kv_layout(16, 7, 32).unwrap();
-        layout.groups.push(s.drafter.config().kv_group(4, CapPolicy::None).unwrap());
+        layout
+            .groups
+            .push(s.drafter.config().kv_group(4, CapPolicy::None).unwrap());
         KvCacheManager::new(&layout, 32).unwrap()
     };
     expect_err(
-        s.drafter.draft(&kv3, &s.target, &req(0, 5, 13, 7, DraftMode::V2), None),
+        s.drafter
+            .draft(&kv3, &s.target, &req(0, 5, 13, 7, DraftMode::V2), None),
         &["not the one"],
     );
     alloc(&mut kv3, 0, 0, 13);
-    expect_err(s.drafter.append_context(&kv3, sl, 0, &feats), &["not the one"]);
+    expect_err(
+        s.drafter.append_context(&kv3, sl, 0, &feats),
+        &["not the one"],
+    );
     // Same pool size but the request has no blocks there.
     expect_err(
-        s.drafter.draft(&kv2, &s.target, &req(0, 5, 13, 7, DraftMode::V2), None),
+        s.drafter
+            .draft(&kv2, &s.target, &req(0, 5, 13, 7, DraftMode::V2), None),
         &["allocate_slots"],
     );
     // After the manager frees the request, its blocks are gone: an error, not a read.
-    let v1_full = s.drafter.draft(&s.kv, &s.target, &req(0, 5, 13, 7, DraftMode::V1), None).unwrap();
+    let v1_full = s
+        .drafter
+        .draft(&s.kv, &s.target, &req(0, 5, 13, 7, DraftMode::V1), None)
+        .unwrap();
     s.kv.free(sl);
     expect_err(
-        s.drafter.draft(&s.kv, &s.target, &req(0, 5, 13, 7, DraftMode::V2), None),
+        s.drafter
+            .draft(&s.kv, &s.target, &req(0, 5, 13, 7, DraftMode::V2), None),
         &["allocate_slots"],
     );
     s.drafter.release(sl);
@@ -434,7 +599,8 @@ fn runtime_errors_and_v1_only() {
         .unwrap();
     assert_eq!(v1.tokens, v1_full.tokens);
     expect_err(
-        s1.drafter.draft(&s1.kv, &s1.target, &req(0, 5, 13, 7, DraftMode::V2), None),
+        s1.drafter
+            .draft(&s1.kv, &s1.target, &req(0, 5, 13, 7, DraftMode::V2), None),
         &["v2", "v1-only"],
     );
 }
@@ -445,13 +611,19 @@ fn wrong_kv_group() {
     let w = DFlash2Weights::load(&drafter_dir()).unwrap();
     let kv = manager(&target.cfg, &w.cfg, 4);
     // The target's full-attention group, a group that does not exist.
-    expect_err(DFlash2::new(w.clone(), &target.cfg, &kv, 0), &["groups[0]", "sliding_window group"]);
+    expect_err(
+        DFlash2::new(w.clone(), &target.cfg, &kv, 0),
+        &["groups[0]", "sliding_window group"],
+    );
     expect_err(DFlash2::new(w.clone(), &target.cfg, &kv, 9), &["groups[9]"]);
     // A sliding-window group with another window.
     let other = micro_cfg(|c| c.sliding_window = 32);
     let kv = manager(&target.cfg, &other, 4);
     let g = DFlash2::find_group(&kv).unwrap();
-    expect_err(DFlash2::new(w.clone(), &target.cfg, &kv, g), &["sliding_window 32", "16"]);
+    expect_err(
+        DFlash2::new(w.clone(), &target.cfg, &kv, g),
+        &["sliding_window 32", "16"],
+    );
     // A group whose memory describes other pages.
     let mut layout = target.cfg.kv_layout(16, 7, 64).unwrap();
     let mut spec = w.cfg.kv_group(4, CapPolicy::None).unwrap();
@@ -459,5 +631,8 @@ fn wrong_kv_group() {
     layout.groups.push(spec);
     let kv = KvCacheManager::new(&layout, 64).unwrap();
     let g = DFlash2::find_group(&kv).unwrap();
-    expect_err(DFlash2::new(w, &target.cfg, &kv, g), &["memory", "f32 pages"]);
+    expect_err(
+        DFlash2::new(w, &target.cfg, &kv, g),
+        &["memory", "f32 pages"],
+    );
 }

@@ -45,7 +45,8 @@ fn root() -> PathBuf {
 }
 
 fn golden() -> Checkpoint {
-    Checkpoint::open_file(&root().join("tests/fixtures/dflash2/golden.safetensors")).expect("dflash2 golden")
+    Checkpoint::open_file(&root().join("tests/fixtures/dflash2/golden.safetensors"))
+        .expect("dflash2 golden")
 }
 
 fn g32(g: &Checkpoint, name: &str) -> Vec<f32> {
@@ -69,7 +70,10 @@ impl Worst {
         self.record(label, what, rel_err(a, b));
     }
     fn record(&mut self, label: &str, what: &str, e: f32) {
-        assert!(e < CONTRACT, "{label} {what}: relative error {e:.3e} >= contract {CONTRACT:.0e}");
+        assert!(
+            e < CONTRACT,
+            "{label} {what}: relative error {e:.3e} >= contract {CONTRACT:.0e}"
+        );
         assert!(
             e < STRICT,
             "{label} {what}: relative error {e:.3e} >= {STRICT:.0e} (an f32 port should be ~1e-5)"
@@ -97,10 +101,15 @@ struct Harness {
 
 impl Harness {
     fn new(drafter_bs: u32, cap: CapPolicy) -> Self {
-        let target = ModelWeights::load(&root().join("tests/fixtures/model")).unwrap_or_else(|e| panic!("{e}"));
-        let dw = DFlash2Weights::load_for_target(&root().join("tests/fixtures/dflash2"), &target.cfg).unwrap_or_else(|e| panic!("{e}"));
+        let target = ModelWeights::load(&root().join("tests/fixtures/model"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let dw =
+            DFlash2Weights::load_for_target(&root().join("tests/fixtures/dflash2"), &target.cfg)
+                .unwrap_or_else(|e| panic!("{e}"));
         let mut layout = target.cfg.kv_layout(TARGET_BS, N as u32, POOL).unwrap();
-        layout.groups.push(dw.cfg.kv_group(drafter_bs, cap).unwrap());
+        layout
+            .groups
+            .push(dw.cfg.kv_group(drafter_bs, cap).unwrap());
         let kv = KvCacheManager::new(&layout, POOL).unwrap();
         let group = DFlash2::find_group(&kv).expect("drafter group");
         let drafter = DFlash2::new(dw, &target.cfg, &kv, group).unwrap_or_else(|e| panic!("{e}"));
@@ -121,7 +130,11 @@ impl Harness {
             num_computed_tokens: c,
             num_tokens: num_tokens.max(c + 1),
             num_prompt_tokens: num_tokens,
-            status: if c == 0 { RequestStatus::Waiting } else { RequestStatus::Running },
+            status: if c == 0 {
+                RequestStatus::Waiting
+            } else {
+                RequestStatus::Running
+            },
             num_in_flight_tokens: 0,
         };
         let args = AllocArgs {
@@ -138,7 +151,13 @@ impl Harness {
 
     /// Target forward of `tokens` at the slot's computed position, collecting hidden states;
     /// returns (logits [T, V], features [T, F]).
-    fn target(&mut self, slot: u32, tokens: &[u32], snapshot: bool, num_tokens: u64) -> (Vec<f32>, Vec<f32>) {
+    fn target(
+        &mut self,
+        slot: u32,
+        tokens: &[u32],
+        snapshot: bool,
+        num_tokens: u64,
+    ) -> (Vec<f32>, Vec<f32>) {
         self.alloc(slot, tokens.len(), num_tokens);
         let start = self.computed[slot as usize] as usize;
         let out = self
@@ -192,21 +211,68 @@ impl Harness {
 
 /// Compare one draft step with its goldens `{m}.prompt{p}.step{s}.*`.
 fn compare_step(g: &Checkpoint, w: &mut Worst, key: &str, d: &Draft, mode: DraftMode, v: usize) {
-    assert_eq!(d.tokens, gu32(g, &format!("{key}.tokens")), "{key} draft tokens");
-    w.check(key, "block hidden", d.hidden.as_ref().unwrap(), &g32(g, &format!("{key}.hidden")));
-    w.check(key, "block logits", d.logits.as_ref().unwrap(), &g32(g, &format!("{key}.logits")));
+    assert_eq!(
+        d.tokens,
+        gu32(g, &format!("{key}.tokens")),
+        "{key} draft tokens"
+    );
+    w.check(
+        key,
+        "block hidden",
+        d.hidden.as_ref().unwrap(),
+        &g32(g, &format!("{key}.hidden")),
+    );
+    w.check(
+        key,
+        "block logits",
+        d.logits.as_ref().unwrap(),
+        &g32(g, &format!("{key}.logits")),
+    );
     let q: Vec<f32> = d.q.as_ref().unwrap().iter().flatten().copied().collect();
     assert_eq!(q.len(), N * v);
     w.check(key, "q (temp 1)", &q, &g32(g, &format!("{key}.q")));
-    w.check(key, "margin", d.margin.as_ref().unwrap(), &g32(g, &format!("{key}.margin")));
+    w.check(
+        key,
+        "margin",
+        d.margin.as_ref().unwrap(),
+        &g32(g, &format!("{key}.margin")),
+    );
     if mode == DraftMode::V2 {
         let s = d.selector.as_ref().unwrap();
-        assert_eq!(s.cand_ids, gu32(g, &format!("{key}.cand_ids")), "{key} candidates");
-        assert_eq!(s.choice, gu32(g, &format!("{key}.choice")), "{key} walk choices");
-        w.check(key, "cand_unary", &s.cand_unary, &g32(g, &format!("{key}.cand_unary")));
-        w.check(key, "edge_scores", &s.edge_scores, &g32(g, &format!("{key}.edge_scores")));
-        w.check(key, "realized", &s.realized, &g32(g, &format!("{key}.realized")));
-        w.check(key, "topk_gap", &s.topk_gap, &g32(g, &format!("{key}.topk_gap")));
+        assert_eq!(
+            s.cand_ids,
+            gu32(g, &format!("{key}.cand_ids")),
+            "{key} candidates"
+        );
+        assert_eq!(
+            s.choice,
+            gu32(g, &format!("{key}.choice")),
+            "{key} walk choices"
+        );
+        w.check(
+            key,
+            "cand_unary",
+            &s.cand_unary,
+            &g32(g, &format!("{key}.cand_unary")),
+        );
+        w.check(
+            key,
+            "edge_scores",
+            &s.edge_scores,
+            &g32(g, &format!("{key}.edge_scores")),
+        );
+        w.check(
+            key,
+            "realized",
+            &s.realized,
+            &g32(g, &format!("{key}.realized")),
+        );
+        w.check(
+            key,
+            "topk_gap",
+            &s.topk_gap,
+            &g32(g, &format!("{key}.topk_gap")),
+        );
         // q lives on the candidates only.
         for (j, row) in d.q.as_ref().unwrap().iter().enumerate() {
             for (t, &p) in row.iter().enumerate() {
@@ -227,7 +293,14 @@ struct CaseOut {
 }
 
 /// The fixture scenario with the Rust target; returns the drafts for comparison.
-fn run_case(hs: &mut Harness, g: &Checkpoint, w: &mut Worst, p: usize, mode: DraftMode, slot: u32) -> CaseOut {
+fn run_case(
+    hs: &mut Harness,
+    g: &Checkpoint,
+    w: &mut Worst,
+    p: usize,
+    mode: DraftMode,
+    slot: u32,
+) -> CaseOut {
     let m = if mode == DraftMode::V1 { "v1" } else { "v2" };
     let label = format!("{m}.prompt{p}");
     let v = hs.runner.config().vocab_size;
@@ -244,22 +317,50 @@ fn run_case(hs: &mut Harness, g: &Checkpoint, w: &mut Worst, p: usize, mode: Dra
         feats.extend_from_slice(&f);
         last_logits = lg[(b - a - 1) * v..].to_vec();
     }
-    w.check(&label, "target features (prompt)", &feats, &g32(g, &format!("prompt{p}.features")));
+    w.check(
+        &label,
+        "target features (prompt)",
+        &feats,
+        &g32(g, &format!("prompt{p}.features")),
+    );
     let anchor0 = argmax(&last_logits) as u32;
-    assert_eq!(anchor0, gu32(g, &format!("prompt{p}.anchor"))[0], "{label}: target greedy anchor");
-    assert_eq!(gu32(g, &format!("{label}.step0.anchor")), vec![anchor0, t as u32]);
+    assert_eq!(
+        anchor0,
+        gu32(g, &format!("prompt{p}.anchor"))[0],
+        "{label}: target greedy anchor"
+    );
+    assert_eq!(
+        gu32(g, &format!("{label}.step0.anchor")),
+        vec![anchor0, t as u32]
+    );
     if p == 0 {
         for l in 0..2 {
             let (mut ks, mut vs) = (Vec::new(), Vec::new());
             for pos in 0..t {
-                let (k, vv) = hs.drafter.context_kv(&hs.kv, ReqSlot(slot), l, pos).unwrap();
+                let (k, vv) = hs
+                    .drafter
+                    .context_kv(&hs.kv, ReqSlot(slot), l, pos)
+                    .unwrap();
                 ks.extend(k);
                 vs.extend(vv);
             }
-            w.check(&label, "context K", &ks, &g32(g, &format!("prompt0.ctx_k.layer{l}")));
-            w.check(&label, "context V", &vs, &g32(g, &format!("prompt0.ctx_v.layer{l}")));
+            w.check(
+                &label,
+                "context K",
+                &ks,
+                &g32(g, &format!("prompt0.ctx_k.layer{l}")),
+            );
+            w.check(
+                &label,
+                "context V",
+                &vs,
+                &g32(g, &format!("prompt0.ctx_v.layer{l}")),
+            );
         }
-        assert_eq!(gi32(g, "prompt0.ctx_pos"), (0..t as i32).collect::<Vec<_>>());
+        assert_eq!(
+            gi32(g, "prompt0.ctx_pos"),
+            (0..t as i32).collect::<Vec<_>>()
+        );
     }
     // 2. step 0.
     let d0 = hs.draft(slot, anchor0, t, mode);
@@ -276,7 +377,9 @@ fn run_case(hs: &mut Harness, g: &Checkpoint, w: &mut Worst, p: usize, mode: Dra
     let mut vt = vec![anchor0];
     vt.extend_from_slice(&d0.tokens);
     let (vl, vf) = hs.target(slot, &vt, true, t as u64 + 1);
-    hs.runner.commit_state(&hs.kv, ReqSlot(slot), FORCED).unwrap();
+    hs.runner
+        .commit_state(&hs.kv, ReqSlot(slot), FORCED)
+        .unwrap();
     hs.computed[slot as usize] -= (N - FORCED) as u64;
     let f = hs.drafter.config().feature_dim();
     let vfeats = &vf[..(FORCED + 1) * f];
@@ -286,7 +389,10 @@ fn run_case(hs: &mut Harness, g: &Checkpoint, w: &mut Worst, p: usize, mode: Dra
         vfeats,
         &g32(g, &format!("{label}.verify.features")),
     );
-    assert_eq!(gi32(g, &format!("{label}.verify.accepted")), vec![FORCED as i32]);
+    assert_eq!(
+        gi32(g, &format!("{label}.verify.accepted")),
+        vec![FORCED as i32]
+    );
     let bonus = argmax(&vl[FORCED * v..(FORCED + 1) * v]) as u32;
     assert_eq!(
         gu32(g, &format!("{label}.step1.anchor")),
@@ -305,12 +411,22 @@ fn run_case(hs: &mut Harness, g: &Checkpoint, w: &mut Worst, p: usize, mode: Dra
     hs.alloc(gslot, t, t as u64);
     hs.computed[gslot as usize] = t as u64;
     hs.drafter
-        .append_context(&hs.kv, ReqSlot(gslot), 0, &g32(g, &format!("prompt{p}.features")))
+        .append_context(
+            &hs.kv,
+            ReqSlot(gslot),
+            0,
+            &g32(g, &format!("prompt{p}.features")),
+        )
         .unwrap();
     let e0 = hs.draft(gslot, anchor0, t, mode);
     hs.alloc(gslot, 1 + N, t as u64 + 1);
     hs.drafter
-        .append_context(&hs.kv, ReqSlot(gslot), t, &g32(g, &format!("{label}.verify.features")))
+        .append_context(
+            &hs.kv,
+            ReqSlot(gslot),
+            t,
+            &g32(g, &format!("{label}.verify.features")),
+        )
         .unwrap();
     let e1 = hs.draft(gslot, bonus, t + FORCED + 1, mode);
     let mut wg = Worst::default();
@@ -329,7 +445,11 @@ fn run_case(hs: &mut Harness, g: &Checkpoint, w: &mut Worst, p: usize, mode: Dra
 #[test]
 fn goldens_v1_v2_through_the_kv_manager() {
     let g = golden();
-    let configs = [(4, CapPolicy::None), (16, CapPolicy::Upstream), (4, CapPolicy::WindowPlusTwo)];
+    let configs = [
+        (4, CapPolicy::None),
+        (16, CapPolicy::Upstream),
+        (4, CapPolicy::WindowPlusTwo),
+    ];
     let mut first: Option<Vec<CaseOut>> = None;
     for (bs, cap) in configs {
         let mut hs = Harness::new(bs, cap);
@@ -342,18 +462,32 @@ fn goldens_v1_v2_through_the_kv_manager() {
                 if p == 1 && cap != CapPolicy::WindowPlusTwo && bs == 4 {
                     // T = 30 > W = 16: the step-0 verify allocation nulled the blocks of
                     // positions 0..11 (skipped = 31 - 16 = 15 tokens, 3 blocks of 4).
-                    assert!(hs.leading_nulls(slot) >= 3, "eviction must null real drafter blocks");
-                    let e = hs.drafter.context_kv(&hs.kv, ReqSlot(slot), 0, 0).unwrap_err().to_string();
+                    assert!(
+                        hs.leading_nulls(slot) >= 3,
+                        "eviction must null real drafter blocks"
+                    );
+                    let e = hs
+                        .drafter
+                        .context_kv(&hs.kv, ReqSlot(slot), 0, 0)
+                        .unwrap_err()
+                        .to_string();
                     assert!(e.contains("null block"), "{e}");
                 }
                 hs.free(slot);
             }
         }
-        assert_eq!(hs.kv.num_free_blocks(), hs.kv.usable_blocks(), "every block returned");
+        assert_eq!(
+            hs.kv.num_free_blocks(),
+            hs.kv.usable_blocks(),
+            "every block returned"
+        );
         w.print(&format!("drafter group block {bs}, cap {cap:?}:"));
         match &first {
             None => first = Some(outs),
-            Some(f) => assert_eq!(f, &outs, "allocator configuration changed the drafts (block {bs}, {cap:?})"),
+            Some(f) => assert_eq!(
+                f, &outs,
+                "allocator configuration changed the drafts (block {bs}, {cap:?})"
+            ),
         }
     }
 }
@@ -392,19 +526,31 @@ fn chunked_context_equals_whole_recompute() {
         let d1 = hs.draft(slot, anchor[0], total, DraftMode::V2);
         drafts.push((d0, d1));
     }
-    assert!(hs.leading_nulls(2) >= 3, "row-at-a-time allocation must have evicted blocks");
+    assert!(
+        hs.leading_nulls(2) >= 3,
+        "row-at-a-time allocation must have evicted blocks"
+    );
     let (ref_d0, ref_d1) = &drafts[0];
     assert!(ref_d0.is_none(), "the one-shot slot never stops at 30");
     assert_eq!(ref_d1.tokens, gu32(&g, "v2.prompt1.step1.tokens"));
     for (s, (d0, d1)) in drafts.iter().enumerate().skip(1) {
         assert_eq!(d1.tokens, ref_d1.tokens, "slot {s}");
-        assert_eq!(d1.selector.as_ref().unwrap().cand_ids, ref_d1.selector.as_ref().unwrap().cand_ids);
+        assert_eq!(
+            d1.selector.as_ref().unwrap().cand_ids,
+            ref_d1.selector.as_ref().unwrap().cand_ids
+        );
         let e = rel_err(d1.logits.as_ref().unwrap(), ref_d1.logits.as_ref().unwrap());
         println!("chunk plan {s}: step-1 logits vs whole-context recompute rel err {e:.3e}");
-        assert!(e < 1e-5, "chunked context differs from the recompute: {e:.3e}");
+        assert!(
+            e < 1e-5,
+            "chunked context differs from the recompute: {e:.3e}"
+        );
         let d0 = d0.as_ref().unwrap();
         assert_eq!(d0.tokens, gu32(&g, "v2.prompt1.step0.tokens"));
-        let e0 = rel_err(d0.logits.as_ref().unwrap(), &g32(&g, "v2.prompt1.step0.logits"));
+        let e0 = rel_err(
+            d0.logits.as_ref().unwrap(),
+            &g32(&g, "v2.prompt1.step0.logits"),
+        );
         assert!(e0 < STRICT, "{e0:.3e}");
     }
 }

@@ -44,26 +44,53 @@ struct Golden {
 
 fn load(path: &Path) -> Golden {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let field = |k: &str| v.get(k).cloned().unwrap_or_else(|| panic!("{}: missing `{k}`", path.display()));
-    let layout: KvLayout =
-        serde_json::from_value(field("layout")).unwrap_or_else(|e| panic!("{}: layout: {e}", path.display()));
+    let v: Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let field = |k: &str| {
+        v.get(k)
+            .cloned()
+            .unwrap_or_else(|| panic!("{}: missing `{k}`", path.display()))
+    };
+    let layout: KvLayout = serde_json::from_value(field("layout"))
+        .unwrap_or_else(|e| panic!("{}: layout: {e}", path.display()));
     let ops_v = field("ops");
-    let ops_a = ops_v.as_array().unwrap_or_else(|| panic!("{}: `ops` is not a list", path.display()));
+    let ops_a = ops_v
+        .as_array()
+        .unwrap_or_else(|| panic!("{}: `ops` is not a list", path.display()));
     let ops = ops_a
         .iter()
         .enumerate()
-        .map(|(i, o)| serde_json::from_value(o.clone()).unwrap_or_else(|e| panic!("{}: ops[{i}] {o}: {e}", path.display())))
+        .map(|(i, o)| {
+            serde_json::from_value(o.clone())
+                .unwrap_or_else(|e| panic!("{}: ops[{i}] {o}: {e}", path.display()))
+        })
         .collect();
-    let results = field("results").as_array().cloned().unwrap_or_else(|| panic!("{}: `results` is not a list", path.display()));
-    let name = v.get("name").and_then(Value::as_str).unwrap_or("?").to_string();
-    Golden { name, layout, ops, results }
+    let results = field("results")
+        .as_array()
+        .cloned()
+        .unwrap_or_else(|| panic!("{}: `results` is not a list", path.display()));
+    let name = v
+        .get("name")
+        .and_then(Value::as_str)
+        .unwrap_or("?")
+        .to_string();
+    Golden {
+        name,
+        layout,
+        ops,
+        results,
+    }
 }
 
 /// Replay one golden; `Err` carries a full mismatch report.
 fn check(path: &Path, g: &Golden) -> Result<(), String> {
     if g.ops.len() != g.results.len() {
-        return Err(format!("{}: {} ops but {} results", path.display(), g.ops.len(), g.results.len()));
+        return Err(format!(
+            "{}: {} ops but {} results",
+            path.display(),
+            g.ops.len(),
+            g.results.len()
+        ));
     }
     let context = |i: usize| -> String {
         let from = i.saturating_sub(CONTEXT);
@@ -73,18 +100,17 @@ fn check(path: &Path, g: &Golden) -> Result<(), String> {
         }
         s
     };
-    let mut r = Replayer::new(&g.layout).map_err(|e| format!("{}: layout refused: {e}", path.display()))?;
+    let mut r =
+        Replayer::new(&g.layout).map_err(|e| format!("{}: layout refused: {e}", path.display()))?;
     for (i, (op, want)) in g.ops.iter().zip(&g.results).enumerate() {
         let got = match r.apply(op) {
             Ok(got) => got,
-            Err(e) => {
-                return Err(format!(
-                    "{} ({}): op {i} {op}: replay error: {e}\n  expected: {want}\n  previous ops:\n{}",
-                    path.display(),
-                    g.name,
-                    context(i)
-                ))
-            }
+            Err(e) => return Err(format!(
+                "{} ({}): op {i} {op}: replay error: {e}\n  expected: {want}\n  previous ops:\n{}",
+                path.display(),
+                g.name,
+                context(i)
+            )),
         };
         let got_v = serde_json::to_value(&got).map_err(|e| e.to_string())?;
         let same = got_v.get("i") == want.get("i")
@@ -92,7 +118,10 @@ fn check(path: &Path, g: &Golden) -> Result<(), String> {
             && got_v.get("blocks") == want.get("blocks")
             && got_v.get("free") == want.get("free");
         if !same {
-            let slot = r.request(op.req()).map(|s| format!("{s:?}")).unwrap_or_else(|| "(forgotten)".into());
+            let slot = r
+                .request(op.req())
+                .map(|s| format!("{s:?}"))
+                .unwrap_or_else(|| "(forgotten)".into());
             return Err(format!(
                 "{} ({}): mismatch at op {i}: {op}\n  expected: {want}\n  got:      {got_v}\n  request state after: {slot}\n  previous ops:\n{}",
                 path.display(),
@@ -116,15 +145,29 @@ fn goldens_match_vllm() {
             failures.push(e);
         }
     }
-    eprintln!("kv goldens: {} files, {} ops, {} mismatching", files.len(), total_ops, failures.len());
+    eprintln!(
+        "kv goldens: {} files, {} ops, {} mismatching",
+        files.len(),
+        total_ops,
+        failures.len()
+    );
     assert!(
         files.len() >= MIN_LAYOUTS,
         "only {} golden layouts in {} (need >= {MIN_LAYOUTS}); regenerate with recipes/kv_golden.py",
         files.len(),
         golden_dir().display()
     );
-    assert!(total_ops >= MIN_OPS, "only {total_ops} golden ops (need >= {MIN_OPS})");
-    assert!(failures.is_empty(), "{} of {} goldens disagree with vLLM:\n\n{}", failures.len(), files.len(), failures.join("\n\n"));
+    assert!(
+        total_ops >= MIN_OPS,
+        "only {total_ops} golden ops (need >= {MIN_OPS})"
+    );
+    assert!(
+        failures.is_empty(),
+        "{} of {} goldens disagree with vLLM:\n\n{}",
+        failures.len(),
+        files.len(),
+        failures.join("\n\n")
+    );
 }
 
 /// The comparison itself must be able to fail: corrupting one expected `free`
@@ -145,7 +188,12 @@ fn golden_check_detects_a_corrupted_result() {
         .results
         .iter()
         .enumerate()
-        .find(|(_, r)| r["blocks"].as_array().is_some_and(|b| b.iter().any(|gr| gr.as_array().is_some_and(|x| !x.is_empty()))))
+        .find(|(_, r)| {
+            r["blocks"].as_array().is_some_and(|b| {
+                b.iter()
+                    .any(|gr| gr.as_array().is_some_and(|x| !x.is_empty()))
+            })
+        })
         .expect("a golden with no allocation");
     g.results[k]["blocks"] = Value::Null;
     let e = check(f, &g).expect_err("a corrupted golden passed");

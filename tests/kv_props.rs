@@ -39,7 +39,11 @@ fn block_size() -> impl Strategy<Value = u32> {
 }
 
 fn group() -> impl Strategy<Value = GroupSpec> {
-    let cap = prop_oneof![Just(CapPolicy::None), Just(CapPolicy::Upstream), Just(CapPolicy::WindowPlusTwo)];
+    let cap = prop_oneof![
+        Just(CapPolicy::None),
+        Just(CapPolicy::Upstream),
+        Just(CapPolicy::WindowPlusTwo)
+    ];
     prop_oneof![
         block_size().prop_map(|bs| GroupSpec::full("g", bs)),
         (block_size(), 1u32..=64, 0u32..=8, cap).prop_map(|(bs, w, extra, cap)| {
@@ -68,7 +72,14 @@ fn layout() -> impl Strategy<Value = KvLayout> {
             for (i, g) in groups.iter_mut().enumerate() {
                 g.name = format!("g{i}");
             }
-            KvLayout { num_blocks: Some(num_blocks), kv_cache_memory_bytes: None, max_model_len: mml, max_in_flight_tokens: mift, watermark, groups }
+            KvLayout {
+                num_blocks: Some(num_blocks),
+                kv_cache_memory_bytes: None,
+                max_model_len: mml,
+                max_in_flight_tokens: mift,
+                watermark,
+                groups,
+            }
         })
 }
 
@@ -85,8 +96,20 @@ struct Intent {
 
 fn intents(max: usize) -> impl Strategy<Value = Vec<Intent>> {
     prop::collection::vec(
-        (0u8..100, any::<u32>(), any::<u32>(), any::<bool>(), any::<bool>())
-            .prop_map(|(action, a, b, flag1, flag2)| Intent { action, a, b, flag1, flag2 }),
+        (
+            0u8..100,
+            any::<u32>(),
+            any::<u32>(),
+            any::<bool>(),
+            any::<bool>(),
+        )
+            .prop_map(|(action, a, b, flag1, flag2)| Intent {
+                action,
+                a,
+                b,
+                flag1,
+                flag2,
+            }),
         1..=max,
     )
 }
@@ -115,7 +138,10 @@ impl Driver {
             self.next_id += 1;
             // Mostly short prompts, sometimes up to max_model_len.
             let cap = if it.flag1 { mml } else { mml.min(48) };
-            return Op::Add { req, prompt_len: 1 + u64::from(it.a) % cap };
+            return Op::Add {
+                req,
+                prompt_len: 1 + u64::from(it.a) % cap,
+            };
         }
         let req = live[it.a as usize % live.len()].to_string();
         let st = *r.request(&req).expect("live request");
@@ -124,8 +150,11 @@ impl Driver {
             15..=59 => {
                 // A prefill chunk or a decode step with drafts.
                 let remaining = st.num_tokens.saturating_sub(st.num_computed_tokens);
-                let num_new_tokens =
-                    if remaining > 0 && it.flag2 { 1 + u64::from(it.b) % remaining } else { 1 + u64::from(it.b % 8) };
+                let num_new_tokens = if remaining > 0 && it.flag2 {
+                    1 + u64::from(it.b) % remaining
+                } else {
+                    1 + u64::from(it.b % 8)
+                };
                 Op::Allocate {
                     req,
                     num_new_tokens,
@@ -134,12 +163,21 @@ impl Driver {
                     has_scheduled_reqs: !(it.b >> 16).is_multiple_of(3),
                 }
             }
-            60..=74 if pending > 0 && !(it.flag1 && it.flag2) => Op::Computed { req, n: (1 + u64::from(it.b) % pending) as i64 },
+            60..=74 if pending > 0 && !(it.flag1 && it.flag2) => Op::Computed {
+                req,
+                n: (1 + u64::from(it.b) % pending) as i64,
+            },
             60..=74 if st.num_computed_tokens > 0 => {
                 // Rejected drafts: roll back (never below 0).
-                Op::Computed { req, n: -((1 + u64::from(it.b) % st.num_computed_tokens.min(8)) as i64) }
+                Op::Computed {
+                    req,
+                    n: -((1 + u64::from(it.b) % st.num_computed_tokens.min(8)) as i64),
+                }
             }
-            60..=84 => Op::Append { req, n: u64::from(it.b % 4).min(mml.saturating_sub(st.num_tokens)) },
+            60..=84 => Op::Append {
+                req,
+                n: u64::from(it.b % 4).min(mml.saturating_sub(st.num_tokens)),
+            },
             85..=89 => Op::Preempt { req },
             _ => Op::Free { req },
         }
@@ -148,10 +186,16 @@ impl Driver {
     /// Update `pending` after `op` was applied with result `res`.
     fn applied(&mut self, op: &Op, res: &OpResult, r: &Replayer, mml: u32) {
         match op {
-            Op::Allocate { req, num_new_tokens, .. } => {
+            Op::Allocate {
+                req,
+                num_new_tokens,
+                ..
+            } => {
                 let computed = r.request(req).map_or(0, |s| s.num_computed_tokens);
                 let p = match res.blocks {
-                    Some(AllocOutcome::Allocated(_)) => (*num_new_tokens).min(u64::from(mml).saturating_sub(computed)),
+                    Some(AllocOutcome::Allocated(_)) => {
+                        (*num_new_tokens).min(u64::from(mml).saturating_sub(computed))
+                    }
                     _ => 0,
                 };
                 self.pending.insert(req.clone(), p);
@@ -180,14 +224,21 @@ fn snapshot(r: &Replayer) -> Tables {
     let ng = r.kv().groups().len();
     let mut v: Tables = r
         .requests()
-        .map(|(id, st)| (id.to_string(), (0..ng).map(|g| r.kv().table(g, st.slot).to_vec()).collect()))
+        .map(|(id, st)| {
+            (
+                id.to_string(),
+                (0..ng).map(|g| r.kv().table(g, st.slot).to_vec()).collect(),
+            )
+        })
         .collect();
     v.sort();
     v
 }
 
 fn held_by(r: &Replayer, id: &str) -> u64 {
-    r.request(id).map(|st| r.kv().held_blocks(st.slot).iter().sum()).unwrap_or(0)
+    r.request(id)
+        .map(|st| r.kv().held_blocks(st.slot).iter().sum())
+        .unwrap_or(0)
 }
 
 fn check_accounting(r: &Replayer) -> Result<(), TestCaseError> {
@@ -198,9 +249,16 @@ fn check_accounting(r: &Replayer) -> Result<(), TestCaseError> {
     let free_set: HashSet<u32> = free.iter().copied().collect();
     prop_assert_eq!(free.len(), free_set.len(), "a block is free twice");
     prop_assert_eq!(free.len() as u64, r.kv().num_free_blocks());
-    prop_assert!(!held.contains(&NULL_BLOCK) && !free_set.contains(&NULL_BLOCK), "null block handed out");
+    prop_assert!(
+        !held.contains(&NULL_BLOCK) && !free_set.contains(&NULL_BLOCK),
+        "null block handed out"
+    );
     prop_assert!(held.is_disjoint(&free_set), "a block is both held and free");
-    prop_assert_eq!(held.len() as u64 + free.len() as u64 + 1, u64::from(n), "free + held + null != total");
+    prop_assert_eq!(
+        held.len() as u64 + free.len() as u64 + 1,
+        u64::from(n),
+        "free + held + null != total"
+    );
     prop_assert!(free.iter().all(|&b| b < n));
 
     let mut seen = HashSet::new();
@@ -208,7 +266,12 @@ fn check_accounting(r: &Replayer) -> Result<(), TestCaseError> {
         for t in &tables {
             for &b in t.iter().filter(|&&b| b != NULL_BLOCK) {
                 prop_assert!(seen.insert(b), "block {} appears twice (request {})", b, id);
-                prop_assert!(held.contains(&b), "block {} in {}'s table is not held", b, id);
+                prop_assert!(
+                    held.contains(&b),
+                    "block {} in {}'s table is not held",
+                    b,
+                    id
+                );
             }
         }
     }
@@ -220,7 +283,9 @@ fn check_accounting(r: &Replayer) -> Result<(), TestCaseError> {
 fn gate_fails(r: &Replayer, layout: &KvLayout, id: &str, has_scheduled: bool) -> bool {
     let st = r.request(id).expect("live");
     let need: u64 = r.kv().admission_need(&st.view()).iter().sum();
-    let wm = if has_scheduled && matches!(st.status, RequestStatus::Waiting | RequestStatus::Preempted) {
+    let wm = if has_scheduled
+        && matches!(st.status, RequestStatus::Waiting | RequestStatus::Preempted)
+    {
         (layout.watermark * f64::from(layout.num_blocks.unwrap_or(0))) as u64
     } else {
         0
@@ -240,34 +305,68 @@ fn run_sequence(layout: &KvLayout, intents: &[Intent]) -> Result<(), TestCaseErr
         let held_before = held_by(&r, op.req());
         let free_set_before: HashSet<u32> = r.kv().pool().free_ids().collect();
         let gate = match &op {
-            Op::Allocate { req, must_fit: true, has_scheduled_reqs, .. } => gate_fails(&r, layout, req, *has_scheduled_reqs),
+            Op::Allocate {
+                req,
+                must_fit: true,
+                has_scheduled_reqs,
+                ..
+            } => gate_fails(&r, layout, req, *has_scheduled_reqs),
             _ => false,
         };
 
-        let res = r.apply(&op).map_err(|e| TestCaseError::fail(format!("valid op refused: {op}: {e}")))?;
+        let res = r
+            .apply(&op)
+            .map_err(|e| TestCaseError::fail(format!("valid op refused: {op}: {e}")))?;
         d.applied(&op, &res, &r, mml);
         prop_assert_eq!(res.free, r.kv().num_free_blocks());
         check_accounting(&r)?;
 
         match (&op, &res.blocks) {
             (Op::Free { .. } | Op::Preempt { .. }, _) => {
-                prop_assert_eq!(r.kv().num_free_blocks(), free_before + held_before, "{} did not return all {} blocks", op, held_before);
+                prop_assert_eq!(
+                    r.kv().num_free_blocks(),
+                    free_before + held_before,
+                    "{} did not return all {} blocks",
+                    op,
+                    held_before
+                );
                 prop_assert_eq!(held_by(&r, op.req()), 0);
             }
             (Op::Allocate { .. }, Some(AllocOutcome::NoFit)) => {
                 let after = snapshot(&r);
                 if gate {
-                    prop_assert_eq!(r.kv().num_free_blocks(), free_before, "must-fit NoFit changed the free count: {}", op);
-                    prop_assert_eq!(&after, &tables_before, "must-fit NoFit changed a table: {}", op);
+                    prop_assert_eq!(
+                        r.kv().num_free_blocks(),
+                        free_before,
+                        "must-fit NoFit changed the free count: {}",
+                        op
+                    );
+                    prop_assert_eq!(
+                        &after,
+                        &tables_before,
+                        "must-fit NoFit changed a table: {}",
+                        op
+                    );
                 } else {
                     // Second-stage NoFit: only remove_skipped_blocks may have run.
                     let mut nulled = 0u64;
                     prop_assert_eq!(after.len(), tables_before.len());
                     for ((_, ta), (_, tb)) in after.iter().zip(&tables_before) {
                         for (ga, gb) in ta.iter().zip(tb) {
-                            prop_assert_eq!(ga.len(), gb.len(), "NoFit grew or shrank a table: {}", op);
+                            prop_assert_eq!(
+                                ga.len(),
+                                gb.len(),
+                                "NoFit grew or shrank a table: {}",
+                                op
+                            );
                             for (&x, &y) in ga.iter().zip(gb) {
-                                prop_assert!(x == y || x == NULL_BLOCK, "NoFit replaced block {} by {}: {}", y, x, op);
+                                prop_assert!(
+                                    x == y || x == NULL_BLOCK,
+                                    "NoFit replaced block {} by {}: {}",
+                                    y,
+                                    x,
+                                    op
+                                );
                                 nulled += u64::from(x != y);
                             }
                         }
@@ -281,10 +380,24 @@ fn run_sequence(layout: &KvLayout, intents: &[Intent]) -> Result<(), TestCaseErr
                 // A new block was free before the op, or was this request's own
                 // block just released by remove_skipped_blocks; never another's.
                 for &b in new.iter().flatten() {
-                    let other_owner = tables_before.iter().any(|(id, t)| id != op.req() && t.iter().flatten().any(|&x| x == b));
-                    prop_assert!(!other_owner, "block {} handed out while owned by another request: {}", b, op);
-                    let own_before = tables_before.iter().any(|(id, t)| id == op.req() && t.iter().flatten().any(|&x| x == b));
-                    prop_assert!(free_set_before.contains(&b) || own_before, "block {} was neither free nor recycled: {}", b, op);
+                    let other_owner = tables_before
+                        .iter()
+                        .any(|(id, t)| id != op.req() && t.iter().flatten().any(|&x| x == b));
+                    prop_assert!(
+                        !other_owner,
+                        "block {} handed out while owned by another request: {}",
+                        b,
+                        op
+                    );
+                    let own_before = tables_before
+                        .iter()
+                        .any(|(id, t)| id == op.req() && t.iter().flatten().any(|&x| x == b));
+                    prop_assert!(
+                        free_set_before.contains(&b) || own_before,
+                        "block {} was neither free nor recycled: {}",
+                        b,
+                        op
+                    );
                     prop_assert!(r.kv().pool().is_held(b));
                 }
             }
@@ -294,10 +407,15 @@ fn run_sequence(layout: &KvLayout, intents: &[Intent]) -> Result<(), TestCaseErr
     // Free everything: the pool must be full again.
     let ids: Vec<String> = r.requests().map(|(k, _)| k.to_string()).collect();
     for id in ids {
-        r.apply(&Op::Free { req: id }).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        r.apply(&Op::Free { req: id })
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
         check_accounting(&r)?;
     }
-    prop_assert_eq!(r.kv().num_free_blocks(), r.kv().usable_blocks(), "pool not full after freeing everything");
+    prop_assert_eq!(
+        r.kv().num_free_blocks(),
+        r.kv().usable_blocks(),
+        "pool not full after freeing everything"
+    );
     Ok(())
 }
 
@@ -305,9 +423,19 @@ fn run_sequence(layout: &KvLayout, intents: &[Intent]) -> Result<(), TestCaseErr
 fn admissible(layout: &KvLayout, n: u64, chunk: u64) -> Result<bool, TestCaseError> {
     let mut r = Replayer::new(layout).map_err(|e| TestCaseError::fail(e.to_string()))?;
     let ok = |e: speclab_experiments::ExperimentError| TestCaseError::fail(e.to_string());
-    r.apply(&Op::Add { req: "p".into(), prompt_len: n }).map_err(ok)?;
+    r.apply(&Op::Add {
+        req: "p".into(),
+        prompt_len: n,
+    })
+    .map_err(ok)?;
     let res = r
-        .apply(&Op::Allocate { req: "p".into(), num_new_tokens: n.min(chunk), lookahead: 0, must_fit: true, has_scheduled_reqs: false })
+        .apply(&Op::Allocate {
+            req: "p".into(),
+            num_new_tokens: n.min(chunk),
+            lookahead: 0,
+            must_fit: true,
+            has_scheduled_reqs: false,
+        })
         .map_err(ok)?;
     Ok(matches!(res.blocks, Some(AllocOutcome::Allocated(_))))
 }
@@ -337,13 +465,21 @@ proptest! {
 fn generator_covers_the_interesting_cases() {
     use proptest::strategy::ValueTree;
     use proptest::test_runner::{Config, TestRunner};
-    let mut runner = TestRunner::new_with_rng(Config::default(), proptest::test_runner::TestRng::deterministic_rng(proptest::test_runner::RngAlgorithm::ChaCha));
+    let mut runner = TestRunner::new_with_rng(
+        Config::default(),
+        proptest::test_runner::TestRng::deterministic_rng(
+            proptest::test_runner::RngAlgorithm::ChaCha,
+        ),
+    );
     let (mut gate_nofit, mut late_nofit, mut allocs, mut preempts) = (0, 0, 0, 0);
     let mut kinds = HashSet::new();
     let mut caps = HashSet::new();
     for _ in 0..300 {
         let l = layout().new_tree(&mut runner).expect("layout").current();
-        let its = intents(160).new_tree(&mut runner).expect("intents").current();
+        let its = intents(160)
+            .new_tree(&mut runner)
+            .expect("intents")
+            .current();
         for g in &l.groups {
             kinds.insert(format!("{:?}", g.kind));
             if g.kind == GroupKind::SlidingWindow {
@@ -369,7 +505,10 @@ fn generator_covers_the_interesting_cases() {
     assert_eq!(kinds.len(), 4, "{kinds:?}");
     assert_eq!(caps.len(), 3, "{caps:?}");
     eprintln!("coverage: gate NoFit {gate_nofit}, late NoFit {late_nofit}, allocations {allocs}, preempts {preempts}");
-    assert!(gate_nofit > 100 && late_nofit > 100 && allocs > 1000 && preempts > 100, "gate {gate_nofit} late {late_nofit} allocs {allocs} preempts {preempts}");
+    assert!(
+        gate_nofit > 100 && late_nofit > 100 && allocs > 1000 && preempts > 100,
+        "gate {gate_nofit} late {late_nofit} allocs {allocs} preempts {preempts}"
+    );
 }
 
 /// Outside what a scheduler emits (computed tokens running ahead of the
@@ -389,10 +528,24 @@ fn computed_ahead_of_allocation_is_an_error_not_a_panic() {
         groups: vec![GroupSpec::state("s", 1), g1],
     };
     let mut r = Replayer::new(&l).expect("layout");
-    r.apply(&Op::Add { req: "a".into(), prompt_len: 1 }).expect("add");
-    r.apply(&Op::Computed { req: "a".into(), n: 25 }).expect("computed");
+    r.apply(&Op::Add {
+        req: "a".into(),
+        prompt_len: 1,
+    })
+    .expect("add");
+    r.apply(&Op::Computed {
+        req: "a".into(),
+        n: 25,
+    })
+    .expect("computed");
     let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        r.apply(&Op::Allocate { req: "a".into(), num_new_tokens: 1, lookahead: 0, must_fit: false, has_scheduled_reqs: false })
+        r.apply(&Op::Allocate {
+            req: "a".into(),
+            num_new_tokens: 1,
+            lookahead: 0,
+            must_fit: false,
+            has_scheduled_reqs: false,
+        })
     }));
     match res {
         Ok(Ok(rec)) => assert!(rec.blocks.is_some()),

@@ -31,7 +31,10 @@ fn micro_preset_equals_fixture_config() {
     let want = json(&fixture().join("config.json"));
     assert_eq!(serde_json::to_value(ModelConfig::micro()).unwrap(), want);
     let want_q = json(&fixture().join("w4a16/config.json"));
-    assert_eq!(serde_json::to_value(ModelConfig::micro().with_quantization()).unwrap(), want_q);
+    assert_eq!(
+        serde_json::to_value(ModelConfig::micro().with_quantization()).unwrap(),
+        want_q
+    );
     // And the file parses back to the preset.
     let parsed = ModelConfig::from_file(&fixture().join("w4a16/config.json")).unwrap();
     assert_eq!(parsed, ModelConfig::micro().with_quantization());
@@ -42,12 +45,29 @@ fn presets_match_the_card_numbers() {
     assert_eq!(ModelConfig::micro().num_parameters(), 1_436_726);
     assert_eq!(ModelConfig::tiny().num_parameters(), 20_909_592);
     let g = ModelConfig::glm53_flash().with_quantization();
-    assert_eq!(quantized_module_names(&g).unwrap().len(), 36_288, "the card's 36,288 quantized tensors");
-    assert_eq!(quantized_module_names(&ModelConfig::micro().with_quantization()).unwrap().len(), 36);
-    assert_eq!(quantized_module_names(&ModelConfig::tiny().with_quantization()).unwrap().len(), 336);
+    assert_eq!(
+        quantized_module_names(&g).unwrap().len(),
+        36_288,
+        "the card's 36,288 quantized tensors"
+    );
+    assert_eq!(
+        quantized_module_names(&ModelConfig::micro().with_quantization())
+            .unwrap()
+            .len(),
+        36
+    );
+    assert_eq!(
+        quantized_module_names(&ModelConfig::tiny().with_quantization())
+            .unwrap()
+            .len(),
+        336
+    );
     assert_eq!((g.num_full_layers(), g.num_kda_layers()), (9, 36));
     assert_eq!(ModelConfig::preset("tiny").unwrap(), ModelConfig::tiny());
-    assert!(ModelConfig::preset("huge").unwrap_err().to_string().contains("micro"));
+    assert!(ModelConfig::preset("huge")
+        .unwrap_err()
+        .to_string()
+        .contains("micro"));
 }
 
 #[test]
@@ -57,12 +77,21 @@ fn kv_layout_sizes_the_pool_from_bytes_and_holds_one_plus_n_state_blocks() {
     // full: 9 full layers + MTP, 2304 x 8 x 128 x 2 x 4 B; state: 36 KDA layers.
     let full = layout.groups[0].memory.unwrap();
     let state = layout.groups[1].memory.unwrap();
-    assert_eq!((full.num_layers, full.page_size_bytes), (10, 2304 * 8 * 128 * 2 * 4));
-    assert_eq!((state.num_layers, state.page_size_bytes), (36, (3 * 3 * 4096 + 32 * 128 * 128) * 4));
+    assert_eq!(
+        (full.num_layers, full.page_size_bytes),
+        (10, 2304 * 8 * 128 * 2 * 4)
+    );
+    assert_eq!(
+        (state.num_layers, state.page_size_bytes),
+        (36, (3 * 3 * 4096 + 32 * 128 * 128) * 4)
+    );
     layout.num_blocks = None;
     layout.kv_cache_memory_bytes = Some(100 << 30);
     let bpb = u64::from(full.num_layers) * full.page_size_bytes; // the full group binds
-    assert_eq!(u64::from(resolve_num_blocks(&layout).unwrap()), (100u64 << 30) / bpb);
+    assert_eq!(
+        u64::from(resolve_num_blocks(&layout).unwrap()),
+        (100u64 << 30) / bpb
+    );
     // A request holds 1 + N state blocks and cdiv(tokens, bs) full blocks.
     let micro = ModelConfig::micro();
     let l = micro.kv_layout(16, 3, 32).unwrap();
@@ -81,7 +110,10 @@ fn kv_layout_sizes_the_pool_from_bytes_and_holds_one_plus_n_state_blocks() {
         full_sequence_must_fit: true,
         has_scheduled_reqs: false,
     };
-    assert!(matches!(kv.allocate_slots(&view, a).unwrap(), AllocOutcome::Allocated(_)));
+    assert!(matches!(
+        kv.allocate_slots(&view, a).unwrap(),
+        AllocOutcome::Allocated(_)
+    ));
     assert_eq!(kv.held_blocks(ReqSlot(0)), vec![3, 4]);
 }
 
@@ -107,7 +139,10 @@ fn fixture_checkpoints_round_trip_byte_exactly() {
         // Same tensors and bytes (header key order may differ: compare loaded weights + data size).
         assert_eq!(a.len(), b.len(), "{sub}: file size");
         assert_eq!(ModelWeights::load(&tmp).unwrap(), w);
-        assert_eq!(json(&tmp.join("config.json")), json(&dir.join("config.json")));
+        assert_eq!(
+            json(&tmp.join("config.json")),
+            json(&dir.join("config.json"))
+        );
         let _ = std::fs::remove_dir_all(&tmp);
     }
 }
@@ -116,13 +151,20 @@ fn fixture_checkpoints_round_trip_byte_exactly() {
 fn random_weights_are_seeded_quantized_and_consistent() {
     let cfg = ModelConfig::micro();
     let a = ModelWeights::random(&cfg, 7, true).unwrap();
-    assert_eq!(a, ModelWeights::random(&cfg, 7, true).unwrap(), "same seed, same weights");
+    assert_eq!(
+        a,
+        ModelWeights::random(&cfg, 7, true).unwrap(),
+        "same seed, same weights"
+    );
     assert_eq!(a.num_quantized(), 36);
     assert!(a.cfg.quantization_config.is_some());
     let d = a.dequantized();
     assert_eq!(d.num_quantized(), 0);
     // Save + load of random W4A16 weights is exact.
-    let tmp = std::env::temp_dir().join(format!("speclab-model-config-{}-random", std::process::id()));
+    let tmp = std::env::temp_dir().join(format!(
+        "speclab-model-config-{}-random",
+        std::process::id()
+    ));
     a.save(&tmp).unwrap();
     assert_eq!(ModelWeights::load(&tmp).unwrap(), a);
     let _ = std::fs::remove_dir_all(&tmp);

@@ -8,7 +8,9 @@
 
 use std::path::{Path, PathBuf};
 
-use speclab_engine::model::checkpoint::{write_checkpoint, write_safetensors, NamedTensor, TensorDtype};
+use speclab_engine::model::checkpoint::{
+    write_checkpoint, write_safetensors, NamedTensor, TensorDtype,
+};
 use speclab_engine::model::{ModelConfig, ModelWeights};
 use speclab_engine::EngineError;
 
@@ -20,10 +22,15 @@ fn fixture() -> PathBuf {
 struct Tmp(PathBuf);
 impl Tmp {
     fn new(tag: &str, w4a16: bool) -> Self {
-        let d = std::env::temp_dir().join(format!("speclab-model-errors-{}-{tag}", std::process::id()));
+        let d =
+            std::env::temp_dir().join(format!("speclab-model-errors-{}-{tag}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
-        let src = if w4a16 { fixture().join("w4a16") } else { fixture() };
+        let src = if w4a16 {
+            fixture().join("w4a16")
+        } else {
+            fixture()
+        };
         for f in ["config.json", "model.safetensors"] {
             std::fs::copy(src.join(f), d.join(f)).unwrap();
         }
@@ -36,7 +43,11 @@ impl Tmp {
         serde_json::from_str(&std::fs::read_to_string(self.path("config.json")).unwrap()).unwrap()
     }
     fn set_config(&self, v: &serde_json::Value) {
-        std::fs::write(self.path("config.json"), serde_json::to_string_pretty(v).unwrap()).unwrap();
+        std::fs::write(
+            self.path("config.json"),
+            serde_json::to_string_pretty(v).unwrap(),
+        )
+        .unwrap();
     }
     /// The checkpoint's tensors as stored.
     fn tensors(&self) -> Vec<NamedTensor> {
@@ -98,32 +109,65 @@ fn wrong_shape_missing_tensor_and_dtype() {
     let base = t.tensors();
     // A different rank (the conv stored as [C, kc]): a plain shape error.
     let mut ts = base.clone();
-    let c = ts.iter_mut().find(|x| x.name == "model.layers.0.linear_attn.q_conv1d.weight").unwrap();
+    let c = ts
+        .iter_mut()
+        .find(|x| x.name == "model.layers.0.linear_attn.q_conv1d.weight")
+        .unwrap();
     c.shape = vec![c.shape[0], c.shape[2]];
     t.write(&ts);
     let e = t.load_err();
     assert!(matches!(e, EngineError::TensorShape { .. }), "{e:?}");
     has(
         &e,
-        &["model.safetensors", "model.layers.0.linear_attn.q_conv1d.weight", "[64, 4]", "[64, 1, 4]"],
+        &[
+            "model.safetensors",
+            "model.layers.0.linear_attn.q_conv1d.weight",
+            "[64, 4]",
+            "[64, 1, 4]",
+        ],
     );
     // A config-driven axis swapped: names the key and the axis.
     let mut ts = base.clone();
-    let c = ts.iter_mut().find(|x| x.name == "model.layers.0.linear_attn.q_conv1d.weight").unwrap();
+    let c = ts
+        .iter_mut()
+        .find(|x| x.name == "model.layers.0.linear_attn.q_conv1d.weight")
+        .unwrap();
     c.shape = vec![c.shape[0], c.shape[2], 1];
     t.write(&ts);
-    has(&t.load_err(), &["linear_conv_kernel_dim", "q_conv1d", "[64, 4, 1]", "axis 2 is 1"]);
+    has(
+        &t.load_err(),
+        &[
+            "linear_conv_kernel_dim",
+            "q_conv1d",
+            "[64, 4, 1]",
+            "axis 2 is 1",
+        ],
+    );
     // A config-driven dimension: names the key.
     let mut ts = base.clone();
-    let o = ts.iter_mut().find(|x| x.name == "model.layers.1.linear_attn.o_norm.weight").unwrap();
+    let o = ts
+        .iter_mut()
+        .find(|x| x.name == "model.layers.1.linear_attn.o_norm.weight")
+        .unwrap();
     o.shape = vec![16];
     o.data.truncate(32);
     t.write(&ts);
     let e = t.load_err();
     assert!(matches!(e, EngineError::ConfigMismatch { .. }), "{e:?}");
-    has(&e, &["linear_head_dim", "model.layers.1.linear_attn.o_norm.weight", "model.safetensors"]);
+    has(
+        &e,
+        &[
+            "linear_head_dim",
+            "model.layers.1.linear_attn.o_norm.weight",
+            "model.safetensors",
+        ],
+    );
     // Missing tensor.
-    let ts: Vec<NamedTensor> = base.iter().filter(|x| x.name != "model.norm.weight").cloned().collect();
+    let ts: Vec<NamedTensor> = base
+        .iter()
+        .filter(|x| x.name != "model.norm.weight")
+        .cloned()
+        .collect();
     t.write(&ts);
     let e = t.load_err();
     assert!(matches!(e, EngineError::MissingTensor { .. }), "{e:?}");
@@ -145,9 +189,16 @@ fn wrong_shape_missing_tensor_and_dtype() {
     has(&e, &["model.layers.2.linear_attn.A_log", "BF16", "F32"]);
     // A tensor the config does not use.
     let mut ts = base.clone();
-    ts.push(NamedTensor::f32("model.layers.0.mystery.weight", vec![2], &[0.0, 1.0]));
+    ts.push(NamedTensor::f32(
+        "model.layers.0.mystery.weight",
+        vec![2],
+        &[0.0, 1.0],
+    ));
     t.write(&ts);
-    has(&t.load_err(), &["model.layers.0.mystery.weight", "does not use"]);
+    has(
+        &t.load_err(),
+        &["model.layers.0.mystery.weight", "does not use"],
+    );
 }
 
 #[test]
@@ -155,33 +206,73 @@ fn config_not_matching_the_weights() {
     let t = Tmp::new("mismatch", false);
     let orig = t.config();
     let cases: Vec<(&str, serde_json::Value, &[&str])> = vec![
-        ("hidden_size", serde_json::json!(256), &["hidden_size", "model.embed_tokens.weight"]),
-        ("vocab_size", serde_json::json!(1024), &["vocab_size", "model.embed_tokens.weight"]),
-        ("n_routed_experts", serde_json::json!(3), &["n_routed_experts", "experts.3"]),
-        ("n_routed_experts", serde_json::json!(8), &["n_routed_experts", "mlp.gate.weight"]),
-        ("num_hidden_layers", serde_json::json!(3), &["num_hidden_layers"]),
+        (
+            "hidden_size",
+            serde_json::json!(256),
+            &["hidden_size", "model.embed_tokens.weight"],
+        ),
+        (
+            "vocab_size",
+            serde_json::json!(1024),
+            &["vocab_size", "model.embed_tokens.weight"],
+        ),
+        (
+            "n_routed_experts",
+            serde_json::json!(3),
+            &["n_routed_experts", "experts.3"],
+        ),
+        (
+            "n_routed_experts",
+            serde_json::json!(8),
+            &["n_routed_experts", "mlp.gate.weight"],
+        ),
+        (
+            "num_hidden_layers",
+            serde_json::json!(3),
+            &["num_hidden_layers"],
+        ),
         (
             "layer_types",
-            serde_json::json!(["linear_attention", "linear_attention", "full_attention", "full_attention"]),
+            serde_json::json!([
+                "linear_attention",
+                "linear_attention",
+                "full_attention",
+                "full_attention"
+            ]),
             &["layer_types[2]", "model.layers.2"],
         ),
-        ("first_k_dense_replace", serde_json::json!(2), &["first_k_dense_replace", "model.layers.1"]),
-        ("linear_num_heads", serde_json::json!(4), &["linear_num_heads"]),
+        (
+            "first_k_dense_replace",
+            serde_json::json!(2),
+            &["first_k_dense_replace", "model.layers.1"],
+        ),
+        (
+            "linear_num_heads",
+            serde_json::json!(4),
+            &["linear_num_heads"],
+        ),
         (
             "num_key_value_heads",
             serde_json::json!(4),
-            &["num_key_value_heads", "model.layers.3.self_attn.k_proj.weight"],
+            &[
+                "num_key_value_heads",
+                "model.layers.3.self_attn.k_proj.weight",
+            ],
         ),
     ];
     for (key, val, parts) in cases {
         let mut c = orig.clone();
         c[key] = val;
         if key == "num_hidden_layers" {
-            c["layer_types"] = serde_json::json!(["linear_attention", "linear_attention", "full_attention"]);
+            c["layer_types"] =
+                serde_json::json!(["linear_attention", "linear_attention", "full_attention"]);
         }
         t.set_config(&c);
         let e = t.load_err();
-        assert!(matches!(e, EngineError::ConfigMismatch { .. }), "{key}: {e:?}");
+        assert!(
+            matches!(e, EngineError::ConfigMismatch { .. }),
+            "{key}: {e:?}"
+        );
         has(&e, parts);
     }
 }
@@ -193,52 +284,102 @@ fn unsupported_config_values() {
     type Edit = fn(&mut serde_json::Value);
     let cases: Vec<(Edit, &[&str])> = vec![
         (
-            |c| c["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = false.into(),
+            |c| {
+                c["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] =
+                    false.into()
+            },
             &["weights.symmetric", "asymmetric"],
         ),
         (
             |c| c["layer_types"][0] = "sliding_attention".into(),
-            &["layer_types[0]", "sliding_attention", "linear_attention", "full_attention"],
+            &[
+                "layer_types[0]",
+                "sliding_attention",
+                "linear_attention",
+                "full_attention",
+            ],
         ),
-        (|c| c["scoring_func"] = "softmax".into(), &["scoring_func", "softmax", "sigmoid"]),
-        (|c| c["topk_method"] = "greedy".into(), &["topk_method", "noaux_tc"]),
+        (
+            |c| c["scoring_func"] = "softmax".into(),
+            &["scoring_func", "softmax", "sigmoid"],
+        ),
+        (
+            |c| c["topk_method"] = "greedy".into(),
+            &["topk_method", "noaux_tc"],
+        ),
         (|c| c["n_group"] = 8.into(), &["n_group", "8"]),
         (|c| c["topk_group"] = 4.into(), &["topk_group"]),
-        (|c| c["hidden_act"] = "gelu".into(), &["hidden_act", "gelu", "silu"]),
-        (|c| c["num_nextn_predict_layers"] = 2.into(), &["num_nextn_predict_layers", "2"]),
-        (|c| c["num_key_value_heads"] = 3.into(), &["num_key_value_heads", "divide"]),
+        (
+            |c| c["hidden_act"] = "gelu".into(),
+            &["hidden_act", "gelu", "silu"],
+        ),
+        (
+            |c| c["num_nextn_predict_layers"] = 2.into(),
+            &["num_nextn_predict_layers", "2"],
+        ),
+        (
+            |c| c["num_key_value_heads"] = 3.into(),
+            &["num_key_value_heads", "divide"],
+        ),
         (
             |c| c["layer_types"] = serde_json::json!(["linear_attention"]),
             &["layer_types", "num_hidden_layers"],
         ),
-        (|c| c["model_type"] = "llama".into(), &["model_type", "speclab_glm5_next_tiny"]),
+        (
+            |c| c["model_type"] = "llama".into(),
+            &["model_type", "speclab_glm5_next_tiny"],
+        ),
         (
             |c| c["quantization_config"]["quant_method"] = "gptq".into(),
             &["quant_method", "compressed-tensors"],
         ),
-        (|c| c["quantization_config"]["format"] = "int-quantized".into(), &["format", "pack-quantized"]),
         (
-            |c| c["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 8.into(),
+            |c| c["quantization_config"]["format"] = "int-quantized".into(),
+            &["format", "pack-quantized"],
+        ),
+        (
+            |c| {
+                c["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] =
+                    8.into()
+            },
             &["num_bits", "8", "4"],
         ),
         (
-            |c| c["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 64.into(),
+            |c| {
+                c["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] =
+                    64.into()
+            },
             &["group_size", "64", "128"],
         ),
         (
-            |c| c["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "channel".into(),
+            |c| {
+                c["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] =
+                    "channel".into()
+            },
             &["strategy", "channel", "group"],
         ),
         (
-            |c| c["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = "group".into(),
+            |c| {
+                c["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] =
+                    "group".into()
+            },
             &["actorder"],
         ),
         (
-            |c| c["quantization_config"]["config_groups"]["group_0"]["input_activations"] = serde_json::json!({"num_bits": 8}),
+            |c| {
+                c["quantization_config"]["config_groups"]["group_0"]["input_activations"] =
+                    serde_json::json!({"num_bits": 8})
+            },
             &["input_activations"],
         ),
-        (|c| c["quantization_config"]["ignore"][1] = "re:(".into(), &["ignore[1]", "regex"]),
-        (|c| c["bos_token_id"] = 512.into(), &["bos_token_id", "vocab_size"]),
+        (
+            |c| c["quantization_config"]["ignore"][1] = "re:(".into(),
+            &["ignore[1]", "regex"],
+        ),
+        (
+            |c| c["bos_token_id"] = 512.into(),
+            &["bos_token_id", "vocab_size"],
+        ),
         (|c| c["rms_norm_eps"] = (-1.0).into(), &["rms_norm_eps"]),
     ];
     for (edit, parts) in cases {
@@ -272,26 +413,50 @@ fn quantized_modules_must_match_quantization_config() {
     let base = t.tensors();
     // A routed expert stored dense instead of packed.
     let m = "model.layers.2.mlp.experts.1.up_proj";
-    let mut ts: Vec<NamedTensor> = base.iter().filter(|x| !x.name.starts_with(&format!("{m}.weight_"))).cloned().collect();
-    ts.push(NamedTensor::bf16(&format!("{m}.weight"), vec![128, 128], &vec![0.0; 128 * 128]));
+    let mut ts: Vec<NamedTensor> = base
+        .iter()
+        .filter(|x| !x.name.starts_with(&format!("{m}.weight_")))
+        .cloned()
+        .collect();
+    ts.push(NamedTensor::bf16(
+        &format!("{m}.weight"),
+        vec![128, 128],
+        &vec![0.0; 128 * 128],
+    ));
     t.write(&ts);
     let e = t.load_err();
     assert!(matches!(e, EngineError::Quantization { .. }), "{e:?}");
     has(&e, &[m, "weight_packed", "dense"]);
     // A routed expert with no weight at all.
-    let ts: Vec<NamedTensor> = base.iter().filter(|x| !x.name.starts_with(&format!("{m}."))).cloned().collect();
+    let ts: Vec<NamedTensor> = base
+        .iter()
+        .filter(|x| !x.name.starts_with(&format!("{m}.")))
+        .cloned()
+        .collect();
     t.write(&ts);
     has(&t.load_err(), &[m, "weight_packed"]);
     // A packed tensor where the ignore list says dense (the shared expert).
     let s = "model.layers.1.mlp.shared_experts.gate_proj";
-    let mut ts: Vec<NamedTensor> = base.iter().filter(|x| x.name != format!("{s}.weight")).cloned().collect();
+    let mut ts: Vec<NamedTensor> = base
+        .iter()
+        .filter(|x| x.name != format!("{s}.weight"))
+        .cloned()
+        .collect();
     ts.push(NamedTensor::i32(
         &format!("{s}.weight_packed"),
         vec![128, 16],
         &vec![0x8888_8888u32 as i32; 128 * 16],
     ));
-    ts.push(NamedTensor::bf16(&format!("{s}.weight_scale"), vec![128, 1], &[1.0; 128]));
-    ts.push(NamedTensor::i64(&format!("{s}.weight_shape"), vec![2], &[128, 128]));
+    ts.push(NamedTensor::bf16(
+        &format!("{s}.weight_scale"),
+        vec![128, 1],
+        &[1.0; 128],
+    ));
+    ts.push(NamedTensor::i64(
+        &format!("{s}.weight_shape"),
+        vec![2],
+        &[128, 128],
+    ));
     t.write(&ts);
     let e = t.load_err();
     assert!(matches!(e, EngineError::Quantization { .. }), "{e:?}");
@@ -349,19 +514,30 @@ fn sharded_checkpoints_and_missing_shard() {
     std::fs::remove_file(t.path("model.safetensors")).unwrap();
     let files = write_checkpoint(&t.0, &w.tensors(), Some(700_000)).unwrap();
     assert!(files.len() >= 4, "{files:?}");
-    assert_eq!(ModelWeights::load(&t.0).unwrap(), w, "sharded load equals the single file");
+    assert_eq!(
+        ModelWeights::load(&t.0).unwrap(),
+        w,
+        "sharded load equals the single file"
+    );
     // A shard the index names is missing.
     std::fs::remove_file(t.path(&files[1])).unwrap();
     let e = t.load_err();
     assert!(matches!(e, EngineError::CorruptCheckpoint { .. }), "{e:?}");
-    has(&e, &["model.safetensors.index.json", &files[1], "does not exist"]);
+    has(
+        &e,
+        &["model.safetensors.index.json", &files[1], "does not exist"],
+    );
     // The index names a tensor its shard does not hold.
     write_checkpoint(&t.0, &w.tensors(), Some(700_000)).unwrap();
     let idx = t.path("model.safetensors.index.json");
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&idx).unwrap()).unwrap();
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&idx).unwrap()).unwrap();
     v["weight_map"]["model.norm.weight"] = files[0].clone().into();
     std::fs::write(&idx, v.to_string()).unwrap();
     has(&t.load_err(), &["model.norm.weight", &files[0]]);
     std::fs::write(&idx, "[]").unwrap();
-    has(&t.load_err(), &["model.safetensors.index.json", "weight_map"]);
+    has(
+        &t.load_err(),
+        &["model.safetensors.index.json", "weight_map"],
+    );
 }

@@ -16,7 +16,9 @@ use speclab_engine::kv::manager::AllocArgs;
 use speclab_engine::kv::{AllocOutcome, KvCacheManager};
 use speclab_engine::model::checkpoint::Checkpoint;
 use speclab_engine::model::ops::{argmax, rel_err};
-use speclab_engine::model::{ForwardOptions, LogitsRows, ModelRunner, ModelWeights, MtpChunk, SeqChunk};
+use speclab_engine::model::{
+    ForwardOptions, LogitsRows, ModelRunner, ModelWeights, MtpChunk, SeqChunk,
+};
 use speclab_engine::{ReqSlot, RequestStatus, RequestView};
 
 const CONTRACT: f32 = 1e-2; // docs/model.md §1.6
@@ -42,11 +44,18 @@ fn gi32(g: &Checkpoint, name: &str) -> Vec<i32> {
 }
 
 fn prompt(g: &Checkpoint, p: usize) -> Vec<u32> {
-    gi32(g, &format!("prompt{p}.tokens")).into_iter().map(|t| t as u32).collect()
+    gi32(g, &format!("prompt{p}.tokens"))
+        .into_iter()
+        .map(|t| t as u32)
+        .collect()
 }
 
 fn load(variant: &str) -> ModelWeights {
-    let dir = if variant == "bf16" { fixture() } else { fixture().join("w4a16") };
+    let dir = if variant == "bf16" {
+        fixture()
+    } else {
+        fixture().join("w4a16")
+    };
     ModelWeights::load(&dir).unwrap_or_else(|e| panic!("{e}"))
 }
 
@@ -76,7 +85,11 @@ impl Engine {
             num_computed_tokens: c,
             num_tokens: c + n as u64,
             num_prompt_tokens: c + n as u64,
-            status: if c == 0 { RequestStatus::Waiting } else { RequestStatus::Running },
+            status: if c == 0 {
+                RequestStatus::Waiting
+            } else {
+                RequestStatus::Running
+            },
             num_in_flight_tokens: 0,
         };
         let args = AllocArgs {
@@ -111,7 +124,9 @@ impl Engine {
     }
     /// After a snapshot verify of `t` tokens keep `accepted + 1` (vLLM rolls back num_computed_tokens).
     fn commit(&mut self, slot: u32, t: usize, accepted: usize) {
-        self.runner.commit_state(&self.kv, ReqSlot(slot), accepted).unwrap();
+        self.runner
+            .commit_state(&self.kv, ReqSlot(slot), accepted)
+            .unwrap();
         self.computed[slot as usize] -= (t - accepted - 1) as u64;
     }
 }
@@ -163,7 +178,11 @@ fn goldens_bf16_and_w4a16() {
                 let gh = g32(&g, &format!("{key}.hidden_states"));
                 for l in 0..=cfg.num_hidden_layers {
                     let r = l * t * h..(l + 1) * t * h;
-                    report(&format!("{key}.hidden_states[{l}]"), rel_err(&hs[r.clone()], &gh[r]), CONTRACT);
+                    report(
+                        &format!("{key}.hidden_states[{l}]"),
+                        rel_err(&hs[r.clone()], &gh[r]),
+                        CONTRACT,
+                    );
                 }
                 report(
                     &format!("{key}.final_hidden"),
@@ -171,8 +190,15 @@ fn goldens_bf16_and_w4a16() {
                     CONTRACT,
                 );
                 let router = out.router.as_ref().unwrap();
-                let ids: Vec<i32> = router.iter().flat_map(|r| r.ids.iter().map(|&x| x as i32)).collect();
-                assert_eq!(ids, gi32(&g, &format!("{key}.router_topk_ids")), "{key} router ids");
+                let ids: Vec<i32> = router
+                    .iter()
+                    .flat_map(|r| r.ids.iter().map(|&x| x as i32))
+                    .collect();
+                assert_eq!(
+                    ids,
+                    gi32(&g, &format!("{key}.router_topk_ids")),
+                    "{key} router ids"
+                );
                 let wts: Vec<f32> = router.iter().flat_map(|r| r.weights.clone()).collect();
                 report(
                     &format!("{key}.router_topk_weights"),
@@ -193,7 +219,11 @@ fn goldens_bf16_and_w4a16() {
                 cont.extend_from_slice(&rows);
             }
             assert_eq!(toks_out, gg, "{key} greedy continuation");
-            println!("{:48} identical ({} tokens)", format!("{key}.greedy"), gg.len());
+            println!(
+                "{:48} identical ({} tokens)",
+                format!("{key}.greedy"),
+                gg.len()
+            );
             if p == 0 {
                 let e = rel_err(&cont, &g32(&g, &format!("{key}.continuation_logits")));
                 worst = worst.max(e);
@@ -223,8 +253,16 @@ fn goldens_bf16_and_w4a16() {
             worst = worst.max(e);
             report(&format!("{key}.mtp_logits"), e, CONTRACT);
             if p == 0 {
-                let ids: Vec<i32> = m.router.as_ref().unwrap()[0].ids.iter().map(|&x| x as i32).collect();
-                assert_eq!(ids, gi32(&g, &format!("{key}.mtp_router_topk_ids")), "{key} MTP router ids");
+                let ids: Vec<i32> = m.router.as_ref().unwrap()[0]
+                    .ids
+                    .iter()
+                    .map(|&x| x as i32)
+                    .collect();
+                assert_eq!(
+                    ids,
+                    gi32(&g, &format!("{key}.mtp_router_topk_ids")),
+                    "{key} MTP router ids"
+                );
             }
         }
     }
@@ -245,13 +283,21 @@ fn prefill_decode_chunked_batched_agree() {
         for &t in &p2 {
             dec.extend(eng.run(1, &[t], false).0);
         }
-        report(&format!("{variant} prefill vs decode"), rel_err(&dec, &pre), SELF_TOL);
+        report(
+            &format!("{variant} prefill vs decode"),
+            rel_err(&dec, &pre),
+            SELF_TOL,
+        );
         // chunked [5], [3], [rest] (a speculative verify's shape)
         let mut ch = Vec::new();
         for part in [&p2[..5], &p2[5..8], &p2[8..]] {
             ch.extend(eng.run(2, part, false).0);
         }
-        report(&format!("{variant} prefill vs chunked [5],[3],[rest]"), rel_err(&ch, &pre), SELF_TOL);
+        report(
+            &format!("{variant} prefill vs chunked [5],[3],[rest]"),
+            rel_err(&ch, &pre),
+            SELF_TOL,
+        );
         // batched: two requests in one forward, one of them mid-sequence
         let (pre1, _) = eng.run(3, &p1, false);
         eng.run(4, &p2[..10], false);
@@ -338,9 +384,18 @@ fn prefill_decode_chunked_batched_agree() {
                 next_tokens: &next[t..=t],
                 start_pos: t,
             };
-            steps.extend(eng.runner.mtp_forward(&eng.kv, &[chunk], &ForwardOptions::default()).unwrap().logits);
+            steps.extend(
+                eng.runner
+                    .mtp_forward(&eng.kv, &[chunk], &ForwardOptions::default())
+                    .unwrap()
+                    .logits,
+            );
         }
-        report(&format!("{variant} MTP all positions vs one at a time"), rel_err(&steps, &all.logits), SELF_TOL);
+        report(
+            &format!("{variant} MTP all positions vs one at a time"),
+            rel_err(&steps, &all.logits),
+            SELF_TOL,
+        );
     }
 }
 
@@ -356,7 +411,10 @@ fn snapshot_verify_then_rollback_equals_plain_sequence() {
         // Verify rounds: (position of the last committed token, drafts that are right, junk drafts).
         // Each chunk = [s[p], s[p+1..p+1+good], junk...] of length <= 1 + SPEC.
         for (slot, rounds) in [
-            (1u32, vec![(8usize, 2usize, 2usize), (11, 0, 4), (12, 4, 0), (17, 1, 3)]),
+            (
+                1u32,
+                vec![(8usize, 2usize, 2usize), (11, 0, 4), (12, 4, 0), (17, 1, 3)],
+            ),
             (2, vec![(3, 3, 1), (7, 0, 0), (8, 2, 1)]),
         ] {
             let first = rounds[0].0;
@@ -400,7 +458,10 @@ fn forward_refuses_unallocated_kv_and_uncommitted_snapshot() {
             }],
         )
         .unwrap_err();
-    assert!(e.to_string().contains("slot 6") && e.to_string().contains("allocate_slots"), "{e}");
+    assert!(
+        e.to_string().contains("slot 6") && e.to_string().contains("allocate_slots"),
+        "{e}"
+    );
     eng.run(6, &toks, false);
     let e = eng
         .runner

@@ -9,7 +9,10 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use speclab_engine::kv::KvCacheManager;
-use speclab_engine::model::{Checkpoint, ExpertInput, ExpertObserver, ForwardOptions, ModelConfig, ModelRunner, ModelWeights, SeqChunk};
+use speclab_engine::model::{
+    Checkpoint, ExpertInput, ExpertObserver, ForwardOptions, ModelConfig, ModelRunner,
+    ModelWeights, SeqChunk,
+};
 use speclab_engine::ReqSlot;
 
 fn bin() -> Command {
@@ -27,7 +30,14 @@ struct Count {
     rows: std::collections::HashMap<(usize, ExpertInput), usize>,
 }
 impl ExpertObserver for Count {
-    fn observe(&mut self, layer: usize, _expert: usize, input: ExpertInput, x: &[f32], rows: usize) {
+    fn observe(
+        &mut self,
+        layer: usize,
+        _expert: usize,
+        input: ExpertInput,
+        x: &[f32],
+        rows: usize,
+    ) {
         assert_eq!(x.len() % rows, 0);
         *self.rows.entry((layer, input)).or_default() += rows;
     }
@@ -42,9 +52,19 @@ fn observed_forward_is_the_forward() {
         let mut kv = KvCacheManager::from_layout(&cfg.kv_layout(16, 0, 16).unwrap()).unwrap();
         kv.allocate_whole(ReqSlot(0), 20).unwrap();
         let mut r = ModelRunner::new(w.clone(), &kv).unwrap();
-        let chunk = [SeqChunk { slot: ReqSlot(0), tokens: &toks, start_pos: 0, snapshot: false }];
+        let chunk = [SeqChunk {
+            slot: ReqSlot(0),
+            tokens: &toks,
+            start_pos: 0,
+            snapshot: false,
+        }];
         let mut c = Count::default();
-        let out = if observe { r.forward_observed(&kv, &chunk, &ForwardOptions::default(), &mut c).unwrap() } else { r.forward(&kv, &chunk).unwrap() };
+        let out = if observe {
+            r.forward_observed(&kv, &chunk, &ForwardOptions::default(), &mut c)
+                .unwrap()
+        } else {
+            r.forward(&kv, &chunk).unwrap()
+        };
         (out.logits, c)
     };
     let (a, _) = run(false);
@@ -63,10 +83,23 @@ fn init_then_quantize_then_load() {
     let d = tmp("pipeline");
     let bf16 = d.join("bf16");
     let q = d.join("q");
-    let st = bin().args(["init-model", "--preset", "micro", "--seed", "5", "--out"]).arg(&bf16).status().unwrap();
+    let st = bin()
+        .args(["init-model", "--preset", "micro", "--seed", "5", "--out"])
+        .arg(&bf16)
+        .status()
+        .unwrap();
     assert!(st.success());
-    let out = bin().args(["quantize", "--json", "--calib-random", "6:48", "--out"]).arg(&q).arg(&bf16).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = bin()
+        .args(["quantize", "--json", "--calib-random", "6:48", "--out"])
+        .arg(&q)
+        .arg(&bf16)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let rep: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let cfg = ModelConfig::micro();
     let experts = (cfg.num_hidden_layers - cfg.first_k_dense_replace) * cfg.n_routed_experts * 3;
@@ -80,9 +113,17 @@ fn init_then_quantize_then_load() {
     let ck = Checkpoint::open(&q).unwrap();
     let packed = ck.names().filter(|n| n.ends_with(".weight_packed")).count();
     assert_eq!(packed, experts);
-    assert!(ck.names().filter(|n| n.ends_with(".weight_packed")).all(|n| n.contains(".mlp.experts.")));
+    assert!(ck
+        .names()
+        .filter(|n| n.ends_with(".weight_packed"))
+        .all(|n| n.contains(".mlp.experts.")));
     // Quantizing twice is refused.
-    let again = bin().args(["quantize", "--method", "rtn", "--out"]).arg(d.join("x")).arg(&q).output().unwrap();
+    let again = bin()
+        .args(["quantize", "--method", "rtn", "--out"])
+        .arg(d.join("x"))
+        .arg(&q)
+        .output()
+        .unwrap();
     assert!(!again.status.success());
     assert!(String::from_utf8_lossy(&again.stderr).contains("already quantized"));
     std::fs::remove_dir_all(&d).ok();
@@ -92,9 +133,19 @@ fn init_then_quantize_then_load() {
 fn quantize_input_errors() {
     let d = tmp("errors");
     let bf16 = d.join("bf16");
-    assert!(bin().args(["init-model", "--preset", "micro", "--out"]).arg(&bf16).status().unwrap().success());
+    assert!(bin()
+        .args(["init-model", "--preset", "micro", "--out"])
+        .arg(&bf16)
+        .status()
+        .unwrap()
+        .success());
     let err = |args: &[&str]| {
-        let o = bin().arg("quantize").arg(&bf16).args(args).output().unwrap();
+        let o = bin()
+            .arg("quantize")
+            .arg(&bf16)
+            .args(args)
+            .output()
+            .unwrap();
         assert!(!o.status.success());
         let e = String::from_utf8_lossy(&o.stderr).to_string();
         assert!(!e.contains("panicked"), "{e}");

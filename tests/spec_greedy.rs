@@ -82,7 +82,12 @@ impl Drafter for TestDrafter {
     fn propose(&mut self, ctx: &mut ProposeCtx<'_>) -> speclab_engine::Result<Proposal> {
         match self {
             TestDrafter::Ngram(d) => d.propose(ctx),
-            TestDrafter::Oracle { reference, prompt_len, k, corrupt_every } => {
+            TestDrafter::Oracle {
+                reference,
+                prompt_len,
+                k,
+                corrupt_every,
+            } => {
                 let done = ctx.tokens.len() - *prompt_len;
                 let n = (*k).min(ctx.max_draft);
                 let mut tokens: Vec<u32> = reference.iter().skip(done).take(n).copied().collect();
@@ -97,9 +102,14 @@ impl Drafter for TestDrafter {
             }
             TestDrafter::Random { stream, at, k } => {
                 let n = (*k).min(ctx.max_draft);
-                let tokens = (0..n).map(|i| stream[(*at + i) % stream.len()] % V as u32).collect();
+                let tokens = (0..n)
+                    .map(|i| stream[(*at + i) % stream.len()] % V as u32)
+                    .collect();
                 *at += n;
-                Ok(Proposal { tokens, probs: None })
+                Ok(Proposal {
+                    tokens,
+                    probs: None,
+                })
             }
         }
     }
@@ -109,7 +119,14 @@ impl Drafter for TestDrafter {
 }
 
 /// Greedy spec decoding of `n` tokens; alternates the two greedy entry points.
-fn spec_decode(prompt: &[u32], n: usize, salt: u64, drafter: &mut dyn Drafter, k: usize, metrics: &mut SpecMetrics) -> Vec<u32> {
+fn spec_decode(
+    prompt: &[u32],
+    n: usize,
+    salt: u64,
+    drafter: &mut dyn Drafter,
+    k: usize,
+    metrics: &mut SpecMetrics,
+) -> Vec<u32> {
     let mut rng = seeded_rng(0);
     let mut t = prompt.to_vec();
     let mut via_ctx = false;
@@ -117,13 +134,17 @@ fn spec_decode(prompt: &[u32], n: usize, salt: u64, drafter: &mut dyn Drafter, k
         let remaining = n - (t.len() - prompt.len());
         // Like vLLM's max_model_len clip: never draft past the budget.
         let max_draft = k.min(remaining - 1);
-        let p = drafter.propose(&mut ProposeCtx::new(1, &t, max_draft)).unwrap();
+        let p = drafter
+            .propose(&mut ProposeCtx::new(1, &t, max_draft))
+            .unwrap();
         assert!(p.tokens.len() <= max_draft);
         let l = verify_logits(&t, &p.tokens, salt);
         let v = if !via_ctx {
             verify_greedy(&l, V, &p.tokens).unwrap()
         } else {
-            VerifyCtx::new(SamplingParams::GREEDY, &mut rng).verify(&l, V, &p).unwrap()
+            VerifyCtx::new(SamplingParams::GREEDY, &mut rng)
+                .verify(&l, V, &p)
+                .unwrap()
         };
         assert_eq!(v.tokens.len(), v.accepted + 1);
         assert_eq!(&v.tokens[..v.accepted], &p.tokens[..v.accepted]);
@@ -131,7 +152,11 @@ fn spec_decode(prompt: &[u32], n: usize, salt: u64, drafter: &mut dyn Drafter, k
         t.extend(&v.tokens);
         via_ctx = !via_ctx;
     }
-    assert_eq!(t.len() - prompt.len(), n, "the loop never overshoots the budget");
+    assert_eq!(
+        t.len() - prompt.len(),
+        n,
+        "the loop never overshoots the budget"
+    );
     t[prompt.len()..].to_vec()
 }
 
@@ -145,7 +170,10 @@ fn ngram_spec_decoding_equals_argmax_decoding() {
         let got = spec_decode(&prompt, 200, salt, &mut d, 4, &mut m);
         assert_eq!(got, want, "salt {salt}");
         // The toy target cycles, so the n-gram drafter must get tokens accepted.
-        assert!(m.num_accepted_tokens > 0 && m.mean_acceptance_length() > 1.5, "salt {salt}: {m:?}");
+        assert!(
+            m.num_accepted_tokens > 0 && m.mean_acceptance_length() > 1.5,
+            "salt {salt}: {m:?}"
+        );
         assert!(m.num_accepted_tokens <= m.num_draft_tokens);
     }
 }
@@ -156,7 +184,12 @@ fn oracle_drafts_are_all_accepted_and_corruptions_corrected() {
     let want = greedy_reference(&prompt, 120, 42);
     // Perfect oracle: every draft accepted, tau = 1 + k on full steps.
     let mut m = SpecMetrics::default();
-    let mut d = TestDrafter::Oracle { reference: want.clone(), prompt_len: prompt.len(), k: 5, corrupt_every: 0 };
+    let mut d = TestDrafter::Oracle {
+        reference: want.clone(),
+        prompt_len: prompt.len(),
+        k: 5,
+        corrupt_every: 0,
+    };
     assert_eq!(spec_decode(&prompt, 120, 42, &mut d, 5, &mut m), want);
     assert_eq!(m.num_accepted_tokens, m.num_draft_tokens);
     assert_eq!(m.num_drafts, 20); // 120 tokens in steps of 5 drafts + 1 bonus
@@ -164,7 +197,12 @@ fn oracle_drafts_are_all_accepted_and_corruptions_corrected() {
     assert_eq!(m.per_position_rates(), vec![1.0; 5]);
     // Every 4th draft token corrupted: rejected there, corrected to the argmax.
     let mut m = SpecMetrics::default();
-    let mut d = TestDrafter::Oracle { reference: want.clone(), prompt_len: prompt.len(), k: 5, corrupt_every: 4 };
+    let mut d = TestDrafter::Oracle {
+        reference: want.clone(),
+        prompt_len: prompt.len(),
+        k: 5,
+        corrupt_every: 4,
+    };
     assert_eq!(spec_decode(&prompt, 120, 42, &mut d, 5, &mut m), want);
     assert!(m.num_accepted_tokens < m.num_draft_tokens);
     assert!((m.mean_acceptance_length() - 4.0).abs() < 1e-9, "{m:?}"); // 3 accepted + correction per step

@@ -28,10 +28,17 @@ const DRAWS: usize = 100_000;
 const ALPHA: f64 = 1e-4;
 
 /// Target logits for the k + 1 = 3 positions of a verify pass.
-const LOGITS: [[f32; V]; 3] = [[1.2, 0.3, -0.5, 0.8, -1.0, 0.1], [-0.2, 0.9, 0.4, -0.7, 0.6, 0.0], [0.5, -0.3, 1.1, 0.2, -0.8, 0.7]];
+const LOGITS: [[f32; V]; 3] = [
+    [1.2, 0.3, -0.5, 0.8, -1.0, 0.1],
+    [-0.2, 0.9, 0.4, -0.7, 0.6, 0.0],
+    [0.5, -0.3, 1.1, 0.2, -0.8, 0.7],
+];
 
 /// Draft distributions for the 2 draft positions; q0 has a zero where p > 0.
-const Q: [[f32; V]; 2] = [[0.30, 0.0, 0.25, 0.05, 0.25, 0.15], [0.05, 0.10, 0.40, 0.20, 0.05, 0.20]];
+const Q: [[f32; V]; 2] = [
+    [0.30, 0.0, 0.25, 0.05, 0.25, 0.15],
+    [0.05, 0.10, 0.40, 0.20, 0.05, 0.20],
+];
 
 fn flat_logits() -> Vec<f32> {
     LOGITS.concat()
@@ -122,7 +129,10 @@ fn chi_square(counts: &[u64], probs: &[f64]) -> (f64, usize, f64) {
             continue;
         }
         let e = n as f64 * p;
-        assert!(e >= 5.0, "expected count {e} too small for the chi-square approximation");
+        assert!(
+            e >= 5.0,
+            "expected count {e} too small for the chi-square approximation"
+        );
         stat += (c as f64 - e).powi(2) / e;
         cells += 1;
     }
@@ -164,22 +174,36 @@ impl Hist {
 fn run_real(params: SamplingParams, give_probs: bool, seed: u64) -> Hist {
     let logits = flat_logits();
     let q = q_rows();
-    let q64: Vec<Vec<f64>> = Q.iter().map(|r| r.iter().map(|&x| f64::from(x)).collect()).collect();
+    let q64: Vec<Vec<f64>> = Q
+        .iter()
+        .map(|r| r.iter().map(|&x| f64::from(x)).collect())
+        .collect();
     let mut rng = seeded_rng(seed);
     let mut h = Hist::default();
-    let mut proposal = Proposal { tokens: Vec::new(), probs: give_probs.then_some(q) };
+    let mut proposal = Proposal {
+        tokens: Vec::new(),
+        probs: give_probs.then_some(q),
+    };
     for _ in 0..DRAWS {
         // The drafter samples each draft token from its q.
         proposal.tokens.clear();
-        proposal.tokens.extend(q64.iter().map(|qi| sample_index(qi, &mut rng).unwrap() as u32));
-        let v = VerifyCtx::new(params, &mut rng).verify(&logits, V, &proposal).unwrap();
+        proposal.tokens.extend(
+            q64.iter()
+                .map(|qi| sample_index(qi, &mut rng).unwrap() as u32),
+        );
+        let v = VerifyCtx::new(params, &mut rng)
+            .verify(&logits, V, &proposal)
+            .unwrap();
         h.add(v.accepted, &v.tokens);
     }
     h
 }
 
 fn target(params: SamplingParams) -> Vec<Vec<f64>> {
-    LOGITS.iter().map(|row| target_probs(row, &params).unwrap()).collect()
+    LOGITS
+        .iter()
+        .map(|row| target_probs(row, &params).unwrap())
+        .collect()
 }
 
 /// Acceptance probability of draft position i given the earlier ones were
@@ -188,7 +212,17 @@ fn target(params: SamplingParams) -> Vec<Vec<f64>> {
 fn expected_acceptance(p: &[Vec<f64>], one_hot: bool) -> [f64; 2] {
     let mut a = [0.0; 2];
     for (i, ai) in a.iter_mut().enumerate() {
-        *ai = Q[i].iter().zip(&p[i]).map(|(&q, &pp)| if one_hot { f64::from(q) * pp } else { f64::from(q).min(pp) }).sum();
+        *ai = Q[i]
+            .iter()
+            .zip(&p[i])
+            .map(|(&q, &pp)| {
+                if one_hot {
+                    f64::from(q) * pp
+                } else {
+                    f64::from(q).min(pp)
+                }
+            })
+            .sum();
     }
     a
 }
@@ -200,14 +234,29 @@ fn check_rate(name: &str, label: &str, hits: u64, n: u64, a: f64) {
     let got = hits as f64 / n as f64;
     let z = (got - a) / (a * (1.0 - a) / n as f64).sqrt();
     eprintln!("{name}: {label}: acceptance {got:.4} vs expected {a:.4} (n = {n}, z = {z:.2})");
-    assert!(z.abs() < 3.891, "{name}: {label}: acceptance {got} vs {a}, z = {z}");
+    assert!(
+        z.abs() < 3.891,
+        "{name}: {label}: acceptance {got} vs {a}, z = {z}"
+    );
 }
 
 /// Check the three histograms against the target rows and the per-position
 /// acceptance against `a`; returns the chi-square p-values.
 fn check_lossless(name: &str, h: &Hist, p: &[Vec<f64>], a: [f64; 2]) -> [f64; 3] {
-    check_rate(name, "draft 0 accepted", h.accepted_pos[0], DRAWS as u64, a[0]);
-    check_rate(name, "draft 1 accepted | draft 0 accepted", h.accepted_pos[1], h.accepted_pos[0], a[1]);
+    check_rate(
+        name,
+        "draft 0 accepted",
+        h.accepted_pos[0],
+        DRAWS as u64,
+        a[0],
+    );
+    check_rate(
+        name,
+        "draft 1 accepted | draft 0 accepted",
+        h.accepted_pos[1],
+        h.accepted_pos[0],
+        a[1],
+    );
     let mut out = [0.0; 3];
     for (i, (counts, label)) in [
         (&h.first, "first emitted"),
@@ -223,7 +272,10 @@ fn check_lossless(name: &str, h: &Hist, p: &[Vec<f64>], a: [f64; 2]) -> [f64; 3]
         assert!(pv > ALPHA, "{name}: {label} is not distributed as the target (chi2 {stat:.2}, df {df}, p {pv:.2e})");
         out[i] = pv;
     }
-    eprintln!("{name}: draft acceptance rate = {:.4}", h.accepted as f64 / (2 * DRAWS) as f64);
+    eprintln!(
+        "{name}: draft acceptance rate = {:.4}",
+        h.accepted as f64 / (2 * DRAWS) as f64
+    );
     out
 }
 
@@ -253,18 +305,36 @@ fn one_hot_q_without_draft_probs_is_lossless() {
     let params = SamplingParams::random(1.0);
     let h = run_real(params, false, 0x5eed_0002);
     let p = target(params);
-    check_lossless("T=1, no probs (one-hot q)", &h, &p, expected_acceptance(&p, true));
+    check_lossless(
+        "T=1, no probs (one-hot q)",
+        &h,
+        &p,
+        expected_acceptance(&p, true),
+    );
 }
 
 #[test]
 fn top_k_top_p_target_is_lossless() {
     // The target's processed distribution (top-k 5 then top-p 0.85) has
     // zero-mass tokens the drafter still proposes.
-    let params = SamplingParams { temperature: 0.9, top_k: 5, top_p: 0.85 };
+    let params = SamplingParams {
+        temperature: 0.9,
+        top_k: 5,
+        top_p: 0.85,
+    };
     let p = target(params);
-    assert!(p.iter().all(|row| row.iter().filter(|x| **x == 0.0).count() >= 1), "{p:?}");
+    assert!(
+        p.iter()
+            .all(|row| row.iter().filter(|x| **x == 0.0).count() >= 1),
+        "{p:?}"
+    );
     let h = run_real(params, true, 0x5eed_0003);
-    check_lossless("T=0.9 top-k 5 top-p 0.85, q given", &h, &p, expected_acceptance(&p, false));
+    check_lossless(
+        "T=0.9 top-k 5 top-p 0.85, q given",
+        &h,
+        &p,
+        expected_acceptance(&p, false),
+    );
 }
 
 /// The negative controls' bugs.
@@ -277,7 +347,13 @@ enum Bug {
 }
 
 /// A deliberately wrong verifier, otherwise the same algorithm.
-fn verify_buggy(p: &[Vec<f64>], q: &[Vec<f64>], draft: &[u32], rng: &mut SpecRng, bug: Bug) -> (usize, Vec<u32>) {
+fn verify_buggy(
+    p: &[Vec<f64>],
+    q: &[Vec<f64>],
+    draft: &[u32],
+    rng: &mut SpecRng,
+    bug: Bug,
+) -> (usize, Vec<u32>) {
     let mut out = Vec::new();
     for (i, &x) in draft.iter().enumerate() {
         let x = x as usize;
@@ -287,7 +363,11 @@ fn verify_buggy(p: &[Vec<f64>], q: &[Vec<f64>], draft: &[u32], rng: &mut SpecRng
         }
         let w: Vec<f64> = match bug {
             Bug::CorrectionFromP => p[i].clone(),
-            Bug::FlippedResidual => q[i].iter().zip(&p[i]).map(|(a, b)| (a - b).max(0.0)).collect(),
+            Bug::FlippedResidual => q[i]
+                .iter()
+                .zip(&p[i])
+                .map(|(a, b)| (a - b).max(0.0))
+                .collect(),
         };
         out.push(sample_index(&w, rng).unwrap() as u32);
         return (i, out);
@@ -298,11 +378,17 @@ fn verify_buggy(p: &[Vec<f64>], q: &[Vec<f64>], draft: &[u32], rng: &mut SpecRng
 
 fn first_token_p_value_of_buggy(bug: Bug, seed: u64) -> (f64, f64) {
     let p = target(SamplingParams::random(0.8));
-    let q: Vec<Vec<f64>> = Q.iter().map(|r| r.iter().map(|&x| f64::from(x)).collect()).collect();
+    let q: Vec<Vec<f64>> = Q
+        .iter()
+        .map(|r| r.iter().map(|&x| f64::from(x)).collect())
+        .collect();
     let mut rng = seeded_rng(seed);
     let mut h = Hist::default();
     for _ in 0..DRAWS {
-        let draft: Vec<u32> = q.iter().map(|qi| sample_index(qi, &mut rng).unwrap() as u32).collect();
+        let draft: Vec<u32> = q
+            .iter()
+            .map(|qi| sample_index(qi, &mut rng).unwrap() as u32)
+            .collect();
         let (a, t) = verify_buggy(&p, &q, &draft, &mut rng, bug);
         h.add(a, &t);
     }

@@ -47,13 +47,24 @@ pub struct Ngram {
 }
 
 fn bad_config(reason: String) -> EngineError {
-    EngineError::InvalidDrafterConfig { drafter: "ngram".into(), reason }
+    EngineError::InvalidDrafterConfig {
+        drafter: "ngram".into(),
+        reason,
+    }
 }
 
 impl Ngram {
     /// A validated drafter.
-    pub fn new(prompt_lookup_min: usize, prompt_lookup_max: usize, num_speculative_tokens: usize) -> Result<Self> {
-        let d = Self { prompt_lookup_min, prompt_lookup_max, num_speculative_tokens };
+    pub fn new(
+        prompt_lookup_min: usize,
+        prompt_lookup_max: usize,
+        num_speculative_tokens: usize,
+    ) -> Result<Self> {
+        let d = Self {
+            prompt_lookup_min,
+            prompt_lookup_max,
+            num_speculative_tokens,
+        };
         d.validate()?;
         Ok(d)
     }
@@ -75,7 +86,9 @@ impl Ngram {
             )));
         }
         if self.num_speculative_tokens == 0 {
-            return Err(bad_config("num_speculative_tokens must be >= 1, got 0".into()));
+            return Err(bad_config(
+                "num_speculative_tokens must be >= 1, got 0".into(),
+            ));
         }
         Ok(())
     }
@@ -133,8 +146,16 @@ impl Drafter for Ngram {
     fn propose(&mut self, ctx: &mut ProposeCtx<'_>) -> Result<Proposal> {
         self.validate()?;
         let k = self.num_speculative_tokens.min(ctx.max_draft);
-        let draft = find_longest_matched_ngram(ctx.tokens, self.prompt_lookup_min, self.prompt_lookup_max, k);
-        Ok(Proposal { tokens: draft.to_vec(), probs: None })
+        let draft = find_longest_matched_ngram(
+            ctx.tokens,
+            self.prompt_lookup_min,
+            self.prompt_lookup_max,
+            k,
+        );
+        Ok(Proposal {
+            tokens: draft.to_vec(),
+            probs: None,
+        })
     }
 
     fn lookahead_slots(&self) -> usize {
@@ -149,7 +170,9 @@ mod tests {
 
     fn propose(d: Ngram, tokens: &[u32], max_draft: usize) -> Vec<u32> {
         let mut d = d;
-        let p = d.propose(&mut ProposeCtx::new(0, tokens, max_draft)).unwrap();
+        let p = d
+            .propose(&mut ProposeCtx::new(0, tokens, max_draft))
+            .unwrap();
         assert!(p.probs.is_none());
         p.tokens
     }
@@ -164,7 +187,11 @@ mod tests {
             assert!(matches!(e, EngineError::InvalidDrafterConfig { .. }), "{e}");
         }
         // A hand-built invalid drafter is refused at propose time.
-        let mut d = Ngram { prompt_lookup_min: 0, prompt_lookup_max: 2, num_speculative_tokens: 2 };
+        let mut d = Ngram {
+            prompt_lookup_min: 0,
+            prompt_lookup_max: 2,
+            num_speculative_tokens: 2,
+        };
         assert!(d.propose(&mut ProposeCtx::new(0, &[1, 2, 1], 2)).is_err());
         assert_eq!(Ngram::new(1, 2, 3).unwrap().lookahead_slots(), 0);
     }
@@ -192,21 +219,38 @@ mod tests {
         assert_eq!(f(&[2, 3, 4, 5, 1, 2, 3, 4, 1, 2, 3, 4], 3, 4, 2), &[1, 2]);
         assert_eq!(f(&[3, 4, 5, 2, 3, 4, 1, 2, 3, 4], 2, 4, 2), &[1, 2]);
         // Several 3-gram matches: the first (earliest) one.
-        assert_eq!(f(&[1, 2, 3, 100, 1, 2, 3, 200, 1, 2, 3, 300, 1, 2, 3], 3, 3, 2), &[100, 1]);
+        assert_eq!(
+            f(
+                &[1, 2, 3, 100, 1, 2, 3, 200, 1, 2, 3, 300, 1, 2, 3],
+                3,
+                3,
+                2
+            ),
+            &[100, 1]
+        );
     }
 
     #[test]
     fn hand_cases() {
         let d = |min, max, k| Ngram::new(min, max, k).unwrap();
         // [2,3] at 3 beats the earlier unigram [3] at 1: longest first.
-        assert_eq!(propose(d(1, 2, 2), &[1, 3, 6, 2, 3, 4, 1, 2, 3], 2), vec![4, 1]);
+        assert_eq!(
+            propose(d(1, 2, 2), &[1, 3, 6, 2, 3, 4, 1, 2, 3], 2),
+            vec![4, 1]
+        );
         // Earliest occurrence: [5,6] occurs at 0 (then 7) and at 3 (then 8).
         assert_eq!(propose(d(2, 2, 1), &[5, 6, 7, 5, 6, 8, 5, 6], 1), vec![7]);
         // Capped at max_n: [1,2,3] occurs at 0 (then 9); with max 2 the
         // bigram [2,3] occurs at 1 (then 9) and 5 (then 4): earliest, 9.
-        assert_eq!(propose(d(2, 2, 1), &[1, 2, 3, 9, 2, 3, 4, 1, 2, 3], 1), vec![9]);
+        assert_eq!(
+            propose(d(2, 2, 1), &[1, 2, 3, 9, 2, 3, 4, 1, 2, 3], 1),
+            vec![9]
+        );
         // With max 3 the trigram at 0 wins; k runs on past the next match.
-        assert_eq!(propose(d(2, 3, 3), &[1, 2, 3, 9, 2, 3, 4, 1, 2, 3], 3), vec![9, 2, 3]);
+        assert_eq!(
+            propose(d(2, 3, 3), &[1, 2, 3, 9, 2, 3, 4, 1, 2, 3], 3),
+            vec![9, 2, 3]
+        );
         // Clipped at the end of the sequence; overlapping occurrences.
         assert_eq!(propose(d(1, 3, 5), &[7, 7, 7, 7], 5), vec![7]);
         assert_eq!(propose(d(1, 1, 5), &[4, 2, 4], 5), vec![2, 4]);
@@ -216,8 +260,14 @@ mod tests {
         assert_eq!(propose(d(1, 1, 2), &[3], 2), Vec::<u32>::new());
         // max_draft caps k; 0 proposes nothing; a larger max_draft does not raise k.
         assert_eq!(propose(d(3, 4, 3), &[1, 2, 3, 4, 1, 2, 3], 1), vec![4]);
-        assert_eq!(propose(d(3, 4, 3), &[1, 2, 3, 4, 1, 2, 3], 0), Vec::<u32>::new());
-        assert_eq!(propose(d(3, 4, 3), &[1, 2, 3, 4, 1, 2, 3], 99), vec![4, 1, 2]);
+        assert_eq!(
+            propose(d(3, 4, 3), &[1, 2, 3, 4, 1, 2, 3], 0),
+            Vec::<u32>::new()
+        );
+        assert_eq!(
+            propose(d(3, 4, 3), &[1, 2, 3, 4, 1, 2, 3], 99),
+            vec![4, 1, 2]
+        );
         // max_n larger than the sequence.
         assert_eq!(propose(d(1, 50, 4), &[1, 2, 1], 4), vec![2, 1]);
     }

@@ -16,8 +16,14 @@ pub enum EngineError {
     #[error("request {req}: allocate_slots with num_new_tokens = 0 (vLLM raises ValueError: num_new_tokens must be greater than 0)")]
     ZeroTokenAllocation { req: String },
     /// A request longer than the model can serve.
-    #[error("request {req}: prompt of {prompt_len} tokens does not fit max_model_len {max_model_len}")]
-    PromptTooLong { req: String, prompt_len: u64, max_model_len: u64 },
+    #[error(
+        "request {req}: prompt of {prompt_len} tokens does not fit max_model_len {max_model_len}"
+    )]
+    PromptTooLong {
+        req: String,
+        prompt_len: u64,
+        max_model_len: u64,
+    },
     /// An operation named a request the manager does not know.
     #[error("unknown request {req}")]
     UnknownRequest { req: String },
@@ -57,10 +63,18 @@ pub enum EngineError {
     MissingTensor { file: String, tensor: String },
     /// A tensor has the wrong shape (`detail`: "shape [..], expected [..]").
     #[error("{file}: tensor `{tensor}` has {detail}")]
-    TensorShape { file: String, tensor: String, detail: String },
+    TensorShape {
+        file: String,
+        tensor: String,
+        detail: String,
+    },
     /// A tensor has the wrong dtype (`detail`: "dtype X, expected Y").
     #[error("{file}: tensor `{tensor}` has {detail}")]
-    TensorDtype { file: String, tensor: String, detail: String },
+    TensorDtype {
+        file: String,
+        tensor: String,
+        detail: String,
+    },
     /// config.json could not be parsed.
     #[error("{file}: cannot parse model config: {reason}")]
     ConfigParse { file: String, reason: String },
@@ -69,7 +83,11 @@ pub enum EngineError {
     InvalidConfig { key: String, reason: String },
     /// The config does not describe the checkpoint's tensors.
     #[error("config key `{key}` does not match the checkpoint: {reason} (tensor `{tensor}`)")]
-    ConfigMismatch { key: String, tensor: String, reason: String },
+    ConfigMismatch {
+        key: String,
+        tensor: String,
+        reason: String,
+    },
     /// A quantized module is inconsistent with `quantization_config` or malformed.
     #[error("quantized module `{module}`: {reason}")]
     Quantization { module: String, reason: String },

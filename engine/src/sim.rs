@@ -31,7 +31,10 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::kv::KvCacheManager;
-use crate::traits::{Admission, AdmissionReport, Executor, RequestId, ScheduledRequest, Scheduler, SchedulerOutput, StepResult};
+use crate::traits::{
+    Admission, AdmissionReport, Executor, RequestId, ScheduledRequest, Scheduler, SchedulerOutput,
+    StepResult,
+};
 use crate::{EngineError, Result};
 
 /// vLLM's per-position acceptance rates: `per_position[i]` is the fraction of
@@ -61,7 +64,9 @@ impl AcceptanceModel {
         let mut prev = 1.0f64;
         for (i, &a) in self.per_position.iter().enumerate() {
             if !a.is_finite() || !(0.0..=1.0).contains(&a) {
-                return Err(bad_acceptance(format!("per_position[{i}] = {a} is not a rate in [0, 1]")));
+                return Err(bad_acceptance(format!(
+                    "per_position[{i}] = {a} is not a rate in [0, 1]"
+                )));
             }
             if a > prev {
                 return Err(bad_acceptance(format!(
@@ -81,7 +86,11 @@ impl AcceptanceModel {
         self.per_position
             .iter()
             .map(|&a| {
-                let c = if prev > 0.0 { (a / prev).clamp(0.0, 1.0) } else { 0.0 };
+                let c = if prev > 0.0 {
+                    (a / prev).clamp(0.0, 1.0)
+                } else {
+                    0.0
+                };
                 prev = a;
                 c
             })
@@ -98,7 +107,10 @@ impl AcceptanceModel {
 /// position `i` with its conditional probability, stop at the first rejection.
 fn sample_accepted<R: Rng + ?Sized>(rng: &mut R, conditional: &[f64], k: u64) -> u64 {
     let mut accepted = 0u64;
-    for &c in conditional.iter().take(usize::try_from(k).unwrap_or(usize::MAX)) {
+    for &c in conditional
+        .iter()
+        .take(usize::try_from(k).unwrap_or(usize::MAX))
+    {
         if c <= 0.0 || rng.random::<f64>() >= c {
             break;
         }
@@ -122,7 +134,12 @@ impl SimExecutor {
     pub fn new(seed: u64, acceptance: AcceptanceModel) -> Self {
         let invalid = acceptance.validate().err();
         let conditional = acceptance.conditional();
-        Self { rng: ChaCha8Rng::seed_from_u64(seed), acceptance, conditional, invalid }
+        Self {
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            acceptance,
+            conditional,
+            invalid,
+        }
     }
 
     /// The acceptance model in use.
@@ -137,14 +154,27 @@ impl SimExecutor {
 }
 
 impl Executor for SimExecutor {
-    fn execute(&mut self, _kv: &KvCacheManager, batch: &SchedulerOutput) -> Result<Vec<StepResult>> {
+    fn execute(
+        &mut self,
+        _kv: &KvCacheManager,
+        batch: &SchedulerOutput,
+    ) -> Result<Vec<StepResult>> {
         if let Some(e) = &self.invalid {
             return Err(e.clone());
         }
         let mut out = Vec::with_capacity(batch.scheduled.len());
         for s in &batch.scheduled {
-            let accepted = if s.is_prefill || s.num_draft == 0 { 0 } else { self.sample_accepted(s.num_draft) };
-            out.push(StepResult { id: s.id, accepted, eos: false, next_drafts: None });
+            let accepted = if s.is_prefill || s.num_draft == 0 {
+                0
+            } else {
+                self.sample_accepted(s.num_draft)
+            };
+            out.push(StepResult {
+                id: s.id,
+                accepted,
+                eos: false,
+                next_drafts: None,
+            });
         }
         Ok(out)
     }
@@ -180,7 +210,11 @@ impl SpecMetrics {
         if self.accepted_per_position.len() < n {
             self.accepted_per_position.resize(n, 0);
         }
-        for c in self.accepted_per_position.iter_mut().take(usize::try_from(num_accepted_tokens).unwrap_or(usize::MAX)) {
+        for c in self
+            .accepted_per_position
+            .iter_mut()
+            .take(usize::try_from(num_accepted_tokens).unwrap_or(usize::MAX))
+        {
             *c += 1;
         }
     }
@@ -209,7 +243,10 @@ impl SpecMetrics {
         if self.num_drafts == 0 {
             return vec![0.0; self.accepted_per_position.len()];
         }
-        self.accepted_per_position.iter().map(|&c| c as f64 / self.num_drafts as f64).collect()
+        self.accepted_per_position
+            .iter()
+            .map(|&c| c as f64 / self.num_drafts as f64)
+            .collect()
     }
 }
 
@@ -240,18 +277,41 @@ pub struct SimRun {
 }
 
 /// Pair each scheduled request with its result (same order fast path, else by id).
-fn pair_results<'a>(batch: &'a SchedulerOutput, results: &'a [StepResult]) -> Result<Vec<(&'a ScheduledRequest, &'a StepResult)>> {
+fn pair_results<'a>(
+    batch: &'a SchedulerOutput,
+    results: &'a [StepResult],
+) -> Result<Vec<(&'a ScheduledRequest, &'a StepResult)>> {
     if results.len() != batch.scheduled.len() {
         return Err(EngineError::BadTokenCount {
             req: "batch".into(),
-            reason: format!("executor returned {} results for {} scheduled requests", results.len(), batch.scheduled.len()),
+            reason: format!(
+                "executor returned {} results for {} scheduled requests",
+                results.len(),
+                batch.scheduled.len()
+            ),
         });
     }
-    if batch.scheduled.iter().zip(results).all(|(s, r)| s.id == r.id) {
+    if batch
+        .scheduled
+        .iter()
+        .zip(results)
+        .all(|(s, r)| s.id == r.id)
+    {
         return Ok(batch.scheduled.iter().zip(results).collect());
     }
     let by_id: HashMap<RequestId, &StepResult> = results.iter().map(|r| (r.id, r)).collect();
-    batch.scheduled.iter().map(|s| by_id.get(&s.id).map(|r| (s, *r)).ok_or(EngineError::UnknownRequest { req: s.id.to_string() })).collect()
+    batch
+        .scheduled
+        .iter()
+        .map(|s| {
+            by_id
+                .get(&s.id)
+                .map(|r| (s, *r))
+                .ok_or(EngineError::UnknownRequest {
+                    req: s.id.to_string(),
+                })
+        })
+        .collect()
 }
 
 /// Run a scheduler + executor against a KV manager until no work is left, a
@@ -265,7 +325,10 @@ pub fn run_sim(
     on_step: &mut dyn FnMut(u64),
 ) -> Result<SimRun> {
     let num_groups = kv.groups().len();
-    let mut run = SimRun { peak_held_per_group: vec![0; num_groups], ..SimRun::default() };
+    let mut run = SimRun {
+        peak_held_per_group: vec![0; num_groups],
+        ..SimRun::default()
+    };
     while sched.has_work() {
         if run.steps >= limits.max_steps {
             run.hit_step_limit = true;
@@ -274,13 +337,20 @@ pub fn run_sim(
         let step = run.steps;
         let out = sched.schedule(kv)?;
         run.rejected.extend(out.rejected.iter().cloned());
-        run.admitted.extend(out.admitted.iter().map(|a| (step, a.clone())));
+        run.admitted
+            .extend(out.admitted.iter().map(|a| (step, a.clone())));
         run.preemptions += out.preempted.len() as u64;
 
         // Peaks: blocks are allocated in `schedule` only, so sample here.
-        run.peak_total_held = run.peak_total_held.max(kv.usable_blocks().saturating_sub(kv.num_free_blocks()));
+        run.peak_total_held = run
+            .peak_total_held
+            .max(kv.usable_blocks().saturating_sub(kv.num_free_blocks()));
         for s in &out.scheduled {
-            for (peak, held) in run.peak_held_per_group.iter_mut().zip(kv.held_blocks(s.slot)) {
+            for (peak, held) in run
+                .peak_held_per_group
+                .iter_mut()
+                .zip(kv.held_blocks(s.slot))
+            {
                 *peak = (*peak).max(held);
             }
         }
@@ -295,7 +365,10 @@ pub fn run_sim(
             if r.accepted > s.num_draft {
                 return Err(EngineError::BadTokenCount {
                     req: s.id.to_string(),
-                    reason: format!("executor accepted {} of {} draft tokens", r.accepted, s.num_draft),
+                    reason: format!(
+                        "executor accepted {} of {} draft tokens",
+                        r.accepted, s.num_draft
+                    ),
                 });
             }
             // vLLM update_from_output: stats only for steps that verified drafts.
@@ -304,7 +377,8 @@ pub fn run_sim(
             }
         }
         let finished = sched.update(kv, &out, &results)?;
-        run.finished.extend(finished.into_iter().map(|id| (step, id)));
+        run.finished
+            .extend(finished.into_iter().map(|id| (step, id)));
         run.steps += 1;
         on_step(run.steps);
     }
@@ -326,13 +400,21 @@ mod tests {
         assert!(AcceptanceModel::new(vec![1.1]).is_err());
         assert!(AcceptanceModel::new(vec![-0.1]).is_err());
         assert!(AcceptanceModel::new(vec![f64::NAN]).is_err());
-        let c = AcceptanceModel { per_position: vec![0.8, 0.4, 0.0, 0.0] }.conditional();
+        let c = AcceptanceModel {
+            per_position: vec![0.8, 0.4, 0.0, 0.0],
+        }
+        .conditional();
         assert_eq!(c, vec![0.8, 0.5, 0.0, 0.0]);
     }
 
     #[test]
     fn invalid_model_is_reported_by_execute() {
-        let mut e = SimExecutor::new(1, AcceptanceModel { per_position: vec![0.2, 0.9] });
+        let mut e = SimExecutor::new(
+            1,
+            AcceptanceModel {
+                per_position: vec![0.2, 0.9],
+            },
+        );
         let kv = KvCacheManager::new(
             &crate::kv::KvLayout {
                 num_blocks: Some(4),
@@ -363,7 +445,11 @@ mod tests {
         let got = m.per_position_rates();
         for (i, &r) in rates.iter().enumerate() {
             // 5 sigma of a binomial proportion at n = 200k is < 0.006.
-            assert!((got[i] - r).abs() < 0.006, "position {i}: {} vs {r}", got[i]);
+            assert!(
+                (got[i] - r).abs() < 0.006,
+                "position {i}: {} vs {r}",
+                got[i]
+            );
         }
         assert_eq!(got[5], 0.0);
         assert_eq!(got[6], 0.0);
@@ -418,12 +504,21 @@ mod tests {
                 num_computed_tokens: self.computed,
                 num_tokens: self.tokens,
                 num_prompt_tokens: 4,
-                status: if prefill { RequestStatus::Waiting } else { RequestStatus::Running },
+                status: if prefill {
+                    RequestStatus::Waiting
+                } else {
+                    RequestStatus::Running
+                },
                 num_in_flight_tokens: 0,
             };
             kv.allocate_slots(
                 &view,
-                AllocArgs { num_new_tokens: n, num_lookahead_tokens: 2, full_sequence_must_fit: prefill, has_scheduled_reqs: false },
+                AllocArgs {
+                    num_new_tokens: n,
+                    num_lookahead_tokens: 2,
+                    full_sequence_must_fit: prefill,
+                    has_scheduled_reqs: false,
+                },
             )?;
             Ok(SchedulerOutput {
                 scheduled: vec![ScheduledRequest {
@@ -437,7 +532,12 @@ mod tests {
                 ..SchedulerOutput::default()
             })
         }
-        fn update(&mut self, kv: &mut KvCacheManager, out: &SchedulerOutput, results: &[StepResult]) -> Result<Vec<RequestId>> {
+        fn update(
+            &mut self,
+            kv: &mut KvCacheManager,
+            out: &SchedulerOutput,
+            results: &[StepResult],
+        ) -> Result<Vec<RequestId>> {
             let s = &out.scheduled[0];
             let a = results[0].accepted;
             self.computed += s.num_tokens - (s.num_draft - a);
@@ -468,10 +568,22 @@ mod tests {
             groups: vec![GroupSpec::full("full", 4)],
         };
         let mut kv = KvCacheManager::from_layout(&layout).unwrap();
-        let mut s = OneShot { computed: 0, tokens: 4, decodes: 10, live: true };
+        let mut s = OneShot {
+            computed: 0,
+            tokens: 4,
+            decodes: 10,
+            live: true,
+        };
         let mut e = SimExecutor::new(3, AcceptanceModel::new(vec![1.0, 1.0]).unwrap());
         let mut seen = 0;
-        let run = run_sim(&mut kv, &mut s, &mut e, SimLimits { max_steps: 100 }, &mut |n| seen = n).unwrap();
+        let run = run_sim(
+            &mut kv,
+            &mut s,
+            &mut e,
+            SimLimits { max_steps: 100 },
+            &mut |n| seen = n,
+        )
+        .unwrap();
         assert_eq!(run.steps, 11);
         assert_eq!(seen, 11);
         assert_eq!(run.finished, vec![(10, 9)]);
@@ -484,8 +596,20 @@ mod tests {
         assert_eq!(kv.num_free_blocks(), kv.usable_blocks());
         // Step limit.
         let mut kv = KvCacheManager::from_layout(&layout).unwrap();
-        let mut s = OneShot { computed: 0, tokens: 4, decodes: 10, live: true };
-        let run = run_sim(&mut kv, &mut s, &mut e, SimLimits { max_steps: 3 }, &mut |_| {}).unwrap();
+        let mut s = OneShot {
+            computed: 0,
+            tokens: 4,
+            decodes: 10,
+            live: true,
+        };
+        let run = run_sim(
+            &mut kv,
+            &mut s,
+            &mut e,
+            SimLimits { max_steps: 3 },
+            &mut |_| {},
+        )
+        .unwrap();
         assert!(run.hit_step_limit);
         assert_eq!(run.steps, 3);
     }

@@ -60,7 +60,15 @@ pub struct ProposeCtx<'a> {
 impl<'a> ProposeCtx<'a> {
     /// A token-only context (no target pass, greedy, no RNG, slot 0).
     pub fn new(request: RequestId, tokens: &'a [u32], max_draft: usize) -> Self {
-        Self { request, slot: ReqSlot(0), tokens, max_draft, sampling: SamplingParams::GREEDY, rng: None, target: None }
+        Self {
+            request,
+            slot: ReqSlot(0),
+            tokens,
+            max_draft,
+            sampling: SamplingParams::GREEDY,
+            rng: None,
+            target: None,
+        }
     }
 }
 
@@ -72,7 +80,10 @@ impl std::fmt::Debug for ProposeCtx<'_> {
             .field("num_tokens", &self.tokens.len())
             .field("max_draft", &self.max_draft)
             .field("sampling", &self.sampling)
-            .field("target_rows", &self.target.as_ref().map(|t| (t.rows.clone(), t.start_pos)))
+            .field(
+                "target_rows",
+                &self.target.as_ref().map(|t| (t.rows.clone(), t.start_pos)),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -163,7 +174,12 @@ pub struct AdmissionReport {
 /// " = " (e.g. `full = drafter_swa`), so a tie is never reported as one group binding.
 pub fn binding_group(names: &[String], need: &[u64]) -> Option<String> {
     let max = *need.iter().max()?;
-    let tied: Vec<&str> = need.iter().zip(names).filter(|(&n, _)| n == max).map(|(_, s)| s.as_str()).collect();
+    let tied: Vec<&str> = need
+        .iter()
+        .zip(names)
+        .filter(|(&n, _)| n == max)
+        .map(|(_, s)| s.as_str())
+        .collect();
     (!tied.is_empty()).then(|| tied.join(" = "))
 }
 
@@ -176,7 +192,12 @@ impl AdmissionReport {
 
 impl std::fmt::Display for AdmissionReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let per: Vec<String> = self.group_names.iter().zip(&self.need_per_group).map(|(n, b)| format!("{n}={b}")).collect();
+        let per: Vec<String> = self
+            .group_names
+            .iter()
+            .zip(&self.need_per_group)
+            .map(|(n, b)| format!("{n}={b}"))
+            .collect();
         match self.kind {
             StallKind::MustFitExceedsPool => write!(
                 f,
@@ -253,7 +274,12 @@ pub trait Scheduler {
     fn schedule(&mut self, kv: &mut KvCacheManager) -> Result<SchedulerOutput>;
     /// Apply the executor's results (commit tokens, roll back rejections, free
     /// finished requests); returns the ids that finished this step.
-    fn update(&mut self, kv: &mut KvCacheManager, out: &SchedulerOutput, results: &[StepResult]) -> Result<Vec<RequestId>>;
+    fn update(
+        &mut self,
+        kv: &mut KvCacheManager,
+        out: &SchedulerOutput,
+        results: &[StepResult],
+    ) -> Result<Vec<RequestId>>;
     /// Whether any request is waiting or running.
     fn has_work(&self) -> bool;
 }

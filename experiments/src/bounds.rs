@@ -11,8 +11,8 @@
 //! Invariant relied on (and tested by proptest): admissibility is monotone in
 //! the prompt length, so bisection over [1, max_model_len] is exact.
 
-use speclab_engine::kv::{AllocOutcome, KvCacheManager, KvLayout};
 use speclab_engine::kv::manager::AllocArgs;
+use speclab_engine::kv::{AllocOutcome, KvCacheManager, KvLayout};
 use speclab_engine::{ReqSlot, RequestStatus, RequestView};
 
 use crate::record::BoundRecord;
@@ -28,25 +28,36 @@ pub struct ProbeCtx<'a> {
 }
 
 fn view(n: u64) -> RequestView {
-    RequestView { slot: ReqSlot(0), num_computed_tokens: 0, num_tokens: n, num_prompt_tokens: n, status: RequestStatus::Waiting, num_in_flight_tokens: 0 }
+    RequestView {
+        slot: ReqSlot(0),
+        num_computed_tokens: 0,
+        num_tokens: n,
+        num_prompt_tokens: n,
+        status: RequestStatus::Waiting,
+        num_in_flight_tokens: 0,
+    }
 }
 
 /// Per-group blocks the admission gate needs for an `n`-token prompt.
 pub fn admission_need(ctx: &ProbeCtx<'_>, n: u64) -> Result<Vec<u64>> {
-    let kv = KvCacheManager::new(ctx.layout, ctx.num_blocks).map_err(|e| ExperimentError::engine("bounds", e))?;
+    let kv = KvCacheManager::new(ctx.layout, ctx.num_blocks)
+        .map_err(|e| ExperimentError::engine("bounds", e))?;
     Ok(kv.admission_need(&view(n)))
 }
 
 /// Whether an `n`-token prompt is admitted into an empty pool.
 pub fn admissible(ctx: &ProbeCtx<'_>, n: u64) -> Result<bool> {
-    let mut kv = KvCacheManager::new(ctx.layout, ctx.num_blocks).map_err(|e| ExperimentError::engine("bounds", e))?;
+    let mut kv = KvCacheManager::new(ctx.layout, ctx.num_blocks)
+        .map_err(|e| ExperimentError::engine("bounds", e))?;
     let args = AllocArgs {
         num_new_tokens: n.min(ctx.max_num_batched_tokens).max(1),
         num_lookahead_tokens: ctx.lookahead,
         full_sequence_must_fit: true,
         has_scheduled_reqs: false,
     };
-    let out = kv.allocate_slots(&view(n), args).map_err(|e| ExperimentError::engine("bounds", e))?;
+    let out = kv
+        .allocate_slots(&view(n), args)
+        .map_err(|e| ExperimentError::engine("bounds", e))?;
     Ok(matches!(out, AllocOutcome::Allocated(_)))
 }
 
@@ -61,12 +72,26 @@ pub fn find_bound(ctx: &ProbeCtx<'_>) -> Result<BoundRecord> {
     };
     if probe(mml)? {
         let need = admission_need(ctx, mml)?;
-        return Ok(BoundRecord { largest_admissible: Some(mml), unbounded: true, need_at_bound: need, need_above_bound: vec![], binding_group_above: None, probes });
+        return Ok(BoundRecord {
+            largest_admissible: Some(mml),
+            unbounded: true,
+            need_at_bound: need,
+            need_above_bound: vec![],
+            binding_group_above: None,
+            probes,
+        });
     }
     if !probe(1)? {
         let need = admission_need(ctx, 1)?;
         let bind = binding(&names, &need);
-        return Ok(BoundRecord { largest_admissible: None, unbounded: false, need_at_bound: vec![], need_above_bound: need, binding_group_above: bind, probes });
+        return Ok(BoundRecord {
+            largest_admissible: None,
+            unbounded: false,
+            need_at_bound: vec![],
+            need_above_bound: need,
+            binding_group_above: bind,
+            probes,
+        });
     }
     // Invariant: lo admissible, hi not.
     let (mut lo, mut hi) = (1u64, mml);
@@ -81,7 +106,14 @@ pub fn find_bound(ctx: &ProbeCtx<'_>) -> Result<BoundRecord> {
     let need_at = admission_need(ctx, lo)?;
     let need_above = admission_need(ctx, hi)?;
     let bind = binding(&names, &need_above);
-    Ok(BoundRecord { largest_admissible: Some(lo), unbounded: false, need_at_bound: need_at, need_above_bound: need_above, binding_group_above: bind, probes })
+    Ok(BoundRecord {
+        largest_admissible: Some(lo),
+        unbounded: false,
+        need_at_bound: need_at,
+        need_above_bound: need_above,
+        binding_group_above: bind,
+        probes,
+    })
 }
 
 /// The group with the largest need (tied groups joined by " = ").
@@ -98,7 +130,12 @@ mod tests {
     #[test]
     fn card_bound_at_block_2304() {
         let layout = glm53_dflash2(2304, CapPolicy::None, 1012, 262_144, 8192);
-        let ctx = ProbeCtx { layout: &layout, num_blocks: 1012, max_num_batched_tokens: 8192, lookahead: 8 };
+        let ctx = ProbeCtx {
+            layout: &layout,
+            num_blocks: 1012,
+            max_num_batched_tokens: 8192,
+            lookahead: 8,
+        };
         let b = find_bound(&ctx).unwrap();
         assert_eq!(b.largest_admissible, Some(15_536));
         assert_eq!(b.need_at_bound.iter().sum::<u64>(), 1011);
@@ -110,7 +147,10 @@ mod tests {
 
     #[test]
     fn ties_name_every_binding_group() {
-        let names: Vec<String> = ["full", "state", "swa"].iter().map(|s| s.to_string()).collect();
+        let names: Vec<String> = ["full", "state", "swa"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
         assert_eq!(binding(&names, &[49, 8, 49]).as_deref(), Some("full = swa"));
         assert_eq!(binding(&names, &[7, 8, 971]).as_deref(), Some("swa"));
         assert_eq!(binding(&names, &[]), None);
@@ -119,7 +159,12 @@ mod tests {
     #[test]
     fn window_plus_two_is_unbounded() {
         let layout = glm53_dflash2(2304, CapPolicy::WindowPlusTwo, 1012, 262_144, 8192);
-        let ctx = ProbeCtx { layout: &layout, num_blocks: 1012, max_num_batched_tokens: 8192, lookahead: 8 };
+        let ctx = ProbeCtx {
+            layout: &layout,
+            num_blocks: 1012,
+            max_num_batched_tokens: 8192,
+            lookahead: 8,
+        };
         let b = find_bound(&ctx).unwrap();
         assert!(b.unbounded);
     }

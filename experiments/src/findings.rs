@@ -44,7 +44,10 @@ fn status_word(s: LegStatus) -> &'static str {
 fn bound_text(l: &LegRecord) -> String {
     match &l.bound {
         None => "-".into(),
-        Some(b) if b.unbounded => format!("none <= max_model_len ({})", thousands(b.largest_admissible.unwrap_or(0))),
+        Some(b) if b.unbounded => format!(
+            "none <= max_model_len ({})",
+            thousands(b.largest_admissible.unwrap_or(0))
+        ),
         Some(b) => match b.largest_admissible {
             Some(n) => thousands(n),
             None => "not even 1 token".into(),
@@ -94,7 +97,13 @@ pub fn chain_line(l: &LegRecord) -> String {
         );
     }
     if l.steps > 0 {
-        let _ = write!(s, "; {} steps, {} finished, {} preemptions", thousands(l.steps), l.finished, l.preemptions);
+        let _ = write!(
+            s,
+            "; {} steps, {} finished, {} preemptions",
+            thousands(l.steps),
+            l.finished,
+            l.preemptions
+        );
     }
     if let Some(b) = &l.bound {
         let _ = write!(s, "; largest admissible prompt {}", bound_text(l));
@@ -112,13 +121,19 @@ pub fn chain_line(l: &LegRecord) -> String {
 
 /// Evaluate an expectation against the record: (observed, verdict).
 pub fn judge(e: &Expectation, rec: &RunRecord) -> (String, &'static str) {
-    let legs: Vec<&LegRecord> = rec.legs.iter().filter(|l| l.id == e.leg || l.id.starts_with(&format!("{} ", e.leg))).collect();
+    let legs: Vec<&LegRecord> = rec
+        .legs
+        .iter()
+        .filter(|l| l.id == e.leg || l.id.starts_with(&format!("{} ", e.leg)))
+        .collect();
     if legs.is_empty() {
         return ("leg not in record".into(), "not measured");
     }
     if let Some(about) = e.bound_about {
         let tol = e.tolerance.unwrap_or(about / 50);
-        let Some(b) = legs.iter().find_map(|l| l.bound.as_ref()) else { return ("no bound measured".into(), "not measured") };
+        let Some(b) = legs.iter().find_map(|l| l.bound.as_ref()) else {
+            return ("no bound measured".into(), "not measured");
+        };
         if b.unbounded {
             return ("no bound".into(), "NOT matched");
         }
@@ -127,19 +142,39 @@ pub fn judge(e: &Expectation, rec: &RunRecord) -> (String, &'static str) {
         return (thousands(got), if ok { "matched" } else { "NOT matched" });
     }
     if let Some((lo, hi)) = e.no_wedge_in {
-        let Some(b) = legs.iter().find_map(|l| l.bound.as_ref()) else { return ("no bound measured".into(), "not measured") };
+        let Some(b) = legs.iter().find_map(|l| l.bound.as_ref()) else {
+            return ("no bound measured".into(), "not measured");
+        };
         let got = b.largest_admissible.unwrap_or(0);
         let ok = b.unbounded || got >= hi;
-        let obs = if b.unbounded { "no bound".to_string() } else { format!("bound {} (range {}-{})", thousands(got), thousands(lo), thousands(hi)) };
+        let obs = if b.unbounded {
+            "no bound".to_string()
+        } else {
+            format!(
+                "bound {} (range {}-{})",
+                thousands(got),
+                thousands(lo),
+                thousands(hi)
+            )
+        };
         return (obs, if ok { "matched" } else { "NOT matched" });
     }
     if let Some((group, max)) = &e.peak_at_most {
         let mut worst = 0u64;
         for l in &legs {
-            let Some(gi) = l.group_names.iter().position(|g| g == group) else { return (format!("no group {group}"), "not measured") };
+            let Some(gi) = l.group_names.iter().position(|g| g == group) else {
+                return (format!("no group {group}"), "not measured");
+            };
             worst = worst.max(l.peak_held_per_group.get(gi).copied().unwrap_or(0));
         }
-        return (format!("peak {worst} blocks of {group} over {} legs", legs.len()), if worst <= *max { "matched" } else { "NOT matched" });
+        return (
+            format!("peak {worst} blocks of {group} over {} legs", legs.len()),
+            if worst <= *max {
+                "matched"
+            } else {
+                "NOT matched"
+            },
+        );
     }
     if let Some(st) = &e.status {
         let got: Vec<&str> = legs.iter().map(|l| status_word(l.status)).collect();
@@ -153,7 +188,10 @@ pub fn judge(e: &Expectation, rec: &RunRecord) -> (String, &'static str) {
 pub fn render(rec: &RunRecord, record_path: &str) -> String {
     let manifest: Option<Manifest> = serde_json::from_value(rec.manifest.clone()).ok();
     let mut md = String::new();
-    let name = manifest.as_ref().map(|m| m.name.clone()).unwrap_or_else(|| "run".into());
+    let name = manifest
+        .as_ref()
+        .map(|m| m.name.clone())
+        .unwrap_or_else(|| "run".into());
     let _ = writeln!(md, "# {name}\n");
     if let Some(m) = &manifest {
         if !m.description.is_empty() {
@@ -188,7 +226,13 @@ pub fn render(rec: &RunRecord, record_path: &str) -> String {
             "- KV: {}, max_model_len {}, pool {}, sliding-window cap `{}`",
             m.kv.preset.as_deref().unwrap_or("explicit layout"),
             thousands(u64::from(m.kv.max_model_len)),
-            m.kv.num_blocks.map(|n| format!("{} blocks (override)", thousands(u64::from(n)))).or(m.kv.kv_cache_memory_bytes.map(|b| format!("{} bytes of KV memory", thousands(b)))).unwrap_or_else(|| "per leg".into()),
+            m.kv.num_blocks
+                .map(|n| format!("{} blocks (override)", thousands(u64::from(n))))
+                .or(m
+                    .kv
+                    .kv_cache_memory_bytes
+                    .map(|b| format!("{} bytes of KV memory", thousands(b))))
+                .unwrap_or_else(|| "per leg".into()),
             crate::manifest::cap_name(m.kv.cap)
         );
         let _ = writeln!(
@@ -216,15 +260,33 @@ pub fn render(rec: &RunRecord, record_path: &str) -> String {
     let sim_legs: Vec<&LegRecord> = rec.legs.iter().filter(|l| l.real.is_none()).collect();
     if !sim_legs.is_empty() {
         let _ = writeln!(md, "## Legs\n");
-        let names = sim_legs.first().map(|l| l.group_names.clone()).unwrap_or_default();
+        let names = sim_legs
+            .first()
+            .map(|l| l.group_names.clone())
+            .unwrap_or_default();
         let _ = writeln!(md, "| leg | pool (usable) | admission need (total) | per-group need ({}) | status | steps | peak held per request, per group | largest admissible prompt |", names.join(" / "));
         let _ = writeln!(md, "|---|---|---|---|---|---|---|---|");
         for l in sim_legs {
             let (need, per) = match l.admissions.first() {
-                Some(a) => (thousands(a.total), a.need_per_group.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(" / ")),
+                Some(a) => (
+                    thousands(a.total),
+                    a.need_per_group
+                        .iter()
+                        .map(|n| n.to_string())
+                        .collect::<Vec<_>>()
+                        .join(" / "),
+                ),
                 None => ("-".into(), "-".into()),
             };
-            let peaks = if l.steps > 0 { l.peak_held_per_group.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(" / ") } else { "-".into() };
+            let peaks = if l.steps > 0 {
+                l.peak_held_per_group
+                    .iter()
+                    .map(|n| n.to_string())
+                    .collect::<Vec<_>>()
+                    .join(" / ")
+            } else {
+                "-".into()
+            };
             let _ = writeln!(
                 md,
                 "| `{}` | {} | {} | {} | {} | {} | {} | {} |",
@@ -259,15 +321,26 @@ pub fn render(rec: &RunRecord, record_path: &str) -> String {
                     e.status.clone().unwrap_or_default()
                 };
                 let (obs, verdict) = judge(e, rec);
-                let _ = writeln!(md, "| `{}` | {} | {} | {} | **{}** |", e.leg, reference, e.source, obs, verdict);
+                let _ = writeln!(
+                    md,
+                    "| `{}` | {} | {} | {} | **{}** |",
+                    e.leg, reference, e.source, obs, verdict
+                );
             }
             let _ = writeln!(md);
         }
     }
-    let spec_legs: Vec<&LegRecord> = rec.legs.iter().filter(|l| l.real.is_none() && l.spec.num_drafts > 0).collect();
+    let spec_legs: Vec<&LegRecord> = rec
+        .legs
+        .iter()
+        .filter(|l| l.real.is_none() && l.spec.num_drafts > 0)
+        .collect();
     if !spec_legs.is_empty() {
         let _ = writeln!(md, "## Speculative decoding (simulated acceptance)\n");
-        let _ = writeln!(md, "| leg | drafts | draft tokens | accepted | acceptance rate | tau |");
+        let _ = writeln!(
+            md,
+            "| leg | drafts | draft tokens | accepted | acceptance rate | tau |"
+        );
         let _ = writeln!(md, "|---|---|---|---|---|---|");
         for l in spec_legs {
             let _ = writeln!(
@@ -311,23 +384,37 @@ pub fn plot_file_name(name: &str) -> String {
 
 /// Render records into `out_dir/<manifest name>.md` (and `<name>-tau.svg` for a real
 /// sweep over N); returns the written paths.
-pub fn render_files(records: &[std::path::PathBuf], out_dir: &Path) -> Result<Vec<std::path::PathBuf>> {
+pub fn render_files(
+    records: &[std::path::PathBuf],
+    out_dir: &Path,
+) -> Result<Vec<std::path::PathBuf>> {
     let mut written = Vec::new();
     for p in records {
         let rec = RunRecord::load(p)?;
-        let name = rec.manifest.get("name").and_then(|v| v.as_str()).unwrap_or("run").to_string();
+        let name = rec
+            .manifest
+            .get("name")
+            .and_then(|v| v.as_str())
+            .unwrap_or("run")
+            .to_string();
         let md = render(&rec, &p.display().to_string());
         let out = out_dir.join(format!("{name}.md"));
         crate::record::write_atomic(&out, md.as_bytes())?;
         written.push(out);
-        if let Some(svg) = crate::plot::tau_svg(&rec, &format!("{name}: tau and acceptance rate vs N")) {
+        if let Some(svg) =
+            crate::plot::tau_svg(&rec, &format!("{name}: tau and acceptance rate vs N"))
+        {
             let sp = out_dir.join(plot_file_name(&name));
             crate::record::write_atomic(&sp, svg.as_bytes())?;
             written.push(sp);
         }
     }
     if written.is_empty() {
-        return Err(ExperimentError::Invalid { path: out_dir.to_path_buf(), field: "records".into(), msg: "no record given".into() });
+        return Err(ExperimentError::Invalid {
+            path: out_dir.to_path_buf(),
+            field: "records".into(),
+            msg: "no record given".into(),
+        });
     }
     Ok(written)
 }
@@ -343,21 +430,39 @@ fn real_setup(md: &mut String, real: &RealSpec, rec: &RunRecord) {
                 Some(c) => format!("{c} rows from row {}", p.offset),
                 None => format!("every row from row {}", p.offset),
             };
-            let trunc = p.truncate.map(|t| format!(", truncated to {t} tokens")).unwrap_or_default();
+            let trunc = p
+                .truncate
+                .map(|t| format!(", truncated to {t} tokens"))
+                .unwrap_or_default();
             format!("{rows} of `{}` in `{f}`{trunc}", p.tensor)
         }
-        (None, Some(g)) => format!("{} random prompts of {} tokens (seed {})", g.count, g.len, g.seed),
+        (None, Some(g)) => format!(
+            "{} random prompts of {} tokens (seed {})",
+            g.count, g.len, g.seed
+        ),
         (None, None) => "-".into(),
     };
     let _ = writeln!(md, "- prompts: {prompts}");
     if let Some(r) = rec.legs.iter().find_map(|l| l.real.as_ref()) {
-        let _ = writeln!(md, "- per leg: {} requests, {} prompt tokens in all, max_tokens {} each{}", r.num_requests, thousands(r.prompt_tokens), r.max_tokens, if real.ignore_eos { " (ignore_eos)" } else { "" });
+        let _ = writeln!(
+            md,
+            "- per leg: {} requests, {} prompt tokens in all, max_tokens {} each{}",
+            r.num_requests,
+            thousands(r.prompt_tokens),
+            r.max_tokens,
+            if real.ignore_eos { " (ignore_eos)" } else { "" }
+        );
     }
     let ns: Vec<String> = real
         .drafters
         .iter()
         .map(|&d| {
-            let n = real.ns_for(d).iter().map(|n| n.to_string()).collect::<Vec<_>>().join(", ");
+            let n = real
+                .ns_for(d)
+                .iter()
+                .map(|n| n.to_string())
+                .collect::<Vec<_>>()
+                .join(", ");
             format!("`{}` (N {n})", d.name())
         })
         .collect();
@@ -365,8 +470,16 @@ fn real_setup(md: &mut String, real: &RealSpec, rec: &RunRecord) {
     let _ = writeln!(
         md,
         "- concurrency (max_num_seqs): {}; temperatures: {}; seed {}",
-        real.concurrency.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(", "),
-        real.temperatures.iter().map(|&t| temp_label(t)).collect::<Vec<_>>().join(", "),
+        real.concurrency
+            .iter()
+            .map(|c| c.to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        real.temperatures
+            .iter()
+            .map(|&t| temp_label(t))
+            .collect::<Vec<_>>()
+            .join(", "),
         real.seed
     );
     let _ = writeln!(
@@ -392,13 +505,25 @@ fn greedy_vs_control(r: &RealLegRecord, rec: &RunRecord) -> String {
     if r.drafter == "none" {
         return "control".into();
     }
-    let control = rec.legs.iter().filter_map(|l| l.real.as_ref()).find(|c| c.drafter == "none" && c.temperature == 0.0 && c.concurrency == r.concurrency);
+    let control =
+        rec.legs.iter().filter_map(|l| l.real.as_ref()).find(|c| {
+            c.drafter == "none" && c.temperature == 0.0 && c.concurrency == r.concurrency
+        });
     match control {
         None => "no control leg".into(),
         Some(c) => {
             let n = r.output_digests.len().min(c.output_digests.len());
-            let equal = r.output_digests.iter().zip(&c.output_digests).filter(|(a, b)| a == b).count();
-            let first = r.output_digests.iter().zip(&c.output_digests).position(|(a, b)| a != b);
+            let equal = r
+                .output_digests
+                .iter()
+                .zip(&c.output_digests)
+                .filter(|(a, b)| a == b)
+                .count();
+            let first = r
+                .output_digests
+                .iter()
+                .zip(&c.output_digests)
+                .position(|(a, b)| a != b);
             match first {
                 None if r.output_digests.len() == c.output_digests.len() => format!("{equal}/{n}"),
                 None => format!("{equal}/{n} (request counts differ)"),
@@ -416,10 +541,21 @@ fn real_section(md: &mut String, rec: &RunRecord, name: &str) {
         "vLLM's definitions: acceptance rate = accepted / drafted tokens; tau = 1 + accepted / drafts (mean acceptance length); per-position rate k = drafts whose position k was accepted / drafts. Verify width = tokens the target verified in one decode step over the batch. Experts = distinct (MoE layer, expert) pairs the verify rows of a step routed to. Greedy = spec-off: requests whose output equals the `none` leg's at the same concurrency (FNV-1a digests of the token ids).\n"
     );
     let _ = writeln!(md, "| leg | drafter | N | c | T | status | acceptance rate | tau | per-position rates | tokens/s | verify width (mean / max) | experts per verify step (mean / max of slots) | TTFT mean (steps / s) | greedy = spec-off |");
-    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(
+        md,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
     for l in &rec.legs {
         let Some(r) = &l.real else { continue };
-        let per = if r.acceptance_per_position.is_empty() { "-".into() } else { r.acceptance_per_position.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(" / ") };
+        let per = if r.acceptance_per_position.is_empty() {
+            "-".into()
+        } else {
+            r.acceptance_per_position
+                .iter()
+                .map(|x| format!("{x:.2}"))
+                .collect::<Vec<_>>()
+                .join(" / ")
+        };
         let width = match r.mean_verify_width {
             Some(w) => format!("{w:.2} / {}", r.max_verify_width),
             None => "-".into(),
@@ -437,7 +573,9 @@ fn real_section(md: &mut String, rec: &RunRecord, name: &str) {
             r.concurrency,
             temp_label(r.temperature),
             status_word(l.status),
-            r.draft_acceptance_rate.map(|a| format!("{:.1}%", 100.0 * a)).unwrap_or_else(|| "-".into()),
+            r.draft_acceptance_rate
+                .map(|a| format!("{:.1}%", 100.0 * a))
+                .unwrap_or_else(|| "-".into()),
             opt(r.tau, 3),
             per,
             r.tokens_per_s,

@@ -6,9 +6,9 @@
 //! Invariant: every record is written atomically (temp file + rename), and a
 //! crash mid-sweep leaves the finished legs intact and resumable.
 
+pub mod bounds;
 pub mod error;
 pub mod findings;
-pub mod bounds;
 pub mod manifest;
 pub mod plot;
 pub mod real;

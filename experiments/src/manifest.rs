@@ -185,7 +185,11 @@ pub struct SchedulerSpec {
 
 impl Default for SchedulerSpec {
     fn default() -> Self {
-        Self { policy: PolicyName::default(), max_num_seqs: default_max_num_seqs(), max_num_batched_tokens: default_mnbt() }
+        Self {
+            policy: PolicyName::default(),
+            max_num_seqs: default_max_num_seqs(),
+            max_num_batched_tokens: default_mnbt(),
+        }
     }
 }
 
@@ -274,7 +278,12 @@ pub struct Workload {
 
 impl Default for Workload {
     fn default() -> Self {
-        Self { prompts: vec![], generate: None, output_len: default_output_len(), each_prompt_alone: true }
+        Self {
+            prompts: vec![],
+            generate: None,
+            output_len: default_output_len(),
+            each_prompt_alone: true,
+        }
     }
 }
 
@@ -320,7 +329,10 @@ pub struct Measure {
 
 impl Default for Measure {
     fn default() -> Self {
-        Self { simulate: true, bound: false }
+        Self {
+            simulate: true,
+            bound: false,
+        }
     }
 }
 
@@ -345,7 +357,8 @@ pub const PRESET_GLM53_DFLASH2: &str = "glm53-flash-dflash2";
 /// `Option` fields may be written bare (RON's `implicit_some`): `truncate: 128` and
 /// `truncate: Some(128)` both work.
 pub fn parse_ron<T: for<'de> Deserialize<'de>>(path: &Path, text: &str) -> Result<T> {
-    let opts = ron::Options::default().with_default_extension(ron::extensions::Extensions::IMPLICIT_SOME);
+    let opts =
+        ron::Options::default().with_default_extension(ron::extensions::Extensions::IMPLICIT_SOME);
     let err = |e: ron::error::SpannedError, field: Option<String>| ExperimentError::Parse {
         path: path.to_path_buf(),
         at: format!("{}:{}", e.position.line, e.position.col),
@@ -387,14 +400,24 @@ impl Manifest {
     }
 
     fn invalid(path: &Path, field: &str, msg: impl Into<String>) -> ExperimentError {
-        ExperimentError::Invalid { path: path.to_path_buf(), field: field.into(), msg: msg.into() }
+        ExperimentError::Invalid {
+            path: path.to_path_buf(),
+            field: field.into(),
+            msg: msg.into(),
+        }
     }
 
     /// Check values serde cannot: sizes, lengths, acceptance rates; build every leg once.
     pub fn validate(&self, path: &Path) -> Result<()> {
         let bad = |f: &str, m: String| Self::invalid(path, f, m);
         if self.name.trim().is_empty() || self.name.contains(['/', '\\']) {
-            return Err(bad("name", format!("must be a non-empty file-name-safe string, got {:?}", self.name)));
+            return Err(bad(
+                "name",
+                format!(
+                    "must be a non-empty file-name-safe string, got {:?}",
+                    self.name
+                ),
+            ));
         }
         if let Some(real) = &self.real {
             self.check_no_sim_sections(path)?;
@@ -404,36 +427,65 @@ impl Manifest {
             return Err(bad("scheduler.max_num_seqs", "must be > 0".into()));
         }
         if self.scheduler.max_num_batched_tokens == 0 {
-            return Err(bad("scheduler.max_num_batched_tokens", "must be > 0".into()));
+            return Err(bad(
+                "scheduler.max_num_batched_tokens",
+                "must be > 0".into(),
+            ));
         }
         let mut prev = 1.0;
         for (i, &a) in self.acceptance.iter().enumerate() {
             if !(0.0..=1.0).contains(&a) || a > prev {
-                return Err(bad(&format!("acceptance[{i}]"), format!("rates must be in [0, 1] and non-increasing, got {a}")));
+                return Err(bad(
+                    &format!("acceptance[{i}]"),
+                    format!("rates must be in [0, 1] and non-increasing, got {a}"),
+                ));
             }
             prev = a;
         }
         if self.drafter.kind != DrafterKind::None && self.drafter.num_speculative_tokens == 0 {
-            return Err(bad("drafter.num_speculative_tokens", "must be > 0 with a drafter".into()));
+            return Err(bad(
+                "drafter.num_speculative_tokens",
+                "must be > 0 with a drafter".into(),
+            ));
         }
         if let Some(b) = self.drafter.block_size {
-            if self.drafter.kind == DrafterKind::Dflash2 && (b == 0 || self.drafter.num_speculative_tokens > b) {
-                return Err(bad("drafter.num_speculative_tokens", format!("{} exceeds the DFlash2 block size {b}", self.drafter.num_speculative_tokens)));
+            if self.drafter.kind == DrafterKind::Dflash2
+                && (b == 0 || self.drafter.num_speculative_tokens > b)
+            {
+                return Err(bad(
+                    "drafter.num_speculative_tokens",
+                    format!(
+                        "{} exceeds the DFlash2 block size {b}",
+                        self.drafter.num_speculative_tokens
+                    ),
+                ));
             }
         }
         if let Some(g) = self.workload.generate {
             if g.min == 0 || g.min > g.max {
-                return Err(bad("workload.generate", format!("need 0 < min <= max, got min {} max {}", g.min, g.max)));
+                return Err(bad(
+                    "workload.generate",
+                    format!("need 0 < min <= max, got min {} max {}", g.min, g.max),
+                ));
             }
         }
         let mml = u64::from(self.kv.max_model_len);
         for (i, &p) in self.workload.prompts.iter().enumerate() {
             if p == 0 || p > mml {
-                return Err(bad(&format!("workload.prompts[{i}]"), format!("prompt of {p} tokens must be in 1..=max_model_len ({mml})")));
+                return Err(bad(
+                    &format!("workload.prompts[{i}]"),
+                    format!("prompt of {p} tokens must be in 1..=max_model_len ({mml})"),
+                ));
             }
         }
-        if self.workload.prompts.is_empty() && self.workload.generate.is_none() && self.measure.simulate {
-            return Err(bad("workload", "no prompts and no generator, but measure.simulate is on".into()));
+        if self.workload.prompts.is_empty()
+            && self.workload.generate.is_none()
+            && self.measure.simulate
+        {
+            return Err(bad(
+                "workload",
+                "no prompts and no generator, but measure.simulate is on".into(),
+            ));
         }
         for b in &self.sweep.block_sizes {
             if *b == 0 {
@@ -488,14 +540,31 @@ impl Manifest {
     }
 
     /// Build the KV layout for a block size / cap / pool.
-    pub fn layout_for(&self, block_size: Option<u32>, cap: CapPolicy, num_blocks: Option<u32>) -> Result<KvLayout> {
+    pub fn layout_for(
+        &self,
+        block_size: Option<u32>,
+        cap: CapPolicy,
+        num_blocks: Option<u32>,
+    ) -> Result<KvLayout> {
         let kv = &self.kv;
         let mut layout = match (&kv.preset, &kv.layout) {
             (Some(p), _) if p == PRESET_GLM53_DFLASH2 => {
                 let bs = block_size.or(kv.block_size).ok_or_else(|| {
-                    ExperimentError::engine("kv.block_size", speclab_engine::EngineError::InvalidLayout { field: "block_size".into(), reason: "the preset needs a block size".into() })
+                    ExperimentError::engine(
+                        "kv.block_size",
+                        speclab_engine::EngineError::InvalidLayout {
+                            field: "block_size".into(),
+                            reason: "the preset needs a block size".into(),
+                        },
+                    )
                 })?;
-                let mut l = speclab_engine::kv::presets::glm53_dflash2(bs, cap, 1, kv.max_model_len, self.scheduler.max_num_batched_tokens);
+                let mut l = speclab_engine::kv::presets::glm53_dflash2(
+                    bs,
+                    cap,
+                    1,
+                    kv.max_model_len,
+                    self.scheduler.max_num_batched_tokens,
+                );
                 if let Some(m) = kv.memory {
                     attach_memory(&mut l, &m, bs);
                 }
@@ -505,7 +574,9 @@ impl Manifest {
             (Some(p), _) => {
                 return Err(ExperimentError::engine(
                     "kv.preset",
-                    speclab_engine::EngineError::Unsupported(format!("unknown preset {p:?}; known: {PRESET_GLM53_DFLASH2}")),
+                    speclab_engine::EngineError::Unsupported(format!(
+                        "unknown preset {p:?}; known: {PRESET_GLM53_DFLASH2}"
+                    )),
                 ))
             }
             (None, Some(l)) => {
@@ -525,7 +596,10 @@ impl Manifest {
             (None, None) => {
                 return Err(ExperimentError::engine(
                     "kv",
-                    speclab_engine::EngineError::InvalidLayout { field: "kv".into(), reason: "give a preset or a layout".into() },
+                    speclab_engine::EngineError::InvalidLayout {
+                        field: "kv".into(),
+                        reason: "give a preset or a layout".into(),
+                    },
                 ))
             }
         };
@@ -549,11 +623,21 @@ impl Manifest {
         if self.real.is_some() {
             return Ok(Vec::new());
         }
-        let bss: Vec<Option<u32>> =
-            if self.sweep.block_sizes.is_empty() { vec![self.kv.block_size] } else { self.sweep.block_sizes.iter().map(|&b| Some(b)).collect() };
-        let caps = if self.sweep.caps.is_empty() { vec![self.kv.cap] } else { self.sweep.caps.clone() };
-        let pools: Vec<Option<u32>> =
-            if self.sweep.num_blocks.is_empty() { vec![None] } else { self.sweep.num_blocks.iter().map(|&n| Some(n)).collect() };
+        let bss: Vec<Option<u32>> = if self.sweep.block_sizes.is_empty() {
+            vec![self.kv.block_size]
+        } else {
+            self.sweep.block_sizes.iter().map(|&b| Some(b)).collect()
+        };
+        let caps = if self.sweep.caps.is_empty() {
+            vec![self.kv.cap]
+        } else {
+            self.sweep.caps.clone()
+        };
+        let pools: Vec<Option<u32>> = if self.sweep.num_blocks.is_empty() {
+            vec![None]
+        } else {
+            self.sweep.num_blocks.iter().map(|&n| Some(n)).collect()
+        };
         let prompts = self.prompt_lengths();
         let groups: Vec<Vec<u64>> = if self.workload.each_prompt_alone {
             if prompts.is_empty() {
@@ -570,7 +654,8 @@ impl Manifest {
                 for &pool in &pools {
                     let layout = self.layout_for(bs, cap, pool)?;
                     let ctx = format!("kv (block_size {bs:?}, cap {cap:?})");
-                    let num_blocks = speclab_engine::kv::planning::resolve_num_blocks(&layout).map_err(|e| ExperimentError::engine(ctx.clone(), e))?;
+                    let num_blocks = speclab_engine::kv::planning::resolve_num_blocks(&layout)
+                        .map_err(|e| ExperimentError::engine(ctx.clone(), e))?;
                     for ps in &groups {
                         let mut id = Vec::new();
                         if let Some(b) = bs {
@@ -585,7 +670,14 @@ impl Manifest {
                             1 => id.push(format!("prompt={}", ps[0])),
                             n => id.push(format!("prompts={n}")),
                         }
-                        legs.push(Leg { id: id.join(" "), block_size: bs, cap, layout: layout.clone(), num_blocks, prompts: ps.clone() });
+                        legs.push(Leg {
+                            id: id.join(" "),
+                            block_size: bs,
+                            cap,
+                            layout: layout.clone(),
+                            num_blocks,
+                            prompts: ps.clone(),
+                        });
                     }
                 }
             }
@@ -608,12 +700,22 @@ fn attach_memory(l: &mut KvLayout, m: &PresetMemory, bs: u32) {
     let bs = u64::from(bs);
     for g in &mut l.groups {
         g.memory = Some(match g.kind {
-            GroupKind::Full => GroupMemory { num_layers: m.full_layers, page_size_bytes: bs * m.full_bytes_per_token },
-            GroupKind::RingBuffer => GroupMemory { num_layers: m.ring_layers, page_size_bytes: bs * m.ring_bytes_per_token },
-            GroupKind::State => GroupMemory { num_layers: m.state_layers_per_group, page_size_bytes: m.state_bytes },
-            GroupKind::SlidingWindow => {
-                GroupMemory { num_layers: m.drafter_layers, page_size_bytes: u64::from(g.block_size.unwrap_or(16)) * m.drafter_bytes_per_token }
-            }
+            GroupKind::Full => GroupMemory {
+                num_layers: m.full_layers,
+                page_size_bytes: bs * m.full_bytes_per_token,
+            },
+            GroupKind::RingBuffer => GroupMemory {
+                num_layers: m.ring_layers,
+                page_size_bytes: bs * m.ring_bytes_per_token,
+            },
+            GroupKind::State => GroupMemory {
+                num_layers: m.state_layers_per_group,
+                page_size_bytes: m.state_bytes,
+            },
+            GroupKind::SlidingWindow => GroupMemory {
+                num_layers: m.drafter_layers,
+                page_size_bytes: u64::from(g.block_size.unwrap_or(16)) * m.drafter_bytes_per_token,
+            },
         });
     }
 }
@@ -640,7 +742,9 @@ mod tests {
     #[test]
     fn ron_errors_name_line_and_column() {
         let p = Path::new("bad.ron");
-        let e = parse_ron::<Manifest>(p, "(\n  name: \"x\",\n  kv: (bogus: 1),\n)").unwrap_err().to_string();
+        let e = parse_ron::<Manifest>(p, "(\n  name: \"x\",\n  kv: (bogus: 1),\n)")
+            .unwrap_err()
+            .to_string();
         assert!(e.starts_with("bad.ron:3:"), "{e}");
         assert!(e.contains("bogus"), "{e}");
     }
@@ -656,7 +760,12 @@ mod shipped {
         let m: Manifest = parse_ron(p, include_str!("../df2w-block-size.ron")).unwrap();
         m.validate(p).unwrap();
         let legs = m.legs().unwrap();
-        let pool = |bs: u32| legs.iter().find(|l| l.block_size == Some(bs)).unwrap().num_blocks;
+        let pool = |bs: u32| {
+            legs.iter()
+                .find(|l| l.block_size == Some(bs))
+                .unwrap()
+                .num_blocks
+        };
         // Calibrated: block 2304 gives the card's pool.
         assert_eq!(pool(2304), 1012);
         // At 1536 and 1024 the KDA state page (9 x 2,170,880 bytes) is the largest block.

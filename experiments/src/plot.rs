@@ -33,8 +33,16 @@ const COLORS: [RGBColor; 8] = [
 
 /// The series of a record's real legs with drafts (drafter, then temperature, then concurrency).
 pub fn tau_series(rec: &RunRecord) -> Vec<Series> {
-    let reals: Vec<&RealLegRecord> = rec.legs.iter().filter_map(|l| l.real.as_ref()).filter(|r| r.tau.is_some() && r.num_speculative_tokens > 0).collect();
-    let temps: std::collections::BTreeSet<String> = reals.iter().map(|r| crate::real::temp_label(r.temperature)).collect();
+    let reals: Vec<&RealLegRecord> = rec
+        .legs
+        .iter()
+        .filter_map(|l| l.real.as_ref())
+        .filter(|r| r.tau.is_some() && r.num_speculative_tokens > 0)
+        .collect();
+    let temps: std::collections::BTreeSet<String> = reals
+        .iter()
+        .map(|r| crate::real::temp_label(r.temperature))
+        .collect();
     let concs: std::collections::BTreeSet<usize> = reals.iter().map(|r| r.concurrency).collect();
     // Key keeps the record's leg order for drafters (first appearance).
     let mut order: Vec<String> = Vec::new();
@@ -50,7 +58,11 @@ pub fn tau_series(rec: &RunRecord) -> Vec<Series> {
         if !by.contains_key(&label) {
             order.push(label.clone());
         }
-        by.entry(label).or_default().push((r.num_speculative_tokens, r.tau.unwrap_or(1.0), r.draft_acceptance_rate.unwrap_or(0.0)));
+        by.entry(label).or_default().push((
+            r.num_speculative_tokens,
+            r.tau.unwrap_or(1.0),
+            r.draft_acceptance_rate.unwrap_or(0.0),
+        ));
     }
     order
         .into_iter()
@@ -78,9 +90,21 @@ pub fn tau_svg(rec: &RunRecord, title: &str) -> Option<String> {
     Some(out)
 }
 
-fn draw(out: &mut String, series: &[Series], title: &str) -> Result<(), Box<dyn std::error::Error>> {
-    let max_n = series.iter().flat_map(|s| s.points.iter().map(|p| p.0)).max().unwrap_or(1).max(1);
-    let max_tau = series.iter().flat_map(|s| s.points.iter().map(|p| p.1)).fold(1.0f64, f64::max);
+fn draw(
+    out: &mut String,
+    series: &[Series],
+    title: &str,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let max_n = series
+        .iter()
+        .flat_map(|s| s.points.iter().map(|p| p.0))
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let max_tau = series
+        .iter()
+        .flat_map(|s| s.points.iter().map(|p| p.1))
+        .fold(1.0f64, f64::max);
     let root = SVGBackend::with_string(out, (960, 400)).into_drawing_area();
     root.fill(&WHITE)?;
     let root = root.titled(title, ("sans-serif", 18))?;
@@ -88,9 +112,17 @@ fn draw(out: &mut String, series: &[Series], title: &str) -> Result<(), Box<dyn 
     let x_range = 0.5f64..(f64::from(max_n) + 0.5);
     for (pi, area) in panels.iter().enumerate() {
         let (caption, y_desc, y_range) = if pi == 0 {
-            ("mean acceptance length tau vs N", "tau = 1 + accepted / drafts", 0.9f64..(max_tau * 1.08 + 0.1))
+            (
+                "mean acceptance length tau vs N",
+                "tau = 1 + accepted / drafts",
+                0.9f64..(max_tau * 1.08 + 0.1),
+            )
         } else {
-            ("draft acceptance rate vs N", "accepted / drafted tokens", 0.0f64..1.05)
+            (
+                "draft acceptance rate vs N",
+                "accepted / drafted tokens",
+                0.0f64..1.05,
+            )
         };
         let mut chart = ChartBuilder::on(area)
             .caption(caption, ("sans-serif", 15))
@@ -104,18 +136,39 @@ fn draw(out: &mut String, series: &[Series], title: &str) -> Result<(), Box<dyn 
             .x_desc("N (num_speculative_tokens)")
             .y_desc(y_desc)
             .x_labels(max_n as usize + 1)
-            .x_label_formatter(&|x| if (x.fract()).abs() < 1e-9 { format!("{}", *x as i64) } else { String::new() })
+            .x_label_formatter(&|x| {
+                if (x.fract()).abs() < 1e-9 {
+                    format!("{}", *x as i64)
+                } else {
+                    String::new()
+                }
+            })
             .y_label_formatter(&|y| format!("{y:.2}"))
             .draw()?;
         for (si, s) in series.iter().enumerate() {
             let color = COLORS[si % COLORS.len()];
-            let pts: Vec<(f64, f64)> = s.points.iter().map(|p| (f64::from(p.0), if pi == 0 { p.1 } else { p.2 })).collect();
+            let pts: Vec<(f64, f64)> = s
+                .points
+                .iter()
+                .map(|p| (f64::from(p.0), if pi == 0 { p.1 } else { p.2 }))
+                .collect();
             chart
                 .draw_series(LineSeries::new(pts, color.stroke_width(2)).point_size(4))?
                 .label(s.label.clone())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                });
         }
-        chart.configure_series_labels().position(if pi == 0 { SeriesLabelPosition::UpperLeft } else { SeriesLabelPosition::UpperRight }).background_style(WHITE.mix(0.85)).border_style(BLACK).draw()?;
+        chart
+            .configure_series_labels()
+            .position(if pi == 0 {
+                SeriesLabelPosition::UpperLeft
+            } else {
+                SeriesLabelPosition::UpperRight
+            })
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()?;
     }
     root.present()?;
     Ok(())

@@ -46,7 +46,13 @@ pub enum RealDrafter {
 
 impl RealDrafter {
     /// Every kind, in manifest spelling.
-    pub const ALL: [RealDrafter; 5] = [Self::None, Self::Ngram, Self::Mtp, Self::Dflash2, Self::Dflash1];
+    pub const ALL: [RealDrafter; 5] = [
+        Self::None,
+        Self::Ngram,
+        Self::Mtp,
+        Self::Dflash2,
+        Self::Dflash1,
+    ];
 
     /// The name (`speclab_drafters::DrafterKind` parses it).
     pub fn name(self) -> &'static str {
@@ -235,12 +241,18 @@ pub fn leg_id(d: RealDrafter, n: u32, c: usize, t: f32) -> String {
 }
 
 fn invalid(path: &Path, field: &str, msg: impl Into<String>) -> ExperimentError {
-    ExperimentError::Invalid { path: path.to_path_buf(), field: field.into(), msg: msg.into() }
+    ExperimentError::Invalid {
+        path: path.to_path_buf(),
+        field: field.into(),
+        msg: msg.into(),
+    }
 }
 
 /// `p` with a note on where relative paths are resolved.
 fn missing(p: &str, what: &str) -> String {
-    let cwd = std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_else(|_| "?".into());
+    let cwd = std::env::current_dir()
+        .map(|d| d.display().to_string())
+        .unwrap_or_else(|_| "?".into());
     format!("{p}: no such {what} (manifest paths are relative to the current directory, {cwd})")
 }
 
@@ -269,7 +281,14 @@ impl RealSpec {
             .filter(|d| d.is_dflash())
             .filter_map(|&d| match self.drafter_dir(d) {
                 Some(p) if p.is_dir() => None,
-                Some(p) => Some((d, format!("{} skipped: its checkpoint directory {} does not exist", d.name(), p.display()))),
+                Some(p) => Some((
+                    d,
+                    format!(
+                        "{} skipped: its checkpoint directory {} does not exist",
+                        d.name(),
+                        p.display()
+                    ),
+                )),
                 None => Some((d, format!("{} skipped: no drafter_dirs entry", d.name()))),
             })
             .collect()
@@ -280,18 +299,31 @@ impl RealSpec {
         if d == RealDrafter::None {
             return vec![0];
         }
-        self.num_speculative_tokens_for.get(d.name()).cloned().unwrap_or_else(|| self.num_speculative_tokens.clone())
+        self.num_speculative_tokens_for
+            .get(d.name())
+            .cloned()
+            .unwrap_or_else(|| self.num_speculative_tokens.clone())
     }
 
     /// Expand into legs: drafter x N x concurrency x temperature (skipped drafters left out).
     pub fn legs(&self) -> Vec<RealLeg> {
-        let skipped: Vec<RealDrafter> = self.skipped_drafters().into_iter().map(|(d, _)| d).collect();
+        let skipped: Vec<RealDrafter> = self
+            .skipped_drafters()
+            .into_iter()
+            .map(|(d, _)| d)
+            .collect();
         let mut legs = Vec::new();
         for &d in self.drafters.iter().filter(|d| !skipped.contains(d)) {
             for n in self.ns_for(d) {
                 for &c in &self.concurrency {
                     for &t in &self.temperatures {
-                        legs.push(RealLeg { id: leg_id(d, n, c, t), drafter: d, num_speculative_tokens: n, concurrency: c, temperature: t });
+                        legs.push(RealLeg {
+                            id: leg_id(d, n, c, t),
+                            drafter: d,
+                            num_speculative_tokens: n,
+                            concurrency: c,
+                            temperature: t,
+                        });
                     }
                 }
             }
@@ -309,13 +341,22 @@ impl RealSpec {
         }
         let cfg_path = model.join("config.json");
         if !cfg_path.is_file() {
-            return Err(bad("real.model", format!("{}: no config.json in the target directory", self.model)));
+            return Err(bad(
+                "real.model",
+                format!("{}: no config.json in the target directory", self.model),
+            ));
         }
-        let cfg = ModelConfig::from_file(&cfg_path).map_err(|e| bad("real.model", e.to_string()))?;
+        let cfg =
+            ModelConfig::from_file(&cfg_path).map_err(|e| bad("real.model", e.to_string()))?;
         let model_mml = cfg.max_position_embeddings as u64;
         if let Some(m) = self.max_model_len {
             if m == 0 || m > model_mml {
-                return Err(bad("real.max_model_len", format!("{m} must be in 1..={model_mml} (the target's max_position_embeddings)")));
+                return Err(bad(
+                    "real.max_model_len",
+                    format!(
+                        "{m} must be in 1..={model_mml} (the target's max_position_embeddings)"
+                    ),
+                ));
             }
         }
         let mml = self.max_model_len.unwrap_or(model_mml);
@@ -340,25 +381,43 @@ impl RealSpec {
         }
         // Axes.
         if self.drafters.is_empty() {
-            return Err(bad("real.drafters", format!("no drafter; list some of {}", names())));
+            return Err(bad(
+                "real.drafters",
+                format!("no drafter; list some of {}", names()),
+            ));
         }
         for (i, d) in self.drafters.iter().enumerate() {
             if self.drafters[..i].contains(d) {
-                return Err(bad(&format!("real.drafters[{i}]"), format!("`{}` is listed twice", d.name())));
+                return Err(bad(
+                    &format!("real.drafters[{i}]"),
+                    format!("`{}` is listed twice", d.name()),
+                ));
             }
         }
         if self.concurrency.is_empty() {
-            return Err(bad("real.concurrency", "empty; give at least one concurrency (vLLM max_num_seqs), e.g. [1]".into()));
+            return Err(bad(
+                "real.concurrency",
+                "empty; give at least one concurrency (vLLM max_num_seqs), e.g. [1]".into(),
+            ));
         }
         if let Some(i) = self.concurrency.iter().position(|&c| c == 0) {
-            return Err(bad(&format!("real.concurrency[{i}]"), "concurrency 0: must be >= 1 (vLLM max_num_seqs)".into()));
+            return Err(bad(
+                &format!("real.concurrency[{i}]"),
+                "concurrency 0: must be >= 1 (vLLM max_num_seqs)".into(),
+            ));
         }
         if self.temperatures.is_empty() {
-            return Err(bad("real.temperatures", "empty; give at least one temperature, e.g. [0.0]".into()));
+            return Err(bad(
+                "real.temperatures",
+                "empty; give at least one temperature, e.g. [0.0]".into(),
+            ));
         }
         for (i, &t) in self.temperatures.iter().enumerate() {
             if !t.is_finite() || !(0.0..=2.0).contains(&t) {
-                return Err(bad(&format!("real.temperatures[{i}]"), format!("temperature {t} is out of [0, 2] (vLLM's range; 0 = greedy)")));
+                return Err(bad(
+                    &format!("real.temperatures[{i}]"),
+                    format!("temperature {t} is out of [0, 2] (vLLM's range; 0 = greedy)"),
+                ));
             }
         }
         for k in self.drafter_dirs.keys() {
@@ -369,16 +428,38 @@ impl RealSpec {
         }
         for (k, ns) in &self.num_speculative_tokens_for {
             match RealDrafter::from_name(k) {
-                None => return Err(bad(&format!("real.num_speculative_tokens_for.{k}"), format!("unknown drafter kind `{k}`; expected one of {}", names()))),
-                Some(RealDrafter::None) => return Err(bad(&format!("real.num_speculative_tokens_for.{k}"), "the `none` drafter has N = 0".into())),
-                Some(d) if !self.drafters.contains(&d) => {
-                    return Err(bad(&format!("real.num_speculative_tokens_for.{k}"), format!("`{k}` is not in real.drafters")))
+                None => {
+                    return Err(bad(
+                        &format!("real.num_speculative_tokens_for.{k}"),
+                        format!("unknown drafter kind `{k}`; expected one of {}", names()),
+                    ))
                 }
-                Some(_) if ns.is_empty() => return Err(bad(&format!("real.num_speculative_tokens_for.{k}"), "empty N list".into())),
+                Some(RealDrafter::None) => {
+                    return Err(bad(
+                        &format!("real.num_speculative_tokens_for.{k}"),
+                        "the `none` drafter has N = 0".into(),
+                    ))
+                }
+                Some(d) if !self.drafters.contains(&d) => {
+                    return Err(bad(
+                        &format!("real.num_speculative_tokens_for.{k}"),
+                        format!("`{k}` is not in real.drafters"),
+                    ))
+                }
+                Some(_) if ns.is_empty() => {
+                    return Err(bad(
+                        &format!("real.num_speculative_tokens_for.{k}"),
+                        "empty N list".into(),
+                    ))
+                }
                 Some(_) => {}
             }
         }
-        let skipped: Vec<RealDrafter> = self.skipped_drafters().into_iter().map(|(d, _)| d).collect();
+        let skipped: Vec<RealDrafter> = self
+            .skipped_drafters()
+            .into_iter()
+            .map(|(d, _)| d)
+            .collect();
         for &d in &self.drafters {
             if d == RealDrafter::None {
                 continue;
@@ -390,10 +471,22 @@ impl RealSpec {
             };
             let ns = self.ns_for(d);
             if ns.is_empty() {
-                return Err(bad(&field, format!("drafter `{}` needs at least one N (vLLM num_speculative_tokens >= 1)", d.name())));
+                return Err(bad(
+                    &field,
+                    format!(
+                        "drafter `{}` needs at least one N (vLLM num_speculative_tokens >= 1)",
+                        d.name()
+                    ),
+                ));
             }
             if ns.contains(&0) {
-                return Err(bad(&field, format!("N = 0 with drafter `{}`: N must be >= 1 (only `none` runs with N = 0)", d.name())));
+                return Err(bad(
+                    &field,
+                    format!(
+                        "N = 0 with drafter `{}`: N must be >= 1 (only `none` runs with N = 0)",
+                        d.name()
+                    ),
+                ));
             }
             for (i, n) in ns.iter().enumerate() {
                 if ns[..i].contains(n) {
@@ -404,13 +497,29 @@ impl RealSpec {
                 let dir = self.drafter_dir(d).ok_or_else(|| {
                     bad("real.drafter_dirs", format!("drafter `{}` needs its checkpoint directory, e.g. drafter_dirs: {{\"{}\": \"models/dflash2-tiny\"}}", d.name(), d.name()))
                 })?;
-                let key = if self.drafter_dirs.contains_key(d.name()) { d.name() } else { RealDrafter::Dflash2.name() };
+                let key = if self.drafter_dirs.contains_key(d.name()) {
+                    d.name()
+                } else {
+                    RealDrafter::Dflash2.name()
+                };
                 let dfield = format!("real.drafter_dirs.{key}");
                 if !dir.is_dir() {
-                    return Err(bad(&dfield, format!("{} (or set skip_missing_drafters: true)", missing(&dir.display().to_string(), "directory"))));
+                    return Err(bad(
+                        &dfield,
+                        format!(
+                            "{} (or set skip_missing_drafters: true)",
+                            missing(&dir.display().to_string(), "directory")
+                        ),
+                    ));
                 }
-                let dcfg = DFlash2Config::from_file(&dir.join("config.json")).map_err(|e| bad(&dfield, e.to_string()))?;
-                dcfg.check_target(&cfg).map_err(|e| bad(&dfield, format!("does not fit the target {}: {e}", self.model)))?;
+                let dcfg = DFlash2Config::from_file(&dir.join("config.json"))
+                    .map_err(|e| bad(&dfield, e.to_string()))?;
+                dcfg.check_target(&cfg).map_err(|e| {
+                    bad(
+                        &dfield,
+                        format!("does not fit the target {}: {e}", self.model),
+                    )
+                })?;
                 let max_n = dcfg.block_size.saturating_sub(1);
                 if let Some(&n) = ns.iter().find(|&&n| n as usize > max_n) {
                     return Err(bad(
@@ -427,7 +536,10 @@ impl RealSpec {
             }
         }
         if self.legs().is_empty() {
-            return Err(bad("real.drafters", "every drafter was skipped (missing checkpoints): no leg to run".into()));
+            return Err(bad(
+                "real.drafters",
+                "every drafter was skipped (missing checkpoints): no leg to run".into(),
+            ));
         }
         // Prompts: load them once (checks the file, tensor, shape, ids, lengths).
         let prompts = self.load_prompts(path, &cfg)?;
@@ -507,7 +619,13 @@ impl RealSpec {
         }
         for (i, q) in prompts.iter().enumerate() {
             if let Some(&t) = q.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-                return Err(bad("real.prompts", format!("prompt {i}: token id {t} is not below the target's vocab_size {}", cfg.vocab_size)));
+                return Err(bad(
+                    "real.prompts",
+                    format!(
+                        "prompt {i}: token id {t} is not below the target's vocab_size {}",
+                        cfg.vocab_size
+                    ),
+                ));
             }
         }
         Ok(prompts)
@@ -515,7 +633,11 @@ impl RealSpec {
 }
 
 fn names() -> String {
-    RealDrafter::ALL.iter().map(|d| d.name()).collect::<Vec<_>>().join(", ")
+    RealDrafter::ALL
+        .iter()
+        .map(|d| d.name())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 #[cfg(test)]
@@ -546,28 +668,65 @@ mod tests {
 
     #[test]
     fn unknown_drafter_names_the_field() {
-        let e = crate::manifest::parse_ron::<RealSpec>(Path::new("t.ron"), "(model: \"m\", prompts: (), drafters: [none, eagle])").unwrap_err().to_string();
-        assert!(e.contains("t.ron:1:") && e.contains("drafters[1]") && e.contains("eagle"), "{e}");
+        let e = crate::manifest::parse_ron::<RealSpec>(
+            Path::new("t.ron"),
+            "(model: \"m\", prompts: (), drafters: [none, eagle])",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("t.ron:1:") && e.contains("drafters[1]") && e.contains("eagle"),
+            "{e}"
+        );
     }
 
     #[test]
     fn shipped_real_manifests_parse_and_expand() {
         use crate::manifest::Manifest;
-        let m: Manifest = crate::manifest::parse_ron(Path::new("acceptance-tiny.ron"), include_str!("../acceptance-tiny.ron")).unwrap();
+        let m: Manifest = crate::manifest::parse_ron(
+            Path::new("acceptance-tiny.ron"),
+            include_str!("../acceptance-tiny.ron"),
+        )
+        .unwrap();
         let r = m.real.as_ref().unwrap();
         // Expansion without skipping (skip_missing_drafters only drops legs whose checkpoint is absent).
-        let all = RealSpec { skip_missing_drafters: false, ..r.clone() }.legs();
+        let all = RealSpec {
+            skip_missing_drafters: false,
+            ..r.clone()
+        }
+        .legs();
         let ids: Vec<&str> = all.iter().map(|l| l.id.as_str()).collect();
         assert_eq!(ids.len(), 2 + 7 * 2 + 2 + 2);
         assert_eq!(ids[2], "drafter=mtp n=1 c=1 t=0.0");
         assert_eq!(ids[17], "drafter=dflash2 n=7 c=1 t=1.0");
         assert_eq!(ids[19], "drafter=dflash1 n=7 c=1 t=1.0");
-        assert_eq!(r.drafter_dir(RealDrafter::Dflash1), Some(PathBuf::from("models/dflash2-tiny")));
-        let q: Manifest = crate::manifest::parse_ron(Path::new("quality-spot.ron"), include_str!("../quality-spot.ron")).unwrap();
+        assert_eq!(
+            r.drafter_dir(RealDrafter::Dflash1),
+            Some(PathBuf::from("models/dflash2-tiny"))
+        );
+        let q: Manifest = crate::manifest::parse_ron(
+            Path::new("quality-spot.ron"),
+            include_str!("../quality-spot.ron"),
+        )
+        .unwrap();
         let q = q.real.unwrap();
         assert_eq!((q.prompts.offset, q.prompts.count), (16, Some(24)));
-        let ids: Vec<String> = RealSpec { skip_missing_drafters: false, ..q }.legs().into_iter().map(|l| l.id).collect();
-        assert_eq!(ids, ["drafter=none n=0 c=1 t=0.0", "drafter=mtp n=2 c=1 t=0.0", "drafter=dflash2 n=7 c=1 t=0.0"]);
+        let ids: Vec<String> = RealSpec {
+            skip_missing_drafters: false,
+            ..q
+        }
+        .legs()
+        .into_iter()
+        .map(|l| l.id)
+        .collect();
+        assert_eq!(
+            ids,
+            [
+                "drafter=none n=0 c=1 t=0.0",
+                "drafter=mtp n=2 c=1 t=0.0",
+                "drafter=dflash2 n=7 c=1 t=0.0"
+            ]
+        );
     }
 
     #[test]

@@ -20,7 +20,8 @@ use std::time::Instant;
 
 use speclab_drafters::{DFlash2Weights, DraftMode, DrafterSpec};
 use speclab_engine::exec::{
-    generate, verify_lossless, DrafterFactory, EngineOptions, EngineRequest, EngineRun, LosslessReport,
+    generate, verify_lossless, DrafterFactory, EngineOptions, EngineRequest, EngineRun,
+    LosslessReport,
 };
 use speclab_engine::model::ModelWeights;
 use speclab_engine::spec::SamplingParams;
@@ -67,25 +68,49 @@ impl<'a> RealRunner<'a> {
     /// Load the target, the prompts and the DFlash checkpoints the legs use.
     pub fn load(spec: &'a RealSpec, manifest_path: &Path) -> Result<Self> {
         let dir = spec.model_dir();
-        let target = ModelWeights::load(&dir).map_err(|e| ExperimentError::engine(format!("real.model {}", dir.display()), e))?;
+        let target = ModelWeights::load(&dir)
+            .map_err(|e| ExperimentError::engine(format!("real.model {}", dir.display()), e))?;
         let prompts = spec.load_prompts(manifest_path, &target.cfg)?;
         let mut dflash = BTreeMap::new();
         let used: Vec<RealDrafter> = spec.legs().iter().map(|l| l.drafter).collect();
-        for d in RealDrafter::ALL.into_iter().filter(|d| d.is_dflash() && used.contains(d)) {
-            let p: PathBuf = spec.drafter_dir(d).ok_or_else(|| ExperimentError::Invalid {
-                path: manifest_path.to_path_buf(),
-                field: "real.drafter_dirs".into(),
-                msg: format!("drafter `{}` needs its checkpoint directory", d.name()),
+        for d in RealDrafter::ALL
+            .into_iter()
+            .filter(|d| d.is_dflash() && used.contains(d))
+        {
+            let p: PathBuf = spec
+                .drafter_dir(d)
+                .ok_or_else(|| ExperimentError::Invalid {
+                    path: manifest_path.to_path_buf(),
+                    field: "real.drafter_dirs".into(),
+                    msg: format!("drafter `{}` needs its checkpoint directory", d.name()),
+                })?;
+            let w = DFlash2Weights::load_for_target(&p, &target.cfg).map_err(|e| {
+                ExperimentError::engine(
+                    format!("real.drafter_dirs.{} {}", d.name(), p.display()),
+                    e,
+                )
             })?;
-            let w = DFlash2Weights::load_for_target(&p, &target.cfg).map_err(|e| ExperimentError::engine(format!("real.drafter_dirs.{} {}", d.name(), p.display()), e))?;
             dflash.insert(d, w);
         }
-        Ok(Self { spec, target, prompts, dflash })
+        Ok(Self {
+            spec,
+            target,
+            prompts,
+            dflash,
+        })
     }
 
     /// The requests of every leg: one per prompt, ids 0.., `max_tokens` each.
     pub fn requests(&self) -> Vec<EngineRequest> {
-        self.prompts.iter().enumerate().map(|(i, p)| EngineRequest { id: i as u64, prompt: p.clone(), max_tokens: self.spec.max_tokens }).collect()
+        self.prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| EngineRequest {
+                id: i as u64,
+                prompt: p.clone(),
+                max_tokens: self.spec.max_tokens,
+            })
+            .collect()
     }
 
     /// The drafter of a leg.
@@ -98,21 +123,38 @@ impl<'a> RealRunner<'a> {
             RealDrafter::Ngram => DrafterSpec::ngram(n, s.ngram_min, s.ngram_max),
             RealDrafter::Mtp => DrafterSpec::mtp(cfg, n),
             RealDrafter::Dflash2 | RealDrafter::Dflash1 => {
-                let w = self.dflash.get(&d).cloned().ok_or_else(|| EngineError::InvalidDrafterConfig {
-                    drafter: d.name().into(),
-                    reason: "no checkpoint loaded".into(),
+                let w = self.dflash.get(&d).cloned().ok_or_else(|| {
+                    EngineError::InvalidDrafterConfig {
+                        drafter: d.name().into(),
+                        reason: "no checkpoint loaded".into(),
+                    }
                 })?;
-                let mode = if d == RealDrafter::Dflash2 { DraftMode::V2 } else { DraftMode::V1 };
+                let mode = if d == RealDrafter::Dflash2 {
+                    DraftMode::V2
+                } else {
+                    DraftMode::V1
+                };
                 DrafterSpec::dflash(w, cfg, n, mode, s.drafter_block_size, s.cap)
             }
         }
     }
 
     /// Engine options of a leg (pool sized as `speclab generate` does unless given).
-    pub fn options(&self, reqs: &[EngineRequest], n_spec: usize, temperature: f32, collect_router: bool) -> EngineOptions {
+    pub fn options(
+        &self,
+        reqs: &[EngineRequest],
+        n_spec: usize,
+        temperature: f32,
+        collect_router: bool,
+    ) -> EngineOptions {
         let s = self.spec;
-        let mml = s.max_model_len.unwrap_or(self.target.cfg.max_position_embeddings as u64);
-        let (bs, dbs) = (u64::from(s.block_size.max(1)), u64::from(s.drafter_block_size.max(1)));
+        let mml = s
+            .max_model_len
+            .unwrap_or(self.target.cfg.max_position_embeddings as u64);
+        let (bs, dbs) = (
+            u64::from(s.block_size.max(1)),
+            u64::from(s.drafter_block_size.max(1)),
+        );
         // Every request at its full length at once, in every group (full attention,
         // 1 + N KDA snapshot blocks, a DFlash window group sized without a cap), + null.
         let need: u64 = reqs
@@ -124,7 +166,9 @@ impl<'a> RealRunner<'a> {
             .sum();
         EngineOptions {
             block_size: s.block_size,
-            num_blocks: s.num_blocks.unwrap_or_else(|| u32::try_from(need + 1).unwrap_or(u32::MAX)),
+            num_blocks: s
+                .num_blocks
+                .unwrap_or_else(|| u32::try_from(need + 1).unwrap_or(u32::MAX)),
             max_model_len: s.max_model_len,
             sampling: SamplingParams::random(temperature),
             seed: s.seed,
@@ -137,7 +181,10 @@ impl<'a> RealRunner<'a> {
     /// MoE layers x routed experts of the target: the most (layer, expert) pairs a step can touch.
     pub fn expert_slots(&self) -> u64 {
         let c = &self.target.cfg;
-        ((0..c.num_hidden_layers).filter(|&i| c.is_moe_layer(i)).count() * c.n_routed_experts) as u64
+        ((0..c.num_hidden_layers)
+            .filter(|&i| c.is_moe_layer(i))
+            .count()
+            * c.n_routed_experts) as u64
     }
 
     /// Run one leg and record it.
@@ -145,9 +192,16 @@ impl<'a> RealRunner<'a> {
         let t0 = Instant::now();
         let ctx = format!("leg {}", leg.id);
         let eng = |e| ExperimentError::engine(ctx.clone(), e);
-        let spec = self.drafter(leg.drafter, leg.num_speculative_tokens).map_err(eng)?;
+        let spec = self
+            .drafter(leg.drafter, leg.num_speculative_tokens)
+            .map_err(eng)?;
         let reqs = self.requests();
-        let opts = self.options(&reqs, spec.num_speculative_tokens(), leg.temperature, self.spec.collect_router);
+        let opts = self.options(
+            &reqs,
+            spec.num_speculative_tokens(),
+            leg.temperature,
+            self.spec.collect_router,
+        );
         let mut make = fcfs_factory(leg.concurrency, self.spec.max_num_batched_tokens);
         let run = generate(&self.target, &spec, &reqs, &opts, &mut make).map_err(eng)?;
         let real = self.real_record(leg, &reqs, &opts, &run);
@@ -160,7 +214,17 @@ impl<'a> RealRunner<'a> {
         } else {
             LegStatus::Completed
         };
-        let notes: Vec<String> = run.wedged.iter().cloned().chain(run.rejected.iter().cloned()).chain(run.allocator_violation.iter().map(|v| format!("allocator check: {v}"))).collect();
+        let notes: Vec<String> = run
+            .wedged
+            .iter()
+            .cloned()
+            .chain(run.rejected.iter().cloned())
+            .chain(
+                run.allocator_violation
+                    .iter()
+                    .map(|v| format!("allocator check: {v}")),
+            )
+            .collect();
         Ok(LegRecord {
             id: leg.id.clone(),
             block_size: Some(self.spec.block_size),
@@ -181,7 +245,8 @@ impl<'a> RealRunner<'a> {
                 num_draft_tokens: run.spec.num_draft_tokens,
                 num_accepted_tokens: run.spec.num_accepted_tokens,
                 accepted_per_position: run.spec.accepted_per_position.clone(),
-                draft_acceptance_rate: (run.spec.num_draft_tokens > 0).then_some(run.acceptance_rate),
+                draft_acceptance_rate: (run.spec.num_draft_tokens > 0)
+                    .then_some(run.acceptance_rate),
                 mean_acceptance_length: (run.spec.num_drafts > 0).then_some(run.tau),
             },
             bound: None,
@@ -191,17 +256,31 @@ impl<'a> RealRunner<'a> {
         })
     }
 
-    fn real_record(&self, leg: &RealLeg, reqs: &[EngineRequest], opts: &EngineOptions, run: &EngineRun) -> RealLegRecord {
+    fn real_record(
+        &self,
+        leg: &RealLeg,
+        reqs: &[EngineRequest],
+        opts: &EngineOptions,
+        run: &EngineRun,
+    ) -> RealLegRecord {
         let decode: Vec<_> = run.steps.iter().filter(|s| s.verify_tokens > 0).collect();
         let mean = |xs: &[f64]| (!xs.is_empty()).then(|| xs.iter().sum::<f64>() / xs.len() as f64);
         let widths: Vec<f64> = decode.iter().map(|s| s.verify_tokens as f64).collect();
         let experts: Vec<u64> = decode.iter().filter_map(|s| s.verify_experts).collect();
-        let ttft_steps: Vec<f64> = run.requests.iter().filter_map(|r| r.ttft_steps).map(|x| x as f64).collect();
+        let ttft_steps: Vec<f64> = run
+            .requests
+            .iter()
+            .filter_map(|r| r.ttft_steps)
+            .map(|x| x as f64)
+            .collect();
         let ttft_s: Vec<f64> = run.requests.iter().filter_map(|r| r.ttft_s).collect();
         let mut finish = BTreeMap::new();
         for r in &run.requests {
             let k = match r.finish {
-                Some(f) => serde_json::to_value(f).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_else(|| format!("{f:?}")),
+                Some(f) => serde_json::to_value(f)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_string))
+                    .unwrap_or_else(|| format!("{f:?}")),
                 None => "unfinished".into(),
             };
             *finish.entry(k).or_insert(0u64) += 1;
@@ -234,19 +313,31 @@ impl<'a> RealRunner<'a> {
             expert_slots: self.expert_slots(),
             mean_ttft_steps: mean(&ttft_steps),
             mean_ttft_s: mean(&ttft_s),
-            max_ttft_s: ttft_s.iter().copied().fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x)))),
+            max_ttft_s: ttft_s
+                .iter()
+                .copied()
+                .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x)))),
             complete: run.complete(),
             wedged: run.wedged.clone(),
             hit_step_limit: run.hit_step_limit,
             preemptions: run.preemptions,
             finish,
-            output_digests: run.requests.iter().map(|r| digest_tokens(&r.output)).collect(),
+            output_digests: run
+                .requests
+                .iter()
+                .map(|r| digest_tokens(&r.output))
+                .collect(),
             allocator_violation: run.allocator_violation.clone(),
         }
     }
 
     /// The lossless check of drafter `d` at N = `n` and concurrency `c` (greedy).
-    pub fn verify_leg(&self, d: RealDrafter, n: u32, c: usize) -> Result<(LosslessLeg, LosslessReport)> {
+    pub fn verify_leg(
+        &self,
+        d: RealDrafter,
+        n: u32,
+        c: usize,
+    ) -> Result<(LosslessLeg, LosslessReport)> {
         let id = format!("drafter={} n={n} c={c}", d.name());
         let eng = |e| ExperimentError::engine(format!("verify-lossless {id}"), e);
         let t0 = Instant::now();
@@ -281,7 +372,9 @@ pub fn lossless_legs(spec: &RealSpec) -> Vec<(RealDrafter, u32, usize)> {
     let mut out = Vec::new();
     let mut seen = std::collections::BTreeSet::new();
     for l in spec.legs() {
-        if l.drafter != RealDrafter::None && seen.insert((l.drafter, l.num_speculative_tokens, l.concurrency)) {
+        if l.drafter != RealDrafter::None
+            && seen.insert((l.drafter, l.num_speculative_tokens, l.concurrency))
+        {
             out.push((l.drafter, l.num_speculative_tokens, l.concurrency));
         }
     }

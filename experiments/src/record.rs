@@ -204,19 +204,33 @@ pub struct RunRecord {
 
 /// Seconds since the epoch (0 if the clock is before it).
 pub fn now_unix() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 /// The current git commit of the working directory, if any; `-dirty` when tracked
 /// files other than records and findings (`runs/`, `findings/`) have changes.
 pub fn git_commit() -> Option<String> {
-    let out = std::process::Command::new("git").args(["rev-parse", "HEAD"]).output().ok()?;
+    let out = std::process::Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .output()
+        .ok()?;
     if !out.status.success() {
         return None;
     }
     let s = String::from_utf8(out.stdout).ok()?.trim().to_string();
     let dirty = std::process::Command::new("git")
-        .args(["status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)runs", ":(exclude)findings"])
+        .args([
+            "status",
+            "--porcelain",
+            "--untracked-files=no",
+            "--",
+            ".",
+            ":(exclude)runs",
+            ":(exclude)findings",
+        ])
         .output()
         .ok()
         .map(|o| !o.stdout.is_empty())
@@ -226,12 +240,19 @@ pub fn git_commit() -> Option<String> {
 
 /// Write `bytes` to `path` atomically (temp file in the same directory + fsync + rename).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(|e| ExperimentError::io(dir, e))?;
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "record".into());
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "record".into());
     let tmp: PathBuf = dir.join(format!(".{name}.{}.tmp", std::process::id()));
     let mut f = std::fs::File::create(&tmp).map_err(|e| ExperimentError::io(&tmp, e))?;
-    f.write_all(bytes).map_err(|e| ExperimentError::io(&tmp, e))?;
+    f.write_all(bytes)
+        .map_err(|e| ExperimentError::io(&tmp, e))?;
     f.sync_all().map_err(|e| ExperimentError::io(&tmp, e))?;
     drop(f);
     std::fs::rename(&tmp, path).map_err(|e| ExperimentError::io(path, e))
@@ -276,7 +297,11 @@ mod tests {
         write_atomic(&p, b"{\"b\":2}").unwrap();
         assert_eq!(std::fs::read_to_string(&p).unwrap(), "{\"b\":2}");
         // No temp files left behind.
-        let leftovers: Vec<_> = std::fs::read_dir(&dir).unwrap().filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().ends_with(".tmp")).collect();
+        let leftovers: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+            .collect();
         assert!(leftovers.is_empty());
         std::fs::remove_dir_all(&dir).ok();
     }

@@ -45,7 +45,10 @@ use crate::{ExperimentError, Result};
 pub fn load_layout(path: impl AsRef<Path>) -> Result<KvLayout> {
     let path = path.as_ref();
     let text = std::fs::read_to_string(path).map_err(|e| ExperimentError::io(path, e))?;
-    let ext = path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase);
     let layout = match ext.as_deref() {
         Some("ron") => parse_layout_ron(&text, path)?,
         Some("json") => parse_layout_json(&text, path)?,
@@ -63,13 +66,15 @@ pub fn load_layout(path: impl AsRef<Path>) -> Result<KvLayout> {
 
 /// Parse a RON layout from text; `path` is only used in error messages.
 pub fn parse_layout_ron(text: &str, path: &Path) -> Result<KvLayout> {
-    let opts = ron::Options::default().with_default_extension(ron::extensions::Extensions::IMPLICIT_SOME);
+    let opts =
+        ron::Options::default().with_default_extension(ron::extensions::Extensions::IMPLICIT_SOME);
     let ron_err = |e: ron::error::SpannedError, field: Option<String>| ExperimentError::Parse {
         path: path.to_path_buf(),
         at: format!("{}:{}", e.position.line, e.position.col),
         msg: with_field(field, &e.code.to_string()),
     };
-    let mut de = ron::Deserializer::from_str_with_options(text, &opts).map_err(|e| ron_err(e, None))?;
+    let mut de =
+        ron::Deserializer::from_str_with_options(text, &opts).map_err(|e| ron_err(e, None))?;
     let layout: KvLayout = match serde_path_to_error::deserialize(&mut de) {
         Ok(l) => l,
         Err(e) => {
@@ -78,7 +83,8 @@ pub fn parse_layout_ron(text: &str, path: &Path) -> Result<KvLayout> {
             return Err(ron_err(spanned, field));
         }
     };
-    de.end().map_err(|code| ron_err(de.span_error(code), None))?;
+    de.end()
+        .map_err(|code| ron_err(de.span_error(code), None))?;
     Ok(layout)
 }
 
@@ -97,7 +103,11 @@ pub fn parse_layout_json(text: &str, path: &Path) -> Result<KvLayout> {
 /// naming the file.
 pub fn validate_layout(layout: &KvLayout, path: &Path) -> Result<()> {
     let err = |e: EngineError| match e {
-        EngineError::InvalidLayout { field, reason } => ExperimentError::Invalid { path: path.to_path_buf(), field, msg: reason },
+        EngineError::InvalidLayout { field, reason } => ExperimentError::Invalid {
+            path: path.to_path_buf(),
+            field,
+            msg: reason,
+        },
         other => ExperimentError::engine(path.display().to_string(), other),
     };
     layout.resolve_groups().map_err(err)?;
@@ -265,7 +275,11 @@ impl OpTrace {
     /// A trace built in memory (line i+1 for op i).
     pub fn from_ops(source: impl Into<PathBuf>, ops: Vec<Op>) -> Self {
         let lines = (1..=ops.len()).collect();
-        Self { source: source.into(), ops, lines }
+        Self {
+            source: source.into(),
+            ops,
+            lines,
+        }
     }
     /// `path:line N` of op `i`.
     pub fn place(&self, i: usize) -> String {
@@ -290,7 +304,10 @@ pub fn parse_ops(path: impl AsRef<Path>) -> Result<OpTrace> {
 /// well-formed object that is not an op (unknown `op`, missing or unknown field,
 /// wrong type).
 pub fn parse_ops_reader<R: BufRead>(reader: R, source: &Path) -> Result<OpTrace> {
-    let mut trace = OpTrace { source: source.to_path_buf(), ..OpTrace::default() };
+    let mut trace = OpTrace {
+        source: source.to_path_buf(),
+        ..OpTrace::default()
+    };
     for (k, line) in reader.lines().enumerate() {
         let n = k + 1;
         let line = line.map_err(|e| ExperimentError::io(source, e))?;
@@ -301,9 +318,17 @@ pub fn parse_ops_reader<R: BufRead>(reader: R, source: &Path) -> Result<OpTrace>
             let msg = if e.is_data() {
                 format!("invalid operation: {} (expected {})", json_msg(&e), OP_HELP)
             } else {
-                format!("expected one JSON object per line: {} (column {})", json_msg(&e), e.column())
+                format!(
+                    "expected one JSON object per line: {} (column {})",
+                    json_msg(&e),
+                    e.column()
+                )
             };
-            ExperimentError::Parse { path: source.to_path_buf(), at: format!("line {n}"), msg }
+            ExperimentError::Parse {
+                path: source.to_path_buf(),
+                at: format!("line {n}"),
+                msg,
+            }
         })?;
         trace.ops.push(op);
         trace.lines.push(n);
@@ -437,12 +462,20 @@ impl Replayer {
 
     /// Like [`Replayer::new`], optionally running vLLM's startup check.
     pub fn with_options(layout: &KvLayout, opts: ReplayOptions) -> Result<Self> {
-        let kv = KvCacheManager::from_layout(layout).map_err(|e| ExperimentError::engine("layout", e))?;
+        let kv = KvCacheManager::from_layout(layout)
+            .map_err(|e| ExperimentError::engine("layout", e))?;
         if opts.check_startup {
             planning::check_startup(layout, kv.pool().num_blocks())
                 .map_err(|e| ExperimentError::engine("startup check", e))?;
         }
-        Ok(Self { kv, reqs: HashMap::default(), free_slots: Vec::new(), next_slot: 0, next_i: 0, summary: ReplaySummary::default() })
+        Ok(Self {
+            kv,
+            reqs: HashMap::default(),
+            free_slots: Vec::new(),
+            next_slot: 0,
+            next_i: 0,
+            summary: ReplaySummary::default(),
+        })
     }
 
     /// The manager (read-only), for invariant checks.
@@ -487,10 +520,17 @@ impl Replayer {
             self.summary.allocations += 1;
             match b {
                 AllocOutcome::NoFit => self.summary.failures += 1,
-                AllocOutcome::Allocated(v) => self.summary.blocks_allocated += v.iter().map(|g| g.len() as u64).sum::<u64>(),
+                AllocOutcome::Allocated(v) => {
+                    self.summary.blocks_allocated += v.iter().map(|g| g.len() as u64).sum::<u64>()
+                }
             }
         }
-        Ok(OpResult { i, op: op.name(), blocks, free: self.kv.num_free_blocks() })
+        Ok(OpResult {
+            i,
+            op: op.name(),
+            blocks,
+            free: self.kv.num_free_blocks(),
+        })
     }
 
     /// Apply every op of a trace in order, handing each record to `sink`.
@@ -514,20 +554,31 @@ impl Replayer {
         match op {
             Op::Add { req, prompt_len } => {
                 if self.reqs.contains_key(req) {
-                    return Err(EngineError::DuplicateRequest { req: format!("{req:?}") });
+                    return Err(EngineError::DuplicateRequest {
+                        req: format!("{req:?}"),
+                    });
                 }
                 let mml = self.kv.max_model_len();
                 if *prompt_len > mml {
-                    return Err(EngineError::PromptTooLong { req: format!("{req:?}"), prompt_len: *prompt_len, max_model_len: mml });
+                    return Err(EngineError::PromptTooLong {
+                        req: format!("{req:?}"),
+                        prompt_len: *prompt_len,
+                        max_model_len: mml,
+                    });
                 }
                 if *prompt_len == 0 {
-                    return Err(EngineError::BadTokenCount { req: format!("{req:?}"), reason: "prompt_len must be > 0".into() });
+                    return Err(EngineError::BadTokenCount {
+                        req: format!("{req:?}"),
+                        reason: "prompt_len must be > 0".into(),
+                    });
                 }
                 let slot = match self.free_slots.pop() {
                     Some(s) => s,
                     None => {
                         let s = ReqSlot(self.next_slot);
-                        self.next_slot = self.next_slot.checked_add(1).ok_or_else(|| EngineError::Unsupported("more than 2^32 live requests".into()))?;
+                        self.next_slot = self.next_slot.checked_add(1).ok_or_else(|| {
+                            EngineError::Unsupported("more than 2^32 live requests".into())
+                        })?;
                         s
                     }
                 };
@@ -541,11 +592,22 @@ impl Replayer {
                 self.reqs.insert(req.clone(), st);
                 Ok(None)
             }
-            Op::Allocate { req, num_new_tokens, lookahead, must_fit, has_scheduled_reqs } => {
+            Op::Allocate {
+                req,
+                num_new_tokens,
+                lookahead,
+                must_fit,
+                has_scheduled_reqs,
+            } => {
                 // One lookup: `reqs` and `kv` are disjoint fields.
-                let st = self.reqs.get_mut(req.as_str()).ok_or_else(|| unknown(req))?;
+                let st = self
+                    .reqs
+                    .get_mut(req.as_str())
+                    .ok_or_else(|| unknown(req))?;
                 if *num_new_tokens == 0 {
-                    return Err(EngineError::ZeroTokenAllocation { req: format!("{req:?}") });
+                    return Err(EngineError::ZeroTokenAllocation {
+                        req: format!("{req:?}"),
+                    });
                 }
                 let args = AllocArgs {
                     num_new_tokens: *num_new_tokens,
@@ -554,7 +616,9 @@ impl Replayer {
                     has_scheduled_reqs: *has_scheduled_reqs,
                 };
                 let out = self.kv.allocate_slots(&st.view(), args)?;
-                if matches!(out, AllocOutcome::Allocated(_)) && matches!(st.status, RequestStatus::Waiting | RequestStatus::Preempted) {
+                if matches!(out, AllocOutcome::Allocated(_))
+                    && matches!(st.status, RequestStatus::Waiting | RequestStatus::Preempted)
+                {
                     st.status = RequestStatus::Running;
                 }
                 Ok(Some(out))
@@ -564,21 +628,30 @@ impl Replayer {
                 let new = i128::from(s.num_computed_tokens) + i128::from(*n);
                 let new = u64::try_from(new).map_err(|_| EngineError::BadTokenCount {
                     req: format!("{req:?}"),
-                    reason: format!("num_computed_tokens {} + {n} is out of range (would go below 0)", s.num_computed_tokens),
+                    reason: format!(
+                        "num_computed_tokens {} + {n} is out of range (would go below 0)",
+                        s.num_computed_tokens
+                    ),
                 })?;
                 s.num_computed_tokens = new;
                 Ok(None)
             }
             Op::Append { req, n } => {
                 let s = self.get_mut(req)?;
-                s.num_tokens = s.num_tokens.checked_add(*n).ok_or_else(|| EngineError::BadTokenCount {
-                    req: format!("{req:?}"),
-                    reason: format!("num_tokens {} + {n} overflows", s.num_tokens),
-                })?;
+                s.num_tokens =
+                    s.num_tokens
+                        .checked_add(*n)
+                        .ok_or_else(|| EngineError::BadTokenCount {
+                            req: format!("{req:?}"),
+                            reason: format!("num_tokens {} + {n} overflows", s.num_tokens),
+                        })?;
                 Ok(None)
             }
             Op::Preempt { req } => {
-                let st = self.reqs.get_mut(req.as_str()).ok_or_else(|| unknown(req))?;
+                let st = self
+                    .reqs
+                    .get_mut(req.as_str())
+                    .ok_or_else(|| unknown(req))?;
                 self.kv.free(st.slot);
                 st.num_computed_tokens = 0;
                 st.status = RequestStatus::Preempted;
@@ -595,22 +668,32 @@ impl Replayer {
 }
 
 fn unknown(id: &str) -> EngineError {
-    EngineError::UnknownRequest { req: format!("{id:?}") }
+    EngineError::UnknownRequest {
+        req: format!("{id:?}"),
+    }
 }
 
 /// Prefix an error from [`Replayer::apply`] with where the op came from.
 pub fn locate(e: ExperimentError, place: &str) -> ExperimentError {
     match e {
-        ExperimentError::Engine { context, error } => ExperimentError::Engine { context: format!("{place}: {context}"), error },
+        ExperimentError::Engine { context, error } => ExperimentError::Engine {
+            context: format!("{place}: {context}"),
+            error,
+        },
         other => other,
     }
 }
 
 /// Load a layout and a trace and replay it, collecting every record.
-pub fn replay_files(layout: &Path, ops: &Path, opts: ReplayOptions) -> Result<(Vec<OpResult>, ReplaySummary)> {
+pub fn replay_files(
+    layout: &Path,
+    ops: &Path,
+    opts: ReplayOptions,
+) -> Result<(Vec<OpResult>, ReplaySummary)> {
     let layout_v = load_layout(layout)?;
     let trace = parse_ops(ops)?;
-    let mut r = Replayer::with_options(&layout_v, opts).map_err(|e| locate(e, &layout.display().to_string()))?;
+    let mut r = Replayer::with_options(&layout_v, opts)
+        .map_err(|e| locate(e, &layout.display().to_string()))?;
     let mut out = Vec::with_capacity(trace.ops.len());
     r.run(&trace, |res| {
         out.push(res.clone());
@@ -636,20 +719,21 @@ mod tests {
     }
 
     fn ops(lines: &str) -> Vec<Op> {
-        parse_ops_reader(lines.as_bytes(), Path::new("t.jsonl")).unwrap().ops
+        parse_ops_reader(lines.as_bytes(), Path::new("t.jsonl"))
+            .unwrap()
+            .ops
     }
 
     #[test]
     fn records_have_the_documented_shape() {
         let mut r = Replayer::new(&layout(4)).unwrap();
         let mut out = vec![];
-        for op in ops(
-            r#"{"op":"add","req":"a","prompt_len":6}
+        for op in ops(r#"{"op":"add","req":"a","prompt_len":6}
                {"op":"allocate","req":"a","num_new_tokens":6}
                {"op":"add","req":"b","prompt_len":8}
                {"op":"allocate","req":"b","num_new_tokens":8,"must_fit":true}
-               {"op":"free","req":"a"}"#,
-        ) {
+               {"op":"free","req":"a"}"#)
+        {
             out.push(r.apply(&op).unwrap().to_json());
         }
         assert_eq!(
@@ -669,19 +753,53 @@ mod tests {
     #[test]
     fn errors_leave_state_unchanged_and_name_the_request() {
         let mut r = Replayer::new(&layout(4)).unwrap();
-        r.apply(&Op::Add { req: "a".into(), prompt_len: 4 }).unwrap();
-        let e = r.apply(&Op::Computed { req: "a".into(), n: -1 }).unwrap_err().to_string();
+        r.apply(&Op::Add {
+            req: "a".into(),
+            prompt_len: 4,
+        })
+        .unwrap();
+        let e = r
+            .apply(&Op::Computed {
+                req: "a".into(),
+                n: -1,
+            })
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("op 1") && e.contains("below 0"), "{e}");
-        let e = r.apply(&Op::Free { req: "zz".into() }).unwrap_err().to_string();
+        let e = r
+            .apply(&Op::Free { req: "zz".into() })
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("unknown request \"zz\""), "{e}");
         let e = r
-            .apply(&Op::Allocate { req: "a".into(), num_new_tokens: 0, lookahead: 0, must_fit: false, has_scheduled_reqs: true })
+            .apply(&Op::Allocate {
+                req: "a".into(),
+                num_new_tokens: 0,
+                lookahead: 0,
+                must_fit: false,
+                has_scheduled_reqs: true,
+            })
             .unwrap_err()
             .to_string();
         assert!(e.contains("num_new_tokens = 0"), "{e}");
-        assert!(r.apply(&Op::Add { req: "a".into(), prompt_len: 4 }).is_err());
-        assert!(r.apply(&Op::Add { req: "b".into(), prompt_len: 65 }).is_err());
-        assert!(r.apply(&Op::Add { req: "b".into(), prompt_len: 0 }).is_err());
+        assert!(r
+            .apply(&Op::Add {
+                req: "a".into(),
+                prompt_len: 4
+            })
+            .is_err());
+        assert!(r
+            .apply(&Op::Add {
+                req: "b".into(),
+                prompt_len: 65
+            })
+            .is_err());
+        assert!(r
+            .apply(&Op::Add {
+                req: "b".into(),
+                prompt_len: 0
+            })
+            .is_err());
         assert_eq!(r.next_index(), 1);
         assert_eq!(r.request("a").unwrap().num_computed_tokens, 0);
     }
@@ -689,14 +807,13 @@ mod tests {
     #[test]
     fn preempt_and_free_reuse_slots() {
         let mut r = Replayer::new(&layout(8)).unwrap();
-        for op in ops(
-            r#"{"op":"add","req":"a","prompt_len":6}
+        for op in ops(r#"{"op":"add","req":"a","prompt_len":6}
                {"op":"allocate","req":"a","num_new_tokens":6}
                {"op":"computed","req":"a","n":6}
                {"op":"preempt","req":"a"}
                {"op":"free","req":"a"}
-               {"op":"add","req":"b","prompt_len":6}"#,
-        ) {
+               {"op":"add","req":"b","prompt_len":6}"#)
+        {
             r.apply(&op).unwrap();
         }
         assert_eq!(r.request("b").unwrap().slot, ReqSlot(0));
@@ -706,36 +823,76 @@ mod tests {
     #[test]
     fn op_lines_round_trip_with_defaults() {
         let o = ops(r#"{"op":"allocate","req":"x","num_new_tokens":3}"#);
-        assert_eq!(o[0], Op::Allocate { req: "x".into(), num_new_tokens: 3, lookahead: 0, must_fit: false, has_scheduled_reqs: true });
+        assert_eq!(
+            o[0],
+            Op::Allocate {
+                req: "x".into(),
+                num_new_tokens: 3,
+                lookahead: 0,
+                must_fit: false,
+                has_scheduled_reqs: true
+            }
+        );
         let back: Op = serde_json::from_str(&o[0].to_string()).unwrap();
         assert_eq!(back, o[0]);
     }
 
     #[test]
     fn bad_op_lines_name_the_line() {
-        let e = parse_ops_reader("\n{\"op\":\"add\",\"req\":\"a\",\"prompt_len\":1}\n{\"op\":\"add\"".as_bytes(), Path::new("t.jsonl"))
-            .unwrap_err()
-            .to_string();
-        assert!(e.starts_with("t.jsonl:line 3: expected one JSON object"), "{e}");
-        let e = parse_ops_reader("{\"op\":\"grow\",\"req\":\"a\"}".as_bytes(), Path::new("t.jsonl")).unwrap_err().to_string();
-        assert!(e.starts_with("t.jsonl:line 1: invalid operation: unknown variant `grow`"), "{e}");
-        let e = parse_ops_reader("{\"op\":\"free\",\"req\":\"a\",\"x\":1}".as_bytes(), Path::new("t.jsonl")).unwrap_err().to_string();
+        let e = parse_ops_reader(
+            "\n{\"op\":\"add\",\"req\":\"a\",\"prompt_len\":1}\n{\"op\":\"add\"".as_bytes(),
+            Path::new("t.jsonl"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("t.jsonl:line 3: expected one JSON object"),
+            "{e}"
+        );
+        let e = parse_ops_reader(
+            "{\"op\":\"grow\",\"req\":\"a\"}".as_bytes(),
+            Path::new("t.jsonl"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("t.jsonl:line 1: invalid operation: unknown variant `grow`"),
+            "{e}"
+        );
+        let e = parse_ops_reader(
+            "{\"op\":\"free\",\"req\":\"a\",\"x\":1}".as_bytes(),
+            Path::new("t.jsonl"),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("unknown field `x`"), "{e}");
     }
 
     #[test]
     fn layout_errors_name_place_and_field() {
         let p = Path::new("l.ron");
-        let e = parse_layout_ron("(max_model_len: 64,\n groups: [(name: \"f\", kind: fulll, block_size: 4)])", p)
-            .unwrap_err()
-            .to_string();
-        assert!(e.starts_with("l.ron:2:") && e.contains("groups[0].kind"), "{e}");
+        let e = parse_layout_ron(
+            "(max_model_len: 64,\n groups: [(name: \"f\", kind: fulll, block_size: 4)])",
+            p,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("l.ron:2:") && e.contains("groups[0].kind"),
+            "{e}"
+        );
         let e = parse_layout_json("{\"max_model_len\": 64,\n \"groups\": [{\"name\": \"f\", \"kind\": \"full\", \"block_size\": \"4\"}]}", Path::new("l.json"))
             .unwrap_err()
             .to_string();
-        assert!(e.starts_with("l.json:2:") && e.contains("groups[0].block_size"), "{e}");
+        assert!(
+            e.starts_with("l.json:2:") && e.contains("groups[0].block_size"),
+            "{e}"
+        );
         let l = parse_layout_ron("(num_blocks: 9, max_model_len: 64, groups: [(name: \"f\", kind: full, block_size: 0)])", p).unwrap();
         let e = validate_layout(&l, p).unwrap_err().to_string();
-        assert!(e.contains("l.ron") && e.contains("block_size") && e.contains("> 0"), "{e}");
+        assert!(
+            e.contains("l.ron") && e.contains("block_size") && e.contains("> 0"),
+            "{e}"
+        );
     }
 }

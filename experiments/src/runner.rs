@@ -61,7 +61,11 @@ pub fn run_manifest(ctx: &RunCtx<'_>, progress: &mut dyn Progress) -> Result<Run
     if let Some(real) = &m.real {
         let legs = real.legs();
         let ids: Vec<String> = legs.iter().map(|l| l.id.clone()).collect();
-        let notes: Vec<String> = real.skipped_drafters().into_iter().map(|(_, n)| n).collect();
+        let notes: Vec<String> = real
+            .skipped_drafters()
+            .into_iter()
+            .map(|(_, n)| n)
+            .collect();
         // The model is loaded only if some leg is left to run.
         let mut runner: Option<RealRunner<'_>> = None;
         return run_legs(ctx, &ids, notes, progress, &mut |i, _progress| {
@@ -76,7 +80,9 @@ pub fn run_manifest(ctx: &RunCtx<'_>, progress: &mut dyn Progress) -> Result<Run
     }
     let legs = m.legs()?;
     let ids: Vec<String> = legs.iter().map(|l| l.id.clone()).collect();
-    run_legs(ctx, &ids, vec![], progress, &mut |i, progress| run_leg(m, &legs[i], progress))
+    run_legs(ctx, &ids, vec![], progress, &mut |i, progress| {
+        run_leg(m, &legs[i], progress)
+    })
 }
 
 /// The record bookkeeping shared by simulated and real manifests: load (resume) or start
@@ -129,7 +135,8 @@ fn run_legs(
         rec.save(ctx.record_path)?;
     }
     // Keep manifest order even after a resume.
-    rec.legs.sort_by_key(|l| ids.iter().position(|x| *x == l.id).unwrap_or(usize::MAX));
+    rec.legs
+        .sort_by_key(|l| ids.iter().position(|x| *x == l.id).unwrap_or(usize::MAX));
     rec.complete = ids.iter().all(|id| rec.leg(id).is_some());
     rec.updated_unix_s = record::now_unix();
     rec.save(ctx.record_path)?;
@@ -178,11 +185,17 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
     let lookahead = m.drafter.lookahead();
     let mnbt = u64::from(m.scheduler.max_num_batched_tokens);
     if m.measure.bound {
-        let pc = ProbeCtx { layout: &leg.layout, num_blocks: leg.num_blocks, max_num_batched_tokens: mnbt, lookahead };
+        let pc = ProbeCtx {
+            layout: &leg.layout,
+            num_blocks: leg.num_blocks,
+            max_num_batched_tokens: mnbt,
+            lookahead,
+        };
         lr.bound = Some(bounds::find_bound(&pc)?);
     }
     if m.measure.simulate && !leg.prompts.is_empty() {
-        let mut kv = KvCacheManager::new(&leg.layout, leg.num_blocks).map_err(|e| ExperimentError::engine(ctxs.clone(), e))?;
+        let mut kv = KvCacheManager::new(&leg.layout, leg.num_blocks)
+            .map_err(|e| ExperimentError::engine(ctxs.clone(), e))?;
         let cfg = SchedulerConfig {
             max_num_seqs: m.scheduler.max_num_seqs,
             max_num_batched_tokens: mnbt,
@@ -194,13 +207,34 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
         let mut sched = FcfsScheduler::new(cfg);
         for (i, &p) in leg.prompts.iter().enumerate() {
             sched
-                .add_request(&kv, RequestSpec { id: i as u64, prompt_len: p, max_tokens: m.workload.output_len })
-                .map_err(|e| ExperimentError::Invalid { path: "manifest".into(), field: format!("{ctxs}: request {i}"), msg: e.to_string() })?;
+                .add_request(
+                    &kv,
+                    RequestSpec {
+                        id: i as u64,
+                        prompt_len: p,
+                        max_tokens: m.workload.output_len,
+                    },
+                )
+                .map_err(|e| ExperimentError::Invalid {
+                    path: "manifest".into(),
+                    field: format!("{ctxs}: request {i}"),
+                    msg: e.to_string(),
+                })?;
         }
-        let acc = AcceptanceModel { per_position: m.acceptance.clone() };
+        let acc = AcceptanceModel {
+            per_position: m.acceptance.clone(),
+        };
         let mut exec = SimExecutor::new(m.seed, acc);
-        let run = run_sim(&mut kv, &mut sched, &mut exec, SimLimits { max_steps: m.max_steps }, &mut |s| progress.step(s))
-            .map_err(|e| ExperimentError::engine(ctxs.clone(), e))?;
+        let run = run_sim(
+            &mut kv,
+            &mut sched,
+            &mut exec,
+            SimLimits {
+                max_steps: m.max_steps,
+            },
+            &mut |s| progress.step(s),
+        )
+        .map_err(|e| ExperimentError::engine(ctxs.clone(), e))?;
         fill_from_sim(&mut lr, leg, &run, &group_names);
     }
     lr.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -244,8 +278,10 @@ fn fill_from_sim(lr: &mut LegRecord, leg: &Leg, run: &SimRun, names: &[String]) 
         num_draft_tokens: run.spec.num_draft_tokens,
         num_accepted_tokens: run.spec.num_accepted_tokens,
         accepted_per_position: run.spec.accepted_per_position.clone(),
-        draft_acceptance_rate: (run.spec.num_draft_tokens > 0).then(|| run.spec.draft_acceptance_rate()),
-        mean_acceptance_length: (run.spec.num_drafts > 0).then(|| run.spec.mean_acceptance_length()),
+        draft_acceptance_rate: (run.spec.num_draft_tokens > 0)
+            .then(|| run.spec.draft_acceptance_rate()),
+        mean_acceptance_length: (run.spec.num_drafts > 0)
+            .then(|| run.spec.mean_acceptance_length()),
     };
     lr.status = if run.wedged.is_some() {
         LegStatus::Wedged

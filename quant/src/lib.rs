@@ -15,8 +15,8 @@
 pub mod checkpoint;
 pub mod error;
 pub mod gptq;
-pub mod pipeline;
 mod linalg;
+pub mod pipeline;
 pub mod rtn;
 pub mod w4a16;
 

@@ -23,7 +23,10 @@ use std::path::Path;
 use serde::Serialize;
 use speclab_engine::kv::{AllocOutcome, KvCacheManager};
 use speclab_engine::model::weights::Ffn;
-use speclab_engine::model::{ExpertInput, ExpertObserver, ForwardOptions, Linear, LogitsRows, ModelWeights, ModelRunner, SeqChunk};
+use speclab_engine::model::{
+    ExpertInput, ExpertObserver, ForwardOptions, Linear, LogitsRows, ModelRunner, ModelWeights,
+    SeqChunk,
+};
 use speclab_engine::ReqSlot;
 
 use crate::gptq::{gptq_quantize, reconstruction_error, GptqConfig, Hessian};
@@ -124,8 +127,14 @@ fn collect(weights: &ModelWeights, layer: usize, calib: &[Vec<u32>]) -> Result<C
     let layout = cfg.kv_layout(bs, 0, blocks + 4).map_err(eng)?;
     let mut kv = KvCacheManager::from_layout(&layout).map_err(eng)?;
     let mut runner = ModelRunner::new(weights.clone(), &kv).map_err(eng)?;
-    let mut col = Collector { layer, ..Collector::default() };
-    let opts = ForwardOptions { logits: LogitsRows::LastPerChunk, ..ForwardOptions::default() };
+    let mut col = Collector {
+        layer,
+        ..Collector::default()
+    };
+    let opts = ForwardOptions {
+        logits: LogitsRows::LastPerChunk,
+        ..ForwardOptions::default()
+    };
     let slot = ReqSlot(0);
     for (i, seq) in calib.iter().enumerate() {
         if seq.is_empty() {
@@ -134,9 +143,25 @@ fn collect(weights: &ModelWeights, layer: usize, calib: &[Vec<u32>]) -> Result<C
         let n = seq.len() as u64;
         match kv.allocate_whole(slot, n).map_err(eng)? {
             AllocOutcome::Allocated(_) => {}
-            AllocOutcome::NoFit => return Err(QuantError::Config(format!("calibration sequence {i} ({n} tokens) does not fit the KV pool"))),
+            AllocOutcome::NoFit => {
+                return Err(QuantError::Config(format!(
+                    "calibration sequence {i} ({n} tokens) does not fit the KV pool"
+                )))
+            }
         }
-        runner.forward_observed(&kv, &[SeqChunk { slot, tokens: seq, start_pos: 0, snapshot: false }], &opts, &mut col).map_err(eng)?;
+        runner
+            .forward_observed(
+                &kv,
+                &[SeqChunk {
+                    slot,
+                    tokens: seq,
+                    start_pos: 0,
+                    snapshot: false,
+                }],
+                &opts,
+                &mut col,
+            )
+            .map_err(eng)?;
         kv.free(slot);
         runner.release(slot);
         if let Some(e) = col.err.take() {
@@ -155,13 +180,29 @@ fn to_linear(t: &W4A16Tensor) -> Linear {
     }
 }
 
-fn quantize_one(module: String, w: &[f32], n: usize, k: usize, hs: Option<&(Hessian, u64)>, method: Method) -> Result<(Linear, MatrixReport)> {
+fn quantize_one(
+    module: String,
+    w: &[f32],
+    n: usize,
+    k: usize,
+    hs: Option<&(Hessian, u64)>,
+    method: Method,
+) -> Result<(Linear, MatrixReport)> {
     let rtn = quantize_rtn(w, n, k)?;
     let rtn_w = rtn.dequantize()?;
     let Some((h, rows)) = hs else {
         // No calibration row reached this expert: RTN, with no Hessian to score it.
-        let e = w.iter().zip(&rtn_w).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>().sqrt()
-            / w.iter().map(|a| (*a as f64).powi(2)).sum::<f64>().sqrt().max(f64::MIN_POSITIVE);
+        let e = w
+            .iter()
+            .zip(&rtn_w)
+            .map(|(a, b)| ((a - b) as f64).powi(2))
+            .sum::<f64>()
+            .sqrt()
+            / w.iter()
+                .map(|a| (*a as f64).powi(2))
+                .sum::<f64>()
+                .sqrt()
+                .max(f64::MIN_POSITIVE);
         let rep = MatrixReport {
             module,
             shape: [n, k],
@@ -200,10 +241,16 @@ fn quantize_one(module: String, w: &[f32], n: usize, k: usize, hs: Option<&(Hess
 }
 
 /// Quantize the routed experts of a bf16 checkpoint; `progress` gets one line per layer.
-pub fn quantize_model(job: &QuantizeJob<'_>, progress: &mut dyn FnMut(&str)) -> Result<QuantizeReport> {
+pub fn quantize_model(
+    job: &QuantizeJob<'_>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<QuantizeReport> {
     let mut weights = ModelWeights::load(job.model_dir).map_err(eng)?;
     if weights.cfg.quantization_config.is_some() {
-        return Err(QuantError::Config(format!("{}: the checkpoint is already quantized", job.model_dir.display())));
+        return Err(QuantError::Config(format!(
+            "{}: the checkpoint is already quantized",
+            job.model_dir.display()
+        )));
     }
     if job.calib.iter().all(Vec::is_empty) && matches!(job.method, Method::Gptq(_)) {
         return Err(QuantError::Config("GPTQ needs calibration tokens".into()));
@@ -211,32 +258,69 @@ pub fn quantize_model(job: &QuantizeJob<'_>, progress: &mut dyn FnMut(&str)) -> 
     let vocab = weights.cfg.vocab_size as u32;
     for (i, s) in job.calib.iter().enumerate() {
         if let Some(&bad) = s.iter().find(|&&t| t >= vocab) {
-            return Err(QuantError::Config(format!("calibration sequence {i}: token id {bad} >= vocab_size {vocab}")));
+            return Err(QuantError::Config(format!(
+                "calibration sequence {i}: token id {bad} >= vocab_size {vocab}"
+            )));
         }
     }
     let mut matrices = Vec::new();
-    let moe_layers: Vec<usize> = (0..weights.layers.len()).filter(|&i| matches!(weights.layers[i].ffn, Ffn::Moe(_))).collect();
+    let moe_layers: Vec<usize> = (0..weights.layers.len())
+        .filter(|&i| matches!(weights.layers[i].ffn, Ffn::Moe(_)))
+        .collect();
     for &l in &moe_layers {
-        let col = if matches!(job.method, Method::Gptq(_)) || !job.calib.is_empty() { Some(collect(&weights, l, job.calib)?) } else { None };
-        let Ffn::Moe(moe) = &mut weights.layers[l].ffn else { continue };
+        let col = if matches!(job.method, Method::Gptq(_)) || !job.calib.is_empty() {
+            Some(collect(&weights, l, job.calib)?)
+        } else {
+            None
+        };
+        let Ffn::Moe(moe) = &mut weights.layers[l].ffn else {
+            continue;
+        };
         for (j, ex) in moe.experts.iter_mut().enumerate() {
-            for (proj, lin, input) in [("gate_proj", &mut ex.gate, ExpertInput::GateUp), ("up_proj", &mut ex.up, ExpertInput::GateUp), ("down_proj", &mut ex.down, ExpertInput::Down)] {
+            for (proj, lin, input) in [
+                ("gate_proj", &mut ex.gate, ExpertInput::GateUp),
+                ("up_proj", &mut ex.up, ExpertInput::GateUp),
+                ("down_proj", &mut ex.down, ExpertInput::Down),
+            ] {
                 let (n, k) = match lin {
-                    Linear::Dense { out_features, in_features, .. } => (*out_features, *in_features),
-                    Linear::W4A16 { .. } => return Err(QuantError::Config(format!("layer {l} expert {j} {proj} is already quantized"))),
+                    Linear::Dense {
+                        out_features,
+                        in_features,
+                        ..
+                    } => (*out_features, *in_features),
+                    Linear::W4A16 { .. } => {
+                        return Err(QuantError::Config(format!(
+                            "layer {l} expert {j} {proj} is already quantized"
+                        )))
+                    }
                 };
                 let w = lin.weight_f32();
                 let hs = col.as_ref().and_then(|c| c.h.get(&(j, input)));
-                let (q, rep) = quantize_one(format!("model.layers.{l}.mlp.experts.{j}.{proj}"), &w, n, k, hs, job.method)?;
+                let (q, rep) = quantize_one(
+                    format!("model.layers.{l}.mlp.experts.{j}.{proj}"),
+                    &w,
+                    n,
+                    k,
+                    hs,
+                    job.method,
+                )?;
                 *lin = q;
                 matrices.push(rep);
             }
         }
-        progress(&format!("layer {l}: {} experts quantized", moe.experts.len()));
+        progress(&format!(
+            "layer {l}: {} experts quantized",
+            moe.experts.len()
+        ));
     }
     weights.cfg = weights.cfg.clone().with_quantization();
-    let files = weights.save_sharded(job.out_dir, job.max_shard_bytes).map_err(eng)?;
-    let scored: Vec<&MatrixReport> = matrices.iter().filter(|m| m.proxy_loss.is_finite()).collect();
+    let files = weights
+        .save_sharded(job.out_dir, job.max_shard_bytes)
+        .map_err(eng)?;
+    let scored: Vec<&MatrixReport> = matrices
+        .iter()
+        .filter(|m| m.proxy_loss.is_finite())
+        .collect();
     let num: f64 = scored.iter().map(|m| m.proxy_loss).sum();
     let den: f64 = scored.iter().map(|m| m.rtn_proxy_loss).sum();
     Ok(QuantizeReport {

@@ -64,10 +64,16 @@ impl SchedulerConfig {
     /// Budgets must be >= 1 (vLLM: `Field(ge=1)`).
     pub fn validate(&self) -> Result<(), SchedulerError> {
         if self.max_num_seqs == 0 {
-            return Err(SchedulerError::InvalidConfig { field: "max_num_seqs", reason: "must be >= 1".into() });
+            return Err(SchedulerError::InvalidConfig {
+                field: "max_num_seqs",
+                reason: "must be >= 1".into(),
+            });
         }
         if self.max_num_batched_tokens == 0 {
-            return Err(SchedulerError::InvalidConfig { field: "max_num_batched_tokens", reason: "must be >= 1".into() });
+            return Err(SchedulerError::InvalidConfig {
+                field: "max_num_batched_tokens",
+                reason: "must be >= 1".into(),
+            });
         }
         Ok(())
     }

@@ -28,7 +28,11 @@ pub enum SchedulerError {
     ZeroMaxTokens { id: RequestId },
     /// The prompt leaves no room for one output token within max_model_len.
     #[error("request {id}: prompt of {prompt_len} tokens leaves no room for an output token within max_model_len {max_model_len}")]
-    PromptTooLong { id: RequestId, prompt_len: u64, max_model_len: u64 },
+    PromptTooLong {
+        id: RequestId,
+        prompt_len: u64,
+        max_model_len: u64,
+    },
     /// A result or operation named a request that is not running.
     #[error("request {id} is not a running request of this scheduler")]
     UnknownRequest { id: RequestId },
@@ -44,15 +48,30 @@ impl From<SchedulerError> for EngineError {
     fn from(e: SchedulerError) -> Self {
         match e {
             SchedulerError::Engine(e) => e,
-            SchedulerError::DuplicateRequest { id } => EngineError::DuplicateRequest { req: id.to_string() },
-            SchedulerError::UnknownRequest { id } => EngineError::UnknownRequest { req: id.to_string() },
-            SchedulerError::PromptTooLong { id, prompt_len, max_model_len } => {
-                EngineError::PromptTooLong { req: id.to_string(), prompt_len, max_model_len }
+            SchedulerError::DuplicateRequest { id } => EngineError::DuplicateRequest {
+                req: id.to_string(),
+            },
+            SchedulerError::UnknownRequest { id } => EngineError::UnknownRequest {
+                req: id.to_string(),
+            },
+            SchedulerError::PromptTooLong {
+                id,
+                prompt_len,
+                max_model_len,
+            } => EngineError::PromptTooLong {
+                req: id.to_string(),
+                prompt_len,
+                max_model_len,
+            },
+            e @ (SchedulerError::EmptyPrompt { id }
+            | SchedulerError::ZeroMaxTokens { id }
+            | SchedulerError::BadStepResult { id, .. }) => EngineError::BadTokenCount {
+                req: id.to_string(),
+                reason: e.to_string(),
+            },
+            e @ (SchedulerError::InvalidConfig { .. } | SchedulerError::TooManyRequests { .. }) => {
+                EngineError::Unsupported(e.to_string())
             }
-            e @ (SchedulerError::EmptyPrompt { id } | SchedulerError::ZeroMaxTokens { id } | SchedulerError::BadStepResult { id, .. }) => {
-                EngineError::BadTokenCount { req: id.to_string(), reason: e.to_string() }
-            }
-            e @ (SchedulerError::InvalidConfig { .. } | SchedulerError::TooManyRequests { .. }) => EngineError::Unsupported(e.to_string()),
         }
     }
 }

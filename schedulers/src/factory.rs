@@ -16,7 +16,11 @@ use crate::{FcfsScheduler, RequestSpec, SchedulerConfig};
 pub fn fcfs_factory(
     max_num_seqs: usize,
     max_num_batched_tokens: u64,
-) -> impl FnMut(&KvCacheManager, &SchedulerParams, &[EngineRequest]) -> speclab_engine::Result<Box<dyn Scheduler>> {
+) -> impl FnMut(
+    &KvCacheManager,
+    &SchedulerParams,
+    &[EngineRequest],
+) -> speclab_engine::Result<Box<dyn Scheduler>> {
     move |kv, p, reqs| {
         let cfg = SchedulerConfig {
             max_num_seqs,
@@ -27,7 +31,15 @@ pub fn fcfs_factory(
         };
         let mut s = FcfsScheduler::new(cfg);
         for r in reqs {
-            s.add_request(kv, RequestSpec { id: r.id, prompt_len: r.prompt.len() as u64, max_tokens: r.max_tokens }).map_err(EngineError::from)?;
+            s.add_request(
+                kv,
+                RequestSpec {
+                    id: r.id,
+                    prompt_len: r.prompt.len() as u64,
+                    max_tokens: r.max_tokens,
+                },
+            )
+            .map_err(EngineError::from)?;
         }
         Ok(Box::new(s) as Box<dyn Scheduler>)
     }

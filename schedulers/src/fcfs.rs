@@ -46,9 +46,9 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 
 use speclab_engine::kv::manager::AllocArgs;
 use speclab_engine::kv::{AllocOutcome, KvCacheManager};
-use speclab_engine::{StallKind, 
-    Admission, AdmissionReport, EngineError, ReqSlot, RequestId, RequestStatus, RequestView, ScheduledRequest, Scheduler, SchedulerOutput,
-    StepResult,
+use speclab_engine::{
+    Admission, AdmissionReport, EngineError, ReqSlot, RequestId, RequestStatus, RequestView,
+    ScheduledRequest, Scheduler, SchedulerOutput, StallKind, StepResult,
 };
 
 use crate::config::{AdmissionPolicy, RequestSpec, SchedulerConfig};
@@ -90,7 +90,12 @@ impl RequestState {
 }
 
 /// Build the report of why a request cannot (or could not) be admitted.
-fn admission_report(kind: StallKind, kv: &KvCacheManager, r: &RequestState, need: Vec<u64>) -> AdmissionReport {
+fn admission_report(
+    kind: StallKind,
+    kv: &KvCacheManager,
+    r: &RequestState,
+    need: Vec<u64>,
+) -> AdmissionReport {
     let group_names: Vec<String> = kv.groups().iter().map(|g| g.name.clone()).collect();
     AdmissionReport {
         kind,
@@ -137,7 +142,11 @@ impl FcfsScheduler {
     /// Queue a request (vLLM `Scheduler.add_request`). Under `RejectImpossible`
     /// a request that cannot fit even an empty pool is not queued; its report
     /// comes with the next `schedule`.
-    pub fn add_request(&mut self, kv: &KvCacheManager, r: RequestSpec) -> Result<(), SchedulerError> {
+    pub fn add_request(
+        &mut self,
+        kv: &KvCacheManager,
+        r: RequestSpec,
+    ) -> Result<(), SchedulerError> {
         self.cfg.validate()?;
         if r.prompt_len == 0 {
             return Err(SchedulerError::EmptyPrompt { id: r.id });
@@ -146,7 +155,11 @@ impl FcfsScheduler {
             return Err(SchedulerError::ZeroMaxTokens { id: r.id });
         }
         if r.prompt_len >= kv.max_model_len() {
-            return Err(SchedulerError::PromptTooLong { id: r.id, prompt_len: r.prompt_len, max_model_len: kv.max_model_len() });
+            return Err(SchedulerError::PromptTooLong {
+                id: r.id,
+                prompt_len: r.prompt_len,
+                max_model_len: kv.max_model_len(),
+            });
         }
         if self.by_id.contains_key(&r.id) {
             return Err(SchedulerError::DuplicateRequest { id: r.id });
@@ -168,7 +181,12 @@ impl FcfsScheduler {
         if self.cfg.policy == AdmissionPolicy::RejectImpossible {
             let need = kv.admission_need(&state.view());
             if need.iter().sum::<u64>() > kv.usable_blocks() {
-                self.pending_rejected.push(admission_report(StallKind::MustFitExceedsPool, kv, &state, need));
+                self.pending_rejected.push(admission_report(
+                    StallKind::MustFitExceedsPool,
+                    kv,
+                    &state,
+                    need,
+                ));
                 self.free_slots.push(Reverse(slot.0));
                 return Ok(());
             }
@@ -202,12 +220,16 @@ impl FcfsScheduler {
 
     /// Waiting request ids, head first.
     pub fn waiting_ids(&self) -> impl Iterator<Item = RequestId> + '_ {
-        self.waiting.iter().filter_map(|s| self.state(*s).map(|r| r.id))
+        self.waiting
+            .iter()
+            .filter_map(|s| self.state(*s).map(|r| r.id))
     }
 
     /// Running request ids, in scheduling order.
     pub fn running_ids(&self) -> impl Iterator<Item = RequestId> + '_ {
-        self.running.iter().filter_map(|s| self.state(*s).map(|r| r.id))
+        self.running
+            .iter()
+            .filter_map(|s| self.state(*s).map(|r| r.id))
     }
 
     fn state(&self, slot: ReqSlot) -> Option<&RequestState> {
@@ -215,14 +237,20 @@ impl FcfsScheduler {
     }
 
     fn get(&self, slot: ReqSlot) -> Result<RequestState, SchedulerError> {
-        self.state(slot).copied().ok_or(SchedulerError::Engine(EngineError::UnknownRequest { req: format!("slot {}", slot.0) }))
+        self.state(slot)
+            .copied()
+            .ok_or(SchedulerError::Engine(EngineError::UnknownRequest {
+                req: format!("slot {}", slot.0),
+            }))
     }
 
     fn get_mut(&mut self, slot: ReqSlot) -> Result<&mut RequestState, SchedulerError> {
         self.reqs
             .get_mut(slot.0 as usize)
             .and_then(Option::as_mut)
-            .ok_or(SchedulerError::Engine(EngineError::UnknownRequest { req: format!("slot {}", slot.0) }))
+            .ok_or(SchedulerError::Engine(EngineError::UnknownRequest {
+                req: format!("slot {}", slot.0),
+            }))
     }
 
     /// Lowest free slot, or a new one.
@@ -245,7 +273,11 @@ impl FcfsScheduler {
     }
 
     /// vLLM `Scheduler._preempt_request` (the caller already removed it from running).
-    fn preempt(&mut self, kv: &mut KvCacheManager, slot: ReqSlot) -> Result<RequestId, SchedulerError> {
+    fn preempt(
+        &mut self,
+        kv: &mut KvCacheManager,
+        slot: ReqSlot,
+    ) -> Result<RequestId, SchedulerError> {
         kv.free(slot);
         let r = self.get_mut(slot)?;
         r.status = RequestStatus::Preempted;
@@ -257,9 +289,15 @@ impl FcfsScheduler {
         Ok(id)
     }
 
-    fn schedule_inner(&mut self, kv: &mut KvCacheManager) -> Result<SchedulerOutput, SchedulerError> {
+    fn schedule_inner(
+        &mut self,
+        kv: &mut KvCacheManager,
+    ) -> Result<SchedulerOutput, SchedulerError> {
         self.cfg.validate()?;
-        let mut out = SchedulerOutput { rejected: std::mem::take(&mut self.pending_rejected), ..SchedulerOutput::default() };
+        let mut out = SchedulerOutput {
+            rejected: std::mem::take(&mut self.pending_rejected),
+            ..SchedulerOutput::default()
+        };
         let mut budget = self.cfg.max_num_batched_tokens;
         let lookahead = self.cfg.lookahead;
         let mml = kv.max_model_len();
@@ -273,7 +311,9 @@ impl FcfsScheduler {
             let drafts = r.pending_drafts;
             let wanted = r.num_tokens.saturating_sub(r.num_computed_tokens) + drafts;
             // "Make sure the input position does not exceed the max model len."
-            let n = wanted.min(budget).min(mml.saturating_sub(r.num_computed_tokens + 1));
+            let n = wanted
+                .min(budget)
+                .min(mml.saturating_sub(r.num_computed_tokens + 1));
             if n == 0 {
                 i += 1;
                 continue;
@@ -281,14 +321,20 @@ impl FcfsScheduler {
             let view = r.view();
             // vLLM passes no has_scheduled_reqs here (default True); the watermark only
             // applies to WAITING/PREEMPTED requests anyway.
-            let args =
-                AllocArgs { num_new_tokens: n, num_lookahead_tokens: lookahead, full_sequence_must_fit: false, has_scheduled_reqs: true };
+            let args = AllocArgs {
+                num_new_tokens: n,
+                num_lookahead_tokens: lookahead,
+                full_sequence_must_fit: false,
+                has_scheduled_reqs: true,
+            };
             let fits = loop {
                 match kv.allocate_slots(&view, args)? {
                     AllocOutcome::Allocated(_) => break true,
                     AllocOutcome::NoFit => {
                         // FCFS: preempt the lowest-priority (last) running request.
-                        let Some(victim) = self.running.pop() else { break false };
+                        let Some(victim) = self.running.pop() else {
+                            break false;
+                        };
                         out.preempted.push(self.preempt(kv, victim)?);
                         if victim == slot {
                             if self.running.is_empty() {
@@ -324,18 +370,30 @@ impl FcfsScheduler {
         // Then waiting requests, FCFS, unless something was preempted this step.
         if out.preempted.is_empty() {
             while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
-                let Some(&slot) = self.waiting.front() else { break };
+                let Some(&slot) = self.waiting.front() else {
+                    break;
+                };
                 let r = self.get(slot)?;
                 let view = r.view();
                 // The numbers the must-fit gate checks, before it runs.
                 let need = kv.admission_need(&view);
-                if self.cfg.policy == AdmissionPolicy::RejectImpossible && need.iter().sum::<u64>() > kv.usable_blocks() {
+                if self.cfg.policy == AdmissionPolicy::RejectImpossible
+                    && need.iter().sum::<u64>() > kv.usable_blocks()
+                {
                     self.waiting.pop_front();
-                    out.rejected.push(admission_report(StallKind::MustFitExceedsPool, kv, &r, need));
+                    out.rejected.push(admission_report(
+                        StallKind::MustFitExceedsPool,
+                        kv,
+                        &r,
+                        need,
+                    ));
                     self.release(slot);
                     continue;
                 }
-                let n = r.num_tokens.saturating_sub(r.num_computed_tokens).min(budget);
+                let n = r
+                    .num_tokens
+                    .saturating_sub(r.num_computed_tokens)
+                    .min(budget);
                 let args = AllocArgs {
                     num_new_tokens: n,
                     num_lookahead_tokens: lookahead,
@@ -350,7 +408,11 @@ impl FcfsScheduler {
                 self.waiting.pop_front();
                 self.running.push(slot);
                 self.get_mut(slot)?.status = RequestStatus::Running;
-                out.admitted.push(Admission { id: r.id, slot, need_per_group: need });
+                out.admitted.push(Admission {
+                    id: r.id,
+                    slot,
+                    need_per_group: need,
+                });
                 out.scheduled.push(ScheduledRequest {
                     id: r.id,
                     slot,
@@ -365,12 +427,20 @@ impl FcfsScheduler {
 
         // Wedge: nothing runs and the head can never fit, even in an empty pool.
         // (vLLM retries forever here: Waiting 1 / Running 0.)
-        if self.cfg.policy == AdmissionPolicy::Fcfs && out.scheduled.is_empty() && self.running.is_empty() {
+        if self.cfg.policy == AdmissionPolicy::Fcfs
+            && out.scheduled.is_empty()
+            && self.running.is_empty()
+        {
             if let Some(&head) = self.waiting.front() {
                 let r = self.get(head)?;
                 let need = kv.admission_need(&r.view());
                 if need.iter().sum::<u64>() > kv.usable_blocks() {
-                    out.wedged = Some(admission_report(StallKind::MustFitExceedsPool, kv, &r, need));
+                    out.wedged = Some(admission_report(
+                        StallKind::MustFitExceedsPool,
+                        kv,
+                        &r,
+                        need,
+                    ));
                 }
             }
         }
@@ -384,7 +454,11 @@ impl FcfsScheduler {
         }
         // Backstop for any other livelock.
         let work_left = !self.waiting.is_empty() || !self.running.is_empty();
-        self.idle_steps = if out.scheduled.is_empty() && work_left { self.idle_steps + 1 } else { 0 };
+        self.idle_steps = if out.scheduled.is_empty() && work_left {
+            self.idle_steps + 1
+        } else {
+            0
+        };
         let limit = self.cfg.max_steps_without_progress;
         if out.wedged.is_none() && limit > 0 && self.idle_steps >= limit {
             if let Some(&head) = self.waiting.front().or(self.running.first()) {
@@ -403,21 +477,44 @@ impl FcfsScheduler {
         results: &[StepResult],
     ) -> Result<Vec<RequestId>, SchedulerError> {
         if results.len() != out.scheduled.len() {
-            let id = out.scheduled.first().map(|s| s.id).or(results.first().map(|r| r.id)).unwrap_or_default();
+            let id = out
+                .scheduled
+                .first()
+                .map(|s| s.id)
+                .or(results.first().map(|r| r.id))
+                .unwrap_or_default();
             return Err(SchedulerError::BadStepResult {
                 id,
-                reason: format!("{} results for {} scheduled requests", results.len(), out.scheduled.len()),
+                reason: format!(
+                    "{} results for {} scheduled requests",
+                    results.len(),
+                    out.scheduled.len()
+                ),
             });
         }
         let in_order = out.scheduled.iter().zip(results).all(|(s, r)| s.id == r.id);
-        let by_id: HashMap<RequestId, &StepResult> = if in_order { HashMap::new() } else { results.iter().map(|r| (r.id, r)).collect() };
+        let by_id: HashMap<RequestId, &StepResult> = if in_order {
+            HashMap::new()
+        } else {
+            results.iter().map(|r| (r.id, r)).collect()
+        };
         let k = self.cfg.num_speculative_tokens;
         let mml = kv.max_model_len();
         let mut finished: Vec<(ReqSlot, RequestId)> = Vec::new();
         for (i, s) in out.scheduled.iter().enumerate() {
-            let res = if in_order { results.get(i) } else { by_id.get(&s.id).copied() };
-            let res = res.ok_or_else(|| SchedulerError::BadStepResult { id: s.id, reason: "no result for a scheduled request".into() })?;
-            let slot = *self.by_id.get(&s.id).ok_or(SchedulerError::UnknownRequest { id: s.id })?;
+            let res = if in_order {
+                results.get(i)
+            } else {
+                by_id.get(&s.id).copied()
+            };
+            let res = res.ok_or_else(|| SchedulerError::BadStepResult {
+                id: s.id,
+                reason: "no result for a scheduled request".into(),
+            })?;
+            let slot = *self
+                .by_id
+                .get(&s.id)
+                .ok_or(SchedulerError::UnknownRequest { id: s.id })?;
             if slot != s.slot {
                 return Err(SchedulerError::BadStepResult {
                     id: s.id,
@@ -442,11 +539,17 @@ impl FcfsScheduler {
                 if drafts != s.num_draft {
                     return Err(SchedulerError::BadStepResult {
                         id: s.id,
-                        reason: format!("scheduled {} drafts but the request state implies {drafts}", s.num_draft),
+                        reason: format!(
+                            "scheduled {} drafts but the request state implies {drafts}",
+                            s.num_draft
+                        ),
                     });
                 }
                 r.num_computed_tokens = computed - (drafts - res.accepted);
-                let room = r.max_tokens.saturating_sub(r.num_output_tokens).min(mml.saturating_sub(r.num_tokens));
+                let room = r
+                    .max_tokens
+                    .saturating_sub(r.num_output_tokens)
+                    .min(mml.saturating_sub(r.num_tokens));
                 let commit = (res.accepted + 1).min(room);
                 r.num_tokens += commit;
                 r.num_output_tokens += commit;
@@ -467,7 +570,11 @@ impl FcfsScheduler {
             return Ok(Vec::new());
         }
         let reqs = &self.reqs;
-        self.running.retain(|s| reqs.get(s.0 as usize).and_then(Option::as_ref).is_some_and(|r| r.status != RequestStatus::Finished));
+        self.running.retain(|s| {
+            reqs.get(s.0 as usize)
+                .and_then(Option::as_ref)
+                .is_some_and(|r| r.status != RequestStatus::Finished)
+        });
         let mut ids = Vec::with_capacity(finished.len());
         for (slot, id) in finished {
             kv.free(slot);
@@ -483,8 +590,14 @@ impl Scheduler for FcfsScheduler {
         self.schedule_inner(kv).map_err(EngineError::from)
     }
 
-    fn update(&mut self, kv: &mut KvCacheManager, out: &SchedulerOutput, results: &[StepResult]) -> speclab_engine::Result<Vec<RequestId>> {
-        self.update_inner(kv, out, results).map_err(EngineError::from)
+    fn update(
+        &mut self,
+        kv: &mut KvCacheManager,
+        out: &SchedulerOutput,
+        results: &[StepResult],
+    ) -> speclab_engine::Result<Vec<RequestId>> {
+        self.update_inner(kv, out, results)
+            .map_err(EngineError::from)
     }
 
     fn has_work(&self) -> bool {

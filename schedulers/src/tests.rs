@@ -4,7 +4,9 @@
 use speclab_engine::kv::presets::glm53_dflash2;
 use speclab_engine::kv::{CapPolicy, GroupSpec, KvCacheManager, KvLayout};
 use speclab_engine::sim::{run_sim, AcceptanceModel, SimExecutor, SimLimits};
-use speclab_engine::{Executor, ReqSlot, RequestId, RequestStatus, Scheduler, SchedulerOutput, StepResult};
+use speclab_engine::{
+    Executor, ReqSlot, RequestId, RequestStatus, Scheduler, SchedulerOutput, StepResult,
+};
 
 use crate::{AdmissionPolicy, FcfsScheduler, RequestSpec, SchedulerConfig, SchedulerError};
 
@@ -32,11 +34,19 @@ fn cfg(budget: u64, k: u64, lookahead: u64) -> SchedulerConfig {
 }
 
 fn req(id: RequestId, prompt_len: u64, max_tokens: u64) -> RequestSpec {
-    RequestSpec { id, prompt_len, max_tokens }
+    RequestSpec {
+        id,
+        prompt_len,
+        max_tokens,
+    }
 }
 
 /// One engine step; returns the scheduler output and the finished ids.
-fn step(s: &mut FcfsScheduler, kv: &mut KvCacheManager, e: &mut SimExecutor) -> (SchedulerOutput, Vec<RequestId>) {
+fn step(
+    s: &mut FcfsScheduler,
+    kv: &mut KvCacheManager,
+    e: &mut SimExecutor,
+) -> (SchedulerOutput, Vec<RequestId>) {
     let out = s.schedule(kv).unwrap();
     let res = e.execute(kv, &out).unwrap();
     let fin = s.update(kv, &out, &res).unwrap();
@@ -68,7 +78,10 @@ fn glm_cfg(policy: AdmissionPolicy) -> SchedulerConfig {
 }
 
 fn glm_exec(seed: u64) -> SimExecutor {
-    SimExecutor::new(seed, AcceptanceModel::new(vec![0.8, 0.65, 0.5, 0.4, 0.3, 0.2, 0.1]).unwrap())
+    SimExecutor::new(
+        seed,
+        AcceptanceModel::new(vec![0.8, 0.65, 0.5, 0.4, 0.3, 0.2, 0.1]).unwrap(),
+    )
 }
 
 #[test]
@@ -118,7 +131,13 @@ fn head_of_line_blocking() {
     assert_eq!(fin, vec![1]);
     let (out, fin) = step(&mut s, &mut kv, &mut e);
     assert_eq!(sched_tokens(&out), vec![(2, 20), (3, 4)]);
-    assert_eq!(out.admitted.iter().map(|a| (a.id, a.need_per_group.clone())).collect::<Vec<_>>(), vec![(2, vec![5]), (3, vec![1])]);
+    assert_eq!(
+        out.admitted
+            .iter()
+            .map(|a| (a.id, a.need_per_group.clone()))
+            .collect::<Vec<_>>(),
+        vec![(2, vec![5]), (3, vec![1])]
+    );
     assert_eq!(fin, vec![2, 3]);
     assert!(!s.has_work());
     assert_eq!(kv.num_free_blocks(), kv.usable_blocks());
@@ -137,9 +156,16 @@ fn preemption_on_decode_allocation_failure() {
         let (out, _) = step(&mut s, &mut kv, &mut e);
         steps += 1;
         if !out.preempted.is_empty() {
-            assert_eq!(out.preempted, vec![2], "FCFS preempts the last running request");
+            assert_eq!(
+                out.preempted,
+                vec![2],
+                "FCFS preempts the last running request"
+            );
             assert_eq!(sched_tokens(&out), vec![(1, 1)]);
-            assert!(out.admitted.is_empty(), "no admission in a step that preempted");
+            assert!(
+                out.admitted.is_empty(),
+                "no admission in a step that preempted"
+            );
             break steps;
         }
         assert!(steps < 20);
@@ -149,7 +175,10 @@ fn preemption_on_decode_allocation_failure() {
     let b = *s.request(2).unwrap();
     assert_eq!(b.status, RequestStatus::Preempted);
     assert_eq!(b.num_computed_tokens, 0);
-    assert_eq!((b.num_tokens, b.num_output_tokens, b.num_preemptions), (17, 5, 1));
+    assert_eq!(
+        (b.num_tokens, b.num_output_tokens, b.num_preemptions),
+        (17, 5, 1)
+    );
     assert_eq!(kv.held_blocks(b.slot), vec![0]);
     assert_eq!(s.waiting_ids().collect::<Vec<_>>(), vec![2]);
     // B resumes only after A finishes, recomputing prompt + outputs in one chunk.
@@ -172,9 +201,19 @@ fn self_preemption_then_wedge_or_reject() {
     // 4 usable blocks = 16 tokens; the request fits at admission but outgrows the pool.
     for policy in [AdmissionPolicy::Fcfs, AdmissionPolicy::RejectImpossible] {
         let mut kv = full_kv(4, 5, 1024);
-        let mut s = FcfsScheduler::new(SchedulerConfig { policy, ..cfg(100, 0, 0) });
+        let mut s = FcfsScheduler::new(SchedulerConfig {
+            policy,
+            ..cfg(100, 0, 0)
+        });
         s.add_request(&kv, req(7, 8, 20)).unwrap();
-        let run = run_sim(&mut kv, &mut s, &mut no_accept(), SimLimits { max_steps: 100 }, &mut |_| {}).unwrap();
+        let run = run_sim(
+            &mut kv,
+            &mut s,
+            &mut no_accept(),
+            SimLimits { max_steps: 100 },
+            &mut |_| {},
+        )
+        .unwrap();
         assert_eq!(run.preemptions, 1);
         let report = match policy {
             AdmissionPolicy::Fcfs => run.wedged.clone().unwrap(),
@@ -184,7 +223,10 @@ fn self_preemption_then_wedge_or_reject() {
                 run.rejected[0].clone()
             }
         };
-        assert_eq!((report.id, report.num_tokens, report.total(), report.usable), (7, 17, 5, 4));
+        assert_eq!(
+            (report.id, report.num_tokens, report.total(), report.usable),
+            (7, 17, 5, 4)
+        );
         assert!(!run.hit_step_limit);
         assert_eq!(kv.num_free_blocks(), kv.usable_blocks());
     }
@@ -197,7 +239,14 @@ fn backstop_reports_a_lookahead_livelock() {
     let mut kv = full_kv(4, 5, 1024);
     let mut s = FcfsScheduler::new(cfg(100, 7, 8));
     s.add_request(&kv, req(3, 12, 4)).unwrap();
-    let run = run_sim(&mut kv, &mut s, &mut no_accept(), SimLimits { max_steps: 100 }, &mut |_| {}).unwrap();
+    let run = run_sim(
+        &mut kv,
+        &mut s,
+        &mut no_accept(),
+        SimLimits { max_steps: 100 },
+        &mut |_| {},
+    )
+    .unwrap();
     let w = run.wedged.unwrap();
     assert_eq!(w.kind, speclab_engine::StallKind::NoProgress);
     assert_eq!((w.id, w.total(), w.usable), (3, 3, 4));
@@ -217,7 +266,11 @@ fn spec_decode_accounting_and_max_model_len() {
         let (out, _) = step(&mut s, &mut kv, &mut e);
         let r = &out.scheduled[0];
         let st = s.request(1).copied();
-        trace.push((r.num_tokens, r.num_draft, st.map(|x| (x.num_tokens, x.num_computed_tokens))));
+        trace.push((
+            r.num_tokens,
+            r.num_draft,
+            st.map(|x| (x.num_tokens, x.num_computed_tokens)),
+        ));
     }
     assert_eq!(
         trace,
@@ -251,9 +304,15 @@ fn rejected_drafts_roll_back() {
     s.add_request(&kv, req(1, 10, 5)).unwrap();
     step(&mut s, &mut kv, &mut e);
     let (out, _) = step(&mut s, &mut kv, &mut e);
-    assert_eq!((out.scheduled[0].num_tokens, out.scheduled[0].num_draft), (5, 4));
+    assert_eq!(
+        (out.scheduled[0].num_tokens, out.scheduled[0].num_draft),
+        (5, 4)
+    );
     let r = s.request(1).unwrap();
-    assert_eq!((r.num_tokens, r.num_computed_tokens, r.num_output_tokens), (12, 11, 2));
+    assert_eq!(
+        (r.num_tokens, r.num_computed_tokens, r.num_output_tokens),
+        (12, 11, 2)
+    );
 }
 
 #[test]
@@ -266,14 +325,38 @@ fn proposed_draft_count_drives_the_next_step() {
     s.add_request(&kv, req(1, 10, 50)).unwrap();
     let out = s.schedule(&mut kv).unwrap();
     assert_eq!(out.scheduled[0].start_pos, 0);
-    let res = vec![StepResult { id: 1, accepted: 0, eos: false, next_drafts: Some(2) }];
+    let res = vec![StepResult {
+        id: 1,
+        accepted: 0,
+        eos: false,
+        next_drafts: Some(2),
+    }];
     s.update(&mut kv, &out, &res).unwrap();
     let out = s.schedule(&mut kv).unwrap();
-    assert_eq!((out.scheduled[0].start_pos, out.scheduled[0].num_tokens, out.scheduled[0].num_draft), (10, 3, 2));
-    let res = vec![StepResult { id: 1, accepted: 2, eos: false, next_drafts: Some(0) }];
+    assert_eq!(
+        (
+            out.scheduled[0].start_pos,
+            out.scheduled[0].num_tokens,
+            out.scheduled[0].num_draft
+        ),
+        (10, 3, 2)
+    );
+    let res = vec![StepResult {
+        id: 1,
+        accepted: 2,
+        eos: false,
+        next_drafts: Some(0),
+    }];
     s.update(&mut kv, &out, &res).unwrap();
     let out = s.schedule(&mut kv).unwrap();
-    assert_eq!((out.scheduled[0].start_pos, out.scheduled[0].num_tokens, out.scheduled[0].num_draft), (13, 1, 0));
+    assert_eq!(
+        (
+            out.scheduled[0].start_pos,
+            out.scheduled[0].num_tokens,
+            out.scheduled[0].num_draft
+        ),
+        (13, 1, 0)
+    );
 }
 
 #[test]
@@ -282,7 +365,14 @@ fn glm53_dflash2_card_wedge_numbers() {
     let mut kv = glm_kv(CapPolicy::None);
     let mut s = FcfsScheduler::new(glm_cfg(AdmissionPolicy::Fcfs));
     s.add_request(&kv, req(1, 15_556, 64)).unwrap();
-    let run = run_sim(&mut kv, &mut s, &mut glm_exec(1), SimLimits { max_steps: 1000 }, &mut |_| {}).unwrap();
+    let run = run_sim(
+        &mut kv,
+        &mut s,
+        &mut glm_exec(1),
+        SimLimits { max_steps: 1000 },
+        &mut |_| {},
+    )
+    .unwrap();
     let w = run.wedged.expect("15,556 tokens wedge at block 2304");
     assert_eq!(w.kind, speclab_engine::StallKind::MustFitExceedsPool);
     assert_eq!(w.id, 1);
@@ -312,7 +402,14 @@ fn glm53_dflash2_admits_15523_with_zero_margin() {
         let mut kv = glm_kv(CapPolicy::None);
         let mut s = FcfsScheduler::new(glm_cfg(AdmissionPolicy::Fcfs));
         s.add_request(&kv, req(1, n, 256)).unwrap();
-        let run = run_sim(&mut kv, &mut s, &mut glm_exec(2), SimLimits { max_steps: 1000 }, &mut |_| {}).unwrap();
+        let run = run_sim(
+            &mut kv,
+            &mut s,
+            &mut glm_exec(2),
+            SimLimits { max_steps: 1000 },
+            &mut |_| {},
+        )
+        .unwrap();
         assert!(run.wedged.is_none(), "{n} tokens must be admitted");
         assert_eq!(run.admitted.len(), 1);
         let (step, a) = &run.admitted[0];
@@ -333,12 +430,25 @@ fn reject_impossible_rejects_15556_and_serves_the_next() {
     s.add_request(&kv, req(1, 15_556, 64)).unwrap();
     s.add_request(&kv, req(2, 1_000, 64)).unwrap();
     assert_eq!(s.num_waiting(), 1);
-    let run = run_sim(&mut kv, &mut s, &mut glm_exec(3), SimLimits { max_steps: 1000 }, &mut |_| {}).unwrap();
+    let run = run_sim(
+        &mut kv,
+        &mut s,
+        &mut glm_exec(3),
+        SimLimits { max_steps: 1000 },
+        &mut |_| {},
+    )
+    .unwrap();
     assert!(run.wedged.is_none());
     assert_eq!(run.rejected.len(), 1);
     let r = &run.rejected[0];
-    assert_eq!((r.id, r.total(), r.usable, r.binding_group.as_str()), (1, 1013, 1011, "drafter_swa"));
-    assert_eq!(run.finished.iter().map(|f| f.1).collect::<Vec<_>>(), vec![2]);
+    assert_eq!(
+        (r.id, r.total(), r.usable, r.binding_group.as_str()),
+        (1, 1013, 1011, "drafter_swa")
+    );
+    assert_eq!(
+        run.finished.iter().map(|f| f.1).collect::<Vec<_>>(),
+        vec![2]
+    );
     assert_eq!(kv.num_free_blocks(), kv.usable_blocks());
     assert!(!s.has_work());
 }
@@ -349,10 +459,20 @@ fn window_plus_two_fix_serves_256k() {
     let mut kv = glm_kv(CapPolicy::WindowPlusTwo);
     let mut s = FcfsScheduler::new(glm_cfg(AdmissionPolicy::Fcfs));
     s.add_request(&kv, req(1, 256_388, 512)).unwrap();
-    let run = run_sim(&mut kv, &mut s, &mut glm_exec(4), SimLimits { max_steps: 10_000 }, &mut |_| {}).unwrap();
+    let run = run_sim(
+        &mut kv,
+        &mut s,
+        &mut glm_exec(4),
+        SimLimits { max_steps: 10_000 },
+        &mut |_| {},
+    )
+    .unwrap();
     assert!(run.wedged.is_none());
     assert_eq!(run.finished.len(), 1);
-    assert_eq!(run.peak_held_per_group[6], 130, "drafter ring capped at cdiv(2048, 16) + 2");
+    assert_eq!(
+        run.peak_held_per_group[6], 130,
+        "drafter ring capped at cdiv(2048, 16) + 2"
+    );
     assert_eq!(kv.num_free_blocks(), kv.usable_blocks());
 }
 
@@ -360,20 +480,46 @@ fn window_plus_two_fix_serves_256k() {
 fn add_request_validation_and_slot_reuse() {
     let mut kv = full_kv(4, 100, 64);
     let mut s = FcfsScheduler::new(cfg(100, 0, 0));
-    assert_eq!(s.add_request(&kv, req(1, 0, 1)), Err(SchedulerError::EmptyPrompt { id: 1 }));
-    assert_eq!(s.add_request(&kv, req(1, 4, 0)), Err(SchedulerError::ZeroMaxTokens { id: 1 }));
-    assert!(matches!(s.add_request(&kv, req(1, 64, 1)), Err(SchedulerError::PromptTooLong { .. })));
+    assert_eq!(
+        s.add_request(&kv, req(1, 0, 1)),
+        Err(SchedulerError::EmptyPrompt { id: 1 })
+    );
+    assert_eq!(
+        s.add_request(&kv, req(1, 4, 0)),
+        Err(SchedulerError::ZeroMaxTokens { id: 1 })
+    );
+    assert!(matches!(
+        s.add_request(&kv, req(1, 64, 1)),
+        Err(SchedulerError::PromptTooLong { .. })
+    ));
     s.add_request(&kv, req(1, 63, 1)).unwrap();
-    assert_eq!(s.add_request(&kv, req(1, 4, 1)), Err(SchedulerError::DuplicateRequest { id: 1 }));
+    assert_eq!(
+        s.add_request(&kv, req(1, 4, 1)),
+        Err(SchedulerError::DuplicateRequest { id: 1 })
+    );
     s.add_request(&kv, req(2, 4, 1)).unwrap();
     assert_eq!(s.request(2).map(|r| r.slot), Some(ReqSlot(1)));
     while s.has_work() {
         step(&mut s, &mut kv, &mut no_accept());
     }
     s.add_request(&kv, req(3, 4, 1)).unwrap();
-    assert_eq!(s.request(3).map(|r| r.slot), Some(ReqSlot(0)), "lowest freed slot is reused");
-    let bad = FcfsScheduler::new(SchedulerConfig { max_num_seqs: 0, ..cfg(1, 0, 0) }).add_request(&kv, req(9, 4, 1));
-    assert!(matches!(bad, Err(SchedulerError::InvalidConfig { field: "max_num_seqs", .. })));
+    assert_eq!(
+        s.request(3).map(|r| r.slot),
+        Some(ReqSlot(0)),
+        "lowest freed slot is reused"
+    );
+    let bad = FcfsScheduler::new(SchedulerConfig {
+        max_num_seqs: 0,
+        ..cfg(1, 0, 0)
+    })
+    .add_request(&kv, req(9, 4, 1));
+    assert!(matches!(
+        bad,
+        Err(SchedulerError::InvalidConfig {
+            field: "max_num_seqs",
+            ..
+        })
+    ));
     let e: speclab_engine::EngineError = SchedulerError::DuplicateRequest { id: 5 }.into();
     assert!(e.to_string().contains('5'));
 }
@@ -381,7 +527,10 @@ fn add_request_validation_and_slot_reuse() {
 #[test]
 fn max_num_seqs_limits_admission() {
     let mut kv = full_kv(4, 100, 1024);
-    let mut s = FcfsScheduler::new(SchedulerConfig { max_num_seqs: 2, ..cfg(1000, 0, 0) });
+    let mut s = FcfsScheduler::new(SchedulerConfig {
+        max_num_seqs: 2,
+        ..cfg(1000, 0, 0)
+    });
     for id in 0..5 {
         s.add_request(&kv, req(id, 4, 3)).unwrap();
     }
@@ -411,9 +560,19 @@ fn preemption_thrash_is_reported() {
     // needs 44 + 1 + 3 lookahead = 48 slots: it preempts itself, recomputes
     // one token a step, and fails at the same place again.
     let mut kv = full_kv(1, 48, 48);
-    let mut s = FcfsScheduler::new(SchedulerConfig { max_num_seqs: 1, ..cfg(1, 3, 3) });
+    let mut s = FcfsScheduler::new(SchedulerConfig {
+        max_num_seqs: 1,
+        ..cfg(1, 3, 3)
+    });
     s.add_request(&kv, req(0, 17, 29)).unwrap();
-    let run = run_sim(&mut kv, &mut s, &mut no_accept(), SimLimits { max_steps: 10_000 }, &mut |_| {}).unwrap();
+    let run = run_sim(
+        &mut kv,
+        &mut s,
+        &mut no_accept(),
+        SimLimits { max_steps: 10_000 },
+        &mut |_| {},
+    )
+    .unwrap();
     let w = run.wedged.expect("thrash reported");
     assert_eq!(w.kind, speclab_engine::StallKind::PerStepLivelock);
     assert!(w.to_string().contains("preempts itself"), "{w}");

@@ -25,17 +25,28 @@ impl Scheduler for Checked {
         let out = self.inner.schedule(kv)?;
         let tokens: u64 = out.scheduled.iter().map(|r| r.num_tokens).sum();
         if tokens > self.budget {
-            self.violations.push(format!("{tokens} tokens > budget {}", self.budget));
+            self.violations
+                .push(format!("{tokens} tokens > budget {}", self.budget));
         }
         if out.scheduled.len() > self.max_seqs || self.inner.num_running() > self.max_seqs {
-            self.violations.push(format!("{} scheduled / {} running > {}", out.scheduled.len(), self.inner.num_running(), self.max_seqs));
+            self.violations.push(format!(
+                "{} scheduled / {} running > {}",
+                out.scheduled.len(),
+                self.inner.num_running(),
+                self.max_seqs
+            ));
         }
         if out.scheduled.iter().any(|r| r.num_tokens == 0) {
             self.violations.push("zero-token schedule".into());
         }
         Ok(out)
     }
-    fn update(&mut self, kv: &mut KvCacheManager, out: &SchedulerOutput, results: &[StepResult]) -> speclab_engine::Result<Vec<RequestId>> {
+    fn update(
+        &mut self,
+        kv: &mut KvCacheManager,
+        out: &SchedulerOutput,
+        results: &[StepResult],
+    ) -> speclab_engine::Result<Vec<RequestId>> {
         self.inner.update(kv, out, results)
     }
     fn has_work(&self) -> bool {
@@ -46,7 +57,15 @@ impl Scheduler for Checked {
 fn group_strategy() -> impl Strategy<Value = GroupSpec> {
     prop_oneof![
         (1u32..9).prop_map(|bs| GroupSpec::full("g", bs)),
-        (1u32..9, 1u32..24, prop_oneof![Just(CapPolicy::None), Just(CapPolicy::Upstream), Just(CapPolicy::WindowPlusTwo)])
+        (
+            1u32..9,
+            1u32..24,
+            prop_oneof![
+                Just(CapPolicy::None),
+                Just(CapPolicy::Upstream),
+                Just(CapPolicy::WindowPlusTwo)
+            ]
+        )
             .prop_map(|(bs, w, cap)| GroupSpec::sliding_window("g", bs, w, cap)),
         (0u32..3).prop_map(|n| GroupSpec::state("g", n)),
         (1u32..9).prop_map(|bs| GroupSpec::ring_buffer("g", bs)),
@@ -54,19 +73,24 @@ fn group_strategy() -> impl Strategy<Value = GroupSpec> {
 }
 
 fn layout_strategy() -> impl Strategy<Value = KvLayout> {
-    (prop::collection::vec(group_strategy(), 1..4), 2u32..80, 16u32..128).prop_map(|(mut groups, num_blocks, mml)| {
-        for (i, g) in groups.iter_mut().enumerate() {
-            g.name = format!("g{i}");
-        }
-        KvLayout {
-            num_blocks: Some(num_blocks),
-            kv_cache_memory_bytes: None,
-            max_model_len: mml,
-            max_in_flight_tokens: None,
-            watermark: 0.0,
-            groups,
-        }
-    })
+    (
+        prop::collection::vec(group_strategy(), 1..4),
+        2u32..80,
+        16u32..128,
+    )
+        .prop_map(|(mut groups, num_blocks, mml)| {
+            for (i, g) in groups.iter_mut().enumerate() {
+                g.name = format!("g{i}");
+            }
+            KvLayout {
+                num_blocks: Some(num_blocks),
+                kv_cache_memory_bytes: None,
+                max_model_len: mml,
+                max_in_flight_tokens: None,
+                watermark: 0.0,
+                groups,
+            }
+        })
 }
 
 proptest! {

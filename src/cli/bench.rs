@@ -27,10 +27,16 @@ pub enum BenchCommand {
 #[derive(Debug, Args)]
 pub struct KvReplayArgs {
     /// Layout (JSON/RON).
-    #[arg(long, default_value = "tests/golden/kv/bench/glm53_dflash2_upstream.layout.json")]
+    #[arg(
+        long,
+        default_value = "tests/golden/kv/bench/glm53_dflash2_upstream.layout.json"
+    )]
     pub layout: PathBuf,
     /// Operations (JSON lines).
-    #[arg(long, default_value = "tests/golden/kv/bench/glm53_dflash2_upstream_100k.ops.jsonl")]
+    #[arg(
+        long,
+        default_value = "tests/golden/kv/bench/glm53_dflash2_upstream_100k.ops.jsonl"
+    )]
     pub ops: PathBuf,
     /// vLLM's results for the same trace (from the generator's --out-results), to check equality.
     #[arg(long)]
@@ -61,7 +67,10 @@ fn kv_replay(a: KvReplayArgs) -> anyhow::Result<ExitCode> {
         let Some(py) = &a.python else {
             bail!("{} or {} does not exist; pass --python <python with vllm==0.33.0> to generate it (recipes/README.md)", a.layout.display(), a.ops.display())
         };
-        let results = a.vllm_results.clone().unwrap_or_else(|| a.ops.with_extension("results.jsonl"));
+        let results = a
+            .vllm_results
+            .clone()
+            .unwrap_or_else(|| a.ops.with_extension("results.jsonl"));
         let st = Command::new(py)
             .arg(&recipe)
             .args(["--gen", &a.gen.to_string(), "--seed", "0", "--out-layout"])
@@ -94,10 +103,12 @@ fn kv_replay(a: KvReplayArgs) -> anyhow::Result<ExitCode> {
     }
     let mut checked = None;
     if let Some(p) = &a.vllm_results {
-        let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        let text =
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
         let mut mismatches = 0usize;
         for (i, (line, res)) in text.lines().zip(&last).enumerate() {
-            let want: serde_json::Value = serde_json::from_str(line).with_context(|| format!("{}:{}", p.display(), i + 1))?;
+            let want: serde_json::Value =
+                serde_json::from_str(line).with_context(|| format!("{}:{}", p.display(), i + 1))?;
             let got: serde_json::Value = serde_json::from_str(&res.to_json())?;
             if want.get("blocks") != got.get("blocks") || want.get("free") != got.get("free") {
                 mismatches += 1;
@@ -105,7 +116,10 @@ fn kv_replay(a: KvReplayArgs) -> anyhow::Result<ExitCode> {
         }
         checked = Some(mismatches);
         if mismatches > 0 {
-            bail!("{mismatches} of {n} results differ from vLLM's ({})", p.display());
+            bail!(
+                "{mismatches} of {n} results differ from vLLM's ({})",
+                p.display()
+            );
         }
     }
     let mut vllm_s = None;
@@ -119,10 +133,14 @@ fn kv_replay(a: KvReplayArgs) -> anyhow::Result<ExitCode> {
             .output()
             .with_context(|| format!("running {} {}", py.display(), recipe.display()))?;
         if !out.status.success() {
-            bail!("vLLM replay failed: {}", String::from_utf8_lossy(&out.stderr));
+            bail!(
+                "vLLM replay failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         let line = String::from_utf8_lossy(&out.stdout);
-        let v: serde_json::Value = serde_json::from_str(line.trim().lines().last().unwrap_or("")).context("parsing the recipe's JSON")?;
+        let v: serde_json::Value = serde_json::from_str(line.trim().lines().last().unwrap_or(""))
+            .context("parsing the recipe's JSON")?;
         vllm_s = v.get("seconds").and_then(|s| s.as_f64());
     }
     let ratio = vllm_s.map(|v| v / best);
@@ -132,10 +150,23 @@ fn kv_replay(a: KvReplayArgs) -> anyhow::Result<ExitCode> {
             serde_json::json!({"ops": n, "speclab_seconds": best, "vllm_seconds": vllm_s, "ratio": ratio, "results_checked_against_vllm": checked.map(|m| m == 0)})
         );
     } else {
-        println!("trace: {} ({n} ops), layout {}", a.ops.display(), a.layout.display());
-        println!("speclab  : {:>10.3} ms  ({:.0} ops/s, best of {})", best * 1e3, n as f64 / best, a.repeat.max(1));
+        println!(
+            "trace: {} ({n} ops), layout {}",
+            a.ops.display(),
+            a.layout.display()
+        );
+        println!(
+            "speclab  : {:>10.3} ms  ({:.0} ops/s, best of {})",
+            best * 1e3,
+            n as f64 / best,
+            a.repeat.max(1)
+        );
         if let Some(v) = vllm_s {
-            println!("vLLM py  : {:>10.3} ms  ({:.0} ops/s)", v * 1e3, n as f64 / v);
+            println!(
+                "vLLM py  : {:>10.3} ms  ({:.0} ops/s)",
+                v * 1e3,
+                n as f64 / v
+            );
         }
         if let Some(r) = ratio {
             println!("ratio    : speclab is {r:.1}x faster");

@@ -219,7 +219,13 @@ fn options(
     }
 }
 
-fn fcfs(a: &EngineArgs) -> impl FnMut(&KvCacheManager, &SchedulerParams, &[EngineRequest]) -> speclab_engine::Result<Box<dyn Scheduler>> {
+fn fcfs(
+    a: &EngineArgs,
+) -> impl FnMut(
+    &KvCacheManager,
+    &SchedulerParams,
+    &[EngineRequest],
+) -> speclab_engine::Result<Box<dyn Scheduler>> {
     speclab_schedulers::fcfs_factory(a.max_num_seqs, a.max_num_batched_tokens)
 }
 

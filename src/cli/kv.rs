@@ -41,7 +41,13 @@ pub enum KvCommand {
 
 pub fn run(c: KvCommand) -> anyhow::Result<ExitCode> {
     match c {
-        KvCommand::Replay { layout, ops, json: _, summary, check_startup } => replay_cmd(&layout, &ops, summary, check_startup),
+        KvCommand::Replay {
+            layout,
+            ops,
+            json: _,
+            summary,
+            check_startup,
+        } => replay_cmd(&layout, &ops, summary, check_startup),
     }
 }
 
@@ -57,7 +63,12 @@ fn is_broken_pipe(e: &std::io::Error) -> bool {
     e.kind() == std::io::ErrorKind::BrokenPipe
 }
 
-fn replay_cmd(layout_path: &Path, ops_path: &Path, summary: bool, check_startup: bool) -> anyhow::Result<ExitCode> {
+fn replay_cmd(
+    layout_path: &Path,
+    ops_path: &Path,
+    summary: bool,
+    check_startup: bool,
+) -> anyhow::Result<ExitCode> {
     let layout = replay::load_layout(layout_path).map_err(flat)?;
     let trace = replay::parse_ops(ops_path).map_err(flat)?;
     let mut r = Replayer::with_options(&layout, ReplayOptions { check_startup })

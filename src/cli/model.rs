@@ -88,13 +88,26 @@ pub fn init_model(a: InitModelArgs) -> anyhow::Result<ExitCode> {
     if cfg.num_parameters() > 2_000_000_000 {
         bail!("preset {} has {} parameters: random weights that large are for memory planning only, not written", a.preset, cfg.num_parameters());
     }
-    let cfg = if a.w4a16 { cfg.with_quantization() } else { cfg };
+    let cfg = if a.w4a16 {
+        cfg.with_quantization()
+    } else {
+        cfg
+    };
     let w = ModelWeights::random(&cfg, a.seed, a.w4a16)?;
     let files = w.save_sharded(&a.out, a.max_shard_mib.map(|m| m << 20))?;
     if a.json {
-        println!("{}", serde_json::json!({"out": a.out, "preset": a.preset, "seed": a.seed, "w4a16": a.w4a16, "files": files, "parameters": cfg.num_parameters()}));
+        println!(
+            "{}",
+            serde_json::json!({"out": a.out, "preset": a.preset, "seed": a.seed, "w4a16": a.w4a16, "files": files, "parameters": cfg.num_parameters()})
+        );
     } else {
-        println!("wrote {} ({} parameters, {}) to {}", a.preset, cfg.num_parameters(), if a.w4a16 { "W4A16 experts" } else { "bf16" }, a.out.display());
+        println!(
+            "wrote {} ({} parameters, {}) to {}",
+            a.preset,
+            cfg.num_parameters(),
+            if a.w4a16 { "W4A16 experts" } else { "bf16" },
+            a.out.display()
+        );
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -103,7 +116,9 @@ fn load_calib(a: &QuantizeArgs, vocab: usize) -> anyhow::Result<Vec<Vec<u32>>> {
     let mut seqs: Vec<Vec<u32>> = match (&a.calib, &a.calib_random) {
         (Some(_), Some(_)) => bail!("give --calib or --calib-random, not both"),
         (None, None) => match a.method {
-            MethodArg::Gptq => bail!("GPTQ needs calibration tokens: --calib FILE (or --calib-random N:LEN for tests)"),
+            MethodArg::Gptq => bail!(
+                "GPTQ needs calibration tokens: --calib FILE (or --calib-random N:LEN for tests)"
+            ),
             MethodArg::Rtn => vec![],
         },
         (None, Some(spec)) => {
@@ -113,7 +128,13 @@ fn load_calib(a: &QuantizeArgs, vocab: usize) -> anyhow::Result<Vec<Vec<u32>>> {
                 .with_context(|| format!("--calib-random {spec:?}: expected N:LEN, e.g. 16:256"))?;
             use rand::{Rng, SeedableRng};
             let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(a.seed);
-            (0..n).map(|_| (0..len).map(|_| rng.random_range(0..vocab as u32)).collect()).collect()
+            (0..n)
+                .map(|_| {
+                    (0..len)
+                        .map(|_| rng.random_range(0..vocab as u32))
+                        .collect()
+                })
+                .collect()
         }
         (Some(p), None) => read_calib_file(p, &a.calib_tensor)?,
     };
@@ -126,24 +147,48 @@ fn load_calib(a: &QuantizeArgs, vocab: usize) -> anyhow::Result<Vec<Vec<u32>>> {
 fn read_calib_file(p: &Path, tensor: &str) -> anyhow::Result<Vec<Vec<u32>>> {
     match p.extension().and_then(|e| e.to_str()) {
         Some("json") => {
-            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-            let v: Vec<Vec<u32>> = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}:{}:{}: expected a JSON list of token-id lists: {e}", p.display(), e.line(), e.column()))?;
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let v: Vec<Vec<u32>> = serde_json::from_str(&text).map_err(|e| {
+                anyhow::anyhow!(
+                    "{}:{}:{}: expected a JSON list of token-id lists: {e}",
+                    p.display(),
+                    e.line(),
+                    e.column()
+                )
+            })?;
             Ok(v)
         }
         Some("safetensors") => {
             let ck = Checkpoint::open_file(p)?;
             let names: Vec<&str> = ck.names().collect();
-            let shape = ck.shape(tensor).with_context(|| format!("{}: no tensor {tensor:?} (names: {names:?})", p.display()))?;
+            let shape = ck.shape(tensor).with_context(|| {
+                format!("{}: no tensor {tensor:?} (names: {names:?})", p.display())
+            })?;
             if shape.len() != 2 {
-                bail!("{}: tensor {tensor:?} has shape {shape:?}, expected [n, len]", p.display());
+                bail!(
+                    "{}: tensor {tensor:?} has shape {shape:?}, expected [n, len]",
+                    p.display()
+                );
             }
             let (flat, _) = ck.i32_any_shape(tensor)?;
             let len = shape[1];
             flat.chunks(len.max(1))
-                .map(|row| row.iter().map(|&t| u32::try_from(t).map_err(|_| anyhow::anyhow!("{}: {tensor}: negative token id {t}", p.display()))).collect())
+                .map(|row| {
+                    row.iter()
+                        .map(|&t| {
+                            u32::try_from(t).map_err(|_| {
+                                anyhow::anyhow!("{}: {tensor}: negative token id {t}", p.display())
+                            })
+                        })
+                        .collect()
+                })
                 .collect()
         }
-        _ => bail!("{}: calibration file must be .safetensors or .json", p.display()),
+        _ => bail!(
+            "{}: calibration file must be .safetensors or .json",
+            p.display()
+        ),
     }
 }
 
@@ -152,10 +197,20 @@ pub fn quantize(a: QuantizeArgs) -> anyhow::Result<ExitCode> {
     let cfg = ModelConfig::from_file(&a.model.join("config.json"))?;
     let calib = load_calib(&a, cfg.vocab_size)?;
     let method = match a.method {
-        MethodArg::Gptq => Method::Gptq(GptqConfig { dampening: a.dampening, static_groups: a.static_groups, ..GptqConfig::default() }),
+        MethodArg::Gptq => Method::Gptq(GptqConfig {
+            dampening: a.dampening,
+            static_groups: a.static_groups,
+            ..GptqConfig::default()
+        }),
         MethodArg::Rtn => Method::Rtn,
     };
-    let job = QuantizeJob { model_dir: &a.model, out_dir: &a.out, calib: &calib, method, max_shard_bytes: a.max_shard_mib.map(|m| m << 20) };
+    let job = QuantizeJob {
+        model_dir: &a.model,
+        out_dir: &a.out,
+        calib: &calib,
+        method,
+        max_shard_bytes: a.max_shard_mib.map(|m| m << 20),
+    };
     let quiet = a.json;
     let report = quantize_model(&job, &mut |line| {
         if !quiet {
@@ -168,12 +223,31 @@ pub fn quantize(a: QuantizeArgs) -> anyhow::Result<ExitCode> {
     if a.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        println!("{} on {} calibration sequences ({} tokens) -> {}", report.method, report.calib_sequences, report.calib_tokens, a.out.display());
-        println!("{:<46} {:>10} {:>12} {:>12} {:>7}", "matrix", "rows", "proxy loss", "RTN proxy", "ratio");
+        println!(
+            "{} on {} calibration sequences ({} tokens) -> {}",
+            report.method,
+            report.calib_sequences,
+            report.calib_tokens,
+            a.out.display()
+        );
+        println!(
+            "{:<46} {:>10} {:>12} {:>12} {:>7}",
+            "matrix", "rows", "proxy loss", "RTN proxy", "ratio"
+        );
         for m in &report.matrices {
-            println!("{:<46} {:>10} {:>12.4e} {:>12.4e} {:>7.3}", m.module, m.calib_rows, m.proxy_loss, m.rtn_proxy_loss, m.proxy_loss / m.rtn_proxy_loss);
+            println!(
+                "{:<46} {:>10} {:>12.4e} {:>12.4e} {:>7.3}",
+                m.module,
+                m.calib_rows,
+                m.proxy_loss,
+                m.rtn_proxy_loss,
+                m.proxy_loss / m.rtn_proxy_loss
+            );
         }
-        println!("total proxy loss vs RTN: {:.3}", report.total_proxy_ratio_vs_rtn);
+        println!(
+            "total proxy loss vs RTN: {:.3}",
+            report.total_proxy_ratio_vs_rtn
+        );
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -219,14 +293,36 @@ pub fn eval_ce(weights: &ModelWeights, seqs: &[Vec<u32>]) -> anyhow::Result<(f64
             AllocOutcome::Allocated(_) => {}
             AllocOutcome::NoFit => bail!("sequence {i} does not fit the KV pool"),
         }
-        let out = runner.forward(&kv, &[SeqChunk { slot, tokens: s, start_pos: 0, snapshot: false }])?;
+        let out = runner.forward(
+            &kv,
+            &[SeqChunk {
+                slot,
+                tokens: s,
+                start_pos: 0,
+                snapshot: false,
+            }],
+        )?;
         for t in 0..s.len() - 1 {
             let row = &out.logits[t * v..(t + 1) * v];
             let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
-            let lse = m + row.iter().map(|&x| ((x as f64) - m).exp()).sum::<f64>().ln();
+            let lse = m + row
+                .iter()
+                .map(|&x| ((x as f64) - m).exp())
+                .sum::<f64>()
+                .ln();
             let target = s[t + 1] as usize;
             nll += lse - row[target] as f64;
-            let arg = row.iter().enumerate().fold((0, f32::NEG_INFINITY), |(bi, bv), (j, &x)| if x > bv { (j, x) } else { (bi, bv) }).0;
+            let arg = row
+                .iter()
+                .enumerate()
+                .fold((0, f32::NEG_INFINITY), |(bi, bv), (j, &x)| {
+                    if x > bv {
+                        (j, x)
+                    } else {
+                        (bi, bv)
+                    }
+                })
+                .0;
             correct += u64::from(arg == target);
             n += 1;
         }
@@ -255,7 +351,15 @@ pub fn eval_ppl(a: EvalPplArgs) -> anyhow::Result<ExitCode> {
             "top1": top1, "positions": n, "seconds": t0.elapsed().as_secs_f64(),
         });
         if !a.json {
-            println!("{:<40} ce {:.4} nats  ppl {:.3}  top1 {:.4}  ({} positions, {:.1} s)", m.display(), ce, ce.exp(), top1, n, t0.elapsed().as_secs_f64());
+            println!(
+                "{:<40} ce {:.4} nats  ppl {:.3}  top1 {:.4}  ({} positions, {:.1} s)",
+                m.display(),
+                ce,
+                ce.exp(),
+                top1,
+                n,
+                t0.elapsed().as_secs_f64()
+            );
         }
         rows.push(row);
     }

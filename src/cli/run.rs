@@ -18,8 +18,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use speclab_experiments::bounds::{self, ProbeCtx};
 use speclab_experiments::findings;
 use speclab_experiments::manifest::{cap_name, Manifest};
-use speclab_experiments::record::{LegRecord, RunRecord};
 use speclab_experiments::real_run;
+use speclab_experiments::record::{LegRecord, RunRecord};
 use speclab_experiments::runner::{self, Progress, RunCtx};
 
 /// The manifest `speclab run` uses first when none is given (simulated, no weights).
@@ -73,7 +73,8 @@ pub struct FindingsArgs {
 fn load_manifest(path: Option<&Path>) -> anyhow::Result<(Manifest, PathBuf, String)> {
     match path {
         Some(p) => {
-            let text = std::fs::read_to_string(p).with_context(|| format!("reading manifest {}", p.display()))?;
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("reading manifest {}", p.display()))?;
             let m: Manifest = speclab_experiments::manifest::parse_ron(p, &text)?;
             m.validate(p)?;
             Ok((m, p.to_path_buf(), text))
@@ -95,7 +96,10 @@ impl Progress for Bar {
     fn leg_start(&mut self, index: usize, total: usize, id: &str, skipped: bool) {
         if let Some(b) = &self.bar {
             b.set_prefix(format!("leg {}/{}", index + 1, total));
-            b.set_message(format!("{id}{}", if skipped { " (recorded, skipped)" } else { "" }));
+            b.set_message(format!(
+                "{id}{}",
+                if skipped { " (recorded, skipped)" } else { "" }
+            ));
             b.set_position(0);
         }
     }
@@ -108,7 +112,10 @@ impl Progress for Bar {
     }
     fn leg_done(&mut self, leg: &LegRecord) {
         if let Some(b) = &self.bar {
-            b.println(format!("  {}", findings::chain_line(leg).replace("**", "").replace('`', "")));
+            b.println(format!(
+                "  {}",
+                findings::chain_line(leg).replace("**", "").replace('`', "")
+            ));
         }
     }
 }
@@ -118,7 +125,10 @@ fn bar(enabled: bool) -> Bar {
         return Bar { bar: None };
     }
     let b = ProgressBar::new_spinner();
-    b.set_style(ProgressStyle::with_template("{spinner} {prefix} {msg} [{pos} steps, {elapsed}]").unwrap_or_else(|_| ProgressStyle::default_spinner()));
+    b.set_style(
+        ProgressStyle::with_template("{spinner} {prefix} {msg} [{pos} steps, {elapsed}]")
+            .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+    );
     b.enable_steady_tick(std::time::Duration::from_millis(120));
     Bar { bar: Some(b) }
 }
@@ -148,11 +158,20 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn run_one(a: &RunArgs, m: Manifest, mpath: PathBuf, text: String) -> anyhow::Result<ExitCode> {
-    let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(format!("{}.json", m.name)));
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("runs").join(format!("{}.json", m.name)));
     if a.dry_run {
         return dry_run(&m, &mpath, &text, &out, a.fresh, a.json);
     }
-    let ctx = RunCtx { manifest: &m, manifest_path: &mpath, manifest_text: &text, record_path: &out, resume: !a.fresh };
+    let ctx = RunCtx {
+        manifest: &m,
+        manifest_path: &mpath,
+        manifest_text: &text,
+        record_path: &out,
+        resume: !a.fresh,
+    };
     let mut progress = bar(!a.json && std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let rec = runner::run_manifest(&ctx, &mut progress)?;
     if let Some(b) = progress.bar.take() {
@@ -167,9 +186,19 @@ fn run_one(a: &RunArgs, m: Manifest, mpath: PathBuf, text: String) -> anyhow::Re
 }
 
 /// `speclab run --dry-run`: the legs of a validated manifest, and which a resume would skip.
-fn dry_run(m: &Manifest, mpath: &Path, text: &str, out: &Path, fresh: bool, json: bool) -> anyhow::Result<ExitCode> {
+fn dry_run(
+    m: &Manifest,
+    mpath: &Path,
+    text: &str,
+    out: &Path,
+    fresh: bool,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
     let (ids, notes): (Vec<String>, Vec<String>) = match &m.real {
-        Some(r) => (r.legs().into_iter().map(|l| l.id).collect(), r.skipped_drafters().into_iter().map(|(_, n)| n).collect()),
+        Some(r) => (
+            r.legs().into_iter().map(|l| l.id).collect(),
+            r.skipped_drafters().into_iter().map(|(_, n)| n).collect(),
+        ),
         None => (m.legs()?.into_iter().map(|l| l.id).collect(), vec![]),
     };
     let recorded: Vec<String> = match (fresh, out.exists()) {
@@ -185,9 +214,23 @@ fn dry_run(m: &Manifest, mpath: &Path, text: &str, out: &Path, fresh: bool, json
             serde_json::json!({"manifest": mpath.display().to_string(), "name": m.name, "real": m.is_real(), "record": out.display().to_string(), "legs": ids, "recorded": recorded, "notes": notes})
         );
     } else {
-        println!("{} ({} legs{}) -> record {}", mpath.display(), ids.len(), if m.is_real() { ", real engine" } else { "" }, out.display());
+        println!(
+            "{} ({} legs{}) -> record {}",
+            mpath.display(),
+            ids.len(),
+            if m.is_real() { ", real engine" } else { "" },
+            out.display()
+        );
         for (i, id) in ids.iter().enumerate() {
-            println!("{:>3}. {id}{}", i + 1, if recorded.contains(id) { " (recorded)" } else { "" });
+            println!(
+                "{:>3}. {id}{}",
+                i + 1,
+                if recorded.contains(id) {
+                    " (recorded)"
+                } else {
+                    ""
+                }
+            );
         }
         for n in &notes {
             println!("note: {n}");
@@ -197,9 +240,18 @@ fn dry_run(m: &Manifest, mpath: &Path, text: &str, out: &Path, fresh: bool, json
 }
 
 fn print_run(rec: &RunRecord, out: &Path) {
-    println!("{} ({} legs) -> record {}", rec.manifest_path, rec.legs.len(), out.display());
+    println!(
+        "{} ({} legs) -> record {}",
+        rec.manifest_path,
+        rec.legs.len(),
+        out.display()
+    );
     for (i, l) in rec.legs.iter().enumerate() {
-        println!("{:>3}. {}", i + 1, findings::chain_line(l).replace("**", "").replace('`', ""));
+        println!(
+            "{:>3}. {}",
+            i + 1,
+            findings::chain_line(l).replace("**", "").replace('`', "")
+        );
         if let (Some(n), None) = (&l.note, &l.real) {
             println!("       {n}");
         }
@@ -253,7 +305,9 @@ pub fn bounds(a: BoundsArgs) -> anyhow::Result<ExitCode> {
             };
             println!(
                 "block_size {:>5} cap {:<15} pool {:>6} blocks: {what}",
-                leg.block_size.map(|b| b.to_string()).unwrap_or_else(|| "-".into()),
+                leg.block_size
+                    .map(|b| b.to_string())
+                    .unwrap_or_else(|| "-".into()),
                 cap_name(leg.cap),
                 leg.num_blocks
             );
@@ -297,7 +351,12 @@ pub fn verify_manifest(path: &Path, json: bool) -> anyhow::Result<ExitCode> {
     let mut all_ok = true;
     for (i, &(d, n, c)) in legs.iter().enumerate() {
         if !json {
-            eprintln!("[{}/{}] drafter={} n={n} c={c} ...", i + 1, legs.len(), d.name());
+            eprintln!(
+                "[{}/{}] drafter={} n={n} c={c} ...",
+                i + 1,
+                legs.len(),
+                d.name()
+            );
         }
         let (leg, _) = runner.verify_leg(d, n, c)?;
         all_ok &= leg.lossless;
@@ -314,7 +373,11 @@ pub fn verify_manifest(path: &Path, json: bool) -> anyhow::Result<ExitCode> {
                 leg.wall_s
             );
             for mm in &leg.mismatches {
-                let verdict = if mm.margin <= 1e-3 { "near tie: numeric drift likely" } else { "clear margin: logic bug likely" };
+                let verdict = if mm.margin <= 1e-3 {
+                    "near tie: numeric drift likely"
+                } else {
+                    "clear margin: logic bug likely"
+                };
                 println!(
                     "  request {}: first divergence at output {}: reference {:?} vs drafter {:?}; target top1 {} ({:.6}) top2 {} ({:.6}), margin {:.3e} -> {verdict}",
                     mm.request, mm.index, mm.reference_token, mm.candidate_token, mm.top1_token, mm.top1_logit, mm.top2_token, mm.top2_logit, mm.margin
@@ -323,7 +386,11 @@ pub fn verify_manifest(path: &Path, json: bool) -> anyhow::Result<ExitCode> {
         }
         rows.push(leg);
     }
-    let skipped: Vec<String> = real.skipped_drafters().into_iter().map(|(_, n)| n).collect();
+    let skipped: Vec<String> = real
+        .skipped_drafters()
+        .into_iter()
+        .map(|(_, n)| n)
+        .collect();
     if json {
         println!(
             "{}",
@@ -335,7 +402,16 @@ pub fn verify_manifest(path: &Path, json: bool) -> anyhow::Result<ExitCode> {
         }
         let equal: usize = rows.iter().map(|r| r.requests_equal).sum();
         let total: usize = rows.iter().map(|r| r.num_requests).sum();
-        println!("{}: {} legs, {equal}/{total} request checks equal: {}", mpath.display(), rows.len(), if all_ok { "PASS" } else { "FAIL" });
+        println!(
+            "{}: {} legs, {equal}/{total} request checks equal: {}",
+            mpath.display(),
+            rows.len(),
+            if all_ok { "PASS" } else { "FAIL" }
+        );
     }
-    Ok(if all_ok { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    Ok(if all_ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }

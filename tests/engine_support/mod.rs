@@ -12,7 +12,11 @@ use speclab_engine::Scheduler;
 pub fn fcfs(
     max_num_batched_tokens: u64,
     max_num_seqs: usize,
-) -> impl FnMut(&KvCacheManager, &SchedulerParams, &[EngineRequest]) -> speclab_engine::Result<Box<dyn Scheduler>> {
+) -> impl FnMut(
+    &KvCacheManager,
+    &SchedulerParams,
+    &[EngineRequest],
+) -> speclab_engine::Result<Box<dyn Scheduler>> {
     speclab_schedulers::fcfs_factory(max_num_seqs, max_num_batched_tokens)
 }
 
@@ -261,7 +265,10 @@ pub fn assert_metrics_consistent(run: &EngineRun, reqs: &[EngineRequest], label:
         "{label}"
     );
     assert_eq!(out, run.output_tokens, "{label}");
-    assert!(run.spec.accepted_per_position.first().copied().unwrap_or(0) <= run.spec.num_drafts, "{label}");
+    assert!(
+        run.spec.accepted_per_position.first().copied().unwrap_or(0) <= run.spec.num_drafts,
+        "{label}"
+    );
     for (r, q) in run.requests.iter().zip(reqs) {
         assert_eq!(r.id, q.id);
         assert!(

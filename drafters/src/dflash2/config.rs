@@ -161,7 +161,9 @@ const UNSUPPORTED_KNOBS: [(&str, Option<f64>); 6] = [
 fn check_knobs(extra: &BTreeMap<String, Value>, prefix: &str, vocab: usize) -> Result<()> {
     for (name, neutral) in UNSUPPORTED_KNOBS {
         let Some(v) = extra.get(name) else { continue };
-        let ok = v.is_null() || matches!((neutral, v.as_f64()), (Some(n), Some(x)) if x == n) || v == &Value::Bool(false);
+        let ok = v.is_null()
+            || matches!((neutral, v.as_f64()), (Some(n), Some(x)) if x == n)
+            || v == &Value::Bool(false);
         if !ok {
             return Err(invalid(
                 &format!("{prefix}{name}"),
@@ -348,9 +350,18 @@ impl DFlash2Config {
             ));
         }
         if self.model_type != MODEL_TYPE {
-            return Err(invalid("model_type", format!("{:?}: must be {MODEL_TYPE:?}", self.model_type)));
+            return Err(invalid(
+                "model_type",
+                format!("{:?}: must be {MODEL_TYPE:?}", self.model_type),
+            ));
         }
-        let pos = |key: &str, v: usize| if v == 0 { Err(invalid(key, "must be > 0")) } else { Ok(()) };
+        let pos = |key: &str, v: usize| {
+            if v == 0 {
+                Err(invalid(key, "must be > 0"))
+            } else {
+                Ok(())
+            }
+        };
         pos("hidden_size", self.hidden_size)?;
         pos("vocab_size", self.vocab_size)?;
         pos("num_hidden_layers", self.num_hidden_layers)?;
@@ -360,7 +371,10 @@ impl DFlash2Config {
         pos("intermediate_size", self.intermediate_size)?;
         pos("sliding_window", self.sliding_window)?;
         pos("num_target_layers", self.num_target_layers)?;
-        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return Err(invalid(
                 "num_attention_heads",
                 format!(
@@ -370,15 +384,26 @@ impl DFlash2Config {
             ));
         }
         if !self.head_dim.is_multiple_of(2) {
-            return Err(invalid("head_dim", format!("{} must be even (rotate-half RoPE)", self.head_dim)));
+            return Err(invalid(
+                "head_dim",
+                format!("{} must be even (rotate-half RoPE)", self.head_dim),
+            ));
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
-            return Err(invalid("rms_norm_eps", format!("{} must be finite and > 0", self.rms_norm_eps)));
+            return Err(invalid(
+                "rms_norm_eps",
+                format!("{} must be finite and > 0", self.rms_norm_eps),
+            ));
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
-            return Err(invalid("rope_theta", format!("{} must be finite and > 0", self.rope_theta)));
+            return Err(invalid(
+                "rope_theta",
+                format!("{} must be finite and > 0", self.rope_theta),
+            ));
         }
-        if self.layer_types.len() != self.num_hidden_layers || self.layer_types.iter().any(|t| t != SLIDING_ATTENTION) {
+        if self.layer_types.len() != self.num_hidden_layers
+            || self.layer_types.iter().any(|t| t != SLIDING_ATTENTION)
+        {
             return Err(invalid(
                 "layer_types",
                 format!(
@@ -399,13 +424,19 @@ impl DFlash2Config {
         if self.block_size < 2 {
             return Err(invalid(
                 "block_size",
-                format!("{} must be >= 2 (an anchor plus at least one mask)", self.block_size),
+                format!(
+                    "{} must be >= 2 (an anchor plus at least one mask)",
+                    self.block_size
+                ),
             ));
         }
         if self.block_size > self.sliding_window {
             return Err(invalid(
                 "block_size",
-                format!("{} must be <= sliding_window {}", self.block_size, self.sliding_window),
+                format!(
+                    "{} must be <= sliding_window {}",
+                    self.block_size, self.sliding_window
+                ),
             ));
         }
         if self.hidden_size != self.target_hidden_size {
@@ -419,9 +450,16 @@ impl DFlash2Config {
         }
         let dc = &self.dflash_config;
         if dc.target_layer_ids.is_empty() {
-            return Err(invalid("dflash_config.target_layer_ids", "must name at least one target layer"));
+            return Err(invalid(
+                "dflash_config.target_layer_ids",
+                "must name at least one target layer",
+            ));
         }
-        if let Some(&bad) = dc.target_layer_ids.iter().find(|&&i| i >= self.num_target_layers) {
+        if let Some(&bad) = dc
+            .target_layer_ids
+            .iter()
+            .find(|&&i| i >= self.num_target_layers)
+        {
             return Err(invalid(
                 "dflash_config.target_layer_ids",
                 format!(
@@ -433,7 +471,10 @@ impl DFlash2Config {
         if dc.mask_token_id as usize >= self.vocab_size {
             return Err(invalid(
                 "dflash_config.mask_token_id",
-                format!("{} is not below vocab_size {}", dc.mask_token_id, self.vocab_size),
+                format!(
+                    "{} is not below vocab_size {}",
+                    dc.mask_token_id, self.vocab_size
+                ),
             ));
         }
         if dc.conv_kernel_size == 0 {
@@ -442,7 +483,10 @@ impl DFlash2Config {
         if dc.conv_group_size == 0 || !self.hidden_size.is_multiple_of(dc.conv_group_size) {
             return Err(invalid(
                 "dflash_config.conv_group_size",
-                format!("{} must be > 0 and divide hidden_size {}", dc.conv_group_size, self.hidden_size),
+                format!(
+                    "{} must be > 0 and divide hidden_size {}",
+                    dc.conv_group_size, self.hidden_size
+                ),
             ));
         }
         if dc.selector_rank == 0 {
@@ -451,11 +495,17 @@ impl DFlash2Config {
         if dc.selector_top_k == 0 || dc.selector_top_k > self.vocab_size {
             return Err(invalid(
                 "dflash_config.selector_top_k",
-                format!("{} must be in 1..={} (vocab_size)", dc.selector_top_k, self.vocab_size),
+                format!(
+                    "{} must be in 1..={} (vocab_size)",
+                    dc.selector_top_k, self.vocab_size
+                ),
             ));
         }
         if self.hidden_act != "silu" {
-            return Err(invalid("hidden_act", format!("{:?}: only \"silu\" is supported", self.hidden_act)));
+            return Err(invalid(
+                "hidden_act",
+                format!("{:?}: only \"silu\" is supported", self.hidden_act),
+            ));
         }
         if self.attention_bias {
             return Err(invalid(
@@ -583,7 +633,8 @@ impl DFlash2Config {
         if block_size == 0 {
             return Err(invalid("<kv group>.block_size", "must be > 0"));
         }
-        let window = u32::try_from(self.sliding_window).map_err(|_| invalid("sliding_window", "exceeds u32"))?;
+        let window = u32::try_from(self.sliding_window)
+            .map_err(|_| invalid("sliding_window", "exceeds u32"))?;
         let mut g = GroupSpec::sliding_window(KV_GROUP_NAME, block_size, window, cap);
         g.memory = Some(GroupMemory {
             num_layers: self.num_hidden_layers as u32,
@@ -617,25 +668,61 @@ impl DFlash2Config {
         for li in 0..l {
             let p = format!("layers.{li}");
             push(format!("{p}.input_layernorm.weight"), vec![h], false);
-            push(format!("{p}.self_attn.q_proj.weight"), vec![nh * d, h], false);
-            push(format!("{p}.self_attn.k_proj.weight"), vec![nkv * d, h], false);
-            push(format!("{p}.self_attn.v_proj.weight"), vec![nkv * d, h], false);
-            push(format!("{p}.self_attn.o_proj.weight"), vec![h, nh * d], false);
+            push(
+                format!("{p}.self_attn.q_proj.weight"),
+                vec![nh * d, h],
+                false,
+            );
+            push(
+                format!("{p}.self_attn.k_proj.weight"),
+                vec![nkv * d, h],
+                false,
+            );
+            push(
+                format!("{p}.self_attn.v_proj.weight"),
+                vec![nkv * d, h],
+                false,
+            );
+            push(
+                format!("{p}.self_attn.o_proj.weight"),
+                vec![h, nh * d],
+                false,
+            );
             push(format!("{p}.self_attn.q_norm.weight"), vec![d], false);
             push(format!("{p}.self_attn.k_norm.weight"), vec![d], false);
-            push(format!("{p}.post_attention_layernorm.weight"), vec![h], false);
+            push(
+                format!("{p}.post_attention_layernorm.weight"),
+                vec![h],
+                false,
+            );
             push(format!("{p}.mlp.gate_proj.weight"), vec![i, h], false);
             push(format!("{p}.mlp.up_proj.weight"), vec![i, h], false);
             push(format!("{p}.mlp.down_proj.weight"), vec![h, i], false);
             for conv in ["attention_conv", "mlp_conv"] {
                 push(format!("{p}.{conv}.base_kernel"), vec![2, k, h], true);
-                push(format!("{p}.{conv}.kernel_projection.weight"), vec![2 * k * g, h], true);
+                push(
+                    format!("{p}.{conv}.kernel_projection.weight"),
+                    vec![2 * k * g, h],
+                    true,
+                );
             }
         }
         push("norm.weight".into(), vec![h], false);
-        push("candidate_selector.predecessor_codebook".into(), vec![v, r], true);
-        push("candidate_selector.successor_codebook".into(), vec![v, r], true);
-        push("candidate_selector.hidden_projection.weight".into(), vec![r, h], true);
+        push(
+            "candidate_selector.predecessor_codebook".into(),
+            vec![v, r],
+            true,
+        );
+        push(
+            "candidate_selector.successor_codebook".into(),
+            vec![v, r],
+            true,
+        );
+        push(
+            "candidate_selector.hidden_projection.weight".into(),
+            vec![r, h],
+            true,
+        );
         out
     }
 

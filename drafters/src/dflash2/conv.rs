@@ -18,7 +18,15 @@
 ///
 /// Shapes: `y` [Q, H]; `proj` [Q, 2 * K * G] (the `kernel_projection` output);
 /// `base` [2, K, H]; `gs` channels per group (`G = H / gs`). Returns [Q, H].
-pub fn grouped_conv(y: &[f32], h: usize, proj: &[f32], base: &[f32], side: usize, k: usize, gs: usize) -> Vec<f32> {
+pub fn grouped_conv(
+    y: &[f32],
+    h: usize,
+    proj: &[f32],
+    base: &[f32],
+    side: usize,
+    k: usize,
+    gs: usize,
+) -> Vec<f32> {
     let q = y.len() / h;
     let g = h / gs;
     let mut out = vec![0.0f32; q * h];

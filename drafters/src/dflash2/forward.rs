@@ -157,7 +157,12 @@ pub fn target_features(
 }
 
 /// In v2, a conv module and its dynamic taps `kernel_projection(y)` `[Q, 2*K*G]`.
-fn conv_taps<'a>(v2: bool, cw: &'a Option<ConvWeights>, y: &[f32], q_rows: usize) -> Result<Option<(&'a ConvWeights, Vec<f32>)>> {
+fn conv_taps<'a>(
+    v2: bool,
+    cw: &'a Option<ConvWeights>,
+    y: &[f32],
+    q_rows: usize,
+) -> Result<Option<(&'a ConvWeights, Vec<f32>)>> {
     match (v2, cw) {
         (true, Some(cw)) => Ok(Some((cw, cw.proj.forward(y, q_rows)?))),
         _ => Ok(None),
@@ -192,7 +197,12 @@ impl DFlash2 {
     /// A drafter whose context K/V live in group `group` of `kv` (a sliding-window group
     /// with the drafter's window, e.g. [`DFlash2Config::kv_group`]); the KV pages are
     /// allocated for the whole pool. Checks the drafter fits `target_cfg`.
-    pub fn new(weights: DFlash2Weights, target_cfg: &ModelConfig, kv: &KvCacheManager, group: usize) -> Result<Self> {
+    pub fn new(
+        weights: DFlash2Weights,
+        target_cfg: &ModelConfig,
+        kv: &KvCacheManager,
+        group: usize,
+    ) -> Result<Self> {
         let cfg = &weights.cfg;
         cfg.validate()?;
         cfg.check_target(target_cfg)?;
@@ -228,12 +238,18 @@ impl DFlash2 {
                 )));
             }
         }
-        let block_size = usize::try_from(g.block_size).map_err(|_| bad("block_size exceeds usize".into()))?;
+        let block_size =
+            usize::try_from(g.block_size).map_err(|_| bad("block_size exceeds usize".into()))?;
         let ring_blocks = match g.cap {
             CapPolicy::WindowPlusTwo => Some(g.admission_cap_blocks.unwrap_or(u64::MAX) as usize),
             _ => None,
         };
-        let store = DraftKvStore::new(cfg.num_hidden_layers, kv.pool().num_blocks() as usize, block_size, cfg.kv_row())?;
+        let store = DraftKvStore::new(
+            cfg.num_hidden_layers,
+            kv.pool().num_blocks() as usize,
+            block_size,
+            cfg.kv_row(),
+        )?;
         Ok(Self {
             group_name: g.name.clone(),
             w: weights,
@@ -274,10 +290,12 @@ impl DFlash2 {
     /// The features of §3 (`[rows.len(), F]`) for `rows` of a target forward run with
     /// `ForwardOptions { collect_hidden: true }`.
     pub fn features(&self, out: &ForwardOut, rows: Range<usize>) -> Result<Vec<f32>> {
-        let ph = out
-            .per_layer_hidden
-            .as_deref()
-            .ok_or_else(|| input_err("target features need a forward with ForwardOptions { collect_hidden: true }".into()))?;
+        let ph = out.per_layer_hidden.as_deref().ok_or_else(|| {
+            input_err(
+                "target features need a forward with ForwardOptions { collect_hidden: true }"
+                    .into(),
+            )
+        })?;
         let cfg = &self.w.cfg;
         target_features(
             ph,
@@ -290,10 +308,9 @@ impl DFlash2 {
 
     fn check_manager(&self, kv: &KvCacheManager) -> Result<()> {
         let ok = kv.pool().num_blocks() as usize == self.store.num_blocks()
-            && kv
-                .groups()
-                .get(self.group)
-                .is_some_and(|g| g.name == self.group_name && g.block_size as usize == self.block_size);
+            && kv.groups().get(self.group).is_some_and(|g| {
+                g.name == self.group_name && g.block_size as usize == self.block_size
+            });
         if !ok {
             return Err(input_err(format!(
                 "this KvCacheManager ({} blocks) is not the one the DFlash2 drafter was built for ({} blocks, group {} `{}`)",
@@ -341,7 +358,13 @@ impl DFlash2 {
     /// Append the target features (`[T, m * H]`, §3) of positions `start_pos ..
     /// start_pos + T` of request `slot`: compute their context K/V (§4) and write them into
     /// the drafter group's blocks (module doc for the protocol).
-    pub fn append_context(&mut self, kv: &KvCacheManager, slot: ReqSlot, start_pos: usize, features: &[f32]) -> Result<()> {
+    pub fn append_context(
+        &mut self,
+        kv: &KvCacheManager,
+        slot: ReqSlot,
+        start_pos: usize,
+        features: &[f32],
+    ) -> Result<()> {
         self.check_manager(kv)?;
         let cfg = &self.w.cfg;
         let f = cfg.feature_dim();
@@ -362,12 +385,16 @@ impl DFlash2 {
                 slot.0
             )));
         }
-        let end = start_pos.checked_add(t).ok_or_else(|| input_err("position overflow".into()))?;
+        let end = start_pos
+            .checked_add(t)
+            .ok_or_else(|| input_err("position overflow".into()))?;
         // Rows at positions <= end - W are never visible to a future query (§7).
         let keep_from = start_pos.max((end + 1).saturating_sub(cfg.sliding_window));
         let rows = end - keep_from;
         let table = kv.table(self.group, slot);
-        let slots: Vec<(BlockId, usize)> = (keep_from..end).map(|p| self.locate(table, slot, p)).collect::<Result<_>>()?;
+        let slots: Vec<(BlockId, usize)> = (keep_from..end)
+            .map(|p| self.locate(table, slot, p))
+            .collect::<Result<_>>()?;
         let eps = cfg.rms_norm_eps as f32;
         let (nkv, d) = (cfg.num_key_value_heads, cfg.head_dim);
         let x = &features[(keep_from - start_pos) * f..];
@@ -379,7 +406,13 @@ impl DFlash2 {
             let v = lw.v.forward(&c, rows)?;
             let row = nkv * d;
             for (i, &(b, off)) in slots.iter().enumerate() {
-                self.store.write(l, b, off, &k[i * row..(i + 1) * row], &v[i * row..(i + 1) * row]);
+                self.store.write(
+                    l,
+                    b,
+                    off,
+                    &k[i * row..(i + 1) * row],
+                    &v[i * row..(i + 1) * row],
+                );
             }
         }
         self.ctx_len.insert(slot, end);
@@ -388,7 +421,13 @@ impl DFlash2 {
 
     /// Context K (after `k_norm` + RoPE) and V of one position of one layer, read through
     /// the block table (for tests and inspection). Shapes: [nkv, d] each.
-    pub fn context_kv(&self, kv: &KvCacheManager, slot: ReqSlot, layer: usize, pos: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+    pub fn context_kv(
+        &self,
+        kv: &KvCacheManager,
+        slot: ReqSlot,
+        layer: usize,
+        pos: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
         self.check_manager(kv)?;
         if layer >= self.w.cfg.num_hidden_layers {
             return Err(input_err(format!(
@@ -411,7 +450,13 @@ impl DFlash2 {
     /// One draft step (§5, §6): the block `[anchor, MASK x N]` at positions `anchor_pos ..`,
     /// over the context rows the window lets it see. `target` supplies the shared
     /// `embed_tokens` and `lm_head`; `rng` is required when `temperature > 0`.
-    pub fn draft(&self, kv: &KvCacheManager, target: &ModelWeights, req: &DraftRequest, rng: Option<&mut dyn RngCore>) -> Result<Draft> {
+    pub fn draft(
+        &self,
+        kv: &KvCacheManager,
+        target: &ModelWeights,
+        req: &DraftRequest,
+        rng: Option<&mut dyn RngCore>,
+    ) -> Result<Draft> {
         self.check_manager(kv)?;
         let cfg = &self.w.cfg;
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
@@ -475,19 +520,25 @@ impl DFlash2 {
         let w = cfg.sliding_window;
         let ctx_start = (p0 + 1).saturating_sub(w);
         let table = kv.table(self.group, slot);
-        let ctx_slots: Vec<(BlockId, usize)> = (ctx_start..p0).map(|p| self.locate(table, slot, p)).collect::<Result<_>>()?;
+        let ctx_slots: Vec<(BlockId, usize)> = (ctx_start..p0)
+            .map(|p| self.locate(table, slot, p))
+            .collect::<Result<_>>()?;
         let v2 = req.mode == DraftMode::V2;
         let eps = cfg.rms_norm_eps as f32;
 
         // x = embed_tokens[[anchor, MASK x N]]
         let mask = cfg.dflash_config.mask_token_id as usize;
         let mut x = Vec::with_capacity(q_rows * h);
-        x.extend_from_slice(&target.embed[req.anchor_token as usize * h..(req.anchor_token as usize + 1) * h]);
+        x.extend_from_slice(
+            &target.embed[req.anchor_token as usize * h..(req.anchor_token as usize + 1) * h],
+        );
         for _ in 0..nn {
             x.extend_from_slice(&target.embed[mask * h..(mask + 1) * h]);
         }
         let (cos, sin) = rope_tables(p0, q_rows, cfg.head_dim, cfg.rope_theta);
-        let mut layer_out = req.trace.then(|| Vec::with_capacity(cfg.num_hidden_layers * q_rows * h));
+        let mut layer_out = req
+            .trace
+            .then(|| Vec::with_capacity(cfg.num_hidden_layers * q_rows * h));
         let row = cfg.kv_row();
         let mut ck = vec![0.0f32; ctx_slots.len() * row];
         let mut cv = vec![0.0f32; ctx_slots.len() * row];
@@ -539,7 +590,11 @@ impl DFlash2 {
             (target.lm_head.forward(&hid[h..], nn)?, 0)
         };
         let lrow = |j: usize| &logits[(first + j) * v..(first + j + 1) * v]; // j = 0..N-1 -> block row j+1
-        let sample_t = if req.temperature > 0.0 { req.temperature } else { 1.0 };
+        let sample_t = if req.temperature > 0.0 {
+            req.temperature
+        } else {
+            1.0
+        };
         let want_q = req.temperature > 0.0 || req.trace;
         let mut tokens = Vec::with_capacity(nn);
         let mut q_out = want_q.then(|| Vec::with_capacity(nn));
@@ -550,7 +605,9 @@ impl DFlash2 {
                 let r = lrow(j);
                 let p = want_q.then(|| softmax_temp(r, sample_t));
                 let tok = match (&p, rng.as_deref_mut()) {
-                    (Some(p), Some(g)) if req.temperature > 0.0 => sample_index(p, g.random::<f32>()),
+                    (Some(p), Some(g)) if req.temperature > 0.0 => {
+                        sample_index(p, g.random::<f32>())
+                    }
                     _ => argmax(r),
                 };
                 tokens.push(tok as u32);
@@ -643,7 +700,11 @@ impl DFlash2 {
         sin: &[f32],
     ) -> Result<Vec<f32>> {
         let cfg = &self.w.cfg;
-        let (nh, nkv, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let (nh, nkv, d) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
         let eps = cfg.rms_norm_eps as f32;
         let gq = nh / nkv;
         let row = nkv * d;
@@ -658,7 +719,10 @@ impl DFlash2 {
         let mut scores = vec![0.0f32; s_ctx + q_rows];
         for j in 0..q_rows {
             // Visible context: P_j - pc <= W - 1.
-            let lo = (p0 + j + 1).saturating_sub(cfg.sliding_window).max(ctx_start) - ctx_start;
+            let lo = (p0 + j + 1)
+                .saturating_sub(cfg.sliding_window)
+                .max(ctx_start)
+                - ctx_start;
             for hh in 0..nh {
                 let g = hh / gq;
                 let qv = &q[(j * nh + hh) * d..(j * nh + hh + 1) * d];
@@ -715,7 +779,9 @@ mod tests {
         let target = ModelWeights::random(&tcfg, 3, false).unwrap();
         let dcfg = DFlash2Config::preset("dflash2-micro").unwrap();
         let mut layout = tcfg.kv_layout(16, 7, 32).unwrap();
-        layout.groups.push(dcfg.kv_group(8, CapPolicy::None).unwrap());
+        layout
+            .groups
+            .push(dcfg.kv_group(8, CapPolicy::None).unwrap());
         let mut kv = KvCacheManager::new(&layout, 32).unwrap();
         let view = RequestView {
             slot: ReqSlot(0),
@@ -731,11 +797,16 @@ mod tests {
             full_sequence_must_fit: true,
             has_scheduled_reqs: false,
         };
-        assert!(matches!(kv.allocate_slots(&view, args).unwrap(), AllocOutcome::Allocated(_)));
+        assert!(matches!(
+            kv.allocate_slots(&view, args).unwrap(),
+            AllocOutcome::Allocated(_)
+        ));
         let g = DFlash2::find_group(&kv).unwrap();
         let mut d = DFlash2::new(DFlash2Weights::random(&dcfg, 7).unwrap(), &tcfg, &kv, g).unwrap();
         let mut rng = ChaCha8Rng::seed_from_u64(1);
-        let feats: Vec<f32> = (0..20 * dcfg.feature_dim()).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect();
+        let feats: Vec<f32> = (0..20 * dcfg.feature_dim())
+            .map(|_| rng.random::<f32>() * 2.0 - 1.0)
+            .collect();
         d.append_context(&kv, ReqSlot(0), 0, &feats).unwrap();
         (kv, target, d)
     }

@@ -43,11 +43,18 @@ fn alloc(n: usize, what: &str) -> Result<Vec<f32>> {
 
 impl DraftKvStore {
     /// Zeroed pages for `num_layers` layers over a pool of `num_blocks` blocks.
-    pub fn new(num_layers: usize, num_blocks: usize, block_size: usize, row: usize) -> Result<Self> {
+    pub fn new(
+        num_layers: usize,
+        num_blocks: usize,
+        block_size: usize,
+        row: usize,
+    ) -> Result<Self> {
         let per = num_blocks
             .checked_mul(block_size)
             .and_then(|x| x.checked_mul(row))
-            .ok_or_else(|| EngineError::InsufficientKvMemory("DFlash2 KV store size overflows".into()))?;
+            .ok_or_else(|| {
+                EngineError::InsufficientKvMemory("DFlash2 KV store size overflows".into())
+            })?;
         let mut k = Vec::with_capacity(num_layers);
         let mut v = Vec::with_capacity(num_layers);
         for l in 0..num_layers {
@@ -91,6 +98,9 @@ impl DraftKvStore {
     /// One token's K and V of `layer`. Shapes: [nkv, d] each.
     pub fn read(&self, layer: usize, block: BlockId, offset: usize) -> (&[f32], &[f32]) {
         let a = self.at(block, offset);
-        (&self.k[layer][a..a + self.row], &self.v[layer][a..a + self.row])
+        (
+            &self.k[layer][a..a + self.row],
+            &self.v[layer][a..a + self.row],
+        )
     }
 }

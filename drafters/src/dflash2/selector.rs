@@ -43,7 +43,14 @@ pub fn sorted_gap(row: &[f32], i: usize) -> f32 {
 
 /// Pair scores `S [P, k]` of one position: `unary [k]` (`U_j`), candidates `cand [k]`
 /// (`C_j`), `g [r]` (`g_j`), predecessors `pred [P]`.
-pub fn edge_scores(sel: &SelectorWeights, r: usize, cand: &[u32], unary: &[f32], g: &[f32], pred: &[u32]) -> Vec<f32> {
+pub fn edge_scores(
+    sel: &SelectorWeights,
+    r: usize,
+    cand: &[u32],
+    unary: &[f32],
+    g: &[f32],
+    pred: &[u32],
+) -> Vec<f32> {
     let k = cand.len();
     let mut s = vec![0.0f32; pred.len() * k];
     let mut ag = vec![0.0f32; r];

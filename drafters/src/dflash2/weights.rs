@@ -17,7 +17,9 @@ use std::path::Path;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use speclab_engine::model::checkpoint::{dim, write_safetensors, Checkpoint, Dim, FloatKind, NamedTensor};
+use speclab_engine::model::checkpoint::{
+    dim, write_safetensors, Checkpoint, Dim, FloatKind, NamedTensor,
+};
 use speclab_engine::model::weights::Mlp;
 use speclab_engine::model::{Linear, ModelConfig};
 use speclab_engine::{EngineError, Result};
@@ -221,7 +223,8 @@ fn build(cfg: &DFlash2Config, src: &mut dyn Source, v2: bool) -> Result<DFlash2W
         if v2 {
             for (slot, conv) in convs.iter_mut().zip(["attention_conv", "mlp_conv"]) {
                 let base = src.float(&format!("{p}.{conv}.base_kernel"), &[d.two, d.k, d.h])?;
-                let proj = src.linear(&format!("{p}.{conv}.kernel_projection.weight"), d.proj, d.h)?;
+                let proj =
+                    src.linear(&format!("{p}.{conv}.kernel_projection.weight"), d.proj, d.h)?;
                 *slot = Some(ConvWeights { base, proj });
             }
         }
@@ -280,10 +283,18 @@ impl DFlash2Weights {
     pub fn from_checkpoint(cfg: &DFlash2Config, ck: &Checkpoint) -> Result<Self> {
         cfg.validate()?;
         let specs = cfg.tensor_specs(true);
-        let v2_names: Vec<&str> = specs.iter().filter(|s| s.v2).map(|s| s.name.as_str()).collect();
+        let v2_names: Vec<&str> = specs
+            .iter()
+            .filter(|s| s.v2)
+            .map(|s| s.name.as_str())
+            .collect();
         let present = v2_names.iter().filter(|n| ck.contains(n)).count();
         if present > 0 && present < v2_names.len() {
-            let missing = v2_names.iter().find(|n| !ck.contains(n)).copied().unwrap_or_default();
+            let missing = v2_names
+                .iter()
+                .find(|n| !ck.contains(n))
+                .copied()
+                .unwrap_or_default();
             return Err(EngineError::ConfigMismatch {
                 key: "<drafter structure>".into(),
                 tensor: missing.to_string(),
@@ -294,7 +305,10 @@ impl DFlash2Weights {
                 ),
             });
         }
-        let mut src = CkptSource { ck, used: BTreeSet::new() };
+        let mut src = CkptSource {
+            ck,
+            used: BTreeSet::new(),
+        };
         let w = build(cfg, &mut src, present > 0)?;
         if let Some(extra) = ck.names().find(|n| !src.used.contains(*n)) {
             return Err(EngineError::ConfigMismatch {
@@ -343,14 +357,24 @@ impl DFlash2Weights {
     pub fn tensors(&self) -> Vec<NamedTensor> {
         let c = &self.cfg;
         let h = c.hidden_size;
-        let lin = |name: &str, l: &Linear| NamedTensor::bf16(name, vec![l.out_features(), l.in_features()], &l.weight_f32());
+        let lin = |name: &str, l: &Linear| {
+            NamedTensor::bf16(
+                name,
+                vec![l.out_features(), l.in_features()],
+                &l.weight_f32(),
+            )
+        };
         let mut out = vec![
             lin("fc.weight", &self.fc),
             NamedTensor::bf16("hidden_norm.weight", vec![h], &self.hidden_norm),
         ];
         for (li, l) in self.layers.iter().enumerate() {
             let p = format!("layers.{li}");
-            out.push(NamedTensor::bf16(&format!("{p}.input_layernorm.weight"), vec![h], &l.input_norm));
+            out.push(NamedTensor::bf16(
+                &format!("{p}.input_layernorm.weight"),
+                vec![h],
+                &l.input_norm,
+            ));
             out.push(lin(&format!("{p}.self_attn.q_proj.weight"), &l.q));
             out.push(lin(&format!("{p}.self_attn.k_proj.weight"), &l.k));
             out.push(lin(&format!("{p}.self_attn.v_proj.weight"), &l.v));
@@ -376,8 +400,15 @@ impl DFlash2Weights {
             for (conv, w) in [("attention_conv", &l.attn_conv), ("mlp_conv", &l.mlp_conv)] {
                 if let Some(w) = w {
                     let k = c.dflash_config.conv_kernel_size;
-                    out.push(NamedTensor::bf16(&format!("{p}.{conv}.base_kernel"), vec![2, k, h], &w.base));
-                    out.push(lin(&format!("{p}.{conv}.kernel_projection.weight"), &w.proj));
+                    out.push(NamedTensor::bf16(
+                        &format!("{p}.{conv}.base_kernel"),
+                        vec![2, k, h],
+                        &w.base,
+                    ));
+                    out.push(lin(
+                        &format!("{p}.{conv}.kernel_projection.weight"),
+                        &w.proj,
+                    ));
                 }
             }
         }
@@ -389,8 +420,15 @@ impl DFlash2Weights {
                 vec![v, r],
                 &s.predecessor,
             ));
-            out.push(NamedTensor::bf16("candidate_selector.successor_codebook", vec![v, r], &s.successor));
-            out.push(lin("candidate_selector.hidden_projection.weight", &s.hidden_proj));
+            out.push(NamedTensor::bf16(
+                "candidate_selector.successor_codebook",
+                vec![v, r],
+                &s.successor,
+            ));
+            out.push(lin(
+                "candidate_selector.hidden_projection.weight",
+                &s.hidden_proj,
+            ));
         }
         out
     }
@@ -403,7 +441,8 @@ impl DFlash2Weights {
         };
         std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
         let cfg_path = dir.join("config.json");
-        std::fs::write(&cfg_path, self.cfg.to_json_string()? + "\n").map_err(|e| io(&cfg_path, e))?;
+        std::fs::write(&cfg_path, self.cfg.to_json_string()? + "\n")
+            .map_err(|e| io(&cfg_path, e))?;
         write_safetensors(&dir.join("model.safetensors"), &self.tensors())
     }
 }

@@ -44,9 +44,20 @@ pub trait GroupManager: Send {
     /// Blocks this group must allocate to serve `q` (vLLM `get_num_blocks_to_allocate`).
     fn num_blocks_to_allocate(&self, q: &AllocQuery) -> u64;
     /// Allocate blocks so the request has slots for `num_tokens` tokens; returns the new ids.
-    fn allocate_new_blocks(&mut self, pool: &mut BlockPool, slot: ReqSlot, num_tokens: u64, out: &mut Vec<BlockId>) -> Result<()>;
+    fn allocate_new_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        slot: ReqSlot,
+        num_tokens: u64,
+        out: &mut Vec<BlockId>,
+    ) -> Result<()>;
     /// Replace blocks no longer needed by the null block and free them.
-    fn remove_skipped_blocks(&mut self, pool: &mut BlockPool, slot: ReqSlot, processed_computed_tokens: u64);
+    fn remove_skipped_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        slot: ReqSlot,
+        processed_computed_tokens: u64,
+    );
     /// Free every block of the request (tail first) and forget it.
     fn free(&mut self, pool: &mut BlockPool, slot: ReqSlot);
     /// The request's block table (null blocks included).
@@ -62,7 +73,10 @@ struct Tables {
 
 impl Tables {
     fn get(&self, s: ReqSlot) -> &[BlockId] {
-        self.tables.get(s.0 as usize).map(Vec::as_slice).unwrap_or(&[])
+        self.tables
+            .get(s.0 as usize)
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
     }
     fn get_mut(&mut self, s: ReqSlot) -> &mut Vec<BlockId> {
         let i = s.0 as usize;
@@ -80,7 +94,13 @@ impl Tables {
         }
     }
     /// Length-based allocation shared by every positional manager.
-    fn grow_to(&mut self, pool: &mut BlockPool, s: ReqSlot, required: u64, out: &mut Vec<BlockId>) -> Result<()> {
+    fn grow_to(
+        &mut self,
+        pool: &mut BlockPool,
+        s: ReqSlot,
+        required: u64,
+        out: &mut Vec<BlockId>,
+    ) -> Result<()> {
         let t = self.get_mut(s);
         let have = t.len() as u64;
         if required > have {
@@ -122,9 +142,20 @@ pub struct FullAttention {
 
 impl GroupManager for FullAttention {
     fn num_blocks_to_allocate(&self, q: &AllocQuery) -> u64 {
-        general_count(cdiv(q.num_tokens, self.bs), 0, self.bs, self.t.get(q.slot).len() as u64)
+        general_count(
+            cdiv(q.num_tokens, self.bs),
+            0,
+            self.bs,
+            self.t.get(q.slot).len() as u64,
+        )
     }
-    fn allocate_new_blocks(&mut self, pool: &mut BlockPool, slot: ReqSlot, num_tokens: u64, out: &mut Vec<BlockId>) -> Result<()> {
+    fn allocate_new_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        slot: ReqSlot,
+        num_tokens: u64,
+        out: &mut Vec<BlockId>,
+    ) -> Result<()> {
         self.t.grow_to(pool, slot, cdiv(num_tokens, self.bs), out)
     }
     fn remove_skipped_blocks(&mut self, _: &mut BlockPool, _: ReqSlot, _: u64) {}
@@ -152,7 +183,11 @@ impl SlidingWindow {
         (computed + 1).saturating_sub(self.window + self.extra)
     }
     fn held_real(&self, slot: ReqSlot) -> u64 {
-        self.t.get(slot).iter().filter(|&&b| b != NULL_BLOCK).count() as u64
+        self.t
+            .get(slot)
+            .iter()
+            .filter(|&&b| b != NULL_BLOCK)
+            .count() as u64
     }
 }
 
@@ -169,9 +204,20 @@ impl GroupManager for SlidingWindow {
                 required = required.min(c);
             }
         }
-        general_count(required, self.skipped_tokens(q.total_computed_tokens), self.bs, self.t.get(q.slot).len() as u64)
+        general_count(
+            required,
+            self.skipped_tokens(q.total_computed_tokens),
+            self.bs,
+            self.t.get(q.slot).len() as u64,
+        )
     }
-    fn allocate_new_blocks(&mut self, pool: &mut BlockPool, slot: ReqSlot, num_tokens: u64, out: &mut Vec<BlockId>) -> Result<()> {
+    fn allocate_new_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        slot: ReqSlot,
+        num_tokens: u64,
+        out: &mut Vec<BlockId>,
+    ) -> Result<()> {
         let mut required = cdiv(num_tokens, self.bs);
         if self.cap == CapPolicy::WindowPlusTwo {
             if let Some(c) = self.cap_blocks {
@@ -211,9 +257,20 @@ impl GroupManager for RecurrentState {
         let n = q.num_tokens + self.bs * self.spec_blocks;
         // vLLM MambaManager.get_num_skipped_tokens = num_computed_tokens - 1.
         let skipped = q.total_computed_tokens.saturating_sub(1);
-        general_count(cdiv(n, self.bs), skipped, self.bs, self.t.get(q.slot).len() as u64)
+        general_count(
+            cdiv(n, self.bs),
+            skipped,
+            self.bs,
+            self.t.get(q.slot).len() as u64,
+        )
     }
-    fn allocate_new_blocks(&mut self, pool: &mut BlockPool, slot: ReqSlot, num_tokens: u64, out: &mut Vec<BlockId>) -> Result<()> {
+    fn allocate_new_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        slot: ReqSlot,
+        num_tokens: u64,
+        out: &mut Vec<BlockId>,
+    ) -> Result<()> {
         let n = num_tokens + self.bs * self.spec_blocks;
         self.t.grow_to(pool, slot, cdiv(n, self.bs), out)
     }
@@ -242,7 +299,13 @@ impl GroupManager for RingBuffer {
     fn num_blocks_to_allocate(&self, q: &AllocQuery) -> u64 {
         u64::from(self.t.get(q.slot).is_empty())
     }
-    fn allocate_new_blocks(&mut self, pool: &mut BlockPool, slot: ReqSlot, _: u64, out: &mut Vec<BlockId>) -> Result<()> {
+    fn allocate_new_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        slot: ReqSlot,
+        _: u64,
+        out: &mut Vec<BlockId>,
+    ) -> Result<()> {
         self.t.grow_to(pool, slot, 1, out)
     }
     fn remove_skipped_blocks(&mut self, _: &mut BlockPool, _: ReqSlot, _: u64) {}
@@ -258,7 +321,10 @@ impl GroupManager for RingBuffer {
 pub fn manager_for(g: &ResolvedGroup) -> Box<dyn GroupManager> {
     let t = Tables::default();
     match g.kind {
-        GroupKind::Full => Box::new(FullAttention { bs: g.block_size, t }),
+        GroupKind::Full => Box::new(FullAttention {
+            bs: g.block_size,
+            t,
+        }),
         GroupKind::SlidingWindow => Box::new(SlidingWindow {
             bs: g.block_size,
             window: g.sliding_window,
@@ -267,7 +333,11 @@ pub fn manager_for(g: &ResolvedGroup) -> Box<dyn GroupManager> {
             cap_blocks: g.admission_cap_blocks,
             t,
         }),
-        GroupKind::State => Box::new(RecurrentState { bs: g.block_size, spec_blocks: g.num_speculative_blocks, t }),
+        GroupKind::State => Box::new(RecurrentState {
+            bs: g.block_size,
+            spec_blocks: g.num_speculative_blocks,
+            t,
+        }),
         GroupKind::RingBuffer => Box::new(RingBuffer { t }),
     }
 }

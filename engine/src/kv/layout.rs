@@ -87,11 +87,18 @@ impl GroupSpec {
     }
     /// A sliding-window group.
     pub fn sliding_window(name: &str, block_size: u32, window: u32, cap: CapPolicy) -> Self {
-        Self { sliding_window: Some(window), cap, ..Self::base(name, GroupKind::SlidingWindow, Some(block_size)) }
+        Self {
+            sliding_window: Some(window),
+            cap,
+            ..Self::base(name, GroupKind::SlidingWindow, Some(block_size))
+        }
     }
     /// A recurrent-state group (block size defaults to max_model_len).
     pub fn state(name: &str, num_speculative_blocks: u32) -> Self {
-        Self { num_speculative_blocks, ..Self::base(name, GroupKind::State, None) }
+        Self {
+            num_speculative_blocks,
+            ..Self::base(name, GroupKind::State, None)
+        }
     }
     /// A one-block ring buffer group.
     pub fn ring_buffer(name: &str, block_size: u32) -> Self {
@@ -150,7 +157,10 @@ pub struct ResolvedGroup {
 }
 
 fn bad(field: String, reason: impl Into<String>) -> EngineError {
-    EngineError::InvalidLayout { field, reason: reason.into() }
+    EngineError::InvalidLayout {
+        field,
+        reason: reason.into(),
+    }
 }
 
 impl KvLayout {
@@ -160,10 +170,16 @@ impl KvLayout {
             return Err(bad("max_model_len".into(), "must be > 0"));
         }
         if self.groups.is_empty() {
-            return Err(bad("groups".into(), "at least one KV cache group is required"));
+            return Err(bad(
+                "groups".into(),
+                "at least one KV cache group is required",
+            ));
         }
         if !(self.watermark.is_finite() && (0.0..1.0).contains(&self.watermark)) {
-            return Err(bad("watermark".into(), format!("must be in [0, 1), got {}", self.watermark)));
+            return Err(bad(
+                "watermark".into(),
+                format!("must be in [0, 1), got {}", self.watermark),
+            ));
         }
         if self.max_in_flight_tokens == Some(0) {
             return Err(bad("max_in_flight_tokens".into(), "must be > 0 when given"));
@@ -184,21 +200,42 @@ impl KvLayout {
                 (_, Some(b)) => u64::from(b),
             };
             let window = match (g.kind, g.sliding_window) {
-                (GroupKind::SlidingWindow, Some(0)) => return Err(bad(f("sliding_window"), "must be > 0")),
+                (GroupKind::SlidingWindow, Some(0)) => {
+                    return Err(bad(f("sliding_window"), "must be > 0"))
+                }
                 (GroupKind::SlidingWindow, Some(w)) => u64::from(w),
-                (GroupKind::SlidingWindow, None) => return Err(bad(f("sliding_window"), "required for a sliding_window group")),
-                (_, Some(_)) => return Err(bad(f("sliding_window"), "only valid for a sliding_window group")),
+                (GroupKind::SlidingWindow, None) => {
+                    return Err(bad(
+                        f("sliding_window"),
+                        "required for a sliding_window group",
+                    ))
+                }
+                (_, Some(_)) => {
+                    return Err(bad(
+                        f("sliding_window"),
+                        "only valid for a sliding_window group",
+                    ))
+                }
                 (_, None) => 0,
             };
             if g.kind != GroupKind::State && g.num_speculative_blocks != 0 {
-                return Err(bad(f("num_speculative_blocks"), "only valid for a state group"));
+                return Err(bad(
+                    f("num_speculative_blocks"),
+                    "only valid for a state group",
+                ));
             }
             if g.kind != GroupKind::SlidingWindow && g.extra_retained_tokens != 0 {
-                return Err(bad(f("extra_retained_tokens"), "only valid for a sliding_window group"));
+                return Err(bad(
+                    f("extra_retained_tokens"),
+                    "only valid for a sliding_window group",
+                ));
             }
             if let Some(m) = g.memory {
                 if m.num_layers == 0 || m.page_size_bytes == 0 {
-                    return Err(bad(f("memory"), "num_layers and page_size_bytes must be > 0"));
+                    return Err(bad(
+                        f("memory"),
+                        "num_layers and page_size_bytes must be > 0",
+                    ));
                 }
             }
             let extra = u64::from(g.extra_retained_tokens);

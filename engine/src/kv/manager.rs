@@ -70,7 +70,13 @@ impl KvCacheManager {
         let managers = groups.iter().map(manager_for).collect();
         // vLLM: int(watermark * kv_cache_config.num_blocks).
         let watermark_blocks = (layout.watermark * f64::from(num_blocks)) as u64;
-        Ok(Self { groups, managers, pool, max_model_len: u64::from(layout.max_model_len), watermark_blocks })
+        Ok(Self {
+            groups,
+            managers,
+            pool,
+            max_model_len: u64::from(layout.max_model_len),
+            watermark_blocks,
+        })
     }
 
     /// Build from a layout that names its pool (`num_blocks`, or bytes via planning).
@@ -116,17 +122,26 @@ impl KvCacheManager {
             num_tokens_main_model: full,
             apply_admission_cap: true,
         };
-        self.managers.iter().map(|m| m.num_blocks_to_allocate(&q)).collect()
+        self.managers
+            .iter()
+            .map(|m| m.num_blocks_to_allocate(&q))
+            .collect()
     }
 
     /// vLLM `allocate_slots` (no prefix caching, no connector, no encoder).
     pub fn allocate_slots(&mut self, req: &RequestView, a: AllocArgs) -> Result<AllocOutcome> {
         if a.num_new_tokens == 0 {
-            return Err(EngineError::ZeroTokenAllocation { req: format!("slot {}", req.slot.0) });
+            return Err(EngineError::ZeroTokenAllocation {
+                req: format!("slot {}", req.slot.0),
+            });
         }
         let local_computed = req.num_computed_tokens;
         let total_computed = local_computed.min(self.max_model_len);
-        let watermark = if a.has_scheduled_reqs && matches!(req.status, RequestStatus::Waiting | RequestStatus::Preempted) {
+        let watermark = if a.has_scheduled_reqs
+            && matches!(
+                req.status,
+                RequestStatus::Waiting | RequestStatus::Preempted
+            ) {
             self.watermark_blocks
         } else {
             0
@@ -150,7 +165,11 @@ impl KvCacheManager {
             num_tokens_main_model: main,
             apply_admission_cap: false,
         };
-        let need: u64 = self.managers.iter().map(|m| m.num_blocks_to_allocate(&q)).sum();
+        let need: u64 = self
+            .managers
+            .iter()
+            .map(|m| m.num_blocks_to_allocate(&q))
+            .sum();
         if need + watermark > self.pool.num_free() {
             return Ok(AllocOutcome::NoFit);
         }
@@ -175,7 +194,12 @@ impl KvCacheManager {
             status: RequestStatus::Waiting,
             num_in_flight_tokens: 0,
         };
-        let args = AllocArgs { num_new_tokens: n, num_lookahead_tokens: 0, full_sequence_must_fit: true, has_scheduled_reqs: false };
+        let args = AllocArgs {
+            num_new_tokens: n,
+            num_lookahead_tokens: 0,
+            full_sequence_must_fit: true,
+            has_scheduled_reqs: false,
+        };
         self.allocate_slots(&view, args)
     }
 
@@ -190,7 +214,12 @@ impl KvCacheManager {
     pub fn held_blocks(&self, slot: ReqSlot) -> Vec<u64> {
         self.managers
             .iter()
-            .map(|m| m.table(slot).iter().filter(|&&b| b != super::NULL_BLOCK).count() as u64)
+            .map(|m| {
+                m.table(slot)
+                    .iter()
+                    .filter(|&&b| b != super::NULL_BLOCK)
+                    .count() as u64
+            })
             .collect()
     }
 }

@@ -25,7 +25,8 @@ pub fn bytes_per_block(groups: &[ResolvedGroup]) -> Result<u64> {
     for g in groups {
         let m = g.memory.ok_or_else(|| EngineError::InvalidLayout {
             field: format!("groups ({}).memory", g.name),
-            reason: "pool sizing from bytes needs num_layers and page_size_bytes for every group".into(),
+            reason: "pool sizing from bytes needs num_layers and page_size_bytes for every group"
+                .into(),
         })?;
         best = best.max(u64::from(m.num_layers).saturating_mul(m.page_size_bytes));
     }
@@ -54,7 +55,10 @@ pub fn resolve_num_blocks(layout: &KvLayout) -> Result<u32> {
             layout.kv_cache_memory_bytes.unwrap_or(0)
         )));
     }
-    u32::try_from(n).map_err(|_| EngineError::InvalidLayout { field: "num_blocks".into(), reason: format!("{n} blocks exceeds u32") })
+    u32::try_from(n).map_err(|_| EngineError::InvalidLayout {
+        field: "num_blocks".into(),
+        reason: format!("{n} blocks exceeds u32"),
+    })
 }
 
 /// Blocks vLLM's startup sizer reserves for one max_model_len request in a group
@@ -63,10 +67,17 @@ pub fn startup_blocks(g: &ResolvedGroup, max_model_len: u64, max_in_flight_token
     match g.kind {
         GroupKind::Full => cdiv(max_model_len, g.block_size),
         GroupKind::SlidingWindow => {
-            cdiv((g.sliding_window - 1 + g.extra_retained_tokens + max_in_flight_tokens).min(max_model_len), g.block_size) + 1
+            cdiv(
+                (g.sliding_window - 1 + g.extra_retained_tokens + max_in_flight_tokens)
+                    .min(max_model_len),
+                g.block_size,
+            ) + 1
         }
         // MambaSpec reserves the state plus its speculative blocks.
-        GroupKind::State => cdiv(max_model_len + g.block_size * g.num_speculative_blocks, g.block_size),
+        GroupKind::State => cdiv(
+            max_model_len + g.block_size * g.num_speculative_blocks,
+            g.block_size,
+        ),
         GroupKind::RingBuffer => 1,
     }
 }
@@ -76,7 +87,10 @@ pub fn check_startup(layout: &KvLayout, num_blocks: u32) -> Result<()> {
     let groups = layout.resolve_groups()?;
     let mml = u64::from(layout.max_model_len);
     let in_flight = u64::from(layout.max_in_flight_tokens.unwrap_or(layout.max_model_len));
-    let per: Vec<(String, u64)> = groups.iter().map(|g| (g.name.clone(), startup_blocks(g, mml, in_flight))).collect();
+    let per: Vec<(String, u64)> = groups
+        .iter()
+        .map(|g| (g.name.clone(), startup_blocks(g, mml, in_flight)))
+        .collect();
     let need: u64 = per.iter().map(|p| p.1).sum();
     let usable = u64::from(num_blocks).saturating_sub(1);
     if need > usable {

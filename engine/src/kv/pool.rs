@@ -37,7 +37,8 @@ impl BlockPool {
         if num_blocks < 1 {
             return Err(EngineError::InvalidLayout {
                 field: "num_blocks".into(),
-                reason: "must be at least 1 (the null block); vLLM asserts num_gpu_blocks > 0".into(),
+                reason: "must be at least 1 (the null block); vLLM asserts num_gpu_blocks > 0"
+                    .into(),
             });
         }
         Ok(Self {
@@ -66,7 +67,10 @@ impl BlockPool {
     /// Pop `n` blocks from the front of the free queue.
     pub fn get_new_blocks(&mut self, n: u64, out: &mut Vec<BlockId>) -> Result<()> {
         if n > self.num_free() {
-            return Err(EngineError::PoolExhausted { wanted: n, free: self.num_free() });
+            return Err(EngineError::PoolExhausted {
+                wanted: n,
+                free: self.num_free(),
+            });
         }
         out.reserve(n as usize);
         for _ in 0..n {

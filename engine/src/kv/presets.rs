@@ -11,8 +11,17 @@
 use super::layout::{CapPolicy, GroupSpec, KvLayout};
 
 /// GLM-5.3-Flash + DFlash2 (n = 7) at `block_size`, with the drafter cap policy and pool.
-pub fn glm53_dflash2(block_size: u32, cap: CapPolicy, num_blocks: u32, max_model_len: u32, max_num_batched_tokens: u32) -> KvLayout {
-    let mut groups = vec![GroupSpec::full("target_full", block_size), GroupSpec::ring_buffer("indexer_ring", block_size)];
+pub fn glm53_dflash2(
+    block_size: u32,
+    cap: CapPolicy,
+    num_blocks: u32,
+    max_model_len: u32,
+    max_num_batched_tokens: u32,
+) -> KvLayout {
+    let mut groups = vec![
+        GroupSpec::full("target_full", block_size),
+        GroupSpec::ring_buffer("indexer_ring", block_size),
+    ];
     for i in 0..4 {
         groups.push(GroupSpec::state(&format!("kda{i}"), 7));
     }
@@ -34,7 +43,8 @@ mod tests {
     use crate::{ReqSlot, RequestStatus, RequestView};
 
     fn need(cap: CapPolicy, n: u64) -> Vec<u64> {
-        let kv = KvCacheManager::from_layout(&glm53_dflash2(2304, cap, 1012, 262_144, 8192)).unwrap();
+        let kv =
+            KvCacheManager::from_layout(&glm53_dflash2(2304, cap, 1012, 262_144, 8192)).unwrap();
         kv.admission_need(&RequestView {
             slot: ReqSlot(0),
             num_computed_tokens: 0,

@@ -40,7 +40,9 @@ pub(crate) struct Span<'a> {
 /// RoPE `cos`, `sin` of positions `start..start+len`. Shapes: [len, d] each.
 pub fn rope_tables(start: usize, len: usize, d: usize, theta: f64) -> (Vec<f32>, Vec<f32>) {
     let half = d / 2;
-    let inv: Vec<f64> = (0..half).map(|i| 1.0 / theta.powf((2 * i) as f64 / d as f64)).collect();
+    let inv: Vec<f64> = (0..half)
+        .map(|i| 1.0 / theta.powf((2 * i) as f64 / d as f64))
+        .collect();
     let mut cos = vec![0.0f32; len * d];
     let mut sin = vec![0.0f32; len * d];
     for t in 0..len {
@@ -67,7 +69,11 @@ pub fn apply_rope(x: &mut [f32], heads: usize, d: usize, cos: &[f32], sin: &[f32
         let (c, s) = (&cos[t * d..(t + 1) * d], &sin[t * d..(t + 1) * d]);
         for hv in row.chunks_exact_mut(d) {
             for i in 0..d {
-                let rh = if i < half { -hv[i + half] } else { hv[i - half] };
+                let rh = if i < half {
+                    -hv[i + half]
+                } else {
+                    hv[i - half]
+                };
                 tmp[i] = hv[i] * c[i] + rh * s[i];
             }
             hv.copy_from_slice(&tmp);
@@ -77,9 +83,20 @@ pub fn apply_rope(x: &mut [f32], heads: usize, d: usize, cos: &[f32], sin: &[f32
 
 /// Full attention of one layer over a batch: `a [T_total, H] -> [T_total, H]`.
 /// `layer` indexes the attention layers of the `full` group (MTP last).
-pub(crate) fn full_attention(w: &AttnWeights, cfg: &ModelConfig, a: &[f32], spans: &[Span<'_>], store: &mut KvStore, layer: usize) -> Result<Vec<f32>> {
+pub(crate) fn full_attention(
+    w: &AttnWeights,
+    cfg: &ModelConfig,
+    a: &[f32],
+    spans: &[Span<'_>],
+    store: &mut KvStore,
+    layer: usize,
+) -> Result<Vec<f32>> {
     let t_total = a.len() / cfg.hidden_size;
-    let (nh, nkv, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+    let (nh, nkv, d) = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    );
     let g = nh / nkv;
     let bs = store.block_size();
     let mut q = w.q.forward(a, t_total)?; // [T_total, nh, d]
@@ -104,7 +121,13 @@ pub(crate) fn full_attention(w: &AttnWeights, cfg: &ModelConfig, a: &[f32], span
         for t in 0..sp.len {
             let pos = sp.start_pos + t;
             let row = (sp.offset + t) * nkv * d;
-            store.write_kv(layer, sp.full_table[pos / bs], pos % bs, &k[row..row + nkv * d], &v[row..row + nkv * d]);
+            store.write_kv(
+                layer,
+                sp.full_table[pos / bs],
+                pos % bs,
+                &k[row..row + nkv * d],
+                &v[row..row + nkv * d],
+            );
         }
         for t in 0..sp.len {
             let n_ctx = sp.start_pos + t + 1; // causal: positions 0..=p_t
@@ -125,7 +148,8 @@ pub(crate) fn full_attention(w: &AttnWeights, cfg: &ModelConfig, a: &[f32], span
                     *sc = (*sc - mx).exp();
                     sum += *sc;
                 }
-                let orow = &mut o[((sp.offset + t) * nh + h) * d..((sp.offset + t) * nh + h + 1) * d];
+                let orow =
+                    &mut o[((sp.offset + t) * nh + h) * d..((sp.offset + t) * nh + h + 1) * d];
                 for (j, sc) in scores.iter().enumerate() {
                     let p = sc / sum;
                     let (_, vb) = store.kv_block(layer, sp.full_table[j / bs]);

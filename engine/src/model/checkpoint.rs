@@ -147,7 +147,8 @@ fn open_shard(path: &Path) -> Result<Shard> {
     // SAFETY: the map is read-only and private to this process; the checkpoint
     // contract (module doc) is that files are not modified while mapped.
     let mmap = unsafe { Mmap::map(&file) }.map_err(|e| io_err(path, e))?;
-    let (n, meta) = SafeTensors::read_metadata(&mmap).map_err(|e| corrupt(path, explain(&e, mmap.len())))?;
+    let (n, meta) =
+        SafeTensors::read_metadata(&mmap).map_err(|e| corrupt(path, explain(&e, mmap.len())))?;
     Ok(Shard {
         path: path.to_path_buf(),
         mmap,
@@ -165,7 +166,10 @@ impl Checkpoint {
         }
         let single = dir.join(SINGLE_FILE);
         if !single.exists() {
-            return Err(io_err(dir, format!("no {SINGLE_FILE} or {INDEX_FILE} in this directory")));
+            return Err(io_err(
+                dir,
+                format!("no {SINGLE_FILE} or {INDEX_FILE} in this directory"),
+            ));
         }
         Self::open_file(&single)
     }
@@ -183,18 +187,22 @@ impl Checkpoint {
 
     fn open_index(dir: &Path, index: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(index).map_err(|e| io_err(index, e))?;
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| corrupt(index, format!("invalid JSON: {e}")))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| corrupt(index, format!("invalid JSON: {e}")))?;
         let map = v
             .get("weight_map")
             .and_then(|m| m.as_object())
             .ok_or_else(|| corrupt(index, "no `weight_map` object"))?;
         let mut shard_of: BTreeMap<String, String> = BTreeMap::new();
         for (name, file) in map {
-            let f = file
-                .as_str()
-                .ok_or_else(|| corrupt(index, format!("weight_map[{name:?}] is not a file name")))?;
+            let f = file.as_str().ok_or_else(|| {
+                corrupt(index, format!("weight_map[{name:?}] is not a file name"))
+            })?;
             if f.contains('/') || f.contains('\\') || f == ".." {
-                return Err(corrupt(index, format!("weight_map[{name:?}] = {f:?} is not a plain file name")));
+                return Err(corrupt(
+                    index,
+                    format!("weight_map[{name:?}] = {f:?} is not a plain file name"),
+                ));
             }
             shard_of.insert(name.clone(), f.to_string());
         }
@@ -206,10 +214,17 @@ impl Checkpoint {
         for f in &files {
             let p = dir.join(f);
             if !p.exists() {
-                let t = shard_of.iter().find(|(_, v)| *v == f).map(|(k, _)| k.clone()).unwrap_or_default();
+                let t = shard_of
+                    .iter()
+                    .find(|(_, v)| *v == f)
+                    .map(|(k, _)| k.clone())
+                    .unwrap_or_default();
                 return Err(corrupt(
                     index,
-                    format!("names shard {f:?} (e.g. for tensor `{t}`), which does not exist in {}", dir.display()),
+                    format!(
+                        "names shard {f:?} (e.g. for tensor `{t}`), which does not exist in {}",
+                        dir.display()
+                    ),
                 ));
             }
             file_idx.insert(f.clone(), shards.len());
@@ -283,29 +298,44 @@ impl Checkpoint {
 
     /// Raw bytes of a tensor after checking dtype (one of `allowed`) and shape.
     fn raw(&self, name: &str, allowed: &[Dtype], dims: &[Dim]) -> Result<(Dtype, &[u8])> {
-        let &i = self.names.get(name).ok_or_else(|| EngineError::MissingTensor {
-            file: self.file_of(name),
-            tensor: name.into(),
-        })?;
+        let &i = self
+            .names
+            .get(name)
+            .ok_or_else(|| EngineError::MissingTensor {
+                file: self.file_of(name),
+                tensor: name.into(),
+            })?;
         let s = &self.shards[i];
         let file = s.path.display().to_string();
-        let info = s.meta.info(name).ok_or_else(|| EngineError::MissingTensor {
-            file: file.clone(),
-            tensor: name.into(),
-        })?;
+        let info = s
+            .meta
+            .info(name)
+            .ok_or_else(|| EngineError::MissingTensor {
+                file: file.clone(),
+                tensor: name.into(),
+            })?;
         if !allowed.contains(&info.dtype) {
             let exp: Vec<String> = allowed.iter().map(|d| dtype_name(*d)).collect();
             return Err(EngineError::TensorDtype {
                 file,
                 tensor: name.into(),
-                detail: format!("dtype {}, expected {}", dtype_name(info.dtype), exp.join(" or ")),
+                detail: format!(
+                    "dtype {}, expected {}",
+                    dtype_name(info.dtype),
+                    exp.join(" or ")
+                ),
             });
         }
         let expected: Vec<usize> = dims.iter().map(|d| d.size).collect();
         if info.shape != expected {
             // Name the config key behind the first differing dimension, if any.
             if info.shape.len() == dims.len() {
-                if let Some((ax, (d, found))) = dims.iter().zip(&info.shape).enumerate().find(|(_, (d, f))| d.size != **f && !d.key.is_empty()) {
+                if let Some((ax, (d, found))) = dims
+                    .iter()
+                    .zip(&info.shape)
+                    .enumerate()
+                    .find(|(_, (d, f))| d.size != **f && !d.key.is_empty())
+                {
                     return Err(EngineError::ConfigMismatch {
                         key: d.key.into(),
                         tensor: name.into(),
@@ -322,7 +352,11 @@ impl Checkpoint {
             return Err(EngineError::TensorShape {
                 file,
                 tensor: name.into(),
-                detail: format!("shape {}, expected {}", fmt_shape(&info.shape), fmt_shape(&expected)),
+                detail: format!(
+                    "shape {}, expected {}",
+                    fmt_shape(&info.shape),
+                    fmt_shape(&expected)
+                ),
             });
         }
         let (a, b) = info.data_offsets;
@@ -345,14 +379,20 @@ impl Checkpoint {
                 .chunks_exact(2)
                 .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16))
                 .collect(),
-            _ => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            _ => bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
         })
     }
 
     /// An int32 tensor, checking dtype and shape.
     pub fn i32(&self, name: &str, dims: &[Dim]) -> Result<Vec<i32>> {
         let (_, bytes) = self.raw(name, &[Dtype::I32], dims)?;
-        Ok(bytes.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
     }
 
     /// An int64 tensor, checking dtype and shape.
@@ -409,7 +449,10 @@ pub struct NamedTensor {
 impl NamedTensor {
     /// f32 values stored as bf16 (round to nearest even; exact for bf16-valued weights).
     pub fn bf16(name: &str, shape: Vec<usize>, v: &[f32]) -> Self {
-        let data = v.iter().flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes()).collect();
+        let data = v
+            .iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
+            .collect();
         Self {
             name: name.into(),
             dtype: TensorDtype::Bf16,
@@ -468,12 +511,25 @@ pub fn write_safetensors(path: &Path, tensors: &[NamedTensor]) -> Result<()> {
         if n * t.dtype.size() != t.data.len() {
             return Err(corrupt(
                 path,
-                format!("tensor `{}`: {} bytes for shape {:?} {:?}", t.name, t.data.len(), t.shape, t.dtype),
+                format!(
+                    "tensor `{}`: {} bytes for shape {:?} {:?}",
+                    t.name,
+                    t.data.len(),
+                    t.shape,
+                    t.dtype
+                ),
             ));
         }
     }
-    let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into_iter().collect();
-    safetensors::serialize_to_file(tensors.iter().map(|t| (t.name.as_str(), t)), Some(meta), path).map_err(|e| io_err(path, format!("{e:?}")))
+    let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())]
+        .into_iter()
+        .collect();
+    safetensors::serialize_to_file(
+        tensors.iter().map(|t| (t.name.as_str(), t)),
+        Some(meta),
+        path,
+    )
+    .map_err(|e| io_err(path, format!("{e:?}")))
 }
 
 /// Write a checkpoint into `dir`: one `model.safetensors`, or, when `max_shard_bytes` is
@@ -481,7 +537,11 @@ pub fn write_safetensors(path: &Path, tensors: &[NamedTensor]) -> Result<()> {
 /// (tensors kept in order, a new shard when the next tensor would overflow) plus
 /// `model.safetensors.index.json` (`metadata.total_size`, `weight_map`). Returns the
 /// written file names.
-pub fn write_checkpoint(dir: &Path, tensors: &[NamedTensor], max_shard_bytes: Option<usize>) -> Result<Vec<String>> {
+pub fn write_checkpoint(
+    dir: &Path,
+    tensors: &[NamedTensor],
+    max_shard_bytes: Option<usize>,
+) -> Result<Vec<String>> {
     std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
     let total: usize = tensors.iter().map(|t| t.data.len()).sum();
     let limit = match max_shard_bytes {
@@ -514,7 +574,8 @@ pub fn write_checkpoint(dir: &Path, tensors: &[NamedTensor], max_shard_bytes: Op
         }
         names.push(name);
     }
-    let index = serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
+    let index =
+        serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
     let path = dir.join(INDEX_FILE);
     let text = serde_json::to_string_pretty(&index).map_err(|e| io_err(&path, e))?;
     std::fs::write(&path, text + "\n").map_err(|e| io_err(&path, e))?;

@@ -176,15 +176,28 @@ pub struct QuantArgs {
 
 /// Parse an HF-style JSON config and validate it (shared by the target's and the
 /// drafters' configs): errors name the file.
-pub fn parse_json_config<T: serde::de::DeserializeOwned>(text: &str, file: &str, validate: impl Fn(&T) -> Result<()>) -> Result<T> {
-    let cfg: T = serde_json::from_str(text).map_err(|e| EngineError::ConfigParse { file: file.into(), reason: e.to_string() })?;
+pub fn parse_json_config<T: serde::de::DeserializeOwned>(
+    text: &str,
+    file: &str,
+    validate: impl Fn(&T) -> Result<()>,
+) -> Result<T> {
+    let cfg: T = serde_json::from_str(text).map_err(|e| EngineError::ConfigParse {
+        file: file.into(),
+        reason: e.to_string(),
+    })?;
     validate(&cfg)?;
     Ok(cfg)
 }
 
 /// Read, parse and validate a JSON config file.
-pub fn read_json_config<T: serde::de::DeserializeOwned>(path: &Path, validate: impl Fn(&T) -> Result<()>) -> Result<T> {
-    let text = std::fs::read_to_string(path).map_err(|e| EngineError::Io { path: path.display().to_string(), reason: e.to_string() })?;
+pub fn read_json_config<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    validate: impl Fn(&T) -> Result<()>,
+) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|e| EngineError::Io {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })?;
     parse_json_config(&text, &path.display().to_string(), validate)
 }
 
@@ -223,15 +236,24 @@ impl QuantizationConfig {
     pub fn for_model(cfg: &ModelConfig) -> Self {
         let l = cfg.num_hidden_layers;
         let k = cfg.first_k_dense_replace;
-        let mut ignore: Vec<String> = ["lm_head", "re:.*self_attn.*", "re:.*linear_attn.*", r"re:.*mlp\.gate$", "re:.*shared_experts.*"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+        let mut ignore: Vec<String> = [
+            "lm_head",
+            "re:.*self_attn.*",
+            "re:.*linear_attn.*",
+            r"re:.*mlp\.gate$",
+            "re:.*shared_experts.*",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
         if k > 0 {
             let dense = if k == 1 {
                 "0".to_string()
             } else {
-                format!("({})", (0..k).map(|i| i.to_string()).collect::<Vec<_>>().join("|"))
+                format!(
+                    "({})",
+                    (0..k).map(|i| i.to_string()).collect::<Vec<_>>().join("|")
+                )
             };
             ignore.push(format!(r"re:model\.layers\.{dense}\.mlp\..*"));
         }
@@ -277,13 +299,27 @@ impl QuantizationConfig {
     /// quantization of Linear layers (W4A16 as compressed-tensors writes it).
     pub fn validate(&self) -> Result<()> {
         let k = |s: &str| format!("quantization_config.{s}");
-        must_equal(&k("quant_method"), &self.quant_method.as_str(), &"compressed-tensors")?;
+        must_equal(
+            &k("quant_method"),
+            &self.quant_method.as_str(),
+            &"compressed-tensors",
+        )?;
         must_equal(&k("format"), &self.format.as_str(), &"pack-quantized")?;
-        must_equal(&k("quantization_status"), &self.quantization_status.as_str(), &"compressed")?;
+        must_equal(
+            &k("quantization_status"),
+            &self.quantization_status.as_str(),
+            &"compressed",
+        )?;
         if self.kv_cache_scheme.as_ref().is_some_and(|v| !v.is_null()) {
-            return Err(invalid(k("kv_cache_scheme"), "KV cache quantization is not supported; allowed: null"));
+            return Err(invalid(
+                k("kv_cache_scheme"),
+                "KV cache quantization is not supported; allowed: null",
+            ));
         }
-        for (name, v) in [("sparsity_config", &self.sparsity_config), ("transform_config", &self.transform_config)] {
+        for (name, v) in [
+            ("sparsity_config", &self.sparsity_config),
+            ("transform_config", &self.transform_config),
+        ] {
             let empty = match v {
                 None | Some(Value::Null) => true,
                 Some(Value::Object(m)) => m.is_empty(),
@@ -299,17 +335,29 @@ impl QuantizationConfig {
         for (gname, g) in &self.config_groups {
             let gk = |s: &str| format!("quantization_config.config_groups.{gname}.{s}");
             if g.targets != ["Linear"] {
-                return Err(invalid(gk("targets"), format!("got {:?}, allowed: [\"Linear\"]", g.targets)));
+                return Err(invalid(
+                    gk("targets"),
+                    format!("got {:?}, allowed: [\"Linear\"]", g.targets),
+                ));
             }
             if let Some(f) = &g.format {
                 must_equal(&gk("format"), &f.as_str(), &"pack-quantized")?;
             }
-            for (name, v) in [("input_activations", &g.input_activations), ("output_activations", &g.output_activations)] {
+            for (name, v) in [
+                ("input_activations", &g.input_activations),
+                ("output_activations", &g.output_activations),
+            ] {
                 if v.as_ref().is_some_and(|v| !v.is_null()) {
-                    return Err(invalid(gk(name), "activation quantization is not supported (W4A16); allowed: null"));
+                    return Err(invalid(
+                        gk(name),
+                        "activation quantization is not supported (W4A16); allowed: null",
+                    ));
                 }
             }
-            let w = g.weights.as_ref().ok_or_else(|| invalid(gk("weights"), "required (W4A16 quantizes weights)"))?;
+            let w = g
+                .weights
+                .as_ref()
+                .ok_or_else(|| invalid(gk("weights"), "required (W4A16 quantizes weights)"))?;
             must_equal(&gk("weights.num_bits"), &w.num_bits, &4)?;
             must_equal(&gk("weights.type"), &w.kind.as_str(), &"int")?;
             if !w.symmetric {
@@ -318,10 +366,16 @@ impl QuantizationConfig {
                     "asymmetric quantization (zero points) is not supported; allowed: true",
                 ));
             }
-            must_equal(&gk("weights.strategy"), &w.strategy.as_deref().unwrap_or("null"), &"group")?;
+            must_equal(
+                &gk("weights.strategy"),
+                &w.strategy.as_deref().unwrap_or("null"),
+                &"group",
+            )?;
             must_equal(
                 &gk("weights.group_size"),
-                &w.group_size.map_or("null".to_string(), |g| g.to_string()).as_str(),
+                &w.group_size
+                    .map_or("null".to_string(), |g| g.to_string())
+                    .as_str(),
                 &"128",
             )?;
             // "weight" / "static" only change GPTQ's calibration order (groups stay
@@ -341,10 +395,16 @@ impl QuantizationConfig {
                 ));
             }
             if !matches!(w.dynamic, Value::Null | Value::Bool(false)) {
-                return Err(invalid(gk("weights.dynamic"), format!("got {}, allowed: false", w.dynamic)));
+                return Err(invalid(
+                    gk("weights.dynamic"),
+                    format!("got {}, allowed: false", w.dynamic),
+                ));
             }
             if w.block_structure.as_ref().is_some_and(|v| !v.is_null()) {
-                return Err(invalid(gk("weights.block_structure"), "not supported; allowed: null"));
+                return Err(invalid(
+                    gk("weights.block_structure"),
+                    "not supported; allowed: null",
+                ));
             }
         }
         self.ignore_matcher()?;
@@ -374,8 +434,12 @@ impl IgnoreList {
         let mut regexes = Vec::new();
         for (i, e) in entries.iter().enumerate() {
             if let Some(rest) = e.strip_prefix("re:") {
-                let r = Regex::new(&format!("^(?:{rest})"))
-                    .map_err(|err| invalid(format!("quantization_config.ignore[{i}]"), format!("invalid regex {rest:?}: {err}")))?;
+                let r = Regex::new(&format!("^(?:{rest})")).map_err(|err| {
+                    invalid(
+                        format!("quantization_config.ignore[{i}]"),
+                        format!("invalid regex {rest:?}: {err}"),
+                    )
+                })?;
                 regexes.push(r);
             } else {
                 exact.push(e.clone());
@@ -411,7 +475,14 @@ struct PresetDims {
 /// `recipes/model.py::default_layer_types`: `period - 1` KDA layers then one full.
 pub fn default_layer_types(n_layers: usize, period: usize) -> Vec<String> {
     (0..n_layers)
-        .map(|i| if (i + 1) % period == 0 { FULL_ATTENTION } else { LINEAR_ATTENTION }.to_string())
+        .map(|i| {
+            if (i + 1) % period == 0 {
+                FULL_ATTENTION
+            } else {
+                LINEAR_ATTENTION
+            }
+            .to_string()
+        })
         .collect()
 }
 
@@ -575,7 +646,10 @@ impl ModelConfig {
     pub fn validate(&self) -> Result<()> {
         must_equal("model_type", &self.model_type.as_str(), &MODEL_TYPE)?;
         if !self.architectures.iter().any(|a| a == ARCHITECTURE) {
-            return Err(invalid("architectures", format!("got {:?}, allowed: [{ARCHITECTURE:?}]", self.architectures)));
+            return Err(invalid(
+                "architectures",
+                format!("got {:?}, allowed: [{ARCHITECTURE:?}]", self.architectures),
+            ));
         }
         for (k, v) in [
             ("vocab_size", self.vocab_size),
@@ -614,7 +688,10 @@ impl ModelConfig {
                 ));
             }
         }
-        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return Err(invalid(
                 "num_key_value_heads",
                 format!(
@@ -624,7 +701,10 @@ impl ModelConfig {
             ));
         }
         if !self.head_dim.is_multiple_of(2) {
-            return Err(invalid("head_dim", format!("must be even (rotate-half RoPE), got {}", self.head_dim)));
+            return Err(invalid(
+                "head_dim",
+                format!("must be even (rotate-half RoPE), got {}", self.head_dim),
+            ));
         }
         if self.first_k_dense_replace > self.num_hidden_layers {
             return Err(invalid(
@@ -648,7 +728,10 @@ impl ModelConfig {
         if self.torch_dtype != "bfloat16" && self.torch_dtype != "float32" {
             return Err(invalid(
                 "torch_dtype",
-                format!("got {:?}, allowed: \"bfloat16\", \"float32\"", self.torch_dtype),
+                format!(
+                    "got {:?}, allowed: \"bfloat16\", \"float32\"",
+                    self.torch_dtype
+                ),
             ));
         }
         if self.num_nextn_predict_layers > 1 {
@@ -660,13 +743,19 @@ impl ModelConfig {
                 ),
             ));
         }
-        for (k, v) in [("rms_norm_eps", self.rms_norm_eps), ("rope_theta", self.rope_theta)] {
+        for (k, v) in [
+            ("rms_norm_eps", self.rms_norm_eps),
+            ("rope_theta", self.rope_theta),
+        ] {
             if !(v.is_finite() && v > 0.0) {
                 return Err(invalid(k, format!("must be finite and > 0, got {v}")));
             }
         }
         if !self.routed_scaling_factor.is_finite() {
-            return Err(invalid("routed_scaling_factor", format!("must be finite, got {}", self.routed_scaling_factor)));
+            return Err(invalid(
+                "routed_scaling_factor",
+                format!("must be finite, got {}", self.routed_scaling_factor),
+            ));
         }
         for (k, v) in [
             ("bos_token_id", self.bos_token_id),
@@ -675,14 +764,20 @@ impl ModelConfig {
             ("mask_token_id", self.mask_token_id),
         ] {
             if v as usize >= self.vocab_size {
-                return Err(invalid(k, format!("{v} is not below vocab_size = {}", self.vocab_size)));
+                return Err(invalid(
+                    k,
+                    format!("{v} is not below vocab_size = {}", self.vocab_size),
+                ));
             }
         }
         if let Some(q) = &self.quantization_config {
             q.validate()?;
             // Every quantized Linear must have in_features % 128 == 0: gate/up of routed
             // experts take hidden_size, down takes moe_intermediate_size.
-            for (k, v) in [("hidden_size", self.hidden_size), ("moe_intermediate_size", self.moe_intermediate_size)] {
+            for (k, v) in [
+                ("hidden_size", self.hidden_size),
+                ("moe_intermediate_size", self.moe_intermediate_size),
+            ] {
                 if !v.is_multiple_of(GROUP_SIZE) {
                     return Err(invalid(
                         k,
@@ -711,7 +806,9 @@ impl ModelConfig {
     }
     /// Full-attention decoder layers (MTP excluded).
     pub fn num_full_layers(&self) -> usize {
-        (0..self.num_hidden_layers).filter(|&i| self.layer_kind(i) == LayerKind::FullAttention).count()
+        (0..self.num_hidden_layers)
+            .filter(|&i| self.layer_kind(i) == LayerKind::FullAttention)
+            .count()
     }
     /// KDA decoder layers.
     pub fn num_kda_layers(&self) -> usize {
@@ -731,7 +828,8 @@ impl ModelConfig {
     }
     /// f32 values of one KDA layer's state: conv q,k,v `[3, kc-1, C]` + S `[nl, dl, dl]`.
     pub fn state_page_floats(&self) -> usize {
-        3 * (self.linear_conv_kernel_dim - 1) * self.kda_channels() + self.linear_num_heads * self.linear_head_dim * self.linear_head_dim
+        3 * (self.linear_conv_kernel_dim - 1) * self.kda_channels()
+            + self.linear_num_heads * self.linear_head_dim * self.linear_head_dim
     }
     /// Parameters of the bf16 checkpoint (`recipes/model.py::count_params`).
     pub fn num_parameters(&self) -> u64 {
@@ -749,7 +847,12 @@ impl ModelConfig {
     /// `memory` is `layers x page bytes` (full: `block_size x nkv x d x 2 x 4`; state:
     /// `(3 (kc-1) C + nl dl dl) x 4`, f32) so the pool can be sized from bytes.
     /// `max_model_len` = `max_position_embeddings`; groups with no layers are omitted.
-    pub fn kv_layout(&self, block_size: u32, num_speculative_tokens: u32, num_blocks: u32) -> Result<KvLayout> {
+    pub fn kv_layout(
+        &self,
+        block_size: u32,
+        num_speculative_tokens: u32,
+        num_blocks: u32,
+    ) -> Result<KvLayout> {
         self.validate()?;
         let mut groups = Vec::new();
         let n_attn = self.num_attention_kv_layers();
@@ -773,7 +876,8 @@ impl ModelConfig {
         let layout = KvLayout {
             num_blocks: Some(num_blocks),
             kv_cache_memory_bytes: None,
-            max_model_len: u32::try_from(self.max_position_embeddings).map_err(|_| invalid("max_position_embeddings", "exceeds u32"))?,
+            max_model_len: u32::try_from(self.max_position_embeddings)
+                .map_err(|_| invalid("max_position_embeddings", "exceeds u32"))?,
             max_in_flight_tokens: None,
             watermark: 0.0,
             groups,
@@ -789,7 +893,11 @@ mod tests {
 
     #[test]
     fn presets_validate_and_count() {
-        for c in [ModelConfig::micro(), ModelConfig::tiny(), ModelConfig::glm53_flash()] {
+        for c in [
+            ModelConfig::micro(),
+            ModelConfig::tiny(),
+            ModelConfig::glm53_flash(),
+        ] {
             c.validate().unwrap();
             c.clone().with_quantization().validate().unwrap();
         }
@@ -801,7 +909,12 @@ mod tests {
 
     #[test]
     fn actorder_without_g_idx_is_accepted() {
-        for (v, ok) in [("static", true), ("weight", true), ("group", false), ("dynamic", false)] {
+        for (v, ok) in [
+            ("static", true),
+            ("weight", true),
+            ("group", false),
+            ("dynamic", false),
+        ] {
             let mut c = ModelConfig::micro().with_quantization();
             if let Some(w) = c
                 .quantization_config
@@ -835,8 +948,14 @@ mod tests {
         let l = c.kv_layout(16, 3, 64).unwrap();
         assert_eq!(l.groups.len(), 2);
         assert_eq!(l.groups[0].memory.unwrap().num_layers, 2); // layer 3 + MTP
-        assert_eq!(l.groups[0].memory.unwrap().page_size_bytes, 16 * 2 * 32 * 2 * 4);
+        assert_eq!(
+            l.groups[0].memory.unwrap().page_size_bytes,
+            16 * 2 * 32 * 2 * 4
+        );
         assert_eq!(l.groups[1].num_speculative_blocks, 3);
-        assert_eq!(l.groups[1].memory.unwrap().page_size_bytes, (3 * 3 * 64 + 2 * 32 * 32) * 4);
+        assert_eq!(
+            l.groups[1].memory.unwrap().page_size_bytes,
+            (3 * 3 * 64 + 2 * 32 * 32) * 4
+        );
     }
 }

@@ -127,7 +127,11 @@ pub(crate) fn decoder_layer(
     let mixed = match (&lw.mixer, cache) {
         (Mixer::Full(w), CacheIndex::Attn(i)) => full_attention(w, cfg, &a, spans, store, i)?,
         (Mixer::Kda(w), CacheIndex::Kda(i)) => kda(w, cfg, &a, spans, store, i)?,
-        _ => return Err(input_err(format!("layer {layer}: mixer and cache kind disagree (internal)"))),
+        _ => {
+            return Err(input_err(format!(
+                "layer {layer}: mixer and cache kind disagree (internal)"
+            )))
+        }
     };
     for (xv, m) in x.iter_mut().zip(&mixed) {
         *xv += m;
@@ -176,7 +180,9 @@ impl ModelRunner {
 
     pub(crate) fn check_manager(&self, kv: &KvCacheManager) -> Result<()> {
         let g = kv.groups();
-        let ok_group = |i: Option<usize>, name: &str| i.is_none_or(|i| g.get(i).is_some_and(|x| x.name == name));
+        let ok_group = |i: Option<usize>, name: &str| {
+            i.is_none_or(|i| g.get(i).is_some_and(|x| x.name == name))
+        };
         if kv.pool().num_blocks() as usize != self.store.num_blocks()
             || !ok_group(self.store.full_group(), crate::model::config::FULL_GROUP)
             || !ok_group(self.store.state_group(), crate::model::config::STATE_GROUP)
@@ -191,7 +197,14 @@ impl ModelRunner {
     }
 
     /// Check a request's table covers `need` blocks, all real and in the pool.
-    pub(crate) fn check_table(&self, table: &[BlockId], need: usize, slot: ReqSlot, group: &str, what: &str) -> Result<()> {
+    pub(crate) fn check_table(
+        &self,
+        table: &[BlockId],
+        need: usize,
+        slot: ReqSlot,
+        group: &str,
+        what: &str,
+    ) -> Result<()> {
         if table.len() < need {
             return Err(input_err(format!(
                 "request slot {}: KV group `{group}` table has {} blocks, {what} needs {need}; allocate with KvCacheManager::allocate_slots first",
@@ -199,7 +212,10 @@ impl ModelRunner {
                 table.len()
             )));
         }
-        if let Some(b) = table[..need].iter().find(|&&b| b == NULL_BLOCK || b as usize >= self.store.num_blocks()) {
+        if let Some(b) = table[..need]
+            .iter()
+            .find(|&&b| b == NULL_BLOCK || b as usize >= self.store.num_blocks())
+        {
             return Err(input_err(format!(
                 "request slot {}: KV group `{group}` table holds block {b}, which is the null block or outside the pool",
                 slot.0
@@ -209,16 +225,27 @@ impl ModelRunner {
     }
 
     /// Build the spans of a batch: validation of tokens, slots and tables.
-    fn plan<'k>(&self, kv: &'k KvCacheManager, batch: &[SeqChunk<'_>], need_full: bool) -> Result<Vec<Span<'k>>> {
+    fn plan<'k>(
+        &self,
+        kv: &'k KvCacheManager,
+        batch: &[SeqChunk<'_>],
+        need_full: bool,
+    ) -> Result<Vec<Span<'k>>> {
         let cfg = &self.weights.cfg;
         let mut spans = Vec::with_capacity(batch.len());
         let mut offset = 0;
         for (ci, ch) in batch.iter().enumerate() {
             if ch.tokens.is_empty() {
-                return Err(input_err(format!("request slot {}: empty chunk", ch.slot.0)));
+                return Err(input_err(format!(
+                    "request slot {}: empty chunk",
+                    ch.slot.0
+                )));
             }
             if batch[..ci].iter().any(|o| o.slot == ch.slot) {
-                return Err(input_err(format!("request slot {} appears twice in one batch", ch.slot.0)));
+                return Err(input_err(format!(
+                    "request slot {} appears twice in one batch",
+                    ch.slot.0
+                )));
             }
             if let Some(&bad) = ch.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
                 return Err(input_err(format!(
@@ -232,7 +259,10 @@ impl ModelRunner {
                     ch.slot.0
                 )));
             }
-            let end = ch.start_pos.checked_add(ch.tokens.len()).ok_or_else(|| input_err("position overflow".into()))?;
+            let end = ch
+                .start_pos
+                .checked_add(ch.tokens.len())
+                .ok_or_else(|| input_err("position overflow".into()))?;
             let full_table: &[BlockId] = match self.store.full_group() {
                 Some(g) => kv.table(g, ch.slot),
                 None => &[],
@@ -258,7 +288,13 @@ impl ModelRunner {
                 } else {
                     "the committed state".to_string()
                 };
-                self.check_table(state_table, need, ch.slot, crate::model::config::STATE_GROUP, &what)?;
+                self.check_table(
+                    state_table,
+                    need,
+                    ch.slot,
+                    crate::model::config::STATE_GROUP,
+                    &what,
+                )?;
             }
             let rope = if cfg.num_full_layers() > 0 {
                 rope_tables(ch.start_pos, ch.tokens.len(), cfg.head_dim, cfg.rope_theta)
@@ -285,7 +321,12 @@ impl ModelRunner {
     }
 
     /// Forward a batch: see the module doc for the KV / state protocol.
-    pub fn forward_with(&mut self, kv: &KvCacheManager, batch: &[SeqChunk<'_>], opts: &ForwardOptions) -> Result<ForwardOut> {
+    pub fn forward_with(
+        &mut self,
+        kv: &KvCacheManager,
+        batch: &[SeqChunk<'_>],
+        opts: &ForwardOptions,
+    ) -> Result<ForwardOut> {
         self.forward_inner(kv, batch, opts, None)
     }
 
@@ -311,7 +352,11 @@ impl ModelRunner {
         self.check_manager(kv)?;
         let need_full = self.weights.cfg.num_full_layers() > 0;
         let spans = self.plan(kv, batch, need_full)?;
-        let Self { weights, store, pending } = self;
+        let Self {
+            weights,
+            store,
+            pending,
+        } = self;
         let cfg = &weights.cfg;
         let h = cfg.hidden_size;
         let t_total: usize = batch.iter().map(|c| c.tokens.len()).sum();
@@ -326,7 +371,10 @@ impl ModelRunner {
             v.extend_from_slice(&x);
             v
         });
-        let mut taps = Taps { router: opts.collect_router.then(Vec::new), experts: observer };
+        let mut taps = Taps {
+            router: opts.collect_router.then(Vec::new),
+            experts: observer,
+        };
         let (mut ai, mut ki) = (0, 0);
         for (i, lw) in weights.layers.iter().enumerate() {
             let cache = match cfg.layer_kind(i) {
@@ -375,12 +423,20 @@ impl ModelRunner {
     /// After a snapshot verify of `T` tokens, keep the first `accepted + 1` of them: the
     /// KDA state after token `accepted` becomes the committed state (block 0). The next
     /// chunk of the request starts at `start_pos + accepted + 1`.
-    pub fn commit_state(&mut self, kv: &KvCacheManager, slot: ReqSlot, accepted: usize) -> Result<()> {
+    pub fn commit_state(
+        &mut self,
+        kv: &KvCacheManager,
+        slot: ReqSlot,
+        accepted: usize,
+    ) -> Result<()> {
         self.check_manager(kv)?;
         let len = match self.pending.get(&slot) {
             Some(&l) => l,
             None => {
-                return Err(input_err(format!("request slot {}: commit_state without a pending snapshot verify", slot.0)));
+                return Err(input_err(format!(
+                    "request slot {}: commit_state without a pending snapshot verify",
+                    slot.0
+                )));
             }
         };
         if accepted + 1 > len {
@@ -393,7 +449,13 @@ impl ModelRunner {
         if accepted + 1 < len {
             if let Some(g) = self.store.state_group() {
                 let table = kv.table(g, slot);
-                self.check_table(table, len, slot, crate::model::config::STATE_GROUP, "commit_state")?;
+                self.check_table(
+                    table,
+                    len,
+                    slot,
+                    crate::model::config::STATE_GROUP,
+                    "commit_state",
+                )?;
                 let (src, dst) = (table[accepted + 1], table[0]);
                 for l in 0..self.weights.cfg.num_kda_layers() {
                     self.store.copy_state(l, src, dst);

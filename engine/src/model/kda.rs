@@ -30,13 +30,28 @@ use crate::Result;
 
 /// KDA of one layer over a batch: `a [T_total, H] -> [T_total, H]`; `layer` indexes the
 /// KDA layers (0..num_kda_layers).
-pub(crate) fn kda(w: &KdaWeights, cfg: &ModelConfig, a: &[f32], spans: &[Span<'_>], store: &mut KvStore, layer: usize) -> Result<Vec<f32>> {
+pub(crate) fn kda(
+    w: &KdaWeights,
+    cfg: &ModelConfig,
+    a: &[f32],
+    spans: &[Span<'_>],
+    store: &mut KvStore,
+    layer: usize,
+) -> Result<Vec<f32>> {
     let h = cfg.hidden_size;
     let t_total = a.len() / h;
-    let (nl, dl, kc) = (cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim);
+    let (nl, dl, kc) = (
+        cfg.linear_num_heads,
+        cfg.linear_head_dim,
+        cfg.linear_conv_kernel_dim,
+    );
     let c = nl * dl;
     let eps = cfg.rms_norm_eps as f32;
-    let xs = [w.q.forward(a, t_total)?, w.k.forward(a, t_total)?, w.v.forward(a, t_total)?]; // 3 x [T_total, C]
+    let xs = [
+        w.q.forward(a, t_total)?,
+        w.k.forward(a, t_total)?,
+        w.v.forward(a, t_total)?,
+    ]; // 3 x [T_total, C]
     let f = w.f_b.forward(&w.f_a.forward(a, t_total)?, t_total)?; // [T_total, C]
     let gout = w.g_b.forward(&w.g_a.forward(a, t_total)?, t_total)?; // [T_total, C]
     let b = w.b.forward(a, t_total)?; // [T_total, nl]
@@ -90,7 +105,9 @@ pub(crate) fn kda(w: &KdaWeights, cfg: &ModelConfig, a: &[f32], spans: &[Span<'_
             let row = base + t;
             for hd in 0..nl {
                 qv.copy_from_slice(&qkv[t * c + hd * dl..t * c + (hd + 1) * dl]);
-                kv.copy_from_slice(&qkv[(sp.len + t) * c + hd * dl..(sp.len + t) * c + (hd + 1) * dl]);
+                kv.copy_from_slice(
+                    &qkv[(sp.len + t) * c + hd * dl..(sp.len + t) * c + (hd + 1) * dl],
+                );
                 let vv = &qkv[(2 * sp.len + t) * c + hd * dl..(2 * sp.len + t) * c + (hd + 1) * dl];
                 l2norm_inplace(&mut qv);
                 for x in qv.iter_mut() {

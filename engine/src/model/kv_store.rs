@@ -64,7 +64,10 @@ impl KvStore {
         let find = |name: &str, kind: GroupKind| -> Result<Option<usize>> {
             match groups.iter().position(|g| g.name == name) {
                 Some(i) if groups[i].kind == kind => Ok(Some(i)),
-                Some(i) => Err(bad(format!("group `{name}` must be of kind {kind:?}, found {:?}", groups[i].kind))),
+                Some(i) => Err(bad(format!(
+                    "group `{name}` must be of kind {kind:?}, found {:?}",
+                    groups[i].kind
+                ))),
                 None => Ok(None),
             }
         };
@@ -85,7 +88,10 @@ impl KvStore {
         let block_size = full_group.map_or(0, |g| groups[g].block_size as usize);
         let full_page = cfg.full_page_floats(block_size);
         let state_page = cfg.state_page_floats();
-        for (g, layers, page) in [(full_group, n_attn, full_page), (state_group, n_kda, state_page)] {
+        for (g, layers, page) in [
+            (full_group, n_attn, full_page),
+            (state_group, n_kda, state_page),
+        ] {
             if let Some(g) = g {
                 if let Some(m) = groups[g].memory {
                     if m.num_layers as usize != layers || m.page_size_bytes != 4 * page as u64 {
@@ -102,7 +108,9 @@ impl KvStore {
         }
         let floats_per_block = (n_attn * full_page).max(n_kda * state_page).max(1);
         let num_blocks = kv.pool().num_blocks() as usize;
-        let total = num_blocks.checked_mul(floats_per_block).ok_or_else(|| bad("KV store size overflows".into()))?;
+        let total = num_blocks
+            .checked_mul(floats_per_block)
+            .ok_or_else(|| bad("KV store size overflows".into()))?;
         let mut data = Vec::new();
         data.try_reserve_exact(total).map_err(|_| {
             EngineError::InsufficientKvMemory(format!(
@@ -170,7 +178,14 @@ impl KvStore {
     }
 
     /// Write one token's K and V (`[nkv, d]` each) at `offset` of `block`.
-    pub(crate) fn write_kv(&mut self, layer: usize, block: BlockId, offset: usize, k: &[f32], v: &[f32]) {
+    pub(crate) fn write_kv(
+        &mut self,
+        layer: usize,
+        block: BlockId,
+        offset: usize,
+        k: &[f32],
+        v: &[f32],
+    ) {
         let b = self.attn_base(layer, block);
         let half = self.full_page / 2;
         let o = offset * self.kv_row;
@@ -181,7 +196,10 @@ impl KvStore {
     /// Conv states `[3, kc-1, C]` and S `[nl, dl, dl]` of KDA layer `layer` in `block`.
     pub(crate) fn state(&self, layer: usize, block: BlockId) -> (&[f32], &[f32]) {
         let b = self.state_base(layer, block);
-        (&self.data[b..b + self.conv_len], &self.data[b + self.conv_len..b + self.state_page])
+        (
+            &self.data[b..b + self.conv_len],
+            &self.data[b + self.conv_len..b + self.state_page],
+        )
     }
 
     /// Mutable conv states and S of KDA layer `layer` in `block`.

@@ -48,11 +48,23 @@ fn shape_err(what: String) -> EngineError {
 ///
 /// Callers guarantee the slices hold the indexed elements (asserted: an internal invariant).
 #[allow(clippy::too_many_arguments)] // a BLAS-style signature
-fn gemm_xwt(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], w_rs: usize, y: &mut [f32], y_rs: usize, col0: usize) {
+fn gemm_xwt(
+    m: usize,
+    n: usize,
+    k: usize,
+    x: &[f32],
+    w: &[f32],
+    w_rs: usize,
+    y: &mut [f32],
+    y_rs: usize,
+    col0: usize,
+) {
     if m == 0 || n == 0 {
         return;
     }
-    assert!(x.len() >= m * k && w.len() >= (n - 1) * w_rs + k && y.len() >= (m - 1) * y_rs + col0 + n);
+    assert!(
+        x.len() >= m * k && w.len() >= (n - 1) * w_rs + k && y.len() >= (m - 1) * y_rs + col0 + n
+    );
     // SAFETY: the assert above bounds every element gemm touches: lhs x[i*k + l],
     // rhs w[j*w_rs + l] (i < m, j < n, l < k), dst y[i*y_rs + col0 + j]; the three
     // buffers are distinct borrows (y is &mut), so there is no aliasing.
@@ -116,15 +128,28 @@ impl Linear {
                 w.len()
             )));
         }
-        Ok(Self::Dense { out_features, in_features, w })
+        Ok(Self::Dense {
+            out_features,
+            in_features,
+            w,
+        })
     }
 
     /// A W4A16 layer from packed words `[N, K/8]` and scales `[N, K/128]`.
-    pub fn w4a16(out_features: usize, in_features: usize, packed: Vec<u32>, scale: Vec<f32>) -> Result<Self> {
+    pub fn w4a16(
+        out_features: usize,
+        in_features: usize,
+        packed: Vec<u32>,
+        scale: Vec<f32>,
+    ) -> Result<Self> {
         if !in_features.is_multiple_of(GROUP_SIZE) {
-            return Err(shape_err(format!("W4A16 in_features {in_features} is not a multiple of {GROUP_SIZE}")));
+            return Err(shape_err(format!(
+                "W4A16 in_features {in_features} is not a multiple of {GROUP_SIZE}"
+            )));
         }
-        if packed.len() != out_features * in_features / 8 || scale.len() != out_features * in_features / GROUP_SIZE {
+        if packed.len() != out_features * in_features / 8
+            || scale.len() != out_features * in_features / GROUP_SIZE
+        {
             return Err(shape_err(format!(
                 "W4A16 packed {} / scale {} values do not match [{out_features}, {in_features}]",
                 packed.len(),
@@ -242,7 +267,11 @@ pub fn quantize_rtn(w: &[f32], n: usize, k: usize) -> Result<(Vec<u32>, Vec<f32>
         for g in 0..kg {
             let grp = &w[r * k + g * GROUP_SIZE..r * k + (g + 1) * GROUP_SIZE];
             let amax = grp.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-            let s = if amax == 0.0 { 1.0 } else { half::bf16::from_f32(amax / 7.0).to_f32() };
+            let s = if amax == 0.0 {
+                1.0
+            } else {
+                half::bf16::from_f32(amax / 7.0).to_f32()
+            };
             scales[r * kg + g] = s;
             for (j, &v) in grp.iter().enumerate() {
                 let q = (v / s).round_ties_even().clamp(-8.0, 7.0) as i32;
@@ -271,8 +300,12 @@ mod tests {
     #[test]
     fn dense_and_w4a16_match_naive() {
         let (t, n, k) = (5, 70, 256);
-        let w: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
-        let x: Vec<f32> = (0..t * k).map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0).collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+            .collect();
+        let x: Vec<f32> = (0..t * k)
+            .map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0)
+            .collect();
         let d = Linear::dense(n, k, w.clone()).unwrap();
         let y = d.forward(&x, t).unwrap();
         assert!(crate::model::ops::rel_err(&y, &naive(&x, &w, t, n, k)) < 1e-6);

@@ -66,13 +66,24 @@ pub fn mlp(m: &Mlp, x: &[f32], t: usize) -> Result<Vec<f32>> {
 pub fn topk_desc(biased: &[f32], k: usize) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..biased.len()).collect();
     // Stable sort on descending score: equal scores keep ascending index order.
-    idx.sort_by(|&a, &b| biased[b].partial_cmp(&biased[a]).unwrap_or(std::cmp::Ordering::Equal));
+    idx.sort_by(|&a, &b| {
+        biased[b]
+            .partial_cmp(&biased[a])
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
     idx.truncate(k);
     idx
 }
 
 /// MoE of one layer: `f [T, H] -> [T, H]`; appends the routing to `trace` when given.
-pub(crate) fn moe(m: &MoeWeights, cfg: &ModelConfig, f: &[f32], t: usize, layer: usize, taps: &mut Taps<'_>) -> Result<Vec<f32>> {
+pub(crate) fn moe(
+    m: &MoeWeights,
+    cfg: &ModelConfig,
+    f: &[f32],
+    t: usize,
+    layer: usize,
+    taps: &mut Taps<'_>,
+) -> Result<Vec<f32>> {
     let h = cfg.hidden_size;
     let e = cfg.n_routed_experts;
     let k = cfg.num_experts_per_tok;
@@ -81,7 +92,10 @@ pub(crate) fn moe(m: &MoeWeights, cfg: &ModelConfig, f: &[f32], t: usize, layer:
     let mut wts = vec![0.0f32; t * k]; // [T, k]
     let mut biased = vec![0.0f32; e];
     for row in 0..t {
-        let s: Vec<f32> = r[row * e..(row + 1) * e].iter().map(|&x| sigmoid(x)).collect();
+        let s: Vec<f32> = r[row * e..(row + 1) * e]
+            .iter()
+            .map(|&x| sigmoid(x))
+            .collect();
         for (b, (sv, bias)) in biased.iter_mut().zip(s.iter().zip(&m.bias)) {
             *b = sv + bias;
         }
@@ -135,7 +149,10 @@ pub(crate) fn moe(m: &MoeWeights, cfg: &ModelConfig, f: &[f32], t: usize, layer:
             }
         };
         for (i, &(row, wt)) in rows.iter().enumerate() {
-            for (o, &yv) in out[row * h..(row + 1) * h].iter_mut().zip(&y[i * h..(i + 1) * h]) {
+            for (o, &yv) in out[row * h..(row + 1) * h]
+                .iter_mut()
+                .zip(&y[i * h..(i + 1) * h])
+            {
                 *o += wt * yv;
             }
         }

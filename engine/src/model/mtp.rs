@@ -56,14 +56,24 @@ fn input_err(msg: String) -> EngineError {
 
 impl ModelRunner {
     /// Run the MTP layer over a batch (§6). Requires `num_nextn_predict_layers = 1`.
-    pub fn mtp_forward(&mut self, kv: &KvCacheManager, batch: &[MtpChunk<'_>], opts: &ForwardOptions) -> Result<MtpOut> {
+    pub fn mtp_forward(
+        &mut self,
+        kv: &KvCacheManager,
+        batch: &[MtpChunk<'_>],
+        opts: &ForwardOptions,
+    ) -> Result<MtpOut> {
         self.check_manager(kv)?;
         let cfg = self.weights.cfg.clone();
         let h = cfg.hidden_size;
-        let n = cfg
-            .mtp_layer_index()
-            .ok_or_else(|| input_err("mtp_forward: the model has no MTP layer (num_nextn_predict_layers = 0)".into()))?;
-        let full = self.store.full_group().ok_or_else(|| input_err("mtp_forward: no `full` KV group".into()))?;
+        let n = cfg.mtp_layer_index().ok_or_else(|| {
+            input_err(
+                "mtp_forward: the model has no MTP layer (num_nextn_predict_layers = 0)".into(),
+            )
+        })?;
+        let full = self
+            .store
+            .full_group()
+            .ok_or_else(|| input_err("mtp_forward: no `full` KV group".into()))?;
         let bs = self.store.block_size();
         let mut spans = Vec::with_capacity(batch.len());
         let mut offset = 0;
@@ -77,20 +87,32 @@ impl ModelRunner {
                 )));
             }
             if batch[..ci].iter().any(|o| o.slot == ch.slot) {
-                return Err(input_err(format!("request slot {} appears twice in one MTP batch", ch.slot.0)));
+                return Err(input_err(format!(
+                    "request slot {} appears twice in one MTP batch",
+                    ch.slot.0
+                )));
             }
-            if let Some(&bad) = ch.next_tokens.iter().find(|&&x| x as usize >= cfg.vocab_size) {
+            if let Some(&bad) = ch
+                .next_tokens
+                .iter()
+                .find(|&&x| x as usize >= cfg.vocab_size)
+            {
                 return Err(input_err(format!(
                     "request slot {}: token id {bad} is not below vocab_size {}",
                     ch.slot.0, cfg.vocab_size
                 )));
             }
             let table = kv.table(full, ch.slot);
-            let end = ch
-                .start_pos
-                .checked_add(t)
-                .ok_or_else(|| input_err(format!("request slot {}: MTP position overflow", ch.slot.0)))?;
-            self.check_table(table, end.div_ceil(bs), ch.slot, FULL_GROUP, &format!("MTP positions 0..{end}"))?;
+            let end = ch.start_pos.checked_add(t).ok_or_else(|| {
+                input_err(format!("request slot {}: MTP position overflow", ch.slot.0))
+            })?;
+            self.check_table(
+                table,
+                end.div_ceil(bs),
+                ch.slot,
+                FULL_GROUP,
+                &format!("MTP positions 0..{end}"),
+            )?;
             let rope = rope_tables(ch.start_pos, t, cfg.head_dim, cfg.rope_theta);
             spans.push(Span {
                 offset,
@@ -113,7 +135,11 @@ impl ModelRunner {
         let mut row = 0;
         for ch in batch {
             for (i, &tok) in ch.next_tokens.iter().enumerate() {
-                let e = rmsnorm(&self.weights.embed[tok as usize * h..(tok as usize + 1) * h], &mtp.enorm, eps);
+                let e = rmsnorm(
+                    &self.weights.embed[tok as usize * h..(tok as usize + 1) * h],
+                    &mtp.enorm,
+                    eps,
+                );
                 let hh = rmsnorm(&ch.hidden[i * h..(i + 1) * h], &mtp.hnorm, eps);
                 cat[row * 2 * h..row * 2 * h + h].copy_from_slice(&e);
                 cat[row * 2 * h + h..(row + 1) * 2 * h].copy_from_slice(&hh);
@@ -121,7 +147,10 @@ impl ModelRunner {
             }
         }
         let mut x = mtp.eh_proj.forward(&cat, t_total)?; // [T_total, H]
-        let mut taps = Taps { router: opts.collect_router.then(Vec::new), experts: None };
+        let mut taps = Taps {
+            router: opts.collect_router.then(Vec::new),
+            experts: None,
+        };
         let attn_index = cfg.num_full_layers();
         decoder_layer(
             &mtp.layer,
@@ -145,6 +174,10 @@ impl ModelRunner {
                 self.weights.lm_head.forward(&last, spans.len())?
             }
         };
-        Ok(MtpOut { logits, hidden: x, router: taps.router })
+        Ok(MtpOut {
+            logits,
+            hidden: x,
+            router: taps.router,
+        })
     }
 }

@@ -75,7 +75,11 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     if a.len() != b.len() {
         return f32::INFINITY;
     }
-    let num = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    let num = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
     let den = b.iter().map(|y| y.abs()).fold(0.0f32, f32::max);
     if den == 0.0 {
         num

@@ -57,16 +57,23 @@ impl Tokenizer {
 
     /// Parse `tokenizer.json` bytes (`source` names them in errors).
     pub fn from_bytes(bytes: &[u8], source: &str) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| EngineError::Tokenizer {
-            path: source.into(),
-            reason: e.to_string(),
-        })?;
-        Ok(Self { inner, source: source.into() })
+        let inner =
+            tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| EngineError::Tokenizer {
+                path: source.into(),
+                reason: e.to_string(),
+            })?;
+        Ok(Self {
+            inner,
+            source: source.into(),
+        })
     }
 
     /// Text -> ids (`add_special_tokens` applies the post-processor, if any).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, add_special_tokens).map_err(|e| self.err(e))?;
+        let enc = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| self.err(e))?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -76,7 +83,9 @@ impl Tokenizer {
         if let Some(bad) = ids.iter().find(|&&i| i >= n) {
             return Err(self.err(format!("id {bad} is outside the vocabulary ({n} tokens)")));
         }
-        self.inner.decode(ids, skip_special_tokens).map_err(|e| self.err(e))
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| self.err(e))
     }
 
     /// Id of a token string, if any.
@@ -91,8 +100,15 @@ impl Tokenizer {
 
     /// Id of a special (added) token; an error naming it when absent.
     pub fn special_id(&self, token: &str) -> Result<u32> {
-        let id = self.token_to_id(token).ok_or_else(|| self.err(format!("no token {token:?}")))?;
-        if !self.inner.get_added_tokens_decoder().get(&id).is_some_and(|t| t.special) {
+        let id = self
+            .token_to_id(token)
+            .ok_or_else(|| self.err(format!("no token {token:?}")))?;
+        if !self
+            .inner
+            .get_added_tokens_decoder()
+            .get(&id)
+            .is_some_and(|t| t.special)
+        {
             return Err(self.err(format!("{token:?} (id {id}) is not a special token")));
         }
         Ok(id)

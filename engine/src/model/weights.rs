@@ -38,13 +38,27 @@ pub struct TensorSpec {
 /// Every tensor of the bf16 checkpoint, in `tensor_specs` order (§7).
 pub fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
     let (h, v) = (cfg.hidden_size, cfg.vocab_size);
-    let (nh, nkv, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
-    let (nl, dl, kc) = (cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim);
+    let (nh, nkv, d) = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    );
+    let (nl, dl, kc) = (
+        cfg.linear_num_heads,
+        cfg.linear_head_dim,
+        cfg.linear_conv_kernel_dim,
+    );
     let c = nl * dl;
-    let (e, im, i_) = (cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.intermediate_size);
+    let (e, im, i_) = (
+        cfg.n_routed_experts,
+        cfg.moe_intermediate_size,
+        cfg.intermediate_size,
+    );
     let is = im * cfg.n_shared_experts;
     let mut out = Vec::new();
-    let mut add = |name: String, shape: Vec<usize>, dtype: TensorDtype| out.push(TensorSpec { name, shape, dtype });
+    let mut add = |name: String, shape: Vec<usize>, dtype: TensorDtype| {
+        out.push(TensorSpec { name, shape, dtype })
+    };
     let bf = TensorDtype::Bf16;
     let f32_ = TensorDtype::F32;
     add("model.embed_tokens.weight".into(), vec![v, h], bf);
@@ -95,9 +109,21 @@ pub fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
                 add(format!("{m}.experts.{j}.up_proj.weight"), vec![im, h], bf);
                 add(format!("{m}.experts.{j}.down_proj.weight"), vec![h, im], bf);
             }
-            add(format!("{m}.shared_experts.gate_proj.weight"), vec![is, h], bf);
-            add(format!("{m}.shared_experts.up_proj.weight"), vec![is, h], bf);
-            add(format!("{m}.shared_experts.down_proj.weight"), vec![h, is], bf);
+            add(
+                format!("{m}.shared_experts.gate_proj.weight"),
+                vec![is, h],
+                bf,
+            );
+            add(
+                format!("{m}.shared_experts.up_proj.weight"),
+                vec![is, h],
+                bf,
+            );
+            add(
+                format!("{m}.shared_experts.down_proj.weight"),
+                vec![h, is],
+                bf,
+            );
         }
         if is_mtp {
             add(format!("{p}.shared_head.norm.weight"), vec![h], bf);
@@ -112,16 +138,25 @@ pub fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
 pub fn linear_module_names(cfg: &ModelConfig) -> Vec<String> {
     tensor_specs(cfg)
         .into_iter()
-        .filter(|s| s.shape.len() == 2 && s.name.ends_with(".weight") && s.name != "model.embed_tokens.weight")
+        .filter(|s| {
+            s.shape.len() == 2
+                && s.name.ends_with(".weight")
+                && s.name != "model.embed_tokens.weight"
+        })
         .map(|s| s.name[..s.name.len() - ".weight".len()].to_string())
         .collect()
 }
 
 /// Modules `quantization_config` quantizes: targets `Linear`, minus the ignore list.
 pub fn quantized_module_names(cfg: &ModelConfig) -> Result<Vec<String>> {
-    let Some(q) = &cfg.quantization_config else { return Ok(Vec::new()) };
+    let Some(q) = &cfg.quantization_config else {
+        return Ok(Vec::new());
+    };
     let ig: IgnoreList = q.ignore_matcher()?;
-    Ok(linear_module_names(cfg).into_iter().filter(|m| !ig.matches(m)).collect())
+    Ok(linear_module_names(cfg)
+        .into_iter()
+        .filter(|m| !ig.matches(m))
+        .collect())
 }
 
 /// SwiGLU FFN (dense MLP, routed expert or shared expert), §5.
@@ -313,7 +348,10 @@ impl TensorSource for CkptSource<'_> {
             let w = self.float(&format!("{module}.weight"), &[n, k], FloatKind::Bf16OrF32)?;
             return Linear::dense(n.size, k.size, w);
         }
-        let qerr = |reason: String| EngineError::Quantization { module: module.into(), reason };
+        let qerr = |reason: String| EngineError::Quantization {
+            module: module.into(),
+            reason,
+        };
         if !k.size.is_multiple_of(GROUP_SIZE) {
             return Err(qerr(format!(
                 "in_features {} ({}) is not a multiple of the group size {GROUP_SIZE}",
@@ -326,12 +364,19 @@ impl TensorSource for CkptSource<'_> {
             return Err(EngineError::ConfigMismatch {
                 key: format!("{} / {}", n.key, k.key),
                 tensor: shape_name,
-                reason: format!("the config implies [{}, {}], the checkpoint's weight_shape is {shape:?}", n.size, k.size),
+                reason: format!(
+                    "the config implies [{}, {}], the checkpoint's weight_shape is {shape:?}",
+                    n.size, k.size
+                ),
             });
         }
         let packed = self.ck.i32(&packed_name, &[n, dim(k.size / 8, k.key)])?;
         let scale_name = format!("{module}.weight_scale");
-        let scale = self.ck.f32(&scale_name, FloatKind::Bf16OrF32, &[n, dim(k.size / GROUP_SIZE, k.key)])?;
+        let scale = self.ck.f32(
+            &scale_name,
+            FloatKind::Bf16OrF32,
+            &[n, dim(k.size / GROUP_SIZE, k.key)],
+        )?;
         for extra in ["weight", "weight_zero_point", "weight_g_idx"] {
             let nm = format!("{module}.{extra}");
             if self.ck.contains(&nm) {
@@ -344,7 +389,12 @@ impl TensorSource for CkptSource<'_> {
         for n_ in [&packed_name, &shape_name, &scale_name] {
             self.used.insert(n_.clone());
         }
-        Linear::w4a16(n.size, k.size, packed.into_iter().map(|w| w as u32).collect(), scale)
+        Linear::w4a16(
+            n.size,
+            k.size,
+            packed.into_iter().map(|w| w as u32).collect(),
+            scale,
+        )
     }
 }
 
@@ -363,7 +413,11 @@ fn build(cfg: &ModelConfig, src: &mut dyn TensorSource) -> Result<ModelWeights> 
             let p = format!("model.layers.{n}");
             let enorm = src.float(&format!("{p}.enorm.weight"), &[h], bf)?;
             let hnorm = src.float(&format!("{p}.hnorm.weight"), &[h], bf)?;
-            let eh_proj = src.linear(&format!("{p}.eh_proj"), h, dim(2 * cfg.hidden_size, "hidden_size"))?;
+            let eh_proj = src.linear(
+                &format!("{p}.eh_proj"),
+                h,
+                dim(2 * cfg.hidden_size, "hidden_size"),
+            )?;
             let layer = build_layer(cfg, src, n)?;
             let head_norm = src.float(&format!("{p}.shared_head.norm.weight"), &[h], bf)?;
             Some(MtpWeights {
@@ -402,8 +456,14 @@ fn build_layer(cfg: &ModelConfig, src: &mut dyn TensorSource, i: usize) -> Resul
     let h = dim(cfg.hidden_size, "hidden_size");
     let input_norm = src.float(&format!("{p}.input_layernorm.weight"), &[h], bf)?;
     let mixer = if cfg.layer_kind(i) == LayerKind::FullAttention {
-        let q = dim(cfg.num_attention_heads * cfg.head_dim, "num_attention_heads * head_dim");
-        let kv = dim(cfg.num_key_value_heads * cfg.head_dim, "num_key_value_heads * head_dim");
+        let q = dim(
+            cfg.num_attention_heads * cfg.head_dim,
+            "num_attention_heads * head_dim",
+        );
+        let kv = dim(
+            cfg.num_key_value_heads * cfg.head_dim,
+            "num_key_value_heads * head_dim",
+        );
         let a = format!("{p}.self_attn");
         Mixer::Full(AttnWeights {
             q: src.linear(&format!("{a}.q_proj"), q, h)?,
@@ -417,7 +477,9 @@ fn build_layer(cfg: &ModelConfig, src: &mut dyn TensorSource, i: usize) -> Resul
         let nl = dim(cfg.linear_num_heads, "linear_num_heads");
         let kc = dim(cfg.linear_conv_kernel_dim, "linear_conv_kernel_dim");
         let a = format!("{p}.linear_attn");
-        let conv = |src: &mut dyn TensorSource, w: &str| src.float(&format!("{a}.{w}_conv1d.weight"), &[c, dim(1, ""), kc], bf);
+        let conv = |src: &mut dyn TensorSource, w: &str| {
+            src.float(&format!("{a}.{w}_conv1d.weight"), &[c, dim(1, ""), kc], bf)
+        };
         Mixer::Kda(KdaWeights {
             q: src.linear(&format!("{a}.q_proj"), c, h)?,
             k: src.linear(&format!("{a}.k_proj"), c, h)?,
@@ -437,19 +499,36 @@ fn build_layer(cfg: &ModelConfig, src: &mut dyn TensorSource, i: usize) -> Resul
     let post_norm = src.float(&format!("{p}.post_attention_layernorm.weight"), &[h], bf)?;
     let m = format!("{p}.mlp");
     let ffn = if !cfg.is_moe_layer(i) {
-        Ffn::Dense(build_mlp(src, &m, dim(cfg.intermediate_size, "intermediate_size"), h)?)
+        Ffn::Dense(build_mlp(
+            src,
+            &m,
+            dim(cfg.intermediate_size, "intermediate_size"),
+            h,
+        )?)
     } else {
         let e = dim(cfg.n_routed_experts, "n_routed_experts");
         let im = dim(cfg.moe_intermediate_size, "moe_intermediate_size");
-        let is = dim(cfg.moe_intermediate_size * cfg.n_shared_experts, "moe_intermediate_size * n_shared_experts");
+        let is = dim(
+            cfg.moe_intermediate_size * cfg.n_shared_experts,
+            "moe_intermediate_size * n_shared_experts",
+        );
         let router = src.linear(&format!("{m}.gate"), e, h)?;
-        let bias = src.float(&format!("{m}.gate.e_score_correction_bias"), &[e], FloatKind::F32Only)?;
+        let bias = src.float(
+            &format!("{m}.gate.e_score_correction_bias"),
+            &[e],
+            FloatKind::F32Only,
+        )?;
         let mut experts = Vec::with_capacity(cfg.n_routed_experts);
         for j in 0..cfg.n_routed_experts {
             experts.push(build_mlp(src, &format!("{m}.experts.{j}"), im, h)?);
         }
         let shared = build_mlp(src, &format!("{m}.shared_experts"), is, h)?;
-        Ffn::Moe(MoeWeights { router, bias, experts, shared })
+        Ffn::Moe(MoeWeights {
+            router,
+            bias,
+            experts,
+            shared,
+        })
     };
     Ok(LayerWeights {
         input_norm,
@@ -506,7 +585,10 @@ fn precheck(cfg: &ModelConfig, ck: &Checkpoint) -> Result<()> {
             return Err(EngineError::ConfigMismatch {
                 key: "n_routed_experts".into(),
                 tensor: t,
-                reason: format!("n_routed_experts = {} but the checkpoint stores expert {j}", cfg.n_routed_experts),
+                reason: format!(
+                    "n_routed_experts = {} but the checkpoint stores expert {j}",
+                    cfg.n_routed_experts
+                ),
             });
         }
     }
@@ -541,15 +623,25 @@ fn precheck(cfg: &ModelConfig, ck: &Checkpoint) -> Result<()> {
             });
         }
         let router = format!("{p}.mlp.gate.weight");
-        if cfg.is_moe_layer(i) != ck.contains(&router) && (ck.contains(&format!("{p}.mlp.gate_proj.weight")) || ck.contains(&router)) {
+        if cfg.is_moe_layer(i) != ck.contains(&router)
+            && (ck.contains(&format!("{p}.mlp.gate_proj.weight")) || ck.contains(&router))
+        {
             return Err(EngineError::ConfigMismatch {
                 key: "first_k_dense_replace".into(),
-                tensor: if ck.contains(&router) { router } else { format!("{p}.mlp.gate_proj.weight") },
+                tensor: if ck.contains(&router) {
+                    router
+                } else {
+                    format!("{p}.mlp.gate_proj.weight")
+                },
                 reason: format!(
                     "first_k_dense_replace = {} makes layer {i} {}, but the checkpoint stores {}",
                     cfg.first_k_dense_replace,
                     if cfg.is_moe_layer(i) { "MoE" } else { "dense" },
-                    if cfg.is_moe_layer(i) { "a dense MLP" } else { "an MoE router" }
+                    if cfg.is_moe_layer(i) {
+                        "a dense MLP"
+                    } else {
+                        "an MoE router"
+                    }
                 ),
             });
         }
@@ -583,7 +675,10 @@ impl ModelWeights {
             return Err(EngineError::ConfigMismatch {
                 key: "<model structure>".into(),
                 tensor: extra.to_string(),
-                reason: format!("{} stores a tensor this config does not use", ck.file_of(extra)),
+                reason: format!(
+                    "{} stores a tensor this config does not use",
+                    ck.file_of(extra)
+                ),
             });
         }
         Ok(w)
@@ -624,7 +719,11 @@ impl ModelWeights {
         let cfg = &self.cfg;
         let h = cfg.hidden_size;
         let mut out = Vec::new();
-        out.push(NamedTensor::bf16("model.embed_tokens.weight", vec![cfg.vocab_size, h], &self.embed));
+        out.push(NamedTensor::bf16(
+            "model.embed_tokens.weight",
+            vec![cfg.vocab_size, h],
+            &self.embed,
+        ));
         for (i, l) in self.layers.iter().enumerate() {
             export_layer(&mut out, cfg, i, l, None);
         }
@@ -685,13 +784,24 @@ impl ModelWeights {
 
     /// Number of W4A16 Linear modules.
     pub fn num_quantized(&self) -> usize {
-        self.tensors().iter().filter(|t| t.name.ends_with(".weight_packed")).count()
+        self.tensors()
+            .iter()
+            .filter(|t| t.name.ends_with(".weight_packed"))
+            .count()
     }
 }
 
 fn export_linear(out: &mut Vec<NamedTensor>, module: &str, l: &Linear) {
     match l {
-        Linear::Dense { out_features, in_features, w } => out.push(NamedTensor::bf16(&format!("{module}.weight"), vec![*out_features, *in_features], w)),
+        Linear::Dense {
+            out_features,
+            in_features,
+            w,
+        } => out.push(NamedTensor::bf16(
+            &format!("{module}.weight"),
+            vec![*out_features, *in_features],
+            w,
+        )),
         Linear::W4A16 {
             out_features,
             in_features,
@@ -700,9 +810,21 @@ fn export_linear(out: &mut Vec<NamedTensor>, module: &str, l: &Linear) {
         } => {
             let (n, k) = (*out_features, *in_features);
             let words: Vec<i32> = packed.iter().map(|&w| w as i32).collect();
-            out.push(NamedTensor::i32(&format!("{module}.weight_packed"), vec![n, k / 8], &words));
-            out.push(NamedTensor::bf16(&format!("{module}.weight_scale"), vec![n, k / GROUP_SIZE], scale));
-            out.push(NamedTensor::i64(&format!("{module}.weight_shape"), vec![2], &[n as i64, k as i64]));
+            out.push(NamedTensor::i32(
+                &format!("{module}.weight_packed"),
+                vec![n, k / 8],
+                &words,
+            ));
+            out.push(NamedTensor::bf16(
+                &format!("{module}.weight_scale"),
+                vec![n, k / GROUP_SIZE],
+                scale,
+            ));
+            out.push(NamedTensor::i64(
+                &format!("{module}.weight_shape"),
+                vec![2],
+                &[n as i64, k as i64],
+            ));
         }
     }
 }
@@ -713,18 +835,41 @@ fn export_mlp(out: &mut Vec<NamedTensor>, pre: &str, x: &Mlp) {
     export_linear(out, &format!("{pre}.down_proj"), &x.down);
 }
 
-fn export_layer(out: &mut Vec<NamedTensor>, cfg: &ModelConfig, i: usize, l: &LayerWeights, mtp: Option<&MtpWeights>) {
+fn export_layer(
+    out: &mut Vec<NamedTensor>,
+    cfg: &ModelConfig,
+    i: usize,
+    l: &LayerWeights,
+    mtp: Option<&MtpWeights>,
+) {
     let h = cfg.hidden_size;
     let p = format!("model.layers.{i}");
     if let Some(m) = mtp {
-        out.push(NamedTensor::bf16(&format!("{p}.enorm.weight"), vec![h], &m.enorm));
-        out.push(NamedTensor::bf16(&format!("{p}.hnorm.weight"), vec![h], &m.hnorm));
+        out.push(NamedTensor::bf16(
+            &format!("{p}.enorm.weight"),
+            vec![h],
+            &m.enorm,
+        ));
+        out.push(NamedTensor::bf16(
+            &format!("{p}.hnorm.weight"),
+            vec![h],
+            &m.hnorm,
+        ));
         export_linear(out, &format!("{p}.eh_proj"), &m.eh_proj);
     }
-    out.push(NamedTensor::bf16(&format!("{p}.input_layernorm.weight"), vec![h], &l.input_norm));
+    out.push(NamedTensor::bf16(
+        &format!("{p}.input_layernorm.weight"),
+        vec![h],
+        &l.input_norm,
+    ));
     match &l.mixer {
         Mixer::Full(a) => {
-            for (n, x) in [("q_proj", &a.q), ("k_proj", &a.k), ("v_proj", &a.v), ("o_proj", &a.o)] {
+            for (n, x) in [
+                ("q_proj", &a.q),
+                ("k_proj", &a.k),
+                ("v_proj", &a.v),
+                ("o_proj", &a.o),
+            ] {
                 export_linear(out, &format!("{p}.self_attn.{n}"), x);
             }
         }
@@ -736,26 +881,50 @@ fn export_layer(out: &mut Vec<NamedTensor>, cfg: &ModelConfig, i: usize, l: &Lay
                 export_linear(out, &format!("{a}.{n}"), x);
             }
             for (n, x) in ["q", "k", "v"].iter().zip(&k.conv) {
-                out.push(NamedTensor::bf16(&format!("{a}.{n}_conv1d.weight"), vec![c, 1, kc], x));
+                out.push(NamedTensor::bf16(
+                    &format!("{a}.{n}_conv1d.weight"),
+                    vec![c, 1, kc],
+                    x,
+                ));
             }
             export_linear(out, &format!("{a}.f_a_proj"), &k.f_a);
             export_linear(out, &format!("{a}.f_b_proj"), &k.f_b);
             export_linear(out, &format!("{a}.b_proj"), &k.b);
-            out.push(NamedTensor::f32(&format!("{a}.A_log"), vec![cfg.linear_num_heads], &k.a_log));
-            out.push(NamedTensor::f32(&format!("{a}.dt_bias"), vec![c], &k.dt_bias));
+            out.push(NamedTensor::f32(
+                &format!("{a}.A_log"),
+                vec![cfg.linear_num_heads],
+                &k.a_log,
+            ));
+            out.push(NamedTensor::f32(
+                &format!("{a}.dt_bias"),
+                vec![c],
+                &k.dt_bias,
+            ));
             export_linear(out, &format!("{a}.g_a_proj"), &k.g_a);
             export_linear(out, &format!("{a}.g_b_proj"), &k.g_b);
-            out.push(NamedTensor::bf16(&format!("{a}.o_norm.weight"), vec![cfg.linear_head_dim], &k.o_norm));
+            out.push(NamedTensor::bf16(
+                &format!("{a}.o_norm.weight"),
+                vec![cfg.linear_head_dim],
+                &k.o_norm,
+            ));
             export_linear(out, &format!("{a}.o_proj"), &k.o);
         }
     }
-    out.push(NamedTensor::bf16(&format!("{p}.post_attention_layernorm.weight"), vec![h], &l.post_norm));
+    out.push(NamedTensor::bf16(
+        &format!("{p}.post_attention_layernorm.weight"),
+        vec![h],
+        &l.post_norm,
+    ));
     let m = format!("{p}.mlp");
     match &l.ffn {
         Ffn::Dense(x) => export_mlp(out, &m, x),
         Ffn::Moe(x) => {
             export_linear(out, &format!("{m}.gate"), &x.router);
-            out.push(NamedTensor::f32(&format!("{m}.gate.e_score_correction_bias"), vec![x.bias.len()], &x.bias));
+            out.push(NamedTensor::f32(
+                &format!("{m}.gate.e_score_correction_bias"),
+                vec![x.bias.len()],
+                &x.bias,
+            ));
             for (j, e) in x.experts.iter().enumerate() {
                 export_mlp(out, &format!("{m}.experts.{j}"), e);
             }
@@ -763,7 +932,11 @@ fn export_layer(out: &mut Vec<NamedTensor>, cfg: &ModelConfig, i: usize, l: &Lay
         }
     }
     if let Some(mt) = mtp {
-        out.push(NamedTensor::bf16(&format!("{p}.shared_head.norm.weight"), vec![h], &mt.head_norm));
+        out.push(NamedTensor::bf16(
+            &format!("{p}.shared_head.norm.weight"),
+            vec![h],
+            &mt.head_norm,
+        ));
     }
 }
 
@@ -815,7 +988,11 @@ impl TensorSource for RandomSource {
                 _ if name == "lm_head.weight" => 3.0 * self.normal() / (self.h as f64).sqrt(),
                 _ => self.normal() / (dims.last().map_or(1, |d| d.size) as f64).sqrt(),
             };
-            v.push(if kind == FloatKind::F32Only { x as f32 } else { Self::bf16(x) });
+            v.push(if kind == FloatKind::F32Only {
+                x as f32
+            } else {
+                Self::bf16(x)
+            });
         }
         Ok(v)
     }

@@ -64,7 +64,12 @@ mod tests {
     fn fitted_model_round_trips_rates() {
         let mut m = SpecMetrics::default();
         for (k, a) in [(3, 3), (3, 1), (3, 0), (2, 2)] {
-            Verified { num_draft: k, accepted: a, tokens: vec![0; a + 1] }.observe(&mut m);
+            Verified {
+                num_draft: k,
+                accepted: a,
+                tokens: vec![0; a + 1],
+            }
+            .observe(&mut m);
         }
         let model = fitted_acceptance_model(&m).unwrap();
         assert_eq!(model.per_position, vec![0.75, 0.5, 0.25]);

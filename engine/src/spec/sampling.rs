@@ -51,11 +51,19 @@ impl Default for SamplingParams {
 
 impl SamplingParams {
     /// Greedy decoding (temperature 0).
-    pub const GREEDY: Self = Self { temperature: 0.0, top_k: 0, top_p: 1.0 };
+    pub const GREEDY: Self = Self {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+    };
 
     /// Plain temperature sampling, no top-k / top-p.
     pub fn random(temperature: f32) -> Self {
-        Self { temperature, top_k: 0, top_p: 1.0 }
+        Self {
+            temperature,
+            top_k: 0,
+            top_p: 1.0,
+        }
     }
 
     /// Whether these params decode greedily (vLLM: temperature < `_SAMPLING_EPS`).
@@ -65,9 +73,20 @@ impl SamplingParams {
 
     /// vLLM's checks: temperature finite in [0, 2], top_p in (0, 1].
     pub fn validate(&self) -> Result<()> {
-        let bad = |field: &str, reason: String| Err(EngineError::InvalidSamplingParams { field: field.into(), reason });
+        let bad = |field: &str, reason: String| {
+            Err(EngineError::InvalidSamplingParams {
+                field: field.into(),
+                reason,
+            })
+        };
         if !self.temperature.is_finite() || !(0.0..=2.0).contains(&self.temperature) {
-            return bad("temperature", format!("must be a finite number in [0, 2], got {}", self.temperature));
+            return bad(
+                "temperature",
+                format!(
+                    "must be a finite number in [0, 2], got {}",
+                    self.temperature
+                ),
+            );
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad("top_p", format!("must be in (0, 1], got {}", self.top_p));
@@ -86,7 +105,10 @@ pub fn check_logits(logits: &[f32]) -> Result<()> {
     if logits.is_empty() {
         return Err(bad_input("empty logits row".into()));
     }
-    if let Some(i) = logits.iter().position(|x| x.is_nan() || *x == f32::INFINITY) {
+    if let Some(i) = logits
+        .iter()
+        .position(|x| x.is_nan() || *x == f32::INFINITY)
+    {
         return Err(bad_input(format!("logit {i} is {}", logits[i])));
     }
     if logits.iter().all(|x| *x == f32::NEG_INFINITY) {
@@ -161,7 +183,11 @@ fn softmax_in_place(x: &mut [f64]) {
     let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let mut s = 0.0;
     for xi in x.iter_mut() {
-        *xi = if *xi == f64::NEG_INFINITY { 0.0 } else { (*xi - m).exp() };
+        *xi = if *xi == f64::NEG_INFINITY {
+            0.0
+        } else {
+            (*xi - m).exp()
+        };
         s += *xi;
     }
     for xi in x.iter_mut() {
@@ -218,10 +244,21 @@ mod tests {
             SamplingParams::random(-0.1),
             SamplingParams::random(2.5),
             SamplingParams::random(f32::NAN),
-            SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.0 },
-            SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.5 },
+            SamplingParams {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 0.0,
+            },
+            SamplingParams {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 1.5,
+            },
         ] {
-            assert!(matches!(p.validate(), Err(EngineError::InvalidSamplingParams { .. })), "{p:?}");
+            assert!(
+                matches!(p.validate(), Err(EngineError::InvalidSamplingParams { .. })),
+                "{p:?}"
+            );
         }
     }
 
@@ -242,29 +279,70 @@ mod tests {
         let e: Vec<f64> = l.iter().map(|&x| f64::from(x).exp()).collect();
         let s: f64 = e.iter().sum();
         let want: Vec<f64> = e.iter().map(|x| x / s).collect();
-        assert!(close(&target_probs(&l, &SamplingParams::random(1.0)).unwrap(), &want));
+        assert!(close(
+            &target_probs(&l, &SamplingParams::random(1.0)).unwrap(),
+            &want
+        ));
         // Temperature 0.5 doubles the logits.
         let e: Vec<f64> = l.iter().map(|&x| (2.0 * f64::from(x)).exp()).collect();
         let s: f64 = e.iter().sum();
         let want: Vec<f64> = e.iter().map(|x| x / s).collect();
-        assert!(close(&target_probs(&l, &SamplingParams::random(0.5)).unwrap(), &want));
+        assert!(close(
+            &target_probs(&l, &SamplingParams::random(0.5)).unwrap(),
+            &want
+        ));
         // Greedy: one-hot argmax.
-        assert_eq!(target_probs(&l, &SamplingParams::GREEDY).unwrap(), vec![1.0, 0.0, 0.0, 0.0]);
+        assert_eq!(
+            target_probs(&l, &SamplingParams::GREEDY).unwrap(),
+            vec![1.0, 0.0, 0.0, 0.0]
+        );
         // top-k 2: the two 1.0 logits tie at the threshold, both kept.
-        let p = target_probs(&l, &SamplingParams { temperature: 1.0, top_k: 2, top_p: 1.0 }).unwrap();
+        let p = target_probs(
+            &l,
+            &SamplingParams {
+                temperature: 1.0,
+                top_k: 2,
+                top_p: 1.0,
+            },
+        )
+        .unwrap();
         assert_eq!(p[2], 0.0);
         assert!(p[0] > 0.0 && p[1] > 0.0 && p[3] > 0.0);
         // top-k 1 keeps only the max.
-        let p = target_probs(&l, &SamplingParams { temperature: 1.0, top_k: 1, top_p: 1.0 }).unwrap();
+        let p = target_probs(
+            &l,
+            &SamplingParams {
+                temperature: 1.0,
+                top_k: 1,
+                top_p: 1.0,
+            },
+        )
+        .unwrap();
         assert_eq!(p, vec![1.0, 0.0, 0.0, 0.0]);
         // top-p: probs ~[0.535, 0.197, 0.072, 0.197]; ascending cumsum
         // 0.072 (idx 2), 0.269 (idx 1), 0.466 (idx 3), 1.0 (idx 0).
         // top_p 0.6: cut 0.4 masks idx 2 and 1, keeps {3, 0}.
-        let p = target_probs(&l, &SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.6 }).unwrap();
+        let p = target_probs(
+            &l,
+            &SamplingParams {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 0.6,
+            },
+        )
+        .unwrap();
         assert_eq!((p[1], p[2]), (0.0, 0.0));
         assert!((p[0] + p[3] - 1.0).abs() < 1e-12 && p[3] > 0.0);
         // top_p tiny: always keeps the largest.
-        let p = target_probs(&l, &SamplingParams { temperature: 1.0, top_k: 0, top_p: 1e-6 }).unwrap();
+        let p = target_probs(
+            &l,
+            &SamplingParams {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 1e-6,
+            },
+        )
+        .unwrap();
         assert_eq!(p, vec![1.0, 0.0, 0.0, 0.0]);
         // Masked (-inf) logits get zero mass.
         let p = target_probs(&[f32::NEG_INFINITY, 0.0, 0.0], &SamplingParams::random(1.0)).unwrap();

@@ -89,7 +89,9 @@ pub struct VerifyCtx<'a> {
 
 impl std::fmt::Debug for VerifyCtx<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VerifyCtx").field("params", &self.params).finish_non_exhaustive()
+        f.debug_struct("VerifyCtx")
+            .field("params", &self.params)
+            .finish_non_exhaustive()
     }
 }
 
@@ -115,7 +117,9 @@ fn check_shapes(target_logits: &[f32], vocab: usize, draft: &[u32]) -> Result<()
         )));
     }
     if let Some((i, &t)) = draft.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
-        return Err(bad(format!("draft token {i} is {t}, outside vocab {vocab}")));
+        return Err(bad(format!(
+            "draft token {i} is {t}, outside vocab {vocab}"
+        )));
     }
     for (r, row) in target_logits.chunks_exact(vocab).enumerate() {
         check_logits(row).map_err(|e| bad(format!("target row {r}: {e}")))?;
@@ -136,12 +140,20 @@ fn greedy(target_logits: &[f32], vocab: usize, draft: &[u32]) -> Result<Verified
         let t = argmax(row)? as u32;
         tokens.push(t);
         if t != x {
-            return Ok(Verified { num_draft: draft.len(), accepted: i, tokens });
+            return Ok(Verified {
+                num_draft: draft.len(),
+                accepted: i,
+                tokens,
+            });
         }
     }
     let bonus = argmax(&target_logits[draft.len() * vocab..])? as u32;
     tokens.push(bonus);
-    Ok(Verified { num_draft: draft.len(), accepted: draft.len(), tokens })
+    Ok(Verified {
+        num_draft: draft.len(),
+        accepted: draft.len(),
+        tokens,
+    })
 }
 
 impl<'a> VerifyCtx<'a> {
@@ -154,17 +166,29 @@ impl<'a> VerifyCtx<'a> {
     /// `target_logits`: Shape `[k + 1][vocab]` row-major, `k = proposal.tokens.len()`;
     /// `proposal.probs`, when given: Shape `[k][vocab]`. Greedy params take the
     /// greedy path (draft probs ignored, no randomness consumed).
-    pub fn verify(&mut self, target_logits: &[f32], vocab: usize, proposal: &Proposal) -> Result<Verified> {
+    pub fn verify(
+        &mut self,
+        target_logits: &[f32],
+        vocab: usize,
+        proposal: &Proposal,
+    ) -> Result<Verified> {
         self.params.validate()?;
         let draft = &proposal.tokens;
         check_shapes(target_logits, vocab, draft)?;
         if let Some(q) = &proposal.probs {
             if q.len() != draft.len() {
-                return Err(bad(format!("draft probs have {} rows for {} draft tokens", q.len(), draft.len())));
+                return Err(bad(format!(
+                    "draft probs have {} rows for {} draft tokens",
+                    q.len(),
+                    draft.len()
+                )));
             }
             for (i, row) in q.iter().enumerate() {
                 if row.len() != vocab {
-                    return Err(bad(format!("draft probs row {i} has vocab {}, target vocab is {vocab}", row.len())));
+                    return Err(bad(format!(
+                        "draft probs row {i} has vocab {}, target vocab is {vocab}",
+                        row.len()
+                    )));
                 }
                 if let Some(j) = row.iter().position(|x| !x.is_finite() || *x < 0.0) {
                     return Err(bad(format!("draft probs row {i} entry {j} is {}", row[j])));
@@ -188,20 +212,42 @@ impl<'a> VerifyCtx<'a> {
             }
             // Rejected: sample the residual norm(max(0, p - q)).
             let residual: Vec<f64> = match q_row {
-                Some(q) => p.iter().zip(q).map(|(&pj, &qj)| (pj - f64::from(qj)).max(0.0)).collect(),
-                None => p.iter().enumerate().map(|(j, &pj)| if j == xi { 0.0 } else { pj }).collect(),
+                Some(q) => p
+                    .iter()
+                    .zip(q)
+                    .map(|(&pj, &qj)| (pj - f64::from(qj)).max(0.0))
+                    .collect(),
+                None => p
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &pj)| if j == xi { 0.0 } else { pj })
+                    .collect(),
             };
             let t = match sample_index(&residual, self.rng) {
                 Some(t) => t,
-                None => sample_index(&p, self.rng).ok_or_else(|| bad(format!("target row {i} has no probability mass")))?,
+                None => sample_index(&p, self.rng)
+                    .ok_or_else(|| bad(format!("target row {i} has no probability mass")))?,
             };
             tokens.push(t as u32);
-            return Ok(Verified { num_draft: draft.len(), accepted: i, tokens });
+            return Ok(Verified {
+                num_draft: draft.len(),
+                accepted: i,
+                tokens,
+            });
         }
         let p = target_probs(rows[draft.len()], &self.params)?;
-        let bonus = sample_index(&p, self.rng).ok_or_else(|| bad(format!("target row {} has no probability mass", draft.len())))?;
+        let bonus = sample_index(&p, self.rng).ok_or_else(|| {
+            bad(format!(
+                "target row {} has no probability mass",
+                draft.len()
+            ))
+        })?;
         tokens.push(bonus as u32);
-        Ok(Verified { num_draft: draft.len(), accepted: draft.len(), tokens })
+        Ok(Verified {
+            num_draft: draft.len(),
+            accepted: draft.len(),
+            tokens,
+        })
     }
 }
 
@@ -217,17 +263,49 @@ mod tests {
     #[test]
     fn greedy_hand_cases() {
         // V = 4. argmax rows: 2, 1 (tie 1/3 -> 1), 0.
-        let l = rows(&[&[0.0, 1.0, 5.0, 2.0], &[0.0, 3.0, 1.0, 3.0], &[9.0, 1.0, 1.0, 1.0]]);
+        let l = rows(&[
+            &[0.0, 1.0, 5.0, 2.0],
+            &[0.0, 3.0, 1.0, 3.0],
+            &[9.0, 1.0, 1.0, 1.0],
+        ]);
         let v = verify_greedy(&l, 4, &[2, 1]).unwrap();
-        assert_eq!(v, Verified { num_draft: 2, accepted: 2, tokens: vec![2, 1, 0] });
+        assert_eq!(
+            v,
+            Verified {
+                num_draft: 2,
+                accepted: 2,
+                tokens: vec![2, 1, 0]
+            }
+        );
         let v = verify_greedy(&l, 4, &[2, 3]).unwrap();
-        assert_eq!(v, Verified { num_draft: 2, accepted: 1, tokens: vec![2, 1] });
+        assert_eq!(
+            v,
+            Verified {
+                num_draft: 2,
+                accepted: 1,
+                tokens: vec![2, 1]
+            }
+        );
         let v = verify_greedy(&l, 4, &[0, 1]).unwrap();
-        assert_eq!(v, Verified { num_draft: 2, accepted: 0, tokens: vec![2] });
+        assert_eq!(
+            v,
+            Verified {
+                num_draft: 2,
+                accepted: 0,
+                tokens: vec![2]
+            }
+        );
         assert_eq!(v.rejected(), 2);
         // No drafts: one row, the bonus only.
         let v = verify_greedy(&[0.0, 1.0, 0.5], 3, &[]).unwrap();
-        assert_eq!(v, Verified { num_draft: 0, accepted: 0, tokens: vec![1] });
+        assert_eq!(
+            v,
+            Verified {
+                num_draft: 0,
+                accepted: 0,
+                tokens: vec![1]
+            }
+        );
     }
 
     #[test]
@@ -242,14 +320,34 @@ mod tests {
         assert!(is_bad(verify_greedy(&[0.0, f32::NAN, 0.0, 1.0], 2, &[0])));
         let mut rng = seeded_rng(1);
         let mut ctx = VerifyCtx::new(SamplingParams::random(1.0), &mut rng);
-        let mk = |probs| Proposal { tokens: vec![1], probs };
+        let mk = |probs| Proposal {
+            tokens: vec![1],
+            probs,
+        };
         assert!(is_bad(ctx.verify(&l, 3, &mk(Some(vec![vec![0.5, 0.5]])))));
-        assert!(is_bad(ctx.verify(&l, 3, &mk(Some(vec![vec![0.5, 0.5, 0.0], vec![1.0, 0.0, 0.0]])))));
-        assert!(is_bad(ctx.verify(&l, 3, &mk(Some(vec![vec![0.5, 0.6, -0.1]])))));
-        assert!(is_bad(ctx.verify(&l, 3, &mk(Some(vec![vec![0.5, f32::NAN, 0.0]])))));
-        assert!(ctx.verify(&l, 3, &mk(Some(vec![vec![0.5, 0.5, 0.0]]))).is_ok());
+        assert!(is_bad(ctx.verify(
+            &l,
+            3,
+            &mk(Some(vec![vec![0.5, 0.5, 0.0], vec![1.0, 0.0, 0.0]]))
+        )));
+        assert!(is_bad(ctx.verify(
+            &l,
+            3,
+            &mk(Some(vec![vec![0.5, 0.6, -0.1]]))
+        )));
+        assert!(is_bad(ctx.verify(
+            &l,
+            3,
+            &mk(Some(vec![vec![0.5, f32::NAN, 0.0]]))
+        )));
+        assert!(ctx
+            .verify(&l, 3, &mk(Some(vec![vec![0.5, 0.5, 0.0]])))
+            .is_ok());
         let mut ctx = VerifyCtx::new(SamplingParams::random(3.0), &mut rng);
-        assert!(matches!(ctx.verify(&l, 3, &mk(None)), Err(EngineError::InvalidSamplingParams { .. })));
+        assert!(matches!(
+            ctx.verify(&l, 3, &mk(None)),
+            Err(EngineError::InvalidSamplingParams { .. })
+        ));
     }
 
     #[test]
@@ -258,9 +356,14 @@ mod tests {
         let params = SamplingParams::random(1.0);
         // q(x) = 0: always rejected; the residual max(0, p - q) excludes x = 1.
         let l = rows(&[&[0.0, 0.0, 0.0], &[0.0, 0.0, 0.0]]);
-        let prop = Proposal { tokens: vec![1], probs: Some(vec![vec![0.5, 0.0, 0.5]]) };
+        let prop = Proposal {
+            tokens: vec![1],
+            probs: Some(vec![vec![0.5, 0.0, 0.5]]),
+        };
         for _ in 0..200 {
-            let v = VerifyCtx::new(params, &mut rng).verify(&l, 3, &prop).unwrap();
+            let v = VerifyCtx::new(params, &mut rng)
+                .verify(&l, 3, &prop)
+                .unwrap();
             assert_eq!(v.accepted, 0);
             assert_eq!(v.tokens.len(), 1);
             assert_eq!(v.tokens[0], 1, "residual (0, 1/3, 0) can only give token 1");
@@ -268,10 +371,15 @@ mod tests {
         // Rejected with an empty residual (a degenerate, unnormalized q
         // dominating p): fall back to sampling p, never the masked token 1.
         let l0 = rows(&[&[0.0, f32::NEG_INFINITY, 0.0], &[0.0, 0.0, 0.0]]);
-        let prop = Proposal { tokens: vec![1], probs: Some(vec![vec![1.0, 0.0, 1.0]]) };
+        let prop = Proposal {
+            tokens: vec![1],
+            probs: Some(vec![vec![1.0, 0.0, 1.0]]),
+        };
         let mut seen = [0u32; 3];
         for _ in 0..200 {
-            let v = VerifyCtx::new(params, &mut rng).verify(&l0, 3, &prop).unwrap();
+            let v = VerifyCtx::new(params, &mut rng)
+                .verify(&l0, 3, &prop)
+                .unwrap();
             assert_eq!(v.accepted, 0);
             seen[v.tokens[0] as usize] += 1;
         }
@@ -279,30 +387,66 @@ mod tests {
         // Top-k 1 makes the target greedy-like: a draft off the argmax is
         // always rejected and corrected to the argmax, with no drafts probs.
         let l = rows(&[&[0.0, 2.0, 1.0], &[3.0, 0.0, 0.0]]);
-        let p1 = SamplingParams { temperature: 1.0, top_k: 1, top_p: 1.0 };
+        let p1 = SamplingParams {
+            temperature: 1.0,
+            top_k: 1,
+            top_p: 1.0,
+        };
         for _ in 0..50 {
-            let v = VerifyCtx::new(p1, &mut rng).verify(&l, 3, &Proposal { tokens: vec![2], probs: None }).unwrap();
+            let v = VerifyCtx::new(p1, &mut rng)
+                .verify(
+                    &l,
+                    3,
+                    &Proposal {
+                        tokens: vec![2],
+                        probs: None,
+                    },
+                )
+                .unwrap();
             assert_eq!(v.tokens, vec![1]);
-            let v = VerifyCtx::new(p1, &mut rng).verify(&l, 3, &Proposal { tokens: vec![1], probs: None }).unwrap();
+            let v = VerifyCtx::new(p1, &mut rng)
+                .verify(
+                    &l,
+                    3,
+                    &Proposal {
+                        tokens: vec![1],
+                        probs: None,
+                    },
+                )
+                .unwrap();
             assert_eq!(v.tokens, vec![1, 0]);
         }
         // Greedy params ignore draft probs and consume no randomness.
         let mut a = seeded_rng(3);
         let mut b = seeded_rng(3);
-        let prop = Proposal { tokens: vec![1], probs: Some(vec![vec![0.0, 1.0, 0.0]]) };
-        let v = VerifyCtx::new(SamplingParams::GREEDY, &mut a).verify(&l, 3, &prop).unwrap();
+        let prop = Proposal {
+            tokens: vec![1],
+            probs: Some(vec![vec![0.0, 1.0, 0.0]]),
+        };
+        let v = VerifyCtx::new(SamplingParams::GREEDY, &mut a)
+            .verify(&l, 3, &prop)
+            .unwrap();
         assert_eq!(v.tokens, vec![1, 0]);
         assert_eq!(a.next_u64(), b.next_u64());
     }
 
     #[test]
     fn seeded_and_observed() {
-        let l = rows(&[&[0.1, 0.7, 0.2, 0.0], &[0.3, 0.3, 0.3, 0.1], &[1.0, 0.0, 0.0, 0.5]]);
-        let prop = Proposal { tokens: vec![1, 2], probs: None };
+        let l = rows(&[
+            &[0.1, 0.7, 0.2, 0.0],
+            &[0.3, 0.3, 0.3, 0.1],
+            &[1.0, 0.0, 0.0, 0.5],
+        ]);
+        let prop = Proposal {
+            tokens: vec![1, 2],
+            probs: None,
+        };
         let run = |seed| {
             let mut rng = seeded_rng(seed);
             let mut ctx = VerifyCtx::new(SamplingParams::random(0.8), &mut rng);
-            (0..100).map(|_| ctx.verify(&l, 4, &prop).unwrap()).collect::<Vec<_>>()
+            (0..100)
+                .map(|_| ctx.verify(&l, 4, &prop).unwrap())
+                .collect::<Vec<_>>()
         };
         let a = run(11);
         assert_eq!(a, run(11));
@@ -314,9 +458,17 @@ mod tests {
         }
         assert_eq!(m.num_drafts, 100);
         assert_eq!(m.num_draft_tokens, 200);
-        assert_eq!(m.num_accepted_tokens, a.iter().map(|v| v.accepted as u64).sum::<u64>());
+        assert_eq!(
+            m.num_accepted_tokens,
+            a.iter().map(|v| v.accepted as u64).sum::<u64>()
+        );
         // A step without drafts is not recorded.
-        Verified { num_draft: 0, accepted: 0, tokens: vec![3] }.observe(&mut m);
+        Verified {
+            num_draft: 0,
+            accepted: 0,
+            tokens: vec![3],
+        }
+        .observe(&mut m);
         assert_eq!(m.num_drafts, 100);
     }
 }
