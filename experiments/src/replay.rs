@@ -396,6 +396,9 @@ pub struct ReqState {
     pub num_prompt_tokens: u64,
     /// WAITING until a successful allocate, PREEMPTED after preempt.
     pub status: RequestStatus,
+    /// Token slots of the last successful allocate (`computed + num_new_tokens +
+    /// lookahead`); 0 before any and after preempt. `computed` may not go beyond it.
+    pub allocated_slots: u64,
 }
 
 impl ReqState {
@@ -588,6 +591,7 @@ impl Replayer {
                     num_tokens: *prompt_len,
                     num_prompt_tokens: *prompt_len,
                     status: RequestStatus::Waiting,
+                    allocated_slots: 0,
                 };
                 self.reqs.insert(req.clone(), st);
                 Ok(None)
@@ -616,10 +620,15 @@ impl Replayer {
                     has_scheduled_reqs: *has_scheduled_reqs,
                 };
                 let out = self.kv.allocate_slots(&st.view(), args)?;
-                if matches!(out, AllocOutcome::Allocated(_))
-                    && matches!(st.status, RequestStatus::Waiting | RequestStatus::Preempted)
-                {
-                    st.status = RequestStatus::Running;
+                if matches!(out, AllocOutcome::Allocated(_)) {
+                    // allocate_slots refused any overflow of this sum above.
+                    st.allocated_slots = st
+                        .num_computed_tokens
+                        .saturating_add(*num_new_tokens)
+                        .saturating_add(*lookahead);
+                    if matches!(st.status, RequestStatus::Waiting | RequestStatus::Preempted) {
+                        st.status = RequestStatus::Running;
+                    }
                 }
                 Ok(Some(out))
             }
@@ -633,6 +642,15 @@ impl Replayer {
                         s.num_computed_tokens
                     ),
                 })?;
+                if new > s.allocated_slots {
+                    return Err(EngineError::BadTokenCount {
+                        req: format!("{req:?}"),
+                        reason: format!(
+                            "num_computed_tokens {} + {n} = {new} is beyond the {} token slots the last allocate gave the request (num_tokens {}): computed tokens need KV slots, allocate them first",
+                            s.num_computed_tokens, s.allocated_slots, s.num_tokens
+                        ),
+                    });
+                }
                 s.num_computed_tokens = new;
                 Ok(None)
             }
@@ -654,6 +672,7 @@ impl Replayer {
                     .ok_or_else(|| unknown(req))?;
                 self.kv.free(st.slot);
                 st.num_computed_tokens = 0;
+                st.allocated_slots = 0;
                 st.status = RequestStatus::Preempted;
                 Ok(None)
             }

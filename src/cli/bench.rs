@@ -145,34 +145,34 @@ fn kv_replay(a: KvReplayArgs) -> anyhow::Result<ExitCode> {
     }
     let ratio = vllm_s.map(|v| v / best);
     if a.json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({"ops": n, "speclab_seconds": best, "vllm_seconds": vllm_s, "ratio": ratio, "results_checked_against_vllm": checked.map(|m| m == 0)})
         );
     } else {
-        println!(
+        outln!(
             "trace: {} ({n} ops), layout {}",
             a.ops.display(),
             a.layout.display()
         );
-        println!(
+        outln!(
             "speclab  : {:>10.3} ms  ({:.0} ops/s, best of {})",
             best * 1e3,
             n as f64 / best,
             a.repeat.max(1)
         );
         if let Some(v) = vllm_s {
-            println!(
+            outln!(
                 "vLLM py  : {:>10.3} ms  ({:.0} ops/s)",
                 v * 1e3,
                 n as f64 / v
             );
         }
         if let Some(r) = ratio {
-            println!("ratio    : speclab is {r:.1}x faster");
+            outln!("ratio    : speclab is {r:.1}x faster");
         }
         if let Some(m) = checked {
-            println!("results  : {} of {n} equal to vLLM's", n - m);
+            outln!("results  : {} of {n} equal to vLLM's", n - m);
         }
     }
     Ok(ExitCode::SUCCESS)

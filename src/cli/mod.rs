@@ -7,6 +7,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+#[macro_use]
+pub mod out;
+
 pub mod bench;
 pub mod generate;
 pub mod kv;

@@ -96,12 +96,12 @@ pub fn init_model(a: InitModelArgs) -> anyhow::Result<ExitCode> {
     let w = ModelWeights::random(&cfg, a.seed, a.w4a16)?;
     let files = w.save_sharded(&a.out, a.max_shard_mib.map(|m| m << 20))?;
     if a.json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({"out": a.out, "preset": a.preset, "seed": a.seed, "w4a16": a.w4a16, "files": files, "parameters": cfg.num_parameters()})
         );
     } else {
-        println!(
+        outln!(
             "wrote {} ({} parameters, {}) to {}",
             a.preset,
             cfg.num_parameters(),
@@ -221,21 +221,21 @@ pub fn quantize(a: QuantizeArgs) -> anyhow::Result<ExitCode> {
         speclab_experiments::record::write_atomic(p, &serde_json::to_vec_pretty(&report)?)?;
     }
     if a.json {
-        println!("{}", serde_json::to_string(&report)?);
+        outln!("{}", serde_json::to_string(&report)?);
     } else {
-        println!(
+        outln!(
             "{} on {} calibration sequences ({} tokens) -> {}",
             report.method,
             report.calib_sequences,
             report.calib_tokens,
             a.out.display()
         );
-        println!(
+        outln!(
             "{:<46} {:>10} {:>12} {:>12} {:>7}",
             "matrix", "rows", "proxy loss", "RTN proxy", "ratio"
         );
         for m in &report.matrices {
-            println!(
+            outln!(
                 "{:<46} {:>10} {:>12.4e} {:>12.4e} {:>7.3}",
                 m.module,
                 m.calib_rows,
@@ -244,7 +244,7 @@ pub fn quantize(a: QuantizeArgs) -> anyhow::Result<ExitCode> {
                 m.proxy_loss / m.rtn_proxy_loss
             );
         }
-        println!(
+        outln!(
             "total proxy loss vs RTN: {:.3}",
             report.total_proxy_ratio_vs_rtn
         );
@@ -351,7 +351,7 @@ pub fn eval_ppl(a: EvalPplArgs) -> anyhow::Result<ExitCode> {
             "top1": top1, "positions": n, "seconds": t0.elapsed().as_secs_f64(),
         });
         if !a.json {
-            println!(
+            outln!(
                 "{:<40} ce {:.4} nats  ppl {:.3}  top1 {:.4}  ({} positions, {:.1} s)",
                 m.display(),
                 ce,
@@ -364,7 +364,7 @@ pub fn eval_ppl(a: EvalPplArgs) -> anyhow::Result<ExitCode> {
         rows.push(row);
     }
     if a.json {
-        println!("{}", serde_json::to_string(&rows)?);
+        outln!("{}", serde_json::to_string(&rows)?);
     }
     Ok(ExitCode::SUCCESS)
 }

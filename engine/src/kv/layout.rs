@@ -181,6 +181,11 @@ impl KvLayout {
                 format!("must be in [0, 1), got {}", self.watermark),
             ));
         }
+        if let Some(n) = self.num_blocks {
+            if n > super::pool::MAX_NUM_BLOCKS {
+                return Err(super::pool::too_many_blocks(u64::from(n)));
+            }
+        }
         if self.max_in_flight_tokens == Some(0) {
             return Err(bad("max_in_flight_tokens".into(), "must be > 0 when given"));
         }
