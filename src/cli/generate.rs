@@ -29,6 +29,8 @@ use speclab_engine::Scheduler;
 pub enum CapArg {
     None,
     Upstream,
+    /// Manifests' spelling; the older CLI spelling `window-plus-two` is accepted too.
+    #[value(name = "window_plus_two", alias = "window-plus-two")]
     WindowPlusTwo,
 }
 
@@ -129,6 +131,9 @@ pub struct VerifyLosslessArgs {
     pub manifest: Option<PathBuf>,
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// One prompt as text (tokenized with the model's tokenizer.json), as `generate --prompt`.
+    #[arg(long, conflicts_with_all = ["prompts", "random_prompts", "manifest"])]
+    pub prompt: Option<String>,
     /// Prompts: a .json list of strings or of token-id lists, or a text file (one prompt a line).
     #[arg(long, conflicts_with = "random_prompts")]
     pub prompts: Option<PathBuf>,
@@ -329,7 +334,9 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
             }
         }
         if let Some(r) = run.requests.first() {
-            println!("finish: {:?}", r.finish);
+            // Plain words, as records spell them (`length`, `eos`, `max_model_len`).
+            let finish = serde_json::to_value(r.finish)?;
+            println!("finish: {}", finish.as_str().unwrap_or("unfinished"));
         }
         if let Some(w) = &run.wedged {
             println!("wedged: {w}");
@@ -389,6 +396,15 @@ pub fn verify(a: VerifyLosslessArgs) -> anyhow::Result<ExitCode> {
     let target = ModelWeights::load(&e.model)?;
     let tok = tokenizer(&e.model)?;
     let prompts: Vec<Vec<u32>> = match (&a.prompts, &a.random_prompts) {
+        _ if a.prompt.is_some() => {
+            let t = tok.as_ref().with_context(|| {
+                format!(
+                    "--prompt TEXT needs {}; give --prompts FILE with token ids instead",
+                    e.model.join("tokenizer.json").display()
+                )
+            })?;
+            vec![t.encode(a.prompt.as_deref().unwrap_or_default(), true)?]
+        }
         (Some(p), None) => read_prompts(p, tok.as_ref())?,
         (None, Some(spec)) => {
             let (k, len) = spec
@@ -407,7 +423,7 @@ pub fn verify(a: VerifyLosslessArgs) -> anyhow::Result<ExitCode> {
                 .map(|_| (0..len).map(|_| rng.random_range(0..hi)).collect())
                 .collect()
         }
-        _ => bail!("give --prompts FILE or --random-prompts K:LEN"),
+        _ => bail!("give --prompt TEXT, --prompts FILE or --random-prompts K:LEN"),
     };
     if prompts.is_empty() {
         bail!("no prompts");

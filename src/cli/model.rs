@@ -33,8 +33,38 @@ pub struct InitModelArgs {
     /// Shard tensor files above this many MiB.
     #[arg(long)]
     pub max_shard_mib: Option<usize>,
+    /// Replace a checkpoint already in --out.
+    #[arg(long)]
+    pub force: bool,
     #[arg(long)]
     pub json: bool,
+}
+
+/// Refuse to write a checkpoint over an existing one without `--force`.
+fn check_out_dir(out: &Path, force: bool) -> anyhow::Result<()> {
+    if out.is_file() {
+        bail!("{}: --out must be a directory, and this is a file", out.display());
+    }
+    let has_checkpoint = out.join("config.json").exists()
+        || std::fs::read_dir(out).is_ok_and(|d| {
+            d.filter_map(Result::ok)
+                .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        });
+    if has_checkpoint && !force {
+        bail!(
+            "{}: already holds a checkpoint (config.json / *.safetensors); refusing to replace it without --force",
+            out.display()
+        );
+    }
+    Ok(())
+}
+
+/// Whether two paths name the same existing directory.
+fn same_dir(a: &Path, b: &Path) -> bool {
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => false,
+    }
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -78,6 +108,9 @@ pub struct QuantizeArgs {
     /// Write the per-matrix report (JSON) here too.
     #[arg(long)]
     pub report: Option<PathBuf>,
+    /// Replace a checkpoint already in --out (never the source itself).
+    #[arg(long)]
+    pub force: bool,
     #[arg(long)]
     pub json: bool,
 }
@@ -93,6 +126,7 @@ pub fn init_model(a: InitModelArgs) -> anyhow::Result<ExitCode> {
     } else {
         cfg
     };
+    check_out_dir(&a.out, a.force)?;
     let w = ModelWeights::random(&cfg, a.seed, a.w4a16)?;
     let files = w.save_sharded(&a.out, a.max_shard_mib.map(|m| m << 20))?;
     if a.json {
@@ -194,6 +228,13 @@ fn read_calib_file(p: &Path, tensor: &str) -> anyhow::Result<Vec<Vec<u32>>> {
 
 /// `speclab quantize`.
 pub fn quantize(a: QuantizeArgs) -> anyhow::Result<ExitCode> {
+    if same_dir(&a.model, &a.out) {
+        bail!(
+            "{}: --out is the source checkpoint itself; quantizing in place would replace the bf16 weights it reads (give another --out)",
+            a.out.display()
+        );
+    }
+    check_out_dir(&a.out, a.force)?;
     let cfg = ModelConfig::from_file(&a.model.join("config.json"))?;
     let calib = load_calib(&a, cfg.vocab_size)?;
     let method = match a.method {
@@ -304,6 +345,9 @@ pub fn eval_ce(weights: &ModelWeights, seqs: &[Vec<u32>]) -> anyhow::Result<(f64
         )?;
         for t in 0..s.len() - 1 {
             let row = &out.logits[t * v..(t + 1) * v];
+            if let Some(x) = row.iter().find(|x| !x.is_finite()) {
+                bail!("sequence {i}, position {t}: non-finite logit {x}: the checkpoint's weights give NaN or inf (check them for non-finite values)");
+            }
             let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
             let lse = m + row
                 .iter()
@@ -345,7 +389,14 @@ pub fn eval_ppl(a: EvalPplArgs) -> anyhow::Result<ExitCode> {
     for m in &a.models {
         let w = ModelWeights::load(m).with_context(|| format!("loading {}", m.display()))?;
         let t0 = std::time::Instant::now();
-        let (ce, n, top1) = eval_ce(&w, &seqs)?;
+        let (ce, n, top1) =
+            eval_ce(&w, &seqs).with_context(|| format!("evaluating {}", m.display()))?;
+        if !ce.is_finite() {
+            bail!(
+                "{}: cross-entropy is {ce}: the checkpoint's weights give non-finite logits (NaN or inf weights?)",
+                m.display()
+            );
+        }
         let row = serde_json::json!({
             "model": m, "quantized": w.cfg.quantization_config.is_some(), "ce_nats": ce, "ppl": ce.exp(),
             "top1": top1, "positions": n, "seconds": t0.elapsed().as_secs_f64(),

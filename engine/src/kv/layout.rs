@@ -41,6 +41,8 @@ pub enum CapPolicy {
     Upstream,
     /// The model card's fix: `min(cdiv(tokens, bs), cdiv(window, bs) + 2)` blocks on
     /// admission and execution (the group keeps a per-request ring of that many blocks).
+    /// The CLI's older spelling `window-plus-two` is accepted as an alias.
+    #[serde(alias = "window-plus-two")]
     WindowPlusTwo,
 }
 
