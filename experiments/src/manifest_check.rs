@@ -155,6 +155,9 @@ fn check_sim(m: &Manifest, path: &Path) -> Result<()> {
     if d.kind == DrafterKind::None && d.num_speculative_tokens != 0 {
         return Err(bad(path, "drafter.num_speculative_tokens", "drafter.kind none drafts nothing; leave N out (0)"));
     }
+    if m.measure == (Measure { simulate: false, bound: false }) {
+        return Err(bad(path, "measure", "simulate and bound are both off: the legs would measure nothing"));
+    }
     if !m.acceptance.is_empty() {
         if d.kind == DrafterKind::None {
             return Err(bad(path, "acceptance", "drafter.kind none drafts nothing, so acceptance rates are unused"));
@@ -165,9 +168,6 @@ fn check_sim(m: &Manifest, path: &Path) -> Result<()> {
         if !m.measure.simulate {
             return Err(bad(path, "acceptance", "measure.simulate is off, so acceptance rates are unused"));
         }
-    }
-    if m.measure == (Measure { simulate: false, bound: false }) {
-        return Err(bad(path, "measure", "simulate and bound are both off: the legs would measure nothing"));
     }
     if !m.measure.simulate && m.workload.output_len != crate::manifest::Workload::default().output_len {
         return Err(bad(path, "workload.output_len", "measure.simulate is off, so no request generates output"));
@@ -205,8 +205,8 @@ fn check_expectations(m: &Manifest, path: &Path, leg_ids: &[String]) -> Result<(
 
 /// Every simulated-manifest field takes effect (module doc). `leg_ids`: the expanded legs.
 pub fn check_fields(m: &Manifest, path: &Path, leg_ids: &[String]) -> Result<()> {
-    check_kv(m, path)?;
     check_sim(m, path)?;
+    check_kv(m, path)?;
     check_expectations(m, path, leg_ids)
 }
 

@@ -31,7 +31,7 @@ pub enum Command {
         #[command(subcommand)]
         command: kv::KvCommand,
     },
-    /// Run an experiment manifest (default: the embedded df2w-wedge) and record it.
+    /// Run an experiment manifest and record it (default: the embedded df2w-wedge, then the quality spot-suite on models/tiny).
     Run(run::RunArgs),
     /// Bisect the largest admissible prompt for each layout of a manifest.
     Bounds(run::BoundsArgs),
