@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
-use speclab_engine::kv::{CapPolicy, GroupKind, GroupSpec, KvLayout};
+use speclab_engine::kv::{CapPolicy, GroupSpec, KvLayout};
 use speclab_engine::model::ModelConfig;
 use speclab_experiments::manifest::{parse_ron, Manifest};
 use speclab_experiments::replay::{self, Op, Replayer};
@@ -98,7 +98,9 @@ fn mutated(valid: &'static str) -> impl Strategy<Value = String> {
             let mut s = valid.to_string();
             let a = (0..=at).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0);
             let b = (a + len).min(s.len());
-            let b = (b..=s.len()).find(|&i| s.is_char_boundary(i)).unwrap_or(s.len());
+            let b = (b..=s.len())
+                .find(|&i| s.is_char_boundary(i))
+                .unwrap_or(s.len());
             s.replace_range(a..b, &j);
             s
         }),
@@ -145,16 +147,32 @@ fn layout_texts_never_panic() {
 }
 
 fn extreme_u64() -> impl Strategy<Value = u64> {
-    prop_oneof![0u64..300, Just(u64::MAX), Just(u64::MAX - 1), Just(1 << 32), any::<u64>()]
+    prop_oneof![
+        0u64..300,
+        Just(u64::MAX),
+        Just(u64::MAX - 1),
+        Just(1 << 32),
+        any::<u64>()
+    ]
 }
 
 fn extreme_u32() -> impl Strategy<Value = u32> {
-    prop_oneof![0u32..64, Just(u32::MAX), Just(1 << 24), Just((1 << 24) + 1), any::<u32>()]
+    prop_oneof![
+        0u32..64,
+        Just(u32::MAX),
+        Just(1 << 24),
+        Just((1 << 24) + 1),
+        any::<u32>()
+    ]
 }
 
 fn group() -> impl Strategy<Value = GroupSpec> {
     (0..4u8, extreme_u32(), extreme_u32(), 0u32..8, 0..3u8).prop_map(|(k, bs, w, spec, cap)| {
-        let cap = [CapPolicy::None, CapPolicy::Upstream, CapPolicy::WindowPlusTwo][cap as usize];
+        let cap = [
+            CapPolicy::None,
+            CapPolicy::Upstream,
+            CapPolicy::WindowPlusTwo,
+        ][cap as usize];
         match k {
             0 => GroupSpec::full("f", bs),
             1 => GroupSpec::sliding_window("w", bs, w, cap),
@@ -189,16 +207,26 @@ fn op() -> impl Strategy<Value = Op> {
     let req = prop_oneof![Just("a".to_string()), Just("b".to_string())];
     prop_oneof![
         (req.clone(), extreme_u64()).prop_map(|(req, prompt_len)| Op::Add { req, prompt_len }),
-        (req.clone(), extreme_u64(), extreme_u64(), any::<bool>(), any::<bool>()).prop_map(
-            |(req, num_new_tokens, lookahead, must_fit, has_scheduled_reqs)| Op::Allocate {
-                req,
-                num_new_tokens,
-                lookahead,
-                must_fit,
-                has_scheduled_reqs
-            }
-        ),
-        (req.clone(), prop_oneof![-8i64..64, Just(i64::MAX), Just(i64::MIN)])
+        (
+            req.clone(),
+            extreme_u64(),
+            extreme_u64(),
+            any::<bool>(),
+            any::<bool>()
+        )
+            .prop_map(
+                |(req, num_new_tokens, lookahead, must_fit, has_scheduled_reqs)| Op::Allocate {
+                    req,
+                    num_new_tokens,
+                    lookahead,
+                    must_fit,
+                    has_scheduled_reqs
+                }
+            ),
+        (
+            req.clone(),
+            prop_oneof![-8i64..64, Just(i64::MAX), Just(i64::MIN)]
+        )
             .prop_map(|(req, n)| Op::Computed { req, n }),
         (req.clone(), extreme_u64()).prop_map(|(req, n)| Op::Append { req, n }),
         req.clone().prop_map(|req| Op::Preempt { req }),
@@ -256,14 +284,17 @@ fn safetensors_headers_never_panic() {
     let valid = safetensors_bytes();
     let s = prop_oneof![
         prop::collection::vec(any::<u8>(), 0..64),
-        (0..valid.len(), any::<u8>(), prop::collection::vec(any::<u8>(), 0..8)).prop_map(
-            move |(at, b, extra)| {
+        (
+            0..valid.len(),
+            any::<u8>(),
+            prop::collection::vec(any::<u8>(), 0..8)
+        )
+            .prop_map(move |(at, b, extra)| {
                 let mut v = valid.clone();
                 v[at] = b;
                 v.extend(extra);
                 v
-            }
-        ),
+            }),
         any::<u64>().prop_map(|n| n.to_le_bytes().to_vec()),
     ];
     let mut r = runner();
@@ -308,5 +339,8 @@ fn the_allocation_bound_is_measured() {
             std::hint::black_box(&v);
         })
     });
-    assert!(res.is_err(), "a {ALLOC_BOUND}-byte allocation went unnoticed");
+    assert!(
+        res.is_err(),
+        "a {ALLOC_BOUND}-byte allocation went unnoticed"
+    );
 }

@@ -65,7 +65,12 @@ fn a_pool_near_2_pow_32_blocks_fails_fast_with_the_numbers() {
     let ops = d.join("o.jsonl");
     write(&ops, "{\"op\":\"add\",\"req\":\"a\",\"prompt_len\":4}\n");
     let t0 = Instant::now();
-    let o = bin().args(["kv", "replay"]).arg(&layout).arg(&ops).output().unwrap();
+    let o = bin()
+        .args(["kv", "replay"])
+        .arg(&layout)
+        .arg(&ops)
+        .output()
+        .unwrap();
     fails_with(&o, &["l.json", "num_blocks", "4294967295", "16777216"]);
     assert!(t0.elapsed() < Duration::from_secs(10));
     // The same pool in a manifest.
@@ -94,7 +99,10 @@ fn a_workload_count_near_2_pow_32_fails_fast() {
     );
     let t0 = Instant::now();
     let o = bin().args(["run", "--dry-run"]).arg(&m).output().unwrap();
-    fails_with(&o, &["m.ron", "workload.generate.count", "4294967295", "100000"]);
+    fails_with(
+        &o,
+        &["m.ron", "workload.generate.count", "4294967295", "100000"],
+    );
     assert!(t0.elapsed() < Duration::from_secs(10));
     std::fs::remove_dir_all(&d).ok();
 }
@@ -115,11 +123,7 @@ fn drafter_sliding_window_changes_the_preset_legs() {
                 &format!("block_size: Some(8), sliding_window: Some({w}))"),
             ),
         );
-        let o = bin()
-            .args(["bounds", "--json"])
-            .arg(&m)
-            .output()
-            .unwrap();
+        let o = bin().args(["bounds", "--json"]).arg(&m).output().unwrap();
         assert!(o.status.success(), "{}", stderr(&o));
         serde_json::from_slice(&o.stdout).unwrap()
     };
@@ -128,7 +132,10 @@ fn drafter_sliding_window_changes_the_preset_legs() {
     let b = run(256);
     assert_eq!(a[1]["cap"], "window_plus_two");
     assert_eq!(a[1]["bound"]["need_at_bound"][6], 130);
-    assert_eq!(b[1]["bound"]["need_at_bound"][6], 18, "the window must take effect");
+    assert_eq!(
+        b[1]["bound"]["need_at_bound"][6], 18,
+        "the window must take effect"
+    );
     std::fs::remove_dir_all(&d).ok();
 }
 
@@ -142,9 +149,21 @@ fn fields_without_effect_are_refused_naming_the_field() {
             "drafter: (kind: mtp, num_speculative_tokens: 3, sliding_window: Some(64))",
             "drafter.sliding_window",
         ),
-        ("acceptance: [0.8, 0.6, 0.4]", "acceptance: [0.8, 0.6, 0.4, 0.3, 0.2, 0.1, 0.1, 0.1]", "acceptance"),
-        ("num_blocks: Some(1012)", "num_blocks: Some(1012), kv_cache_memory_bytes: Some(99)", "kv.kv_cache_memory_bytes"),
-        ("measure: (simulate: true, bound: true)", "measure: (simulate: false, bound: false)", "measure"),
+        (
+            "acceptance: [0.8, 0.6, 0.4]",
+            "acceptance: [0.8, 0.6, 0.4, 0.3, 0.2, 0.1, 0.1, 0.1]",
+            "acceptance",
+        ),
+        (
+            "num_blocks: Some(1012)",
+            "num_blocks: Some(1012), kv_cache_memory_bytes: Some(99)",
+            "kv.kv_cache_memory_bytes",
+        ),
+        (
+            "measure: (simulate: true, bound: true)",
+            "measure: (simulate: false, bound: false)",
+            "measure",
+        ),
     ] {
         let m = d.join("m.ron");
         assert!(base.contains(from), "{from}");
@@ -167,7 +186,12 @@ fn replay(d: &Path, ops: &str) -> Output {
     );
     let p = d.join("o.jsonl");
     write(&p, ops);
-    bin().args(["kv", "replay"]).arg(&layout).arg(&p).output().unwrap()
+    bin()
+        .args(["kv", "replay"])
+        .arg(&layout)
+        .arg(&p)
+        .output()
+        .unwrap()
 }
 
 #[test]
@@ -177,7 +201,14 @@ fn kv_replay_refuses_overflowing_lookahead_and_computed_beyond_slots() {
         &d,
         "{\"op\":\"add\",\"req\":\"a\",\"prompt_len\":8}\n{\"op\":\"allocate\",\"req\":\"a\",\"num_new_tokens\":8,\"lookahead\":18446744073709551615}\n",
     );
-    fails_with(&o, &["o.jsonl:line 2", "lookahead 18446744073709551615", "overflows"]);
+    fails_with(
+        &o,
+        &[
+            "o.jsonl:line 2",
+            "lookahead 18446744073709551615",
+            "overflows",
+        ],
+    );
     // Nothing was printed for the refused op.
     assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 1);
     let o = replay(
@@ -207,12 +238,19 @@ fn with_closed_stdout(cmd: &mut Command) -> Output {
 fn a_closed_stdout_ends_commands_quietly() {
     let d = tmpdir("pipe");
     let o = with_closed_stdout(
-        bin().args(["run", "--out"]).arg(d.join("r.json")).arg(small_manifest()),
+        bin()
+            .args(["run", "--out"])
+            .arg(d.join("r.json"))
+            .arg(small_manifest()),
     );
     assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
     assert!(o.status.success(), "{}", stderr(&o));
     let o = with_closed_stdout(bin().args(["bounds"]).arg(small_manifest()));
-    assert!(o.status.success() && !stderr(&o).contains("panicked"), "{}", stderr(&o));
+    assert!(
+        o.status.success() && !stderr(&o).contains("panicked"),
+        "{}",
+        stderr(&o)
+    );
     std::fs::remove_dir_all(&d).ok();
 }
 
@@ -276,7 +314,10 @@ fn a_locked_record_refuses_a_second_writer() {
         .arg(small_manifest())
         .output()
         .unwrap();
-    fails_with(&o, &[".r.json.lock", "another speclab run is writing this record"]);
+    fails_with(
+        &o,
+        &[".r.json.lock", "another speclab run is writing this record"],
+    );
     assert!(!rec.exists());
     std::fs::remove_dir_all(&d).ok();
 }
@@ -405,7 +446,10 @@ fn errors_name_the_file_and_the_field_as_written() {
     let b = d.join("bom.ron");
     write(
         &b,
-        &format!("\u{feff}{}", std::fs::read_to_string(small_manifest()).unwrap()),
+        &format!(
+            "\u{feff}{}",
+            std::fs::read_to_string(small_manifest()).unwrap()
+        ),
     );
     let o = bin().args(["run", "--dry-run"]).arg(&b).output().unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
@@ -463,8 +507,12 @@ fn run_over_a_complete_record_recomputes_and_leaves_it_untouched() {
     std::fs::write(&rec, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
     let third = run();
     let out = String::from_utf8_lossy(&third.stdout);
-    assert!(out.contains("DIFFERS") && out.contains("steps: 999999 ->"), "{out}");
-    let replaced: serde_json::Value = serde_json::from_slice(&std::fs::read(&rec).unwrap()).unwrap();
+    assert!(
+        out.contains("DIFFERS") && out.contains("steps: 999999 ->"),
+        "{out}"
+    );
+    let replaced: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&rec).unwrap()).unwrap();
     let original: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
     assert_eq!(replaced["legs"][0]["steps"], original["legs"][0]["steps"]);
     std::fs::remove_dir_all(&d).ok();
@@ -519,7 +567,17 @@ fn generate_prints_plain_words_and_caps_have_one_vocabulary() {
     let model = root().join("tests/fixtures/model");
     for cap in ["window_plus_two", "window-plus-two"] {
         let o = bin()
-            .args(["generate", "--prompt-ids", "1,2,3", "--max-tokens", "3", "--ignore-eos", "--cap", cap, "--model"])
+            .args([
+                "generate",
+                "--prompt-ids",
+                "1,2,3",
+                "--max-tokens",
+                "3",
+                "--ignore-eos",
+                "--cap",
+                cap,
+                "--model",
+            ])
             .arg(&model)
             .output()
             .unwrap();
@@ -536,10 +594,25 @@ fn generate_prints_plain_words_and_caps_have_one_vocabulary() {
 fn verify_lossless_takes_a_text_prompt() {
     let o = bin()
         .current_dir(root())
-        .args(["verify-lossless", "--model", "models/tiny", "--drafter", "mtp", "--num-spec", "1", "--max-tokens", "4", "--prompt", "def add(a, b):"])
+        .args([
+            "verify-lossless",
+            "--model",
+            "models/tiny",
+            "--drafter",
+            "mtp",
+            "--num-spec",
+            "1",
+            "--max-tokens",
+            "4",
+            "--prompt",
+            "def add(a, b):",
+        ])
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
     let out = String::from_utf8_lossy(&o.stdout);
-    assert!(out.contains("1 requests") && out.contains("LOSSLESS"), "{out}");
+    assert!(
+        out.contains("1 requests") && out.contains("LOSSLESS"),
+        "{out}"
+    );
 }

@@ -46,7 +46,11 @@ pub fn check_sizes(m: &Manifest, path: &Path) -> Result<()> {
             format!("{prompts} prompts ({listed} listed + {generated} generated) is above the supported maximum {MAX_PROMPTS}"),
         ));
     }
-    let per_pool = if m.workload.each_prompt_alone { prompts.max(1) } else { 1 };
+    let per_pool = if m.workload.each_prompt_alone {
+        prompts.max(1)
+    } else {
+        1
+    };
     let axis = |n: usize| (n as u64).max(1);
     let legs = axis(m.sweep.block_sizes.len())
         .saturating_mul(axis(m.sweep.caps.len()))
@@ -76,7 +80,10 @@ pub fn check_sizes(m: &Manifest, path: &Path) -> Result<()> {
             return Err(bad(
                 path,
                 "workload.generate.max",
-                format!("{} is above kv.max_model_len {mml}: prompts must fit max_model_len", g.max),
+                format!(
+                    "{} is above kv.max_model_len {mml}: prompts must fit max_model_len",
+                    g.max
+                ),
             ));
         }
     }
@@ -88,51 +95,85 @@ fn check_kv(m: &Manifest, path: &Path) -> Result<()> {
     let kv = &m.kv;
     let b = |f: &str, msg: &str| Err(bad(path, f, msg));
     if kv.preset.is_some() && kv.layout.is_some() {
-        return b("kv.layout", "given together with kv.preset, which builds its own layout; give one of them");
+        return b(
+            "kv.layout",
+            "given together with kv.preset, which builds its own layout; give one of them",
+        );
     }
     if let Some(l) = &kv.layout {
         if kv.memory.is_some() {
-            return b("kv.memory", "is the preset's byte model; with kv.layout give each group's memory in the layout");
+            return b(
+                "kv.memory",
+                "is the preset's byte model; with kv.layout give each group's memory in the layout",
+            );
         }
         if kv.kv_cache_memory_bytes.is_some() && l.kv_cache_memory_bytes.is_some() {
-            return b("kv.kv_cache_memory_bytes", "given in kv and in kv.layout; give it once");
+            return b(
+                "kv.kv_cache_memory_bytes",
+                "given in kv and in kv.layout; give it once",
+            );
         }
         let sized_groups = l
             .groups
             .iter()
             .any(|g| matches!(g.kind, GroupKind::Full | GroupKind::RingBuffer));
         if !sized_groups && (kv.block_size.is_some() || !m.sweep.block_sizes.is_empty()) {
-            return b("kv.block_size", "sets the block size of full and ring_buffer groups, and kv.layout has none");
+            return b(
+                "kv.block_size",
+                "sets the block size of full and ring_buffer groups, and kv.layout has none",
+            );
         }
         if m.drafter.sliding_window.is_some() {
             return b("drafter.sliding_window", "kv.layout sets its sliding-window groups' windows itself (groups[i].sliding_window); leave this out or use kv.preset");
         }
     }
-    if kv.preset.as_deref() == Some(PRESET_GLM53_DFLASH2) && m.drafter.kind != DrafterKind::Dflash2 {
+    if kv.preset.as_deref() == Some(PRESET_GLM53_DFLASH2) && m.drafter.kind != DrafterKind::Dflash2
+    {
         return b("drafter.kind", "kv.preset glm53-flash-dflash2 models the DFlash2 drafter's sliding-window KV group; it needs drafter.kind dflash2 (or give kv.layout)");
     }
     let pool_given = kv.num_blocks.is_some()
         || !m.sweep.num_blocks.is_empty()
         || kv.layout.as_ref().is_some_and(|l| l.num_blocks.is_some());
     let bytes_given = kv.kv_cache_memory_bytes.is_some()
-        || kv.layout.as_ref().is_some_and(|l| l.kv_cache_memory_bytes.is_some());
+        || kv
+            .layout
+            .as_ref()
+            .is_some_and(|l| l.kv_cache_memory_bytes.is_some());
     if pool_given && bytes_given {
         return b("kv.kv_cache_memory_bytes", "num_blocks (or sweep.num_blocks) overrides it, as vLLM's num_gpu_blocks_override does, so it would be ignored; give one of them");
     }
     if kv.preset.is_some() && kv.memory.is_some() && !bytes_given {
-        return b("kv.memory", "the byte model only sizes the pool from kv.kv_cache_memory_bytes, which is not given");
+        return b(
+            "kv.memory",
+            "the byte model only sizes the pool from kv.kv_cache_memory_bytes, which is not given",
+        );
     }
     if let (Some(n), false) = (kv.num_blocks, m.sweep.num_blocks.is_empty()) {
         if !m.sweep.num_blocks.contains(&n) {
-            return Err(bad(path, "kv.num_blocks", format!("{n} is not one of sweep.num_blocks {:?}, which replace it", m.sweep.num_blocks)));
+            return Err(bad(
+                path,
+                "kv.num_blocks",
+                format!(
+                    "{n} is not one of sweep.num_blocks {:?}, which replace it",
+                    m.sweep.num_blocks
+                ),
+            ));
         }
     }
     if let (Some(bs), false) = (kv.block_size, m.sweep.block_sizes.is_empty()) {
         if !m.sweep.block_sizes.contains(&bs) {
-            return Err(bad(path, "kv.block_size", format!("{bs} is not one of sweep.block_sizes {:?}, which replace it", m.sweep.block_sizes)));
+            return Err(bad(
+                path,
+                "kv.block_size",
+                format!(
+                    "{bs} is not one of sweep.block_sizes {:?}, which replace it",
+                    m.sweep.block_sizes
+                ),
+            ));
         }
     }
-    if !m.sweep.caps.is_empty() && kv.cap != CapPolicy::default() && !m.sweep.caps.contains(&kv.cap) {
+    if !m.sweep.caps.is_empty() && kv.cap != CapPolicy::default() && !m.sweep.caps.contains(&kv.cap)
+    {
         return b("kv.cap", "is not one of sweep.caps, which replace it");
     }
     Ok(())
@@ -143,9 +184,16 @@ fn check_kv(m: &Manifest, path: &Path) -> Result<()> {
 fn check_sim(m: &Manifest, path: &Path) -> Result<()> {
     let d = &m.drafter;
     if d.kind != DrafterKind::Dflash2 {
-        for (f, given) in [("drafter.block_size", d.block_size.is_some()), ("drafter.sliding_window", d.sliding_window.is_some())] {
+        for (f, given) in [
+            ("drafter.block_size", d.block_size.is_some()),
+            ("drafter.sliding_window", d.sliding_window.is_some()),
+        ] {
             if given {
-                return Err(bad(path, f, format!("only DFlash2 has it, and drafter.kind is {:?}", d.kind)));
+                return Err(bad(
+                    path,
+                    f,
+                    format!("only DFlash2 has it, and drafter.kind is {:?}", d.kind),
+                ));
             }
         }
     }
@@ -153,50 +201,106 @@ fn check_sim(m: &Manifest, path: &Path) -> Result<()> {
         return Err(bad(path, "drafter.sliding_window", "must be > 0 (tokens)"));
     }
     if d.kind == DrafterKind::None && d.num_speculative_tokens != 0 {
-        return Err(bad(path, "drafter.num_speculative_tokens", "drafter.kind none drafts nothing; leave N out (0)"));
+        return Err(bad(
+            path,
+            "drafter.num_speculative_tokens",
+            "drafter.kind none drafts nothing; leave N out (0)",
+        ));
     }
-    if m.measure == (Measure { simulate: false, bound: false }) {
-        return Err(bad(path, "measure", "simulate and bound are both off: the legs would measure nothing"));
+    if m.measure
+        == (Measure {
+            simulate: false,
+            bound: false,
+        })
+    {
+        return Err(bad(
+            path,
+            "measure",
+            "simulate and bound are both off: the legs would measure nothing",
+        ));
     }
     if !m.acceptance.is_empty() {
         if d.kind == DrafterKind::None {
-            return Err(bad(path, "acceptance", "drafter.kind none drafts nothing, so acceptance rates are unused"));
+            return Err(bad(
+                path,
+                "acceptance",
+                "drafter.kind none drafts nothing, so acceptance rates are unused",
+            ));
         }
         if m.acceptance.len() as u64 > u64::from(d.num_speculative_tokens) {
             return Err(bad(path, "acceptance", format!("{} rates for drafter.num_speculative_tokens {}: positions beyond N are never drafted", m.acceptance.len(), d.num_speculative_tokens)));
         }
         if !m.measure.simulate {
-            return Err(bad(path, "acceptance", "measure.simulate is off, so acceptance rates are unused"));
+            return Err(bad(
+                path,
+                "acceptance",
+                "measure.simulate is off, so acceptance rates are unused",
+            ));
         }
     }
-    if !m.measure.simulate && m.workload.output_len != crate::manifest::Workload::default().output_len {
-        return Err(bad(path, "workload.output_len", "measure.simulate is off, so no request generates output"));
+    if !m.measure.simulate
+        && m.workload.output_len != crate::manifest::Workload::default().output_len
+    {
+        return Err(bad(
+            path,
+            "workload.output_len",
+            "measure.simulate is off, so no request generates output",
+        ));
     }
     Ok(())
 }
 
 /// Expectations must name a leg and say something comparable.
 fn check_expectations(m: &Manifest, path: &Path, leg_ids: &[String]) -> Result<()> {
-    const STATUSES: [&str; 6] = ["COMPLETED", "STEP_LIMIT", "WEDGED", "REJECTED", "BOUND_ONLY", "REFUSED_AT_STARTUP"];
+    const STATUSES: [&str; 6] = [
+        "COMPLETED",
+        "STEP_LIMIT",
+        "WEDGED",
+        "REJECTED",
+        "BOUND_ONLY",
+        "REFUSED_AT_STARTUP",
+    ];
     for (i, e) in m.expectations.iter().enumerate() {
         let f = |k: &str| format!("expectations[{i}].{k}");
-        let matches = leg_ids.iter().any(|id| *id == e.leg || id.starts_with(&format!("{} ", e.leg)));
+        let matches = leg_ids
+            .iter()
+            .any(|id| *id == e.leg || id.starts_with(&format!("{} ", e.leg)));
         if !matches {
             let some: Vec<&str> = leg_ids.iter().take(3).map(String::as_str).collect();
             return Err(bad(path, &f("leg"), format!("{:?} matches no leg (leg ids look like {some:?}; a prefix of whole words matches every leg it starts)", e.leg)));
         }
-        if e.bound_about.is_none() && e.no_wedge_in.is_none() && e.status.is_none() && e.peak_at_most.is_none() {
-            return Err(bad(path, &format!("expectations[{i}]"), "states nothing to compare: give bound_about, no_wedge_in, status or peak_at_most"));
+        if e.bound_about.is_none()
+            && e.no_wedge_in.is_none()
+            && e.status.is_none()
+            && e.peak_at_most.is_none()
+        {
+            return Err(bad(
+                path,
+                &format!("expectations[{i}]"),
+                "states nothing to compare: give bound_about, no_wedge_in, status or peak_at_most",
+            ));
         }
         if e.tolerance.is_some() && e.bound_about.is_none() {
-            return Err(bad(path, &f("tolerance"), "applies to bound_about, which is not given"));
+            return Err(bad(
+                path,
+                &f("tolerance"),
+                "applies to bound_about, which is not given",
+            ));
         }
         if e.bound_about.is_some() && !m.measure.bound {
-            return Err(bad(path, &f("bound_about"), "needs measure.bound: true (no bound is measured)"));
+            return Err(bad(
+                path,
+                &f("bound_about"),
+                "needs measure.bound: true (no bound is measured)",
+            ));
         }
         if let Some(s) = &e.status {
             if !STATUSES.contains(&s.as_str()) {
-                return Err(bad(path, &f("status"), format!("{s:?}: expected one of {}", STATUSES.join(", "))));
+                return Err(bad(
+                    path,
+                    &f("status"),
+                    format!("{s:?}: expected one of {}", STATUSES.join(", ")),
+                ));
             }
         }
     }
@@ -214,23 +318,42 @@ pub fn check_fields(m: &Manifest, path: &Path, leg_ids: &[String]) -> Result<()>
 pub fn check_real(r: &RealSpec, path: &Path) -> Result<()> {
     let has = |d: RealDrafter| r.drafters.contains(&d);
     let dflash = r.drafters.iter().any(|d| d.is_dflash());
-    let defaults: RealSpec = crate::manifest::parse_ron(Path::new("<defaults>"), "(model: \"\", prompts: ())")?;
+    let defaults: RealSpec =
+        crate::manifest::parse_ron(Path::new("<defaults>"), "(model: \"\", prompts: ())")?;
     if r.ngram_min == 0 {
-        return Err(bad(path, "real.ngram_min", "must be >= 1 (shortest n-gram the prompt lookup matches)"));
+        return Err(bad(
+            path,
+            "real.ngram_min",
+            "must be >= 1 (shortest n-gram the prompt lookup matches)",
+        ));
     }
     if r.ngram_max < r.ngram_min {
-        return Err(bad(path, "real.ngram_max", format!("{} is below real.ngram_min {}", r.ngram_max, r.ngram_min)));
+        return Err(bad(
+            path,
+            "real.ngram_max",
+            format!("{} is below real.ngram_min {}", r.ngram_max, r.ngram_min),
+        ));
     }
     if !has(RealDrafter::Ngram) {
-        for (f, differs) in [("real.ngram_min", r.ngram_min != defaults.ngram_min), ("real.ngram_max", r.ngram_max != defaults.ngram_max)] {
+        for (f, differs) in [
+            ("real.ngram_min", r.ngram_min != defaults.ngram_min),
+            ("real.ngram_max", r.ngram_max != defaults.ngram_max),
+        ] {
             if differs {
-                return Err(bad(path, f, "no `ngram` drafter in real.drafters, so the n-gram bounds are unused"));
+                return Err(bad(
+                    path,
+                    f,
+                    "no `ngram` drafter in real.drafters, so the n-gram bounds are unused",
+                ));
             }
         }
     }
     if !dflash {
         for (f, differs) in [
-            ("real.drafter_block_size", r.drafter_block_size != defaults.drafter_block_size),
+            (
+                "real.drafter_block_size",
+                r.drafter_block_size != defaults.drafter_block_size,
+            ),
             ("real.cap", r.cap != defaults.cap),
             ("real.skip_missing_drafters", r.skip_missing_drafters),
         ] {
@@ -241,12 +364,19 @@ pub fn check_real(r: &RealSpec, path: &Path) -> Result<()> {
     }
     for k in r.drafter_dirs.keys() {
         let used = match RealDrafter::from_name(k) {
-            Some(RealDrafter::Dflash2) => has(RealDrafter::Dflash2) || (has(RealDrafter::Dflash1) && !r.drafter_dirs.contains_key("dflash1")),
+            Some(RealDrafter::Dflash2) => {
+                has(RealDrafter::Dflash2)
+                    || (has(RealDrafter::Dflash1) && !r.drafter_dirs.contains_key("dflash1"))
+            }
             Some(d) => has(d),
             None => true, // reported by RealSpec::validate with the kinds it knows
         };
         if !used {
-            return Err(bad(path, &format!("real.drafter_dirs.{k}"), format!("`{k}` is not in real.drafters, so this directory is unused")));
+            return Err(bad(
+                path,
+                &format!("real.drafter_dirs.{k}"),
+                format!("`{k}` is not in real.drafters, so this directory is unused"),
+            ));
         }
     }
     let shared_used = r
@@ -258,7 +388,14 @@ pub fn check_real(r: &RealSpec, path: &Path) -> Result<()> {
     }
     if let Some(n) = r.num_blocks {
         if n > speclab_engine::kv::pool::MAX_NUM_BLOCKS {
-            return Err(bad(path, "real.num_blocks", format!("{n} blocks is above the supported maximum {}", speclab_engine::kv::pool::MAX_NUM_BLOCKS)));
+            return Err(bad(
+                path,
+                "real.num_blocks",
+                format!(
+                    "{n} blocks is above the supported maximum {}",
+                    speclab_engine::kv::pool::MAX_NUM_BLOCKS
+                ),
+            ));
         }
     }
     if let Some(g) = r.prompts.generated {
@@ -269,11 +406,19 @@ pub fn check_real(r: &RealSpec, path: &Path) -> Result<()> {
     }
     if let Some(c) = r.prompts.count {
         if r.prompts.offset.checked_add(c).is_none() {
-            return Err(bad(path, "real.prompts.count", format!("offset {} + count {c} overflows", r.prompts.offset)));
+            return Err(bad(
+                path,
+                "real.prompts.count",
+                format!("offset {} + count {c} overflows", r.prompts.offset),
+            ));
         }
     }
     if r.temperatures.iter().all(|&t| t == 0.0) && r.seed != defaults.seed {
-        return Err(bad(path, "real.seed", "every temperature is 0 (greedy), so the sampling seed is unused"));
+        return Err(bad(
+            path,
+            "real.seed",
+            "every temperature is 0 (greedy), so the sampling seed is unused",
+        ));
     }
     Ok(())
 }
@@ -323,16 +468,30 @@ mod tests {
     #[test]
     fn drafter_window_takes_effect_with_the_preset() {
         let p = Path::new("m.ron");
-        let text = |w: u32| format!(
+        let text = |w: u32| {
+            format!(
             "(name: \"t\", kv: (preset: Some(\"glm53-flash-dflash2\"), block_size: Some(2304), cap: window_plus_two, num_blocks: Some(1012)), \
              drafter: (kind: dflash2, num_speculative_tokens: 3, sliding_window: Some({w})), workload: (prompts: [1000]))"
-        );
+        )
+        };
         let window = |w: u32| {
             let m: Manifest = crate::manifest::parse_ron(p, &text(w)).unwrap();
             m.validate(p).unwrap();
             let leg = m.legs().unwrap().remove(0);
-            let g = leg.layout.groups.iter().find(|g| g.name == "drafter_swa").cloned().unwrap();
-            let state = leg.layout.groups.iter().find(|g| g.name == "kda0").cloned().unwrap();
+            let g = leg
+                .layout
+                .groups
+                .iter()
+                .find(|g| g.name == "drafter_swa")
+                .cloned()
+                .unwrap();
+            let state = leg
+                .layout
+                .groups
+                .iter()
+                .find(|g| g.name == "kda0")
+                .cloned()
+                .unwrap();
             (g.sliding_window, state.num_speculative_blocks)
         };
         assert_eq!(window(512), (Some(512), 3));

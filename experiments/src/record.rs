@@ -358,7 +358,13 @@ fn unwritable(record: &Path, at: &Path, e: std::io::Error) -> ExperimentError {
 
 /// Leg fields that are measurements of time, not research results: excluded from
 /// reproduction checks and written to the timings file.
-pub const TIMING_FIELDS: [&str; 5] = ["wall_ms", "tokens_per_s", "wall_s", "mean_ttft_s", "max_ttft_s"];
+pub const TIMING_FIELDS: [&str; 5] = [
+    "wall_ms",
+    "tokens_per_s",
+    "wall_s",
+    "mean_ttft_s",
+    "max_ttft_s",
+];
 
 /// A leg as JSON with its timing fields removed (also inside `real`).
 fn results_only(l: &LegRecord) -> serde_json::Value {
@@ -391,7 +397,11 @@ fn first_difference(at: &str, a: &serde_json::Value, b: &serde_json::Value) -> O
             let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
             keys.into_iter().find_map(|k| {
                 let null = Value::Null;
-                let p = if at.is_empty() { k.clone() } else { format!("{at}.{k}") };
+                let p = if at.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{at}.{k}")
+                };
                 first_difference(&p, x.get(k).unwrap_or(&null), y.get(k).unwrap_or(&null))
             })
         }

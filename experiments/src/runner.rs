@@ -106,7 +106,10 @@ pub enum Verdict {
     Reproduced { legs: usize },
     /// A complete record was there and some legs' results differ: the record was
     /// replaced. Each entry: leg id and its first differing field (`old -> new`).
-    Differs { legs: usize, differing: Vec<(String, String)> },
+    Differs {
+        legs: usize,
+        differing: Vec<(String, String)>,
+    },
 }
 
 /// A finished run: the record as it now stands on disk, what happened, and where the

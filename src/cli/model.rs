@@ -43,7 +43,10 @@ pub struct InitModelArgs {
 /// Refuse to write a checkpoint over an existing one without `--force`.
 fn check_out_dir(out: &Path, force: bool) -> anyhow::Result<()> {
     if out.is_file() {
-        bail!("{}: --out must be a directory, and this is a file", out.display());
+        bail!(
+            "{}: --out must be a directory, and this is a file",
+            out.display()
+        );
     }
     let has_checkpoint = out.join("config.json").exists()
         || std::fs::read_dir(out).is_ok_and(|d| {
@@ -273,7 +276,11 @@ pub fn quantize(a: QuantizeArgs) -> anyhow::Result<ExitCode> {
         );
         outln!(
             "{:<46} {:>10} {:>12} {:>12} {:>7}",
-            "matrix", "rows", "proxy loss", "RTN proxy", "ratio"
+            "matrix",
+            "rows",
+            "proxy loss",
+            "RTN proxy",
+            "ratio"
         );
         for m in &report.matrices {
             outln!(

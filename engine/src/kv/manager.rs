@@ -155,12 +155,14 @@ impl KvCacheManager {
         };
         // Checked: the counts come from traces and manifests (a lookahead of u64::MAX must
         // be refused, not wrap around to a small request).
-        let overflow = || EngineError::BadTokenCount {
+        let overflow = || {
+            EngineError::BadTokenCount {
             req: format!("slot {}", req.slot.0),
             reason: format!(
                 "num_computed_tokens {total_computed} + num_new_tokens {} + lookahead {} overflows a 64-bit token count",
                 a.num_new_tokens, a.num_lookahead_tokens
             ),
+        }
         };
         let main = total_computed
             .checked_add(a.num_new_tokens)
