@@ -154,6 +154,8 @@ fn kv_replay(mut a: KvReplayArgs) -> anyhow::Result<ExitCode> {
             .arg(&a.layout)
             .arg("--ops")
             .arg(&a.ops)
+            .arg("--repeat")
+            .arg(a.repeat.max(1).to_string())
             .output()
             .with_context(|| format!("running {} {}", py.display(), recipe.display()))?;
         if !out.status.success() {
@@ -179,7 +181,7 @@ fn kv_replay(mut a: KvReplayArgs) -> anyhow::Result<ExitCode> {
         "trace": a.ops.display().to_string(),
         "trace_fnv1a": file_digest(&a.ops)?,
         "ops": n,
-        "speclab_repeat": a.repeat.max(1),
+        "repeat_best_of": a.repeat.max(1),
         "speclab_seconds": best,
         "vllm_seconds": vllm_s,
         "ratio": ratio,
@@ -202,9 +204,10 @@ fn kv_replay(mut a: KvReplayArgs) -> anyhow::Result<ExitCode> {
         );
         if let Some(v) = vllm_s {
             outln!(
-                "vLLM py  : {:>10.3} ms  ({:.0} ops/s)",
+                "vLLM py  : {:>10.3} ms  ({:.0} ops/s, best of {})",
                 v * 1e3,
-                n as f64 / v
+                n as f64 / v,
+                a.repeat.max(1)
             );
         }
         if let Some(r) = ratio {
