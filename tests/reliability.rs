@@ -586,6 +586,25 @@ fn generate_prints_plain_words_and_caps_have_one_vocabulary() {
         assert!(out.contains("finish: length"), "{out}");
         assert!(!out.contains("Some("), "{out}");
     }
+    // CLI counts name the flag as written, not the drafter's internal name.
+    let o = bin()
+        .args([
+            "generate",
+            "--prompt-ids",
+            "1",
+            "--drafter",
+            "ngram",
+            "--num-spec",
+            "2",
+            "--ngram-min",
+            "0",
+            "--model",
+        ])
+        .arg(&model)
+        .output()
+        .unwrap();
+    let e = fails_with(&o, &["--ngram-min", ">= 1"]);
+    assert!(!e.contains("prompt_lookup_min"), "{e}");
     let help = bin().args(["run", "--help"]).output().unwrap();
     assert!(String::from_utf8_lossy(&help.stdout).contains("spot-suite"));
 }

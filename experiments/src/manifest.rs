@@ -500,8 +500,7 @@ impl Manifest {
             ExperimentError::Engine { context, error } => bad(&context, error.to_string()),
             other => other,
         })?;
-        let ids: Vec<String> = legs.into_iter().map(|l| l.id).collect();
-        crate::manifest_check::check_fields(self, path, &ids)
+        crate::manifest_check::check_fields(self, path, &legs)
     }
 
     /// A manifest with `real` must leave the simulated sections out (they would be ignored).

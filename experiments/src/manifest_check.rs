@@ -307,11 +307,24 @@ fn check_expectations(m: &Manifest, path: &Path, leg_ids: &[String]) -> Result<(
     Ok(())
 }
 
-/// Every simulated-manifest field takes effect (module doc). `leg_ids`: the expanded legs.
-pub fn check_fields(m: &Manifest, path: &Path, leg_ids: &[String]) -> Result<()> {
+/// Every simulated-manifest field takes effect (module doc), and every leg's pool (also
+/// one sized from bytes) is within [`speclab_engine::kv::pool::MAX_NUM_BLOCKS`].
+pub fn check_fields(m: &Manifest, path: &Path, legs: &[crate::manifest::Leg]) -> Result<()> {
     check_sim(m, path)?;
     check_kv(m, path)?;
-    check_expectations(m, path, leg_ids)
+    let max = speclab_engine::kv::pool::MAX_NUM_BLOCKS;
+    if let Some(l) = legs.iter().find(|l| l.num_blocks > max) {
+        return Err(bad(
+            path,
+            "kv.kv_cache_memory_bytes",
+            format!(
+                "leg {}: the pool would have {} blocks, above the supported maximum {max}",
+                l.id, l.num_blocks
+            ),
+        ));
+    }
+    let ids: Vec<String> = legs.iter().map(|l| l.id.clone()).collect();
+    check_expectations(m, path, &ids)
 }
 
 /// Fields of a `real` section that would have no effect, and its bounded sizes.

@@ -44,6 +44,15 @@ impl From<CapArg> for CapPolicy {
     }
 }
 
+/// A count flag that must be >= 1 (the error names the flag as written).
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be >= 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("expected a whole number >= 1: {e}")),
+    }
+}
+
 /// Engine knobs shared by both commands.
 #[derive(Debug, Args)]
 pub struct EngineArgs {
@@ -60,9 +69,9 @@ pub struct EngineArgs {
     #[arg(long)]
     pub num_spec: Option<usize>,
     /// n-gram bounds (vLLM prompt_lookup_min / max).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = at_least_one)]
     pub ngram_min: usize,
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = at_least_one)]
     pub ngram_max: usize,
     #[arg(long, default_value_t = 32)]
     pub max_tokens: u64,
@@ -152,6 +161,13 @@ fn tokenizer(model: &Path) -> anyhow::Result<Option<Tokenizer>> {
 }
 
 fn drafter_spec(a: &EngineArgs, target: &ModelWeights) -> anyhow::Result<DrafterSpec> {
+    if a.ngram_max < a.ngram_min {
+        bail!(
+            "--ngram-max {} is below --ngram-min {}",
+            a.ngram_max,
+            a.ngram_min
+        );
+    }
     let kind: DrafterKind = a.drafter.parse()?;
     if kind == DrafterKind::None {
         return Ok(DrafterSpec::none());
