@@ -183,7 +183,7 @@ fn check_kv(m: &Manifest, path: &Path) -> Result<()> {
 /// would have no effect.
 fn check_sim(m: &Manifest, path: &Path) -> Result<()> {
     let d = &m.drafter;
-    if d.kind != DrafterKind::Dflash2 {
+    if !d.kind.is_dflash() {
         for (f, given) in [
             ("drafter.block_size", d.block_size.is_some()),
             ("drafter.sliding_window", d.sliding_window.is_some()),
@@ -192,7 +192,10 @@ fn check_sim(m: &Manifest, path: &Path) -> Result<()> {
                 return Err(bad(
                     path,
                     f,
-                    format!("only DFlash2 has it, and drafter.kind is {:?}", d.kind),
+                    format!(
+                        "only DFlash drafters have it, and drafter.kind is {}",
+                        d.kind.name()
+                    ),
                 ));
             }
         }
