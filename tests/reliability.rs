@@ -403,6 +403,21 @@ fn dry_run_refuses_a_corrupt_record_and_run_checks_out_before_any_leg() {
         .output()
         .unwrap();
     fails_with(&o, &["r.json:1:", "not a readable run record"]);
+    // A real run refuses it the same way; --fresh replaces it.
+    let o = bin()
+        .args(["run", "--out"])
+        .arg(&rec)
+        .arg(small_manifest())
+        .output()
+        .unwrap();
+    fails_with(&o, &["r.json:1:", "not a readable run record"]);
+    let o = bin()
+        .args(["run", "--fresh", "--out"])
+        .arg(&rec)
+        .arg(small_manifest())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
     // An --out under a regular file cannot be written: refused before the first leg.
     let blocker = d.join("file");
     write(&blocker, "x");

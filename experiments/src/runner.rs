@@ -189,9 +189,14 @@ fn run_legs(
 /// - an unfinished record of the same manifest text: resumed;
 /// - a record of another manifest text: refused (`--fresh` or `--out`).
 fn start_record(ctx: &RunCtx<'_>, partial: &Path) -> Result<(RunRecord, Option<RunRecord>)> {
+    if !ctx.resume {
+        // --fresh: whatever is at the path (even an unreadable record) is replaced at the end.
+        std::fs::remove_file(partial).ok();
+        return Ok((new_record(ctx), None));
+    }
     let existing = if ctx.record_path.exists() {
         let r = RunRecord::load(ctx.record_path)?;
-        if ctx.resume && r.manifest_text != ctx.manifest_text {
+        if r.manifest_text != ctx.manifest_text {
             return Err(ExperimentError::Invalid {
                 path: ctx.record_path.to_path_buf(),
                 field: "manifest_text".into(),
@@ -202,10 +207,6 @@ fn start_record(ctx: &RunCtx<'_>, partial: &Path) -> Result<(RunRecord, Option<R
     } else {
         None
     };
-    if !ctx.resume {
-        std::fs::remove_file(partial).ok();
-        return Ok((new_record(ctx), None));
-    }
     let committed = existing.clone().filter(|r| r.complete);
     if partial.exists() {
         match RunRecord::load(partial) {
@@ -417,5 +418,53 @@ fn fill_from_sim(lr: &mut LegRecord, leg: &Leg, run: &SimRun, names: &[String]) 
     };
     if !notes.is_empty() {
         lr.note = Some(notes.join("; "));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MANIFEST: &str = "(name: \"t\", kv: (preset: Some(\"glm53-flash-dflash2\"), block_size: Some(2304), num_blocks: Some(1012)), \
+        drafter: (kind: dflash2, num_speculative_tokens: 7), workload: (prompts: [1000, 2000, 3000], output_len: 4))";
+
+    /// A run that fails after its first leg: the complete record stays whole, and the
+    /// finished leg waits in the `.partial` sidecar for the next run.
+    #[test]
+    fn a_failing_run_keeps_the_complete_record_and_its_progress() {
+        let dir = tempfile::tempdir().unwrap();
+        let rec = dir.path().join("t.json");
+        let p = Path::new("t.ron");
+        let m: Manifest = crate::manifest::parse_ron(p, MANIFEST).unwrap();
+        m.validate(p).unwrap();
+        let ctx = RunCtx {
+            manifest: &m,
+            manifest_path: p,
+            manifest_text: MANIFEST,
+            record_path: &rec,
+            resume: true,
+        };
+        run_manifest(&ctx, &mut Quiet).unwrap();
+        let complete = std::fs::read(&rec).unwrap();
+        let legs = m.legs().unwrap();
+        let ids: Vec<String> = legs.iter().map(|l| l.id.clone()).collect();
+        for resume in [false, true] {
+            let ctx = RunCtx { resume, ..ctx };
+            let e = run_legs(&ctx, &ids, vec![], &mut Quiet, &mut |i, pr| {
+                if i == 1 {
+                    return Err(ExperimentError::engine(
+                        "test",
+                        speclab_engine::EngineError::Unsupported("killed".into()),
+                    ));
+                }
+                run_leg(&m, &legs[i], pr)
+            })
+            .unwrap_err();
+            assert!(e.to_string().contains("killed"), "{e}");
+            assert_eq!(std::fs::read(&rec).unwrap(), complete, "resume {resume}");
+            let partial = RunRecord::load(&record::partial_path(&rec)).unwrap();
+            assert_eq!(partial.legs.len(), 1);
+            assert!(!partial.complete);
+        }
     }
 }
