@@ -402,6 +402,11 @@ pub fn check_real(r: &RealSpec, path: &Path) -> Result<()> {
     if !r.num_speculative_tokens.is_empty() && !shared_used {
         return Err(bad(path, "real.num_speculative_tokens", "every drafter in real.drafters is `none` or has its own list in num_speculative_tokens_for, so this list is unused"));
     }
+    check_real_sizes(r, path, &defaults)
+}
+
+/// Bounded sizes of a `real` section, and its sampling seed's use.
+fn check_real_sizes(r: &RealSpec, path: &Path, defaults: &RealSpec) -> Result<()> {
     if let Some(n) = r.num_blocks {
         if n > speclab_engine::kv::pool::MAX_NUM_BLOCKS {
             return Err(bad(
