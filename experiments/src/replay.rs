@@ -65,7 +65,9 @@ pub fn load_layout(path: impl AsRef<Path>) -> Result<KvLayout> {
 }
 
 /// Parse a RON layout from text; `path` is only used in error messages.
+/// A UTF-8 byte-order mark at the start is accepted (skipped).
 pub fn parse_layout_ron(text: &str, path: &Path) -> Result<KvLayout> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let opts =
         ron::Options::default().with_default_extension(ron::extensions::Extensions::IMPLICIT_SOME);
     let ron_err = |e: ron::error::SpannedError, field: Option<String>| ExperimentError::Parse {
@@ -89,7 +91,9 @@ pub fn parse_layout_ron(text: &str, path: &Path) -> Result<KvLayout> {
 }
 
 /// Parse a JSON layout from text; `path` is only used in error messages.
+/// A UTF-8 byte-order mark at the start is accepted (skipped).
 pub fn parse_layout_json(text: &str, path: &Path) -> Result<KvLayout> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let mut de = serde_json::Deserializer::from_str(text);
     let layout: KvLayout = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let field = field_path(e.path());
@@ -311,6 +315,10 @@ pub fn parse_ops_reader<R: BufRead>(reader: R, source: &Path) -> Result<OpTrace>
     for (k, line) in reader.lines().enumerate() {
         let n = k + 1;
         let line = line.map_err(|e| ExperimentError::io(source, e))?;
+        let line = match (k, line.strip_prefix('\u{feff}')) {
+            (0, Some(rest)) => rest.to_string(),
+            _ => line,
+        };
         if line.trim().is_empty() {
             continue;
         }
@@ -885,6 +893,22 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("unknown field `x`"), "{e}");
+    }
+
+    #[test]
+    fn a_utf8_bom_is_accepted_in_layouts_and_traces() {
+        let ron = "\u{feff}(num_blocks: 9, max_model_len: 64, groups: [(name: \"f\", kind: full, block_size: 4)])";
+        assert!(parse_layout_ron(ron, Path::new("l.ron")).is_ok());
+        let json = "\u{feff}{\"num_blocks\": 9, \"max_model_len\": 64, \"groups\": [{\"name\": \"f\", \"kind\": \"full\", \"block_size\": 4}]}";
+        assert!(parse_layout_json(json, Path::new("l.json")).is_ok());
+        let ops = "\u{feff}{\"op\":\"add\",\"req\":\"a\",\"prompt_len\":1}\n";
+        assert_eq!(
+            parse_ops_reader(ops.as_bytes(), Path::new("t.jsonl"))
+                .unwrap()
+                .ops
+                .len(),
+            1
+        );
     }
 
     #[test]
