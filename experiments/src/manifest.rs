@@ -407,6 +407,7 @@ impl Manifest {
         }
         if let Some(real) = &self.real {
             self.check_no_sim_sections(path)?;
+            crate::manifest_check::check_real_top(self, path)?;
             crate::manifest_check::check_real(real, path)?;
             return real.validate(path);
         }

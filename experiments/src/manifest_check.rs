@@ -330,6 +330,26 @@ pub fn check_fields(m: &Manifest, path: &Path, legs: &[crate::manifest::Leg]) ->
     check_expectations(m, path, &ids)
 }
 
+/// Top-level fields a manifest with `real` does not read (`real` has its own).
+pub fn check_real_top(m: &Manifest, path: &Path) -> Result<()> {
+    let defaults: Manifest = crate::manifest::parse_ron(Path::new("<defaults>"), "(name: \"d\")")?;
+    if m.seed != defaults.seed {
+        return Err(bad(
+            path,
+            "seed",
+            "the simulator's seed; a manifest with `real` takes its seed in real.seed",
+        ));
+    }
+    if m.max_steps != defaults.max_steps {
+        return Err(bad(
+            path,
+            "max_steps",
+            "the simulator's step backstop; a manifest with `real` takes it in real.max_steps",
+        ));
+    }
+    Ok(())
+}
+
 /// Fields of a `real` section that would have no effect, and its bounded sizes.
 pub fn check_real(r: &RealSpec, path: &Path) -> Result<()> {
     let has = |d: RealDrafter| r.drafters.contains(&d);
@@ -483,6 +503,23 @@ mod tests {
         ] {
             let e = sim(body);
             assert!(e.starts_with(&format!("m.ron: {field}: ")), "{body}: {e}");
+        }
+    }
+
+    #[test]
+    fn real_manifests_refuse_fields_they_do_not_read() {
+        let p = Path::new("r.ron");
+        for (body, field) in [
+            ("seed: 3, real: (model: \"m\", prompts: ())", "seed"),
+            ("real: (model: \"m\", prompts: (), ngram_min: 2)", "real.ngram_min"),
+            ("real: (model: \"m\", prompts: (), ngram_min: 0, drafters: [ngram], num_speculative_tokens: [1])", "real.ngram_min"),
+            ("real: (model: \"m\", prompts: (), cap: none)", "real.cap"),
+            ("real: (model: \"m\", prompts: (), num_speculative_tokens: [3])", "real.num_speculative_tokens"),
+            ("real: (model: \"m\", prompts: (generated: (count: 100000, len: 100000)))", "real.prompts.generated"),
+        ] {
+            let m: Manifest = crate::manifest::parse_ron(p, &format!("(name: \"r\", {body})")).unwrap();
+            let e = m.validate(p).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("r.ron: {field}: ")), "{body}: {e}");
         }
     }
 
