@@ -9,7 +9,9 @@
 pub mod bounds;
 pub mod error;
 pub mod findings;
+pub mod findings_plan;
 pub mod manifest;
+pub mod plan;
 pub mod plot;
 pub mod real;
 pub mod real_run;

@@ -16,9 +16,11 @@
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+use speclab_engine::kv::hybrid::{KvDtype, PlanAssumptions};
 use speclab_engine::kv::layout::GroupMemory;
 use speclab_engine::kv::{CapPolicy, GroupKind, GroupSpec, KvLayout};
 
+use crate::plan::{Calibration, LegPlan, Variant};
 use crate::{ExperimentError, Result};
 
 /// A whole experiment.
@@ -100,6 +102,20 @@ pub struct KvSpec {
     pub max_model_len: u32,
     #[serde(default)]
     pub watermark: f64,
+    /// Plan the pool the way vLLM 0.33.0 does from GLM-5.3-Flash's architecture under
+    /// these assumptions ([`crate::plan`]); the preset's layout, page sizes and pool
+    /// then come from the plan.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<PlanAssumptions>,
+    /// With `plan`: the KV memory that gives this pool at this block size (per set).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibrate: Option<Calibration>,
+    /// vLLM `max_in_flight_tokens` = max_concurrent_batches x max_num_batched_tokens
+    /// (async scheduling, vLLM 0.33.0's default for DFlash, doubles it). It sizes the
+    /// `upstream` sliding-window cap and the startup check. Default: one batch,
+    /// `scheduler.max_num_batched_tokens`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_in_flight_tokens: Option<u32>,
 }
 
 fn default_mml() -> u32 {
@@ -118,6 +134,9 @@ impl Default for KvSpec {
             memory: None,
             max_model_len: default_mml(),
             watermark: 0.0,
+            plan: None,
+            calibrate: None,
+            max_in_flight_tokens: None,
         }
     }
 }
@@ -168,6 +187,16 @@ pub struct Expectation {
     /// The reference says: no request ever holds more than this many blocks of this group.
     #[serde(default)]
     pub peak_at_most: Option<(String, u64)>,
+    /// The reference says: vLLM logs "Maximum concurrency ... Cx" with C this, to 2 decimals
+    /// (needs `kv.plan`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_concurrency_about: Option<f64>,
+    /// The reference says: "GPU KV cache size: N tokens", within `tolerance` (needs `kv.plan`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache_tokens_about: Option<u64>,
+    /// The reference says: vLLM starts with this config (true) or refuses it (false).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub starts: Option<bool>,
 }
 
 /// Scheduler settings (vLLM names).
@@ -313,6 +342,19 @@ pub struct Sweep {
     pub caps: Vec<CapPolicy>,
     #[serde(default)]
     pub num_blocks: Vec<u32>,
+    /// `max_in_flight_tokens` values (ids gain `inflight=N`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub max_in_flight_tokens: Vec<u32>,
+    /// Plan axes (need `kv.plan`): tensor parallel sizes, KV dtypes, drafter block sizes
+    /// (`None` = vLLM's rule), indexer kernel alignment on/off.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tps: Vec<u32>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kv_dtypes: Vec<KvDtype>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub drafter_block_sizes: Vec<Option<u32>>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub indexer_block_alignment: Vec<bool>,
 }
 
 /// What to measure per leg.
@@ -325,6 +367,10 @@ pub struct Measure {
     /// Bisect the largest admissible prompt (exact to the token).
     #[serde(default)]
     pub bound: bool,
+    /// Bisect the bound even when vLLM's startup check refuses the config (status stays
+    /// REFUSED_AT_STARTUP): what admission would do if the check were skipped.
+    #[serde(default)]
+    pub bound_if_refused: bool,
 }
 
 impl Default for Measure {
@@ -332,6 +378,7 @@ impl Default for Measure {
         Self {
             simulate: true,
             bound: false,
+            bound_if_refused: false,
         }
     }
 }
@@ -348,6 +395,9 @@ pub struct Leg {
     pub num_blocks: u32,
     /// Prompt lengths of the leg's requests.
     pub prompts: Vec<u64>,
+    /// The vLLM pool plan of the leg (manifests with `kv.plan`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<LegPlan>,
 }
 
 /// The preset's name.
@@ -492,6 +542,16 @@ impl Manifest {
                 return Err(bad("sweep.block_sizes", "block sizes must be > 0".into()));
             }
         }
+        crate::plan::check(self).map_err(|e| match e {
+            ExperimentError::Invalid { field, msg, .. } => bad(&field, msg),
+            other => other,
+        })?;
+        if self.kv.max_in_flight_tokens == Some(0) {
+            return Err(bad("kv.max_in_flight_tokens", "must be > 0".into()));
+        }
+        if self.sweep.max_in_flight_tokens.contains(&0) {
+            return Err(bad("sweep.max_in_flight_tokens", "values must be > 0".into()));
+        }
         self.legs().map_err(|e| match e {
             ExperimentError::Engine { context, error } => bad(&context, error.to_string()),
             other => other,
@@ -605,6 +665,9 @@ impl Manifest {
         };
         layout.max_model_len = kv.max_model_len;
         layout.watermark = kv.watermark;
+        if let Some(f) = self.kv.max_in_flight_tokens {
+            layout.max_in_flight_tokens = Some(f);
+        }
         if layout.max_in_flight_tokens.is_none() {
             layout.max_in_flight_tokens = Some(self.scheduler.max_num_batched_tokens);
         }
@@ -617,7 +680,50 @@ impl Manifest {
         Ok(layout)
     }
 
-    /// Expand the sweep into simulated legs, in order: block size, cap, pool, workload.
+    /// The layout, pool and (with `kv.plan`) vLLM plan of one assumption set x block size
+    /// x cap x pool.
+    fn leg_layout(
+        &self,
+        v: &Variant,
+        bs: Option<u32>,
+        cap: CapPolicy,
+        pool: Option<u32>,
+    ) -> Result<(KvLayout, u32, Option<LegPlan>)> {
+        let ctx = format!("kv (block_size {bs:?}, cap {cap:?})");
+        if let Some(a) = v.plan {
+            let b = bs.or(self.kv.block_size).ok_or_else(|| {
+                ExperimentError::Invalid {
+                    path: "manifest".into(),
+                    field: "kv.block_size".into(),
+                    msg: "kv.plan needs a block size (kv.block_size or sweep.block_sizes)".into(),
+                }
+            })?;
+            let f = v.max_in_flight_tokens;
+            let (layout, plan, mem, over) =
+                crate::plan::planned_layout(self, a, f, b, cap, pool)?;
+            let n = layout.num_blocks.unwrap_or(1);
+            let lp = LegPlan {
+                leg: String::new(),
+                set: v.id.join(" "),
+                assumptions: a,
+                max_in_flight_tokens: f,
+                kv_cache_memory_bytes: mem,
+                overridden: over,
+                plan,
+            };
+            return Ok((layout, n, Some(lp)));
+        }
+        let mut layout = self.layout_for(bs, cap, pool)?;
+        if !self.sweep.max_in_flight_tokens.is_empty() {
+            layout.max_in_flight_tokens = Some(v.max_in_flight_tokens);
+        }
+        let num_blocks = speclab_engine::kv::planning::resolve_num_blocks(&layout)
+            .map_err(|e| ExperimentError::engine(ctx, e))?;
+        Ok((layout, num_blocks, None))
+    }
+
+    /// Expand the sweep into simulated legs, in order: assumption set (plan axes,
+    /// in-flight tokens), block size, cap, pool, workload.
     /// A real manifest has none (its legs are [`crate::real::RealSpec::legs`]).
     pub fn legs(&self) -> Result<Vec<Leg>> {
         if self.real.is_some() {
@@ -649,35 +755,37 @@ impl Manifest {
             vec![prompts.clone()]
         };
         let mut legs = Vec::new();
-        for &bs in &bss {
-            for &cap in &caps {
-                for &pool in &pools {
-                    let layout = self.layout_for(bs, cap, pool)?;
-                    let ctx = format!("kv (block_size {bs:?}, cap {cap:?})");
-                    let num_blocks = speclab_engine::kv::planning::resolve_num_blocks(&layout)
-                        .map_err(|e| ExperimentError::engine(ctx.clone(), e))?;
-                    for ps in &groups {
-                        let mut id = Vec::new();
-                        if let Some(b) = bs {
-                            id.push(format!("bs={b}"));
+        for v in crate::plan::variants(self) {
+            for &bs in &bss {
+                for &cap in &caps {
+                    for &pool in &pools {
+                        let (layout, num_blocks, plan) = self.leg_layout(&v, bs, cap, pool)?;
+                        for ps in &groups {
+                            let mut id = v.id.clone();
+                            if let Some(b) = bs {
+                                id.push(format!("bs={b}"));
+                            }
+                            id.push(format!("cap={}", cap_name(cap)));
+                            if pool.is_some() || !self.sweep.num_blocks.is_empty() {
+                                id.push(format!("blocks={num_blocks}"));
+                            }
+                            match ps.len() {
+                                0 => {}
+                                1 => id.push(format!("prompt={}", ps[0])),
+                                n => id.push(format!("prompts={n}")),
+                            }
+                            let id = id.join(" ");
+                            let plan = plan.clone().map(|p| LegPlan { leg: id.clone(), ..p });
+                            legs.push(Leg {
+                                id,
+                                block_size: bs,
+                                cap,
+                                layout: layout.clone(),
+                                num_blocks,
+                                prompts: ps.clone(),
+                                plan,
+                            });
                         }
-                        id.push(format!("cap={}", cap_name(cap)));
-                        if pool.is_some() || !self.sweep.num_blocks.is_empty() {
-                            id.push(format!("blocks={num_blocks}"));
-                        }
-                        match ps.len() {
-                            0 => {}
-                            1 => id.push(format!("prompt={}", ps[0])),
-                            n => id.push(format!("prompts={n}")),
-                        }
-                        legs.push(Leg {
-                            id: id.join(" "),
-                            block_size: bs,
-                            cap,
-                            layout: layout.clone(),
-                            num_blocks,
-                            prompts: ps.clone(),
-                        });
                     }
                 }
             }

@@ -80,9 +80,15 @@ pub fn run_manifest(ctx: &RunCtx<'_>, progress: &mut dyn Progress) -> Result<Run
     }
     let legs = m.legs()?;
     let ids: Vec<String> = legs.iter().map(|l| l.id.clone()).collect();
-    run_legs(ctx, &ids, vec![], progress, &mut |i, progress| {
+    let mut rec = run_legs(ctx, &ids, vec![], progress, &mut |i, progress| {
         run_leg(m, &legs[i], progress)
-    })
+    })?;
+    let plans: Vec<_> = legs.iter().filter_map(|l| l.plan.clone()).collect();
+    if !plans.is_empty() {
+        rec.plans = plans;
+        rec.save(ctx.record_path)?;
+    }
+    Ok(rec)
 }
 
 /// The record bookkeeping shared by simulated and real manifests: load (resume) or start
@@ -118,6 +124,7 @@ fn run_legs(
             legs: vec![],
             complete: false,
             notes: vec![],
+            plans: vec![],
         },
     };
     rec.notes = notes;
@@ -176,21 +183,24 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
         wall_ms: 0.0,
         real: None,
     };
+    let lookahead = m.drafter.lookahead();
+    let mnbt = u64::from(m.scheduler.max_num_batched_tokens);
+    let pc = ProbeCtx {
+        layout: &leg.layout,
+        num_blocks: leg.num_blocks,
+        max_num_batched_tokens: mnbt,
+        lookahead,
+    };
     if let Err(e) = planning::check_startup(&leg.layout, leg.num_blocks) {
         lr.status = LegStatus::RefusedAtStartup;
         lr.note = Some(e.to_string());
+        if m.measure.bound && m.measure.bound_if_refused {
+            lr.bound = Some(bounds::find_bound(&pc)?);
+        }
         lr.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
         return Ok(lr);
     }
-    let lookahead = m.drafter.lookahead();
-    let mnbt = u64::from(m.scheduler.max_num_batched_tokens);
     if m.measure.bound {
-        let pc = ProbeCtx {
-            layout: &leg.layout,
-            num_blocks: leg.num_blocks,
-            max_num_batched_tokens: mnbt,
-            lookahead,
-        };
         lr.bound = Some(bounds::find_bound(&pc)?);
     }
     if m.measure.simulate && !leg.prompts.is_empty() {
