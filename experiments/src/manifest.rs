@@ -863,22 +863,48 @@ mod shipped {
     use super::*;
 
     #[test]
-    fn block_size_manifest_derives_pools_from_bytes() {
+    fn block_size_manifest_plans_pools_per_assumption_set() {
         let p = Path::new("df2w-block-size.ron");
         let m: Manifest = parse_ron(p, include_str!("../df2w-block-size.ron")).unwrap();
         m.validate(p).unwrap();
         let legs = m.legs().unwrap();
-        let pool = |bs: u32| {
+        assert_eq!(legs.len(), 4 * 2 * 2 * 2 * 2 * 3);
+        let set = "tp=4 kv=auto inflight=16384 drafter_bs=16 idx_align=off";
+        let leg = |bs: u32| {
             legs.iter()
-                .find(|l| l.block_size == Some(bs))
+                .find(|l| l.id == format!("{set} bs={bs} cap=none"))
                 .unwrap()
-                .num_blocks
         };
-        // Calibrated: block 2304 gives the card's pool.
-        assert_eq!(pool(2304), 1012);
-        // At 1536 and 1024 the KDA state page (9 x 2,170,880 bytes) is the largest block.
-        assert_eq!(pool(1536), (24_174_526_464u64 / (9 * 2_170_880)) as u32);
-        assert_eq!(pool(1024), pool(1536));
+        // Calibrated: block 2304 gets the card's pool under every set.
+        assert_eq!(leg(2304).num_blocks, 1012);
+        // vLLM raises 1024 to 2048 at TP 4 (KDA page > 1024-token MLA page): 1012 x 2304 / 2048.
+        let p1024 = leg(1024).plan.as_ref().unwrap();
+        assert_eq!(p1024.plan.effective_block_size, 2048);
+        assert_eq!(leg(1024).num_blocks, 1138);
+        assert_eq!(leg(1536).num_blocks, 1518);
+        // Stock vLLM (indexer alignment on) runs 2304 as 2560.
+        let stock = legs
+            .iter()
+            .find(|l| l.id == "tp=4 kv=auto inflight=16384 drafter_bs=16 idx_align=on bs=2304 cap=none")
+            .unwrap();
+        assert_eq!(stock.plan.as_ref().unwrap().plan.effective_block_size, 2560);
+    }
+
+    #[test]
+    fn plan_fields_that_would_not_take_effect_are_refused() {
+        let p = Path::new("x.ron");
+        let text = include_str!("../df2w-block-size.ron");
+        let no_plan = text.replace(
+            "plan: Some((tp: 4, kv_dtype: auto, drafter_block_size: Some(16), indexer_block_alignment: false)),",
+            "",
+        );
+        let m: Manifest = parse_ron(p, &no_plan).unwrap();
+        let e = m.validate(p).unwrap_err().to_string();
+        assert!(e.contains("sweep.tps") && e.contains("kv.plan"), "{e}");
+        let two = text.replace("max_model_len: 262144,", "max_model_len: 262144, kv_cache_memory_bytes: Some(1),");
+        let m: Manifest = parse_ron(p, &two).unwrap();
+        let e = m.validate(p).unwrap_err().to_string();
+        assert!(e.contains("kv.kv_cache_memory_bytes"), "{e}");
     }
 
     #[test]
