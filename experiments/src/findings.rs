@@ -405,8 +405,12 @@ pub fn render_files(
     out_dir: &Path,
 ) -> Result<Vec<std::path::PathBuf>> {
     let mut written = Vec::new();
+    let mut hazards = Vec::new();
     for p in records {
         let rec = RunRecord::load(p)?;
+        if let Some(h) = crate::atlas::entry(&rec, p) {
+            hazards.push(h);
+        }
         let name = rec
             .manifest
             .get("name")
@@ -424,6 +428,11 @@ pub fn render_files(
             crate::record::write_atomic(&sp, svg.as_bytes())?;
             written.push(sp);
         }
+    }
+    if !hazards.is_empty() {
+        let out = out_dir.join("atlas.md");
+        crate::record::write_atomic(&out, crate::atlas::render(&hazards).as_bytes())?;
+        written.push(out);
     }
     if written.is_empty() {
         return Err(ExperimentError::Invalid {

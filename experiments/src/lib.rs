@@ -6,6 +6,7 @@
 //! Invariant: every record is written atomically (temp file + rename), and a
 //! crash mid-sweep leaves the finished legs intact and resumable.
 
+pub mod atlas;
 pub mod bounds;
 pub mod error;
 pub mod findings;

@@ -67,6 +67,10 @@ pub struct Manifest {
     /// temperature) and the simulated sections must be left out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub real: Option<crate::real::RealSpec>,
+    /// Hazard-atlas entry: `speclab findings` lists every record carrying one in
+    /// `findings/atlas.md` ([`crate::atlas`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hazard: Option<crate::atlas::Hazard>,
 }
 
 fn default_max_steps() -> u64 {
@@ -210,11 +214,18 @@ pub struct SchedulerSpec {
     pub max_num_seqs: usize,
     #[serde(default = "default_mnbt")]
     pub max_num_batched_tokens: u32,
+    /// FULL decode CUDA graphs (vLLM's default FULL_AND_PIECEWISE for models with Mamba /
+    /// KDA state; false = `--enforce-eager`). With state groups vLLM then refuses to start
+    /// when max_num_seqs exceeds the pool's num_blocks (`CompilationConfig`,
+    /// vllm/config/compilation.py: "max_num_seqs (N) exceeds available Mamba cache blocks").
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub full_cudagraphs: bool,
 }
 
 impl Default for SchedulerSpec {
     fn default() -> Self {
         Self {
+            full_cudagraphs: false,
             policy: PolicyName::default(),
             max_num_seqs: default_max_num_seqs(),
             max_num_batched_tokens: default_mnbt(),
@@ -355,6 +366,9 @@ pub struct Sweep {
     pub drafter_block_sizes: Vec<Option<u32>>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub indexer_block_alignment: Vec<bool>,
+    /// `scheduler.max_num_seqs` values (ids gain `seqs=N`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub max_num_seqs: Vec<usize>,
 }
 
 /// What to measure per leg.
@@ -398,6 +412,9 @@ pub struct Leg {
     /// The vLLM pool plan of the leg (manifests with `kv.plan`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<LegPlan>,
+    /// `max_num_seqs` of this leg when swept (else `scheduler.max_num_seqs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_num_seqs: Option<usize>,
 }
 
 /// The preset's name.
@@ -548,6 +565,9 @@ impl Manifest {
         })?;
         if self.kv.max_in_flight_tokens == Some(0) {
             return Err(bad("kv.max_in_flight_tokens", "must be > 0".into()));
+        }
+        if self.sweep.max_num_seqs.contains(&0) {
+            return Err(bad("sweep.max_num_seqs", "values must be > 0".into()));
         }
         if self.sweep.max_in_flight_tokens.contains(&0) {
             return Err(bad("sweep.max_in_flight_tokens", "values must be > 0".into()));
@@ -754,14 +774,22 @@ impl Manifest {
         } else {
             vec![prompts.clone()]
         };
+        let seqs_axis: Vec<Option<usize>> = if self.sweep.max_num_seqs.is_empty() {
+            vec![None]
+        } else {
+            self.sweep.max_num_seqs.iter().map(|&n| Some(n)).collect()
+        };
         let mut legs = Vec::new();
         for v in crate::plan::variants(self) {
             for &bs in &bss {
                 for &cap in &caps {
                     for &pool in &pools {
                         let (layout, num_blocks, plan) = self.leg_layout(&v, bs, cap, pool)?;
-                        for ps in &groups {
+                        for (seqs, ps) in seqs_axis.iter().flat_map(|s| groups.iter().map(move |g| (*s, g))) {
                             let mut id = v.id.clone();
+                            if let Some(n) = seqs {
+                                id.push(format!("seqs={n}"));
+                            }
                             if let Some(b) = bs {
                                 id.push(format!("bs={b}"));
                             }
@@ -784,6 +812,7 @@ impl Manifest {
                                 num_blocks,
                                 prompts: ps.clone(),
                                 plan,
+                                max_num_seqs: seqs,
                             });
                         }
                     }

@@ -200,6 +200,16 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
         lr.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
         return Ok(lr);
     }
+    let max_num_seqs = leg.max_num_seqs.unwrap_or(m.scheduler.max_num_seqs);
+    if let Some(why) = cudagraph_refusal(m, leg, max_num_seqs) {
+        lr.status = LegStatus::RefusedAtStartup;
+        lr.note = Some(why);
+        if m.measure.bound && m.measure.bound_if_refused {
+            lr.bound = Some(bounds::find_bound(&pc)?);
+        }
+        lr.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
+        return Ok(lr);
+    }
     if m.measure.bound {
         lr.bound = Some(bounds::find_bound(&pc)?);
     }
@@ -207,7 +217,7 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
         let mut kv = KvCacheManager::new(&leg.layout, leg.num_blocks)
             .map_err(|e| ExperimentError::engine(ctxs.clone(), e))?;
         let cfg = SchedulerConfig {
-            max_num_seqs: m.scheduler.max_num_seqs,
+            max_num_seqs,
             max_num_batched_tokens: mnbt,
             num_speculative_tokens: m.drafter.drafts_per_step(),
             lookahead,
@@ -249,6 +259,20 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
     }
     lr.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
     Ok(lr)
+}
+
+/// vLLM's FULL-cudagraph check for models with state (vllm/config/compilation.py,
+/// `CompilationConfig` cudagraph resolution after the KV cache config is known): each
+/// decode sequence needs one Mamba cache block, so max_num_seqs > num_blocks is refused.
+fn cudagraph_refusal(m: &Manifest, leg: &Leg, max_num_seqs: usize) -> Option<String> {
+    use speclab_engine::kv::GroupKind;
+    let has_state = leg.layout.groups.iter().any(|g| g.kind == GroupKind::State);
+    let blocks = leg.num_blocks as usize;
+    (m.scheduler.full_cudagraphs && has_state && max_num_seqs > blocks).then(|| {
+        format!(
+            "max_num_seqs ({max_num_seqs}) exceeds available Mamba cache blocks ({blocks}). Each decode sequence requires one Mamba cache block, so CUDA graph capture cannot proceed. Please lower max_num_seqs to at most {blocks} or increase gpu_memory_utilization. (vLLM 0.33.0 CompilationConfig)"
+        )
+    })
 }
 
 fn fill_from_sim(lr: &mut LegRecord, leg: &Leg, run: &SimRun, names: &[String]) {
