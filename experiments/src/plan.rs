@@ -228,3 +228,63 @@ pub fn planned_layout(
     layout.watermark = m.kv.watermark;
     Ok((layout, p, inp.kv_cache_memory_bytes, over.is_some()))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use crate::manifest::{parse_ron, Manifest};
+    use crate::record::LegStatus;
+    use crate::runner::{run_leg, Quiet};
+
+    fn load(name: &str, text: &str) -> Manifest {
+        let p = Path::new(name);
+        let m: Manifest = parse_ron(p, text).unwrap();
+        m.validate(p).unwrap();
+        m
+    }
+
+    #[test]
+    fn upstream_cap_follows_in_flight_tokens() {
+        let m = load(
+            "df2w-upstream-inflight.ron",
+            include_str!("../df2w-upstream-inflight.ron"),
+        );
+        let legs = m.legs().unwrap();
+        let run = |id: &str| {
+            let leg = legs.iter().find(|l| l.id == id).unwrap();
+            run_leg(&m, leg, &mut Quiet).unwrap()
+        };
+        let sync = run("inflight=8192 bs=2304 cap=upstream prompt=63734");
+        assert_eq!(sync.status, LegStatus::Completed);
+        // Async scheduling: vLLM refuses the pool; past the check the cap is no better than none.
+        let asy = run("inflight=16384 bs=2304 cap=upstream prompt=63734");
+        assert_eq!(asy.status, LegStatus::RefusedAtStartup);
+        assert_eq!(asy.bound.unwrap().largest_admissible, Some(15_536));
+    }
+
+    #[test]
+    fn full_cudagraphs_refuse_more_seqs_than_blocks() {
+        let m = load(
+            "hazard-max-num-seqs.ron",
+            include_str!("../hazard-max-num-seqs.ron"),
+        );
+        let legs = m.legs().unwrap();
+        assert_eq!(legs.len(), 3);
+        let r = run_leg(&m, &legs[1], &mut Quiet).unwrap();
+        assert_eq!(legs[1].max_num_seqs, Some(513));
+        assert_eq!(r.status, LegStatus::RefusedAtStartup);
+        assert!(r
+            .note
+            .unwrap()
+            .contains("exceeds available Mamba cache blocks (512)"));
+    }
+
+    #[test]
+    fn leg_tokens_match_in_any_order() {
+        use crate::findings::leg_matches;
+        assert!(leg_matches("tp=4 kv=auto bs=1024 cap=none", "bs=1024 cap=none"));
+        assert!(leg_matches("tp=4 bs=1024 cap=none", ""));
+        assert!(!leg_matches("tp=4 bs=10240 cap=none", "bs=1024"));
+    }
+}
