@@ -72,7 +72,8 @@ pub fn render(entries: &[Entry]) -> String {
     let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|");
     for e in entries {
         let h = &e.hazard;
-        let _ = writeln!(
+        let _ =
+            writeln!(
             md,
             "| {} | {} | {} | {} | {} | {} | {} | {} / {} | [`{}.md`]({}.md) ([record](../{})) |",
             h.title,

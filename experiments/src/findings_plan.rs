@@ -74,7 +74,10 @@ pub fn render(md: &mut String, rec: &RunRecord, m: Option<&Manifest>) -> bool {
         return false;
     }
     let mml = m.map(|m| u64::from(m.kv.max_model_len)).unwrap_or(0);
-    let _ = writeln!(md, "## Pool planning (vLLM 0.33.0 rules, `speclab_engine::kv::hybrid`)\n");
+    let _ = writeln!(
+        md,
+        "## Pool planning (vLLM 0.33.0 rules, `speclab_engine::kv::hybrid`)\n"
+    );
     let _ = writeln!(md, "Per assumption set and requested `--block-size`: the block size vLLM uses (bold when `Platform._align_hybrid_block_size` changes it), bytes of one pool block (largest group), KV memory per rank, `num_blocks` (incl. the null block), blocks one {}-token request needs (sum over groups), and vLLM's boot line \"GPU KV cache size: N tokens, Maximum concurrency: Cx\"; `starts` = the startup check passes (that sum <= num_blocks - 1).\n", thousands(mml));
     let _ = writeln!(md, "| assumption set | --block-size | groups (kind:layers) | bytes per block | KV memory | num_blocks | blocks per request | max concurrency | KV cache tokens | starts |");
     let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|");
@@ -146,8 +149,14 @@ fn matrix(md: &mut String, rec: &RunRecord, m: &Manifest, sets: &[&str]) {
             .unwrap_or_default();
         let _ = writeln!(md, "- **S{}** `{}`: {what} ({})", i + 1, e.leg, e.source);
     }
-    let heads: Vec<String> = (1..=m.expectations.len()).map(|i| format!("S{i}")).collect();
-    let _ = writeln!(md, "\n| assumption set | {} | all hold |", heads.join(" | "));
+    let heads: Vec<String> = (1..=m.expectations.len())
+        .map(|i| format!("S{i}"))
+        .collect();
+    let _ = writeln!(
+        md,
+        "\n| assumption set | {} | all hold |",
+        heads.join(" | ")
+    );
     let _ = writeln!(md, "|---|{}---|", "---|".repeat(heads.len()));
     let mut winners = Vec::new();
     for set in sets {

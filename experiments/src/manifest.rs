@@ -553,7 +553,10 @@ impl Manifest {
             return Err(bad("sweep.max_num_seqs", "values must be > 0".into()));
         }
         if self.sweep.max_in_flight_tokens.contains(&0) {
-            return Err(bad("sweep.max_in_flight_tokens", "values must be > 0".into()));
+            return Err(bad(
+                "sweep.max_in_flight_tokens",
+                "values must be > 0".into(),
+            ));
         }
         self.legs().map_err(|e| match e {
             ExperimentError::Engine { context, error } => bad(&context, error.to_string()),
@@ -694,16 +697,15 @@ impl Manifest {
     ) -> Result<(KvLayout, u32, Option<LegPlan>)> {
         let ctx = format!("kv (block_size {bs:?}, cap {cap:?})");
         if let Some(a) = v.plan {
-            let b = bs.or(self.kv.block_size).ok_or_else(|| {
-                ExperimentError::Invalid {
+            let b = bs
+                .or(self.kv.block_size)
+                .ok_or_else(|| ExperimentError::Invalid {
                     path: "manifest".into(),
                     field: "kv.block_size".into(),
                     msg: "kv.plan needs a block size (kv.block_size or sweep.block_sizes)".into(),
-                }
-            })?;
+                })?;
             let f = v.max_in_flight_tokens;
-            let (layout, plan, mem, over) =
-                crate::plan::planned_layout(self, a, f, b, cap, pool)?;
+            let (layout, plan, mem, over) = crate::plan::planned_layout(self, a, f, b, cap, pool)?;
             let n = layout.num_blocks.unwrap_or(1);
             let lp = LegPlan {
                 leg: String::new(),
@@ -768,7 +770,10 @@ impl Manifest {
                 for &cap in &caps {
                     for &pool in &pools {
                         let (layout, num_blocks, plan) = self.leg_layout(&v, bs, cap, pool)?;
-                        for (seqs, ps) in seqs_axis.iter().flat_map(|s| groups.iter().map(move |g| (*s, g))) {
+                        for (seqs, ps) in seqs_axis
+                            .iter()
+                            .flat_map(|s| groups.iter().map(move |g| (*s, g)))
+                        {
                             let mut id = v.id.clone();
                             if let Some(n) = seqs {
                                 id.push(format!("seqs={n}"));
@@ -786,7 +791,10 @@ impl Manifest {
                                 n => id.push(format!("prompts={n}")),
                             }
                             let id = id.join(" ");
-                            let plan = plan.clone().map(|p| LegPlan { leg: id.clone(), ..p });
+                            let plan = plan.clone().map(|p| LegPlan {
+                                leg: id.clone(),
+                                ..p
+                            });
                             legs.push(Leg {
                                 id,
                                 block_size: bs,
@@ -897,7 +905,9 @@ mod shipped {
         // Stock vLLM (indexer alignment on) runs 2304 as 2560.
         let stock = legs
             .iter()
-            .find(|l| l.id == "tp=4 kv=auto inflight=16384 drafter_bs=16 idx_align=on bs=2304 cap=none")
+            .find(|l| {
+                l.id == "tp=4 kv=auto inflight=16384 drafter_bs=16 idx_align=on bs=2304 cap=none"
+            })
             .unwrap();
         assert_eq!(stock.plan.as_ref().unwrap().plan.effective_block_size, 2560);
     }
@@ -913,7 +923,10 @@ mod shipped {
         let m: Manifest = parse_ron(p, &no_plan).unwrap();
         let e = m.validate(p).unwrap_err().to_string();
         assert!(e.contains("sweep.tps") && e.contains("kv.plan"), "{e}");
-        let two = text.replace("max_model_len: 262144,", "max_model_len: 262144, kv_cache_memory_bytes: Some(1),");
+        let two = text.replace(
+            "max_model_len: 262144,",
+            "max_model_len: 262144, kv_cache_memory_bytes: Some(1),",
+        );
         let m: Manifest = parse_ron(p, &two).unwrap();
         let e = m.validate(p).unwrap_err().to_string();
         assert!(e.contains("kv.kv_cache_memory_bytes"), "{e}");

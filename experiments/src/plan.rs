@@ -67,7 +67,10 @@ pub fn check(m: &Manifest) -> Result<()> {
     let axes = [
         ("sweep.tps", !s.tps.is_empty()),
         ("sweep.kv_dtypes", !s.kv_dtypes.is_empty()),
-        ("sweep.drafter_block_sizes", !s.drafter_block_sizes.is_empty()),
+        (
+            "sweep.drafter_block_sizes",
+            !s.drafter_block_sizes.is_empty(),
+        ),
         (
             "sweep.indexer_block_alignment",
             !s.indexer_block_alignment.is_empty(),
@@ -124,10 +127,9 @@ fn axis<T: Clone>(v: &[T], base: T) -> Vec<T> {
 /// indexer alignment.
 pub fn variants(m: &Manifest) -> Vec<Variant> {
     let s = &m.sweep;
-    let base_flight = m
-        .kv
-        .max_in_flight_tokens
-        .unwrap_or(m.scheduler.max_num_batched_tokens);
+    let base_flight =
+        m.kv.max_in_flight_tokens
+            .unwrap_or(m.scheduler.max_num_batched_tokens);
     let flights = axis(&s.max_in_flight_tokens, base_flight);
     let Some(base) = m.kv.plan else {
         return flights
@@ -160,7 +162,10 @@ pub fn variants(m: &Manifest) -> Vec<Variant> {
                         let d = dbs.map(|b| b.to_string()).unwrap_or_else(|| "vllm".into());
                         tok(!s.drafter_block_sizes.is_empty(), format!("drafter_bs={d}"));
                         let a = if al { "on" } else { "off" };
-                        tok(!s.indexer_block_alignment.is_empty(), format!("idx_align={a}"));
+                        tok(
+                            !s.indexer_block_alignment.is_empty(),
+                            format!("idx_align={a}"),
+                        );
                         out.push(Variant {
                             plan: Some(PlanAssumptions {
                                 tp,
@@ -283,7 +288,10 @@ mod tests {
     #[test]
     fn leg_tokens_match_in_any_order() {
         use crate::findings::leg_matches;
-        assert!(leg_matches("tp=4 kv=auto bs=1024 cap=none", "bs=1024 cap=none"));
+        assert!(leg_matches(
+            "tp=4 kv=auto bs=1024 cap=none",
+            "bs=1024 cap=none"
+        ));
         assert!(leg_matches("tp=4 bs=1024 cap=none", ""));
         assert!(!leg_matches("tp=4 bs=10240 cap=none", "bs=1024"));
     }
