@@ -207,7 +207,7 @@ fn bad(field: &str, reason: String) -> EngineError {
 
 /// vLLM `divide`: exact division or an error naming the field.
 fn divide(n: u64, tp: u64, what: &str) -> Result<u64> {
-    if tp == 0 || n % tp != 0 {
+    if tp == 0 || !n.is_multiple_of(tp) {
         return Err(bad(
             "plan.tp",
             format!("{what} ({n}) is not divisible by tensor parallel size {tp}"),
@@ -493,7 +493,7 @@ pub fn plan(inp: &PlanInput) -> Result<PoolPlan> {
         effective_block_size: bs,
         mamba_page_size_padded: padded,
         kv_cache_tokens: (max_concurrency * f64::from(inp.max_model_len)) as u64,
-        starts: per_req + 1 <= num_blocks,
+        starts: per_req < num_blocks,
         groups,
         bytes_per_block,
         num_blocks,
