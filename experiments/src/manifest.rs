@@ -560,6 +560,8 @@ impl Manifest {
         }
         self.legs().map_err(|e| match e {
             ExperimentError::Engine { context, error } => bad(&context, error.to_string()),
+            // Plan errors are raised without the file; name it here.
+            ExperimentError::Invalid { field, msg, .. } => bad(&field, msg),
             other => other,
         })?;
         Ok(())
@@ -930,6 +932,11 @@ mod shipped {
         let m: Manifest = parse_ron(p, &two).unwrap();
         let e = m.validate(p).unwrap_err().to_string();
         assert!(e.contains("kv.kv_cache_memory_bytes"), "{e}");
+        // TP 3 does not divide the 64 KDA heads: refused, naming the file and the field.
+        let tp3 = text.replace("tps: [1, 2, 4, 8]", "tps: [1, 3]");
+        let m: Manifest = parse_ron(p, &tp3).unwrap();
+        let e = m.validate(p).unwrap_err().to_string();
+        assert!(e.starts_with("x.ron") && e.contains("plan.tp"), "{e}");
     }
 
     #[test]
