@@ -481,7 +481,7 @@ mod tests {
         let ids: Vec<String> = legs.iter().map(|l| l.id.clone()).collect();
         for resume in [false, true] {
             let ctx = RunCtx { resume, ..ctx };
-            let e = run_legs(&ctx, &ids, vec![], &mut Quiet, &mut |i, pr| {
+            let e = run_legs(&ctx, &ids, vec![], vec![], &mut Quiet, &mut |i, pr| {
                 if i == 1 {
                     return Err(ExperimentError::engine(
                         "test",
