@@ -48,7 +48,9 @@ use speclab_engine::model::checkpoint::{
 };
 pub use speclab_engine::model::checkpoint::{INDEX_FILE, SINGLE_FILE};
 use speclab_engine::model::config::read_json_config;
-pub use speclab_engine::model::config::{IgnoreList, QuantizationConfig, COMPRESSED_TENSORS_VERSION};
+pub use speclab_engine::model::config::{
+    IgnoreList, QuantizationConfig, COMPRESSED_TENSORS_VERSION,
+};
 use speclab_engine::EngineError;
 
 use crate::error::{checked_len, QuantError, Result};

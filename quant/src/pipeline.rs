@@ -144,19 +144,17 @@ fn collect(weights: &ModelWeights, layer: usize, calib: &[Vec<u32>]) -> Result<C
                 )))
             }
         }
-        runner
-            .forward_observed(
-                &kv,
-                &[SeqChunk {
-                    slot,
-                    tokens: seq,
-                    start_pos: 0,
-                    snapshot: false,
-                }],
-                &opts,
-                &mut col,
-            )
-            ?;
+        runner.forward_observed(
+            &kv,
+            &[SeqChunk {
+                slot,
+                tokens: seq,
+                start_pos: 0,
+                snapshot: false,
+            }],
+            &opts,
+            &mut col,
+        )?;
         kv.free(slot);
         runner.release(slot);
         if let Some(e) = col.err.take() {
@@ -300,9 +298,7 @@ pub fn quantize_model(
         ));
     }
     weights.cfg = weights.cfg.clone().with_quantization();
-    let files = weights
-        .save_sharded(job.out_dir, job.max_shard_bytes)
-        ?;
+    let files = weights.save_sharded(job.out_dir, job.max_shard_bytes)?;
     let scored: Vec<&MatrixReport> = matrices
         .iter()
         .filter(|m| m.proxy_loss.is_finite())
