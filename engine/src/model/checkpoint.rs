@@ -599,6 +599,11 @@ pub fn write_safetensors_views<S: AsRef<str>, V: View + Clone>(
     for (name, t) in tensors {
         check_data_len(path, name.as_ref(), t)?;
     }
+    serialize_file(path, tensors)
+}
+
+/// `serialize_to_file` of checked tensors.
+fn serialize_file<S: AsRef<str>, V: View + Clone>(path: &Path, tensors: &[(S, V)]) -> Result<()> {
     safetensors::serialize_to_file(
         tensors.iter().map(|(n, t)| (n.as_ref(), t.clone())),
         pt_metadata(),
@@ -668,19 +673,18 @@ fn plan_shards<S: AsRef<str>, V: View + Clone>(
                 return Ok(None);
             }
             let limit = l.max(1);
-            let mut shards = vec![0..0];
+            // Shard starts: a new shard when the next tensor would overflow this one.
+            let mut starts = vec![0];
             let mut size = 0;
             for (i, (_, t)) in tensors.iter().enumerate() {
                 if size > 0 && size + t.data_len() > limit {
-                    shards.push(i..i);
+                    starts.push(i);
                     size = 0;
                 }
                 size += t.data_len();
-                if let Some(s) = shards.last_mut() {
-                    s.end = i + 1;
-                }
             }
-            Ok(Some(shards))
+            let ends = starts.iter().skip(1).copied().chain([tensors.len()]);
+            Ok(Some(starts.iter().zip(ends).map(|(&a, b)| a..b).collect()))
         }
         Some(ShardLimit::FileBytes(max)) => {
             let shards = plan_file_bytes(tensors, max)?;
@@ -703,7 +707,7 @@ fn plan_file_bytes<S: AsRef<str>, V: View + Clone>(
         if serialized_len(tensors)? > max {
             return Err(refuse(format!("max_shard_bytes {max} is too small")));
         }
-        return Ok(vec![0..0]);
+        return Ok(std::iter::once(0..0).collect());
     }
     let mut shards = Vec::new();
     let mut start = 0;
@@ -792,7 +796,7 @@ pub fn write_tensor_files<S: AsRef<str>, V: View + Clone>(
     let mut files = Vec::new();
     match plan {
         None => {
-            write_safetensors_views(&dir.join(SINGLE_FILE), tensors)?;
+            serialize_file(&dir.join(SINGLE_FILE), tensors)?;
             files.push(SINGLE_FILE.to_string());
         }
         Some(shards) => {
@@ -800,7 +804,7 @@ pub fn write_tensor_files<S: AsRef<str>, V: View + Clone>(
             let mut weight_map = BTreeMap::new();
             for (i, r) in shards.into_iter().enumerate() {
                 let file = format!("model-{:05}-of-{:05}.safetensors", i + 1, n);
-                write_safetensors_views(&dir.join(&file), &tensors[r.clone()])?;
+                serialize_file(&dir.join(&file), &tensors[r.clone()])?;
                 for (name, _) in &tensors[r] {
                     weight_map.insert(name.as_ref().to_string(), file.clone());
                 }

@@ -22,8 +22,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::checkpoint::{
-    dim, write_file_atomic, write_tensor_files, Checkpoint, Dim, FloatKind, NamedTensor,
-    ShardLimit, TensorDtype,
+    dim, write_checkpoint, write_file_atomic, Checkpoint, Dim, FloatKind, NamedTensor, TensorDtype,
 };
 use super::config::{IgnoreList, LayerKind, ModelConfig, GROUP_SIZE};
 use super::linear::Linear;
@@ -744,9 +743,9 @@ impl ModelWeights {
         self.save_sharded(dir, None).map(|_| ())
     }
 
-    /// Write `dir/config.json` and the tensors, sharded above `max_shard_bytes`
-    /// ([`ShardLimit::TensorBytes`], see [`super::checkpoint::write_tensor_files`]: atomic
-    /// files, stale checkpoint files removed); returns the tensor file names.
+    /// Write `dir/config.json` and the tensors, sharded above `max_shard_bytes` (see
+    /// [`write_checkpoint`]: HF's rule on tensor bytes, atomic files, stale checkpoint
+    /// files removed); returns the tensor file names.
     pub fn save_sharded(&self, dir: &Path, max_shard_bytes: Option<usize>) -> Result<Vec<String>> {
         std::fs::create_dir_all(dir).map_err(|e| EngineError::Io {
             path: dir.display().to_string(),
@@ -754,11 +753,7 @@ impl ModelWeights {
         })?;
         let text = self.cfg.to_json_string()? + "\n";
         write_file_atomic(&dir.join("config.json"), text.as_bytes())?;
-        let tensors = self.tensors();
-        let named: Vec<(&str, &NamedTensor)> =
-            tensors.iter().map(|t| (t.name.as_str(), t)).collect();
-        let limit = max_shard_bytes.map(ShardLimit::TensorBytes);
-        Ok(write_tensor_files(dir, &named, limit)?.files)
+        write_checkpoint(dir, &self.tensors(), max_shard_bytes)
     }
 
     /// A copy whose W4A16 layers are dense f32 (the dequantized side of the benchmarks).
