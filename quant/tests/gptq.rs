@@ -399,10 +399,7 @@ fn gptq_input_errors() {
             group_size: 64,
             ..d
         },
-        GptqConfig {
-            block_size: 0,
-            ..d
-        },
+        GptqConfig { block_size: 0, ..d },
         GptqConfig {
             dampening: -1.0,
             ..d
