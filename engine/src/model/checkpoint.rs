@@ -429,8 +429,8 @@ impl Checkpoint {
             .collect())
     }
 
-    /// A float tensor of whatever shape it has (for goldens): (values, shape).
-    pub fn f32_any_shape(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
+    /// A tensor's stored shape and the [`Dim`]s that accept exactly it.
+    fn stored_dims(&self, name: &str) -> Result<(Vec<usize>, Vec<Dim>)> {
         let shape = self
             .shape(name)
             .ok_or_else(|| EngineError::MissingTensor {
@@ -438,20 +438,19 @@ impl Checkpoint {
                 tensor: name.into(),
             })?
             .to_vec();
-        let dims: Vec<Dim> = shape.iter().map(|&s| dim(s, "")).collect();
+        let dims = shape.iter().map(|&s| dim(s, "")).collect();
+        Ok((shape, dims))
+    }
+
+    /// A float tensor of whatever shape it has (for goldens): (values, shape).
+    pub fn f32_any_shape(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
+        let (shape, dims) = self.stored_dims(name)?;
         Ok((self.f32(name, FloatKind::Bf16OrF32, &dims)?, shape))
     }
 
     /// An int32 tensor of whatever shape it has: (values, shape).
     pub fn i32_any_shape(&self, name: &str) -> Result<(Vec<i32>, Vec<usize>)> {
-        let shape = self
-            .shape(name)
-            .ok_or_else(|| EngineError::MissingTensor {
-                file: self.file_of(name),
-                tensor: name.into(),
-            })?
-            .to_vec();
-        let dims: Vec<Dim> = shape.iter().map(|&s| dim(s, "")).collect();
+        let (shape, dims) = self.stored_dims(name)?;
         Ok((self.i32(name, &dims)?, shape))
     }
 
@@ -836,4 +835,69 @@ pub fn write_checkpoint(
 ) -> Result<Vec<String>> {
     let limit = max_shard_bytes.map(ShardLimit::TensorBytes);
     Ok(write_tensor_files(dir, &named_views(tensors), limit)?.files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("speclab-ckpt-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    fn tensors(sizes: &[usize]) -> Vec<NamedTensor> {
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| NamedTensor::f32(&format!("t{i}"), vec![n], &vec![i as f32; n]))
+            .collect()
+    }
+
+    #[test]
+    fn tensor_bytes_rule_and_stale_files_removed() {
+        let d = tmp("stale");
+        // 400 + 400 > 600: two shards (HF rule on data bytes) and the index.
+        let files = write_checkpoint(&d, &tensors(&[100, 100, 50]), Some(600)).unwrap();
+        assert_eq!(
+            files,
+            [
+                "model-00001-of-00002.safetensors",
+                "model-00002-of-00002.safetensors",
+                INDEX_FILE
+            ]
+        );
+        // One file now: the old shards and index go (the index would shadow it).
+        let files = write_checkpoint(&d, &tensors(&[100]), Some(600)).unwrap();
+        assert_eq!(files, [SINGLE_FILE]);
+        let mut left: Vec<String> = std::fs::read_dir(&d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, [SINGLE_FILE]);
+        assert_eq!(Checkpoint::open(&d).unwrap().len(), 1);
+        // A single tensor above the limit is still "sharded" (its own shard), as before.
+        let files = write_checkpoint(&d, &tensors(&[200]), Some(600)).unwrap();
+        assert_eq!(files, ["model-00001-of-00001.safetensors", INDEX_FILE]);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn file_bytes_rule_counts_the_header() {
+        let d = tmp("file-bytes");
+        let t = tensors(&[100, 100, 100]);
+        let views = named_views(&t);
+        // Two tensors' 800 data bytes fit 850, not with the header: one tensor per shard.
+        let w = write_tensor_files(&d, &views, Some(ShardLimit::FileBytes(850))).unwrap();
+        assert_eq!(w.files.len(), 4);
+        for f in &w.files[..3] {
+            assert!(std::fs::metadata(d.join(f)).unwrap().len() <= 850);
+        }
+        assert_eq!(w.total_size, 1200);
+        let e = write_tensor_files(&tmp("too-small"), &views, Some(ShardLimit::FileBytes(100)));
+        assert!(e.unwrap_err().to_string().contains("does not fit"));
+        let _ = std::fs::remove_dir_all(&d);
+    }
 }
