@@ -110,7 +110,7 @@ pub(crate) fn kda(
     w.o.forward(&normed, t_total)
 }
 
-/// 1. Causal conv + SiLU per token of one span over q, k, v (`xs`: 3 x [T_total, C]),
+/// Step 1: causal conv + SiLU per token of one span over q, k, v (`xs`: 3 x [T_total, C]),
 /// advancing the conv windows `conv` [3, kc-1, C] and writing the conv snapshots of a
 /// verify span. Returns [3, T, C].
 fn conv_span(
@@ -152,12 +152,11 @@ fn conv_span(
     qkv
 }
 
-/// 2. Gated delta rule per token and head of one span: updates S [nl, dl, dl] and writes
+/// Step 2: the gated delta rule per token and head of one span: updates S [nl, dl, dl] and writes
 /// the span's rows of `o` [T_total, nl, dl]; state snapshots of a verify span. S is
 /// walked row by row (key i), two fused passes, each per-element sum still in ascending
-/// i from 0:
-/// pass 1: S[i,:] *= alpha_i; acc += S[i,:] * k_i   (u = v - acc = v - S^T k)
-/// pass 2: S[i,:] += beta * (k_i * u);  o += S[i,:] * q_i   (o = S^T q)
+/// i from 0. Pass one: `S[i,:] *= alpha_i; acc += S[i,:] * k_i` (`u = v - acc = v - S^T k`);
+/// pass two: `S[i,:] += beta * (k_i * u); o += S[i,:] * q_i` (`o = S^T q`).
 fn delta_span(
     ctx: &KdaCtx<'_>,
     sp: &Span<'_>,
