@@ -10,6 +10,7 @@ pub mod bounds;
 pub mod error;
 pub mod findings;
 pub mod manifest;
+pub mod manifest_check;
 pub mod plot;
 pub mod real;
 pub mod real_run;

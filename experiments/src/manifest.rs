@@ -340,7 +340,9 @@ pub const PRESET_GLM53_DFLASH2: &str = "glm53-flash-dflash2";
 /// Parse RON with positions and the field path: `path:line:col: field `a.b[2]`: message`.
 /// `Option` fields may be written bare (RON's `implicit_some`): `truncate: 128` and
 /// `truncate: Some(128)` both work.
+/// A UTF-8 byte-order mark at the start is accepted (skipped).
 pub fn parse_ron<T: for<'de> Deserialize<'de>>(path: &Path, text: &str) -> Result<T> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let opts =
         ron::Options::default().with_default_extension(ron::extensions::Extensions::IMPLICIT_SOME);
     let err = |e: ron::error::SpannedError, field: Option<String>| ExperimentError::Parse {
@@ -405,8 +407,11 @@ impl Manifest {
         }
         if let Some(real) = &self.real {
             self.check_no_sim_sections(path)?;
+            crate::manifest_check::check_real_top(self, path)?;
+            crate::manifest_check::check_real(real, path)?;
             return real.validate(path);
         }
+        crate::manifest_check::check_sizes(self, path)?;
         if self.scheduler.max_num_seqs == 0 {
             return Err(bad("scheduler.max_num_seqs", "must be > 0".into()));
         }
@@ -475,11 +480,11 @@ impl Manifest {
                 return Err(bad("sweep.block_sizes", "block sizes must be > 0".into()));
             }
         }
-        self.legs().map_err(|e| match e {
+        let legs = self.legs().map_err(|e| match e {
             ExperimentError::Engine { context, error } => bad(&context, error.to_string()),
             other => other,
         })?;
-        Ok(())
+        crate::manifest_check::check_fields(self, path, &legs)
     }
 
     /// A manifest with `real` must leave the simulated sections out (they would be ignored).
@@ -548,6 +553,22 @@ impl Manifest {
                     kv.max_model_len,
                     self.scheduler.max_num_batched_tokens,
                 );
+                // The drafter's window and N take effect in the preset: the DFlash2 SW
+                // group's window, and the KDA state groups' speculative blocks (vLLM
+                // MambaSpec.num_speculative_blocks = num_speculative_tokens).
+                for g in &mut l.groups {
+                    match g.kind {
+                        GroupKind::SlidingWindow => {
+                            if let Some(w) = self.drafter.sliding_window {
+                                g.sliding_window = Some(w);
+                            }
+                        }
+                        GroupKind::State => {
+                            g.num_speculative_blocks = self.drafter.num_speculative_tokens
+                        }
+                        _ => {}
+                    }
+                }
                 if let Some(m) = kv.memory {
                     attach_memory(&mut l, &m, bs);
                 }
