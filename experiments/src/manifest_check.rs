@@ -15,7 +15,7 @@ use std::path::Path;
 
 use speclab_engine::kv::{CapPolicy, GroupKind};
 
-use crate::manifest::{DrafterKind, Manifest, Measure, PRESET_GLM53_DFLASH2};
+use crate::manifest::{DrafterKind, Manifest, PRESET_GLM53_DFLASH2};
 use crate::real::{RealDrafter, RealSpec};
 use crate::{ExperimentError, Result};
 
@@ -210,12 +210,7 @@ fn check_sim(m: &Manifest, path: &Path) -> Result<()> {
             "drafter.kind none drafts nothing; leave N out (0)",
         ));
     }
-    if m.measure
-        == (Measure {
-            simulate: false,
-            bound: false,
-        })
-    {
+    if !m.measure.simulate && !m.measure.bound {
         return Err(bad(
             path,
             "measure",
@@ -267,27 +262,30 @@ fn check_expectations(m: &Manifest, path: &Path, leg_ids: &[String]) -> Result<(
         let f = |k: &str| format!("expectations[{i}].{k}");
         let matches = leg_ids
             .iter()
-            .any(|id| *id == e.leg || id.starts_with(&format!("{} ", e.leg)));
+            .any(|id| crate::findings::leg_matches(id, &e.leg));
         if !matches {
             let some: Vec<&str> = leg_ids.iter().take(3).map(String::as_str).collect();
-            return Err(bad(path, &f("leg"), format!("{:?} matches no leg (leg ids look like {some:?}; a prefix of whole words matches every leg it starts)", e.leg)));
+            return Err(bad(path, &f("leg"), format!("{:?} matches no leg (leg ids look like {some:?}; every token of the pattern must be a token of the leg id)", e.leg)));
         }
         if e.bound_about.is_none()
             && e.no_wedge_in.is_none()
             && e.status.is_none()
             && e.peak_at_most.is_none()
+            && e.max_concurrency_about.is_none()
+            && e.kv_cache_tokens_about.is_none()
+            && e.starts.is_none()
         {
             return Err(bad(
                 path,
                 &format!("expectations[{i}]"),
-                "states nothing to compare: give bound_about, no_wedge_in, status or peak_at_most",
+                "states nothing to compare: give bound_about, no_wedge_in, status, peak_at_most, max_concurrency_about, kv_cache_tokens_about or starts",
             ));
         }
-        if e.tolerance.is_some() && e.bound_about.is_none() {
+        if e.tolerance.is_some() && e.bound_about.is_none() && e.kv_cache_tokens_about.is_none() {
             return Err(bad(
                 path,
                 &f("tolerance"),
-                "applies to bound_about, which is not given",
+                "applies to bound_about or kv_cache_tokens_about, neither of which is given",
             ));
         }
         if e.bound_about.is_some() && !m.measure.bound {

@@ -200,6 +200,16 @@ pub struct RunRecord {
     /// Run-level notes (e.g. drafters skipped because their checkpoint is missing).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
+    /// vLLM 0.33.0 pool plans of the legs (manifests with `kv.plan`), in leg order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub plans: Vec<crate::plan::LegPlan>,
+}
+
+impl RunRecord {
+    /// The plan of a leg, if the manifest planned it.
+    pub fn plan_of(&self, leg: &str) -> Option<&crate::plan::LegPlan> {
+        self.plans.iter().find(|p| p.leg == leg)
+    }
 }
 
 /// Seconds since the epoch (0 if the clock is before it).

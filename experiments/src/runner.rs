@@ -76,7 +76,7 @@ pub fn run_manifest(ctx: &RunCtx<'_>, progress: &mut dyn Progress) -> Result<Run
             .collect();
         // The model is loaded only if some leg is left to run.
         let mut runner: Option<RealRunner<'_>> = None;
-        return run_legs(ctx, &ids, notes, progress, &mut |i, _progress| {
+        return run_legs(ctx, &ids, notes, vec![], progress, &mut |i, _progress| {
             if runner.is_none() {
                 runner = Some(RealRunner::load(real, ctx.manifest_path)?);
             }
@@ -88,7 +88,8 @@ pub fn run_manifest(ctx: &RunCtx<'_>, progress: &mut dyn Progress) -> Result<Run
     }
     let legs = m.legs()?;
     let ids: Vec<String> = legs.iter().map(|l| l.id.clone()).collect();
-    run_legs(ctx, &ids, vec![], progress, &mut |i, progress| {
+    let plans: Vec<_> = legs.iter().filter_map(|l| l.plan.clone()).collect();
+    run_legs(ctx, &ids, vec![], plans, progress, &mut |i, progress| {
         run_leg(m, &legs[i], progress)
     })
 }
@@ -129,6 +130,7 @@ fn run_legs(
     ctx: &RunCtx<'_>,
     ids: &[String],
     notes: Vec<String>,
+    plans: Vec<crate::plan::LegPlan>,
     progress: &mut dyn Progress,
     run_one: &mut dyn FnMut(usize, &mut dyn Progress) -> Result<LegRecord>,
 ) -> Result<RunOutcome> {
@@ -138,6 +140,7 @@ fn run_legs(
     let (mut rec, committed) = start_record(ctx, &partial)?;
     let kept = rec.legs.len();
     rec.notes = notes;
+    rec.plans = plans;
     let total = ids.len();
     for (i, id) in ids.iter().enumerate() {
         if rec.leg(id).is_some() {
@@ -235,6 +238,7 @@ fn new_record(ctx: &RunCtx<'_>) -> RunRecord {
         legs: vec![],
         complete: false,
         notes: vec![],
+        plans: vec![],
     }
 }
 
@@ -300,28 +304,41 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
         wall_ms: 0.0,
         real: None,
     };
+    let lookahead = m.drafter.lookahead();
+    let mnbt = u64::from(m.scheduler.max_num_batched_tokens);
+    let pc = ProbeCtx {
+        layout: &leg.layout,
+        num_blocks: leg.num_blocks,
+        max_num_batched_tokens: mnbt,
+        lookahead,
+    };
     if let Err(e) = planning::check_startup(&leg.layout, leg.num_blocks) {
         lr.status = LegStatus::RefusedAtStartup;
         lr.note = Some(e.to_string());
+        if m.measure.bound && m.measure.bound_if_refused {
+            lr.bound = Some(bounds::find_bound(&pc)?);
+        }
         lr.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
         return Ok(lr);
     }
-    let lookahead = m.drafter.lookahead();
-    let mnbt = u64::from(m.scheduler.max_num_batched_tokens);
+    let max_num_seqs = leg.max_num_seqs.unwrap_or(m.scheduler.max_num_seqs);
+    if let Some(why) = cudagraph_refusal(m, leg, max_num_seqs) {
+        lr.status = LegStatus::RefusedAtStartup;
+        lr.note = Some(why);
+        if m.measure.bound && m.measure.bound_if_refused {
+            lr.bound = Some(bounds::find_bound(&pc)?);
+        }
+        lr.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
+        return Ok(lr);
+    }
     if m.measure.bound {
-        let pc = ProbeCtx {
-            layout: &leg.layout,
-            num_blocks: leg.num_blocks,
-            max_num_batched_tokens: mnbt,
-            lookahead,
-        };
         lr.bound = Some(bounds::find_bound(&pc)?);
     }
     if m.measure.simulate && !leg.prompts.is_empty() {
         let mut kv = KvCacheManager::new(&leg.layout, leg.num_blocks)
             .map_err(|e| ExperimentError::engine(ctxs.clone(), e))?;
         let cfg = SchedulerConfig {
-            max_num_seqs: m.scheduler.max_num_seqs,
+            max_num_seqs,
             max_num_batched_tokens: mnbt,
             num_speculative_tokens: m.drafter.drafts_per_step(),
             lookahead,
@@ -363,6 +380,20 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
     }
     lr.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
     Ok(lr)
+}
+
+/// vLLM's FULL-cudagraph check for models with state (vllm/config/compilation.py,
+/// `CompilationConfig` cudagraph resolution after the KV cache config is known): each
+/// decode sequence needs one Mamba cache block, so max_num_seqs > num_blocks is refused.
+fn cudagraph_refusal(m: &Manifest, leg: &Leg, max_num_seqs: usize) -> Option<String> {
+    use speclab_engine::kv::GroupKind;
+    let has_state = leg.layout.groups.iter().any(|g| g.kind == GroupKind::State);
+    let blocks = leg.num_blocks as usize;
+    (m.scheduler.full_cudagraphs && has_state && max_num_seqs > blocks).then(|| {
+        format!(
+            "max_num_seqs ({max_num_seqs}) exceeds available Mamba cache blocks ({blocks}). Each decode sequence requires one Mamba cache block, so CUDA graph capture cannot proceed. Please lower max_num_seqs to at most {blocks} or increase gpu_memory_utilization. (vLLM 0.33.0 CompilationConfig)"
+        )
+    })
 }
 
 fn fill_from_sim(lr: &mut LegRecord, leg: &Leg, run: &SimRun, names: &[String]) {

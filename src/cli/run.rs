@@ -311,7 +311,8 @@ pub fn bounds(a: BoundsArgs) -> anyhow::Result<ExitCode> {
     let mut seen = std::collections::HashSet::new();
     let mut rows = Vec::new();
     for leg in m.legs()? {
-        let key = (leg.block_size, cap_name(leg.cap), leg.num_blocks);
+        let set = leg.plan.as_ref().map(|p| p.set.clone()).unwrap_or_default();
+        let key = (set, leg.block_size, cap_name(leg.cap), leg.num_blocks);
         if !seen.insert(key) {
             continue;
         }
@@ -328,6 +329,7 @@ pub fn bounds(a: BoundsArgs) -> anyhow::Result<ExitCode> {
             "num_blocks": leg.num_blocks,
             "groups": leg.layout.groups.iter().map(|g| g.name.clone()).collect::<Vec<_>>(),
             "bound": b,
+            "plan": leg.plan,
         }));
         if !a.json {
             let what = match (b.unbounded, b.largest_admissible) {
@@ -341,6 +343,9 @@ pub fn bounds(a: BoundsArgs) -> anyhow::Result<ExitCode> {
                 ),
                 (false, None) => "not even a 1-token prompt is admissible".into(),
             };
+            if let Some(p) = &leg.plan {
+                outln!("{}", plan_line(p));
+            }
             outln!(
                 "block_size {:>5} cap {:<15} pool {:>6} blocks: {what}",
                 leg.block_size
@@ -355,6 +360,31 @@ pub fn bounds(a: BoundsArgs) -> anyhow::Result<ExitCode> {
         outln!("{}", serde_json::to_string(&rows)?);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// What vLLM 0.33.0 makes of the leg's request (printed before its bound line); names the
+/// change when vLLM would not use the block size or pool the user asked for, as vLLM logs it.
+fn plan_line(p: &speclab_experiments::plan::LegPlan) -> String {
+    let q = &p.plan;
+    let mut s = format!("[{}] ", if p.set.is_empty() { "plan" } else { &p.set });
+    if q.effective_block_size != q.requested_block_size {
+        s.push_str(&format!(
+            "vLLM changes --block-size {} to {} (\"Setting attention block size to {} tokens to ensure that attention page size is >= mamba page size\"); ",
+            q.requested_block_size, q.effective_block_size, q.effective_block_size
+        ));
+    } else {
+        s.push_str(&format!("block size {} kept; ", q.effective_block_size));
+    }
+    s.push_str(&format!(
+        "{} bytes per block -> pool {} blocks{}; GPU KV cache size: {} tokens, maximum concurrency {:.2}x{}",
+        q.bytes_per_block,
+        q.num_blocks,
+        if p.overridden { " (num_gpu_blocks_override)" } else { "" },
+        q.kv_cache_tokens,
+        q.max_concurrency,
+        if q.starts { "" } else { "; vLLM REFUSES TO START (one max_model_len request does not fit)" }
+    ));
+    s
 }
 
 /// `speclab findings`.
