@@ -91,6 +91,23 @@ pub enum EngineError {
     /// A quantized module is inconsistent with `quantization_config` or malformed.
     #[error("quantized module `{module}`: {reason}")]
     Quantization { module: String, reason: String },
+    /// A W4A16 buffer does not have the length its `[N, K]` shape implies (or a size
+    /// overflows `usize`), see `model/w4a16.rs`.
+    #[error("shape error: {0}")]
+    W4a16Shape(String),
+    /// A W4A16 weight's `K` (in_features) is not a multiple of the group size 128.
+    #[error("K = {k} is not a multiple of the W4A16 group size 128")]
+    GroupMisaligned { k: usize },
+    /// A quantized integer outside the INT4 range `[-8, 7]`.
+    #[error("quantized value {value} at flat index {index} is outside [-8, 7]")]
+    Int4OutOfRange { index: usize, value: i32 },
+    /// NaN or infinity in a weight to quantize.
+    #[error("non-finite value {value} at flat index {index} of {what}")]
+    NonFinite {
+        what: &'static str,
+        index: usize,
+        value: f64,
+    },
     /// A forward-pass input is invalid (token out of range, KV not allocated, ...).
     #[error("model input: {0}")]
     ModelInput(String),

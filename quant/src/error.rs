@@ -3,7 +3,8 @@
 //! What: every fallible operation in this crate returns [`Result<T>`] = `Result<T, QuantError>`.
 //! Source: none (crate-local).
 //! Invariants: user input (shapes, values, configs, files) never panics; it yields one of
-//! these variants, each naming what was wrong and where.
+//! these variants, each naming what was wrong and where. Errors of the engine (whose
+//! format, config and checkpoint code this crate uses) convert with `From`.
 
 use std::path::PathBuf;
 
@@ -52,12 +53,25 @@ pub enum QuantError {
         #[source]
         source: std::io::Error,
     },
-    /// From the `safetensors` crate.
-    #[error("safetensors: {0}")]
-    Safetensors(#[from] safetensors::SafeTensorError),
     /// From `serde_json`.
     #[error("json: {0}")]
     Json(#[from] serde_json::Error),
+}
+
+/// Engine errors: the W4A16 format's own refusals keep their variant here; every other
+/// engine error (loading, running or writing a model) becomes [`QuantError::Checkpoint`]
+/// with the engine's message.
+impl From<speclab_engine::EngineError> for QuantError {
+    fn from(e: speclab_engine::EngineError) -> Self {
+        use speclab_engine::EngineError as E;
+        match e {
+            E::W4a16Shape(s) => Self::Shape(s),
+            E::GroupMisaligned { k } => Self::GroupMisaligned { k },
+            E::Int4OutOfRange { index, value } => Self::OutOfRange { index, value },
+            E::NonFinite { what, index, value } => Self::NonFinite { what, index, value },
+            other => Self::Checkpoint(other.to_string()),
+        }
+    }
 }
 
 /// `Result` with [`QuantError`].

@@ -2,14 +2,19 @@
 //!
 //! What: the compressed-tensors `pack-quantized` format (symmetric INT4, group 128) of
 //! speclab's routed experts ([`w4a16`]), round-to-nearest ([`rtn`]), GPTQ with
-//! reconstruction-error metrics ([`gptq`]), and checkpoint writing/reading with the
-//! `quantization_config` ignore-list semantics ([`checkpoint`]).
+//! reconstruction-error metrics ([`gptq`]), checkpoint writing/reading with the
+//! `quantization_config` ignore-list semantics ([`checkpoint`]), and the sequential
+//! per-layer quantize pipeline ([`pipeline`]). What the engine also needs has its one
+//! implementation in `speclab_engine::model` and is used from there: INT4 pack / unpack,
+//! dequantization and RTN (`w4a16`), `QuantizationConfig` / `IgnoreList` (`config`), the
+//! safetensors reader and writer (`checkpoint`).
 //!
 //! Source: `docs/model.md` §8 (the format contract), Frantar et al. 2022 (GPTQ),
 //! compressed-tensors 0.17 (`pack_to_int32`, `QuantizationConfig`), `recipes/gptq_ref.py`
 //! (the executable GPTQ reference behind `tests/fixtures/quant/gptq_golden.safetensors`).
 //!
-//! Invariants: one error type ([`QuantError`]); no panics on user input; weights are
+//! Invariants: one error type ([`QuantError`], engine errors convert into it); no panics on
+//! user input; weights are
 //! `[N, K]` row-major (`out_features`, `in_features`) with `K % 128 == 0`.
 
 pub mod checkpoint;

@@ -31,7 +31,6 @@ use speclab_engine::ReqSlot;
 
 use crate::gptq::{gptq_quantize, reconstruction_error, GptqConfig, Hessian};
 use crate::rtn::quantize_rtn;
-use crate::w4a16::W4A16Tensor;
 use crate::{QuantError, Result};
 
 /// Quantization method.
@@ -114,19 +113,15 @@ impl ExpertObserver for Collector {
     }
 }
 
-fn eng(e: speclab_engine::EngineError) -> QuantError {
-    QuantError::Checkpoint(e.to_string())
-}
-
 /// Run every calibration sequence through `weights`, collecting layer `layer`'s expert Hessians.
 fn collect(weights: &ModelWeights, layer: usize, calib: &[Vec<u32>]) -> Result<Collector> {
     let cfg = &weights.cfg;
     let longest = calib.iter().map(Vec::len).max().unwrap_or(1).max(1);
     let bs = 16u32;
     let blocks = (longest as u32).div_ceil(bs) + 4;
-    let layout = cfg.kv_layout(bs, 0, blocks + 4).map_err(eng)?;
-    let mut kv = KvCacheManager::from_layout(&layout).map_err(eng)?;
-    let mut runner = ModelRunner::new(weights.clone(), &kv).map_err(eng)?;
+    let layout = cfg.kv_layout(bs, 0, blocks + 4)?;
+    let mut kv = KvCacheManager::from_layout(&layout)?;
+    let mut runner = ModelRunner::new(weights.clone(), &kv)?;
     let mut col = Collector {
         layer,
         ..Collector::default()
@@ -141,7 +136,7 @@ fn collect(weights: &ModelWeights, layer: usize, calib: &[Vec<u32>]) -> Result<C
             continue;
         }
         let n = seq.len() as u64;
-        match kv.allocate_whole(slot, n).map_err(eng)? {
+        match kv.allocate_whole(slot, n)? {
             AllocOutcome::Allocated(_) => {}
             AllocOutcome::NoFit => {
                 return Err(QuantError::Config(format!(
@@ -149,19 +144,17 @@ fn collect(weights: &ModelWeights, layer: usize, calib: &[Vec<u32>]) -> Result<C
                 )))
             }
         }
-        runner
-            .forward_observed(
-                &kv,
-                &[SeqChunk {
-                    slot,
-                    tokens: seq,
-                    start_pos: 0,
-                    snapshot: false,
-                }],
-                &opts,
-                &mut col,
-            )
-            .map_err(eng)?;
+        runner.forward_observed(
+            &kv,
+            &[SeqChunk {
+                slot,
+                tokens: seq,
+                start_pos: 0,
+                snapshot: false,
+            }],
+            &opts,
+            &mut col,
+        )?;
         kv.free(slot);
         runner.release(slot);
         if let Some(e) = col.err.take() {
@@ -169,15 +162,6 @@ fn collect(weights: &ModelWeights, layer: usize, calib: &[Vec<u32>]) -> Result<C
         }
     }
     Ok(col)
-}
-
-fn to_linear(t: &W4A16Tensor) -> Linear {
-    Linear::W4A16 {
-        out_features: t.shape[0],
-        in_features: t.shape[1],
-        packed: t.packed.iter().map(|&w| w as u32).collect(),
-        scale: t.scale.iter().map(|s| s.to_f32()).collect(),
-    }
 }
 
 fn quantize_one(
@@ -214,7 +198,7 @@ fn quantize_one(
             method: "rtn (no calibration rows)".into(),
             dampening_used: None,
         };
-        return Ok((to_linear(&rtn), rep));
+        return Ok((rtn.to_linear()?, rep));
     };
     let rtn_err = reconstruction_error(w, &rtn_w, n, k, h)?;
     let (t, name, damp) = match method {
@@ -237,7 +221,7 @@ fn quantize_one(
         method: name.into(),
         dampening_used: damp,
     };
-    Ok((to_linear(&t), rep))
+    Ok((t.to_linear()?, rep))
 }
 
 /// Quantize the routed experts of a bf16 checkpoint; `progress` gets one line per layer.
@@ -245,7 +229,7 @@ pub fn quantize_model(
     job: &QuantizeJob<'_>,
     progress: &mut dyn FnMut(&str),
 ) -> Result<QuantizeReport> {
-    let mut weights = ModelWeights::load(job.model_dir).map_err(eng)?;
+    let mut weights = ModelWeights::load(job.model_dir)?;
     if weights.cfg.quantization_config.is_some() {
         return Err(QuantError::Config(format!(
             "{}: the checkpoint is already quantized",
@@ -314,9 +298,7 @@ pub fn quantize_model(
         ));
     }
     weights.cfg = weights.cfg.clone().with_quantization();
-    let files = weights
-        .save_sharded(job.out_dir, job.max_shard_bytes)
-        .map_err(eng)?;
+    let files = weights.save_sharded(job.out_dir, job.max_shard_bytes)?;
     let scored: Vec<&MatrixReport> = matrices
         .iter()
         .filter(|m| m.proxy_loss.is_finite())

@@ -1,23 +1,30 @@
-//! Safetensors checkpoints: memory-mapped reading with typed, checked getters, and writing.
+//! Safetensors checkpoints: memory-mapped reading with typed, checked getters, and
+//! speclab's one checkpoint writer ([`write_tensor_files`], also behind
+//! `ModelWeights::save` and `speclab-quant`'s pack-quantized writer).
 //!
 //! Source: the safetensors format (8-byte little-endian header length, JSON header,
 //! contiguous row-major data), read through the `safetensors` crate's header parser
-//! over a `memmap2` map; HF sharding (`model.safetensors.index.json` with a
-//! `weight_map` of tensor -> shard file); docs/model.md §7 (dtypes) and §12.
+//! over a `memmap2` map and written by its `serialize_to_file`; HF sharding
+//! (`model.safetensors.index.json` with a `weight_map` of tensor -> shard file, shard
+//! names `model-0000i-of-0000n.safetensors`); docs/model.md §7 (dtypes) and §12.
 //!
 //! Invariants: every error names the file and, where there is one, the tensor; a
 //! truncated or corrupt file, an index naming a missing shard, a tensor listed in two
 //! shards or a shard tensor the index does not list are errors, never panics. Getters
 //! check dtype and shape before converting: bf16 -> f32 is exact (§1.1); int32 and
 //! int64 are read little-endian. Maps are read-only; the files must not be modified
-//! while a [`Checkpoint`] is alive (the usual mmap contract).
+//! while a [`Checkpoint`] is alive (the usual mmap contract). Writing: every tensor's
+//! byte length is checked and the shards planned ([`ShardLimit`]) before anything is
+//! written; each file is written to a temporary sibling and renamed into place; safetensors
+//! headers carry `{"format": "pt"}`; stale checkpoint files of the naming scheme are
+//! removed after a successful write.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
-use safetensors::tensor::{Dtype, Metadata, SafeTensors};
+use safetensors::tensor::{Dtype, Metadata, SafeTensors, TensorInfo, TensorView, View};
 
 use crate::{EngineError, Result};
 
@@ -36,7 +43,8 @@ pub enum TensorDtype {
 }
 
 impl TensorDtype {
-    fn to_st(self) -> Dtype {
+    /// The `safetensors` dtype.
+    pub fn to_st(self) -> Dtype {
         match self {
             Self::Bf16 => Dtype::BF16,
             Self::F32 => Dtype::F32,
@@ -296,8 +304,8 @@ impl Checkpoint {
         self.shards[i].meta.info(name).map(|t| t.shape.as_slice())
     }
 
-    /// Raw bytes of a tensor after checking dtype (one of `allowed`) and shape.
-    fn raw(&self, name: &str, allowed: &[Dtype], dims: &[Dim]) -> Result<(Dtype, &[u8])> {
+    /// The shard, header entry and data bytes of a tensor.
+    fn locate(&self, name: &str) -> Result<(&Shard, &TensorInfo, &[u8])> {
         let &i = self
             .names
             .get(name)
@@ -306,14 +314,36 @@ impl Checkpoint {
                 tensor: name.into(),
             })?;
         let s = &self.shards[i];
-        let file = s.path.display().to_string();
         let info = s
             .meta
             .info(name)
             .ok_or_else(|| EngineError::MissingTensor {
-                file: file.clone(),
+                file: s.path.display().to_string(),
                 tensor: name.into(),
             })?;
+        let (a, b) = info.data_offsets;
+        let bytes = s
+            .mmap
+            .get(s.data_start + a..s.data_start + b)
+            .ok_or_else(|| corrupt(&s.path, format!("tensor `{name}` data is out of the file")))?;
+        Ok((s, info, bytes))
+    }
+
+    /// A tensor as stored, whatever its dtype and shape (a `safetensors` view of the map).
+    pub fn tensor_view(&self, name: &str) -> Result<TensorView<'_>> {
+        let (s, info, bytes) = self.locate(name)?;
+        TensorView::new(info.dtype, info.shape.clone(), bytes).map_err(|e| {
+            corrupt(
+                &s.path,
+                format!("tensor `{name}`: {}", explain(&e, s.mmap.len())),
+            )
+        })
+    }
+
+    /// Raw bytes of a tensor after checking dtype (one of `allowed`) and shape.
+    fn raw(&self, name: &str, allowed: &[Dtype], dims: &[Dim]) -> Result<(Dtype, &[u8])> {
+        let (s, info, bytes) = self.locate(name)?;
+        let file = s.path.display().to_string();
         if !allowed.contains(&info.dtype) {
             let exp: Vec<String> = allowed.iter().map(|d| dtype_name(*d)).collect();
             return Err(EngineError::TensorDtype {
@@ -359,11 +389,6 @@ impl Checkpoint {
                 ),
             });
         }
-        let (a, b) = info.data_offsets;
-        let bytes = s
-            .mmap
-            .get(s.data_start + a..s.data_start + b)
-            .ok_or_else(|| corrupt(&s.path, format!("tensor `{name}` data is out of the file")))?;
         Ok((info.dtype, bytes))
     }
 
@@ -404,8 +429,8 @@ impl Checkpoint {
             .collect())
     }
 
-    /// A float tensor of whatever shape it has (for goldens): (values, shape).
-    pub fn f32_any_shape(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
+    /// A tensor's stored shape and the [`Dim`]s that accept exactly it.
+    fn stored_dims(&self, name: &str) -> Result<(Vec<usize>, Vec<Dim>)> {
         let shape = self
             .shape(name)
             .ok_or_else(|| EngineError::MissingTensor {
@@ -413,20 +438,19 @@ impl Checkpoint {
                 tensor: name.into(),
             })?
             .to_vec();
-        let dims: Vec<Dim> = shape.iter().map(|&s| dim(s, "")).collect();
+        let dims = shape.iter().map(|&s| dim(s, "")).collect();
+        Ok((shape, dims))
+    }
+
+    /// A float tensor of whatever shape it has (for goldens): (values, shape).
+    pub fn f32_any_shape(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
+        let (shape, dims) = self.stored_dims(name)?;
         Ok((self.f32(name, FloatKind::Bf16OrF32, &dims)?, shape))
     }
 
     /// An int32 tensor of whatever shape it has: (values, shape).
     pub fn i32_any_shape(&self, name: &str) -> Result<(Vec<i32>, Vec<usize>)> {
-        let shape = self
-            .shape(name)
-            .ok_or_else(|| EngineError::MissingTensor {
-                file: self.file_of(name),
-                tensor: name.into(),
-            })?
-            .to_vec();
-        let dims: Vec<Dim> = shape.iter().map(|&s| dim(s, "")).collect();
+        let (shape, dims) = self.stored_dims(name)?;
         Ok((self.i32(name, &dims)?, shape))
     }
 
@@ -458,6 +482,15 @@ impl NamedTensor {
             dtype: TensorDtype::Bf16,
             shape,
             data,
+        }
+    }
+    /// bf16 values stored as bf16.
+    pub fn from_bf16(name: &str, shape: Vec<usize>, v: &[half::bf16]) -> Self {
+        Self {
+            name: name.into(),
+            dtype: TensorDtype::Bf16,
+            shape,
+            data: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
         }
     }
     /// f32 values stored as f32.
@@ -504,81 +537,367 @@ impl safetensors::View for &NamedTensor {
     }
 }
 
-/// Write tensors to one safetensors file (header metadata `{"format": "pt"}`).
-pub fn write_safetensors(path: &Path, tensors: &[NamedTensor]) -> Result<()> {
-    for t in tensors {
-        let n: usize = t.shape.iter().product();
-        if n * t.dtype.size() != t.data.len() {
-            return Err(corrupt(
-                path,
-                format!(
-                    "tensor `{}`: {} bytes for shape {:?} {:?}",
-                    t.name,
-                    t.data.len(),
-                    t.shape,
-                    t.dtype
-                ),
-            ));
-        }
+/// How [`write_tensor_files`] splits a checkpoint into shards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShardLimit {
+    /// Hugging Face `save_pretrained`'s rule on tensor data bytes: shard only when the
+    /// tensors exceed the limit; tensors kept in order, a new shard when the next tensor
+    /// would overflow the current one (a larger tensor gets a shard of its own).
+    TensorBytes(usize),
+    /// Every shard *file* (header included) at most this many bytes: tensors kept in
+    /// order, each shard as long as its exact serialized size fits; one shard is written
+    /// as the single file. A tensor that does not fit an empty shard is an error before
+    /// anything is written.
+    FileBytes(u64),
+}
+
+/// What [`write_tensor_files`] wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WrittenTensors {
+    /// Safetensors file names written, in order, then the index if sharded.
+    pub files: Vec<String>,
+    /// Sum of tensor data bytes (the index's `metadata.total_size`).
+    pub total_size: u64,
+    /// Stale checkpoint files (of this naming scheme, not part of the new checkpoint)
+    /// removed from the directory, sorted.
+    pub removed_stale: Vec<String>,
+}
+
+/// The `{"format": "pt"}` header metadata transformers requires.
+fn pt_metadata() -> Option<HashMap<String, String>> {
+    Some(HashMap::from([("format".to_string(), "pt".to_string())]))
+}
+
+/// Error unless a tensor's data has `prod(shape) * dtype size` bytes.
+fn check_data_len(path: &Path, name: &str, t: &impl View) -> Result<()> {
+    let bits = t
+        .shape()
+        .iter()
+        .try_fold(t.dtype().bitsize(), |a, &d| a.checked_mul(d));
+    if bits != Some(t.data_len() * 8) {
+        return Err(corrupt(
+            path,
+            format!(
+                "tensor `{name}`: {} bytes for shape {:?} {:?}",
+                t.data_len(),
+                t.shape(),
+                t.dtype()
+            ),
+        ));
     }
-    let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())]
-        .into_iter()
-        .collect();
+    Ok(())
+}
+
+/// Write `(name, tensor)` pairs to one safetensors file with the `safetensors` crate's
+/// `serialize_to_file` (a temporary sibling renamed into place; header metadata
+/// `{"format": "pt"}`), after checking every tensor's byte length.
+pub fn write_safetensors_views<S: AsRef<str>, V: View + Clone>(
+    path: &Path,
+    tensors: &[(S, V)],
+) -> Result<()> {
+    for (name, t) in tensors {
+        check_data_len(path, name.as_ref(), t)?;
+    }
+    serialize_file(path, tensors)
+}
+
+/// `serialize_to_file` of checked tensors.
+fn serialize_file<S: AsRef<str>, V: View + Clone>(path: &Path, tensors: &[(S, V)]) -> Result<()> {
     safetensors::serialize_to_file(
-        tensors.iter().map(|t| (t.name.as_str(), t)),
-        Some(meta),
+        tensors.iter().map(|(n, t)| (n.as_ref(), t.clone())),
+        pt_metadata(),
         path,
     )
     .map_err(|e| io_err(path, format!("{e:?}")))
 }
 
-/// Write a checkpoint into `dir`: one `model.safetensors`, or, when `max_shard_bytes` is
-/// given and the tensors exceed it, HF-style shards `model-0000i-of-0000n.safetensors`
-/// (tensors kept in order, a new shard when the next tensor would overflow) plus
-/// `model.safetensors.index.json` (`metadata.total_size`, `weight_map`). Returns the
-/// written file names.
+/// Write tensors to one safetensors file (header metadata `{"format": "pt"}`).
+pub fn write_safetensors(path: &Path, tensors: &[NamedTensor]) -> Result<()> {
+    write_safetensors_views(path, &named_views(tensors))
+}
+
+fn named_views(tensors: &[NamedTensor]) -> Vec<(&str, &NamedTensor)> {
+    tensors.iter().map(|t| (t.name.as_str(), t)).collect()
+}
+
+/// Write `bytes` to `path` atomically (a temporary sibling, fsync, rename).
+pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let name = path
+        .file_name()
+        .map_or_else(|| "out".to_string(), |n| n.to_string_lossy().into_owned());
+    let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
+    let res = (|| {
+        let mut f = File::create(&tmp).map_err(|e| io_err(&tmp, e))?;
+        f.write_all(bytes).map_err(|e| io_err(&tmp, e))?;
+        f.sync_all().map_err(|e| io_err(&tmp, e))?;
+        std::fs::rename(&tmp, path).map_err(|e| io_err(path, e))
+    })();
+    if res.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    res
+}
+
+/// Write a JSON value as `config.json` / the index store it: pretty-printed, a final
+/// newline, atomically.
+pub fn write_json_file(path: &Path, v: &serde_json::Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(v).map_err(|e| io_err(path, e))?;
+    write_file_atomic(path, (text + "\n").as_bytes())
+}
+
+/// Serialized size of one safetensors file holding `tensors` (the crate's serializer).
+fn serialized_len<S: AsRef<str>, V: View + Clone>(tensors: &[(S, V)]) -> Result<u64> {
+    let bytes = safetensors::serialize(
+        tensors.iter().map(|(n, t)| (n.as_ref(), t.clone())),
+        pt_metadata(),
+    )
+    .map_err(|e| EngineError::InvalidConfig {
+        key: "max_shard_bytes".into(),
+        reason: format!("cannot serialize a shard: {e:?}"),
+    })?;
+    Ok(bytes.len() as u64)
+}
+
+/// Tensor index ranges of the shards, or `None` for a single file.
+fn plan_shards<S: AsRef<str>, V: View + Clone>(
+    tensors: &[(S, V)],
+    limit: Option<ShardLimit>,
+) -> Result<Option<Vec<std::ops::Range<usize>>>> {
+    match limit {
+        None => Ok(None),
+        Some(ShardLimit::TensorBytes(l)) => {
+            let total: usize = tensors.iter().map(|(_, t)| t.data_len()).sum();
+            if total <= l {
+                return Ok(None);
+            }
+            let limit = l.max(1);
+            // Shard starts: a new shard when the next tensor would overflow this one.
+            let mut starts = vec![0];
+            let mut size = 0;
+            for (i, (_, t)) in tensors.iter().enumerate() {
+                if size > 0 && size + t.data_len() > limit {
+                    starts.push(i);
+                    size = 0;
+                }
+                size += t.data_len();
+            }
+            let ends = starts.iter().skip(1).copied().chain([tensors.len()]);
+            Ok(Some(starts.iter().zip(ends).map(|(&a, b)| a..b).collect()))
+        }
+        Some(ShardLimit::FileBytes(max)) => {
+            let shards = plan_file_bytes(tensors, max)?;
+            Ok((shards.len() > 1).then_some(shards))
+        }
+    }
+}
+
+/// [`ShardLimit::FileBytes`]: take tensors while their data fits; the header can only
+/// make it too big, so shrink from the end until the exact serialized size fits.
+fn plan_file_bytes<S: AsRef<str>, V: View + Clone>(
+    tensors: &[(S, V)],
+    max: u64,
+) -> Result<Vec<std::ops::Range<usize>>> {
+    let refuse = |reason: String| EngineError::InvalidConfig {
+        key: "max_shard_bytes".into(),
+        reason,
+    };
+    if tensors.is_empty() {
+        if serialized_len(tensors)? > max {
+            return Err(refuse(format!("max_shard_bytes {max} is too small")));
+        }
+        return Ok(std::iter::once(0..0).collect());
+    }
+    let mut shards = Vec::new();
+    let mut start = 0;
+    while start < tensors.len() {
+        let mut end = start;
+        let mut data = 0u64;
+        while end < tensors.len() && data + tensors[end].1.data_len() as u64 <= max {
+            data += tensors[end].1.data_len() as u64;
+            end += 1;
+        }
+        loop {
+            if end == start {
+                let (name, t) = &tensors[start];
+                return Err(refuse(format!(
+                    "tensor {} ({} bytes + header) does not fit a {max}-byte shard",
+                    name.as_ref(),
+                    t.data_len()
+                )));
+            }
+            if serialized_len(&tensors[start..end])? <= max {
+                break;
+            }
+            end -= 1;
+        }
+        shards.push(start..end);
+        start = end;
+    }
+    Ok(shards)
+}
+
+/// Is `name` a file of this writer's naming scheme (`model.safetensors`,
+/// `model-NNNNN-of-NNNNN.safetensors`, the index)?
+fn is_checkpoint_file_name(name: &str) -> bool {
+    if name == SINGLE_FILE || name == INDEX_FILE {
+        return true;
+    }
+    let Some(mid) = name
+        .strip_prefix("model-")
+        .and_then(|s| s.strip_suffix(".safetensors"))
+    else {
+        return false;
+    };
+    let parts: Vec<&str> = mid.split("-of-").collect();
+    parts.len() == 2
+        && parts
+            .iter()
+            .all(|p| p.len() == 5 && p.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Remove the checkpoint files of `dir` (this naming scheme) that are not in `keep`.
+fn remove_stale(dir: &Path, keep: &[String]) -> Result<Vec<String>> {
+    let mut removed = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| io_err(dir, e))? {
+        let entry = entry.map_err(|e| io_err(dir, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if is_checkpoint_file_name(&name) && !keep.contains(&name) {
+            let p = entry.path();
+            std::fs::remove_file(&p).map_err(|e| io_err(&p, e))?;
+            removed.push(name);
+        }
+    }
+    removed.sort();
+    Ok(removed)
+}
+
+/// The one checkpoint writer: `(name, tensor)` pairs into `dir` (created if missing) as
+/// one `model.safetensors`, or, under `limit` (see [`ShardLimit`]), HF-style shards
+/// `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`
+/// (`metadata.total_size` = tensor data bytes, `weight_map` sorted by name). Shards are
+/// planned before anything is written; each file is written atomically (the
+/// `safetensors` crate's `serialize_to_file`, [`write_json_file`]); afterwards, stale
+/// files of this naming scheme that are not part of the new checkpoint are removed (a
+/// stale index would otherwise shadow a new single file, and a loader globbing
+/// `*.safetensors` would pick up old shards).
+pub fn write_tensor_files<S: AsRef<str>, V: View + Clone>(
+    dir: &Path,
+    tensors: &[(S, V)],
+    limit: Option<ShardLimit>,
+) -> Result<WrittenTensors> {
+    for (name, t) in tensors {
+        check_data_len(dir, name.as_ref(), t)?;
+    }
+    let total_size: u64 = tensors.iter().map(|(_, t)| t.data_len() as u64).sum();
+    let plan = plan_shards(tensors, limit)?;
+    std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
+    let mut files = Vec::new();
+    match plan {
+        None => {
+            serialize_file(&dir.join(SINGLE_FILE), tensors)?;
+            files.push(SINGLE_FILE.to_string());
+        }
+        Some(shards) => {
+            let n = shards.len();
+            let mut weight_map = BTreeMap::new();
+            for (i, r) in shards.into_iter().enumerate() {
+                let file = format!("model-{:05}-of-{:05}.safetensors", i + 1, n);
+                serialize_file(&dir.join(&file), &tensors[r.clone()])?;
+                for (name, _) in &tensors[r] {
+                    weight_map.insert(name.as_ref().to_string(), file.clone());
+                }
+                files.push(file);
+            }
+            let index = serde_json::json!({
+                "metadata": { "total_size": total_size },
+                "weight_map": weight_map
+            });
+            write_json_file(&dir.join(INDEX_FILE), &index)?;
+            files.push(INDEX_FILE.to_string());
+        }
+    }
+    let removed_stale = remove_stale(dir, &files)?;
+    Ok(WrittenTensors {
+        files,
+        total_size,
+        removed_stale,
+    })
+}
+
+/// Write a checkpoint into `dir` with [`write_tensor_files`], sharded by
+/// [`ShardLimit::TensorBytes`] when `max_shard_bytes` is given. Returns the written file
+/// names (shards, then the index).
 pub fn write_checkpoint(
     dir: &Path,
     tensors: &[NamedTensor],
     max_shard_bytes: Option<usize>,
 ) -> Result<Vec<String>> {
-    std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
-    let total: usize = tensors.iter().map(|t| t.data.len()).sum();
-    let limit = match max_shard_bytes {
-        Some(l) if total > l => l.max(1),
-        _ => {
-            write_safetensors(&dir.join(SINGLE_FILE), tensors)?;
-            return Ok(vec![SINGLE_FILE.to_string()]);
-        }
-    };
-    let mut shards: Vec<Vec<NamedTensor>> = vec![Vec::new()];
-    let mut size = 0;
-    for t in tensors {
-        if size > 0 && size + t.data.len() > limit {
-            shards.push(Vec::new());
-            size = 0;
-        }
-        size += t.data.len();
-        if let Some(s) = shards.last_mut() {
-            s.push(t.clone());
-        }
+    let limit = max_shard_bytes.map(ShardLimit::TensorBytes);
+    Ok(write_tensor_files(dir, &named_views(tensors), limit)?.files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("speclab-ckpt-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
     }
-    let n = shards.len();
-    let mut names = Vec::with_capacity(n);
-    let mut weight_map = serde_json::Map::new();
-    for (i, s) in shards.iter().enumerate() {
-        let name = format!("model-{:05}-of-{:05}.safetensors", i + 1, n);
-        write_safetensors(&dir.join(&name), s)?;
-        for t in s {
-            weight_map.insert(t.name.clone(), serde_json::Value::String(name.clone()));
-        }
-        names.push(name);
+
+    fn tensors(sizes: &[usize]) -> Vec<NamedTensor> {
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| NamedTensor::f32(&format!("t{i}"), vec![n], &vec![i as f32; n]))
+            .collect()
     }
-    let index =
-        serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
-    let path = dir.join(INDEX_FILE);
-    let text = serde_json::to_string_pretty(&index).map_err(|e| io_err(&path, e))?;
-    std::fs::write(&path, text + "\n").map_err(|e| io_err(&path, e))?;
-    names.push(INDEX_FILE.to_string());
-    Ok(names)
+
+    #[test]
+    fn tensor_bytes_rule_and_stale_files_removed() {
+        let d = tmp("stale");
+        // 400 + 400 > 600: two shards (HF rule on data bytes) and the index.
+        let files = write_checkpoint(&d, &tensors(&[100, 100, 50]), Some(600)).unwrap();
+        assert_eq!(
+            files,
+            [
+                "model-00001-of-00002.safetensors",
+                "model-00002-of-00002.safetensors",
+                INDEX_FILE
+            ]
+        );
+        // One file now: the old shards and index go (the index would shadow it).
+        let files = write_checkpoint(&d, &tensors(&[100]), Some(600)).unwrap();
+        assert_eq!(files, [SINGLE_FILE]);
+        let mut left: Vec<String> = std::fs::read_dir(&d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, [SINGLE_FILE]);
+        assert_eq!(Checkpoint::open(&d).unwrap().len(), 1);
+        // A single tensor above the limit is still "sharded" (its own shard), as before.
+        let files = write_checkpoint(&d, &tensors(&[200]), Some(600)).unwrap();
+        assert_eq!(files, ["model-00001-of-00001.safetensors", INDEX_FILE]);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn file_bytes_rule_counts_the_header() {
+        let d = tmp("file-bytes");
+        let t = tensors(&[100, 100, 100]);
+        let views = named_views(&t);
+        // Two tensors' 800 data bytes fit 850, not with the header: one tensor per shard.
+        let w = write_tensor_files(&d, &views, Some(ShardLimit::FileBytes(850))).unwrap();
+        assert_eq!(w.files.len(), 4);
+        for f in &w.files[..3] {
+            assert!(std::fs::metadata(d.join(f)).unwrap().len() <= 850);
+        }
+        assert_eq!(w.total_size, 1200);
+        let e = write_tensor_files(&tmp("too-small"), &views, Some(ShardLimit::FileBytes(100)));
+        assert!(e.unwrap_err().to_string().contains("does not fit"));
+        let _ = std::fs::remove_dir_all(&d);
+    }
 }

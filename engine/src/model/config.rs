@@ -9,7 +9,9 @@
 //! model the engine implements exactly: every unsupported value (scoring function,
 //! routing method, grouped routing, activation, more than one MTP layer, layer types,
 //! head counts, quantization scheme) is refused with an error that names the key and
-//! the allowed values. Unknown extra keys (e.g. `transformers_version`) are kept in
+//! the allowed values. [`QuantizationConfig`] (parse, validate, write) and [`IgnoreList`]
+//! (compressed-tensors `ignore` matching) are speclab's only ones (`speclab-quant` uses
+//! them too). Unknown extra keys (e.g. `transformers_version`) are kept in
 //! [`ModelConfig::extra`] and ignored. The presets equal `make_config(preset)`
 //! key for key (tested against `tests/fixtures/model/config.json`).
 //!
@@ -36,6 +38,8 @@ pub const MODEL_TYPE: &str = "speclab_glm5_next_tiny";
 pub const ARCHITECTURE: &str = "SpeclabGlm5NextForCausalLM";
 /// INT4 group size (docs/model.md §8).
 pub const GROUP_SIZE: usize = 128;
+/// compressed-tensors version whose `quantization_config` shape is written (§8).
+pub const COMPRESSED_TENSORS_VERSION: &str = "0.17.0";
 /// Special ids at the end of the vocab: bos, eos, pad, mask, 4 reserved (§10).
 pub const NUM_SPECIAL: usize = 8;
 /// `layer_types` entry of a KDA layer.
@@ -275,6 +279,13 @@ impl QuantizationConfig {
         if cfg.num_nextn_predict_layers > 0 {
             ignore.push(format!(r"re:model\.layers\.{l}\..*"));
         }
+        Self::new(ignore)
+    }
+
+    /// The W4A16 scheme (symmetric INT4, group 128, static, weights only, one group
+    /// targeting `Linear`, `pack-quantized`, compressed-tensors 0.17) with `ignore`: the
+    /// only part that varies between checkpoints.
+    pub fn new(ignore: Vec<String>) -> Self {
         let weights = QuantArgs {
             actorder: None,
             block_structure: None,
@@ -306,8 +317,22 @@ impl QuantizationConfig {
             quantization_status: "compressed".into(),
             sparsity_config: Some(Value::Object(Default::default())),
             transform_config: Some(Value::Object(Default::default())),
-            version: Some("0.17.0".into()),
+            version: Some(COMPRESSED_TENSORS_VERSION.into()),
         }
+    }
+
+    /// The JSON value as `config.json` stores it (keys sorted, docs/model.md §8).
+    pub fn to_json(&self) -> Value {
+        // Serializing these field types (strings, numbers, maps with string keys) cannot fail.
+        serde_json::to_value(self).unwrap_or(Value::Null)
+    }
+
+    /// Parse a `quantization_config` JSON value and [`validate`](Self::validate) it.
+    pub fn from_json(v: &Value) -> Result<Self> {
+        let q: Self = serde_json::from_value(v.clone())
+            .map_err(|e| invalid("quantization_config", e.to_string()))?;
+        q.validate()?;
+        Ok(q)
     }
 
     /// Refuse anything but symmetric INT4 group-128 `pack-quantized` weights-only
@@ -434,37 +459,67 @@ impl QuantizationConfig {
 
 /// compressed-tensors `ignore` semantics: an entry matches a module name if it equals
 /// it, or starts with `re:` and the rest matches at the start of the name (Python
-/// `re.match`: anchored at the start only).
+/// `re.match`: anchored at the start only). Regexes use the `regex` crate (no
+/// look-around / back-references: such entries do not compile); Python's `$` also
+/// matches before a trailing newline, which module names never contain.
 #[derive(Debug, Clone)]
 pub struct IgnoreList {
     exact: Vec<String>,
-    /// Shape: [regex entries]; each compiled as `^(?:rest)`.
-    regexes: Vec<Regex>,
+    /// Shape: [regex entries]; (the entry, the rest compiled as `^(?:rest)`).
+    regexes: Vec<(String, Regex)>,
 }
 
 impl IgnoreList {
-    /// Compile the entries; an invalid regex is an error naming it.
+    /// Compile the entries; an invalid regex is an error naming it
+    /// (`quantization_config.ignore[i]`).
     pub fn new(entries: &[String]) -> Result<Self> {
+        Self::compile(entries, |i, entry, err| {
+            let rest = entry.strip_prefix("re:").unwrap_or(entry);
+            invalid(
+                format!("quantization_config.ignore[{i}]"),
+                format!("invalid regex {rest:?}: {err}"),
+            )
+        })
+    }
+
+    /// Compile the entries, building the error of the first `re:` entry that does not
+    /// compile with `on_err(index, entry, regex error)`.
+    pub fn compile<E>(
+        entries: &[String],
+        on_err: impl Fn(usize, &str, regex::Error) -> E,
+    ) -> std::result::Result<Self, E> {
         let mut exact = Vec::new();
         let mut regexes = Vec::new();
         for (i, e) in entries.iter().enumerate() {
             if let Some(rest) = e.strip_prefix("re:") {
-                let r = Regex::new(&format!("^(?:{rest})")).map_err(|err| {
-                    invalid(
-                        format!("quantization_config.ignore[{i}]"),
-                        format!("invalid regex {rest:?}: {err}"),
-                    )
-                })?;
-                regexes.push(r);
+                let r = Regex::new(&format!("^(?:{rest})")).map_err(|err| on_err(i, e, err))?;
+                regexes.push((e.clone(), r));
             } else {
                 exact.push(e.clone());
             }
         }
         Ok(Self { exact, regexes })
     }
+
+    /// The first entry that matches `module` (exact names first, then the regexes in order).
+    pub fn matching_entry(&self, module: &str) -> Option<&str> {
+        if let Some(e) = self.exact.iter().find(|e| e.as_str() == module) {
+            return Some(e);
+        }
+        self.regexes
+            .iter()
+            .find(|(_, re)| re.is_match(module))
+            .map(|(e, _)| e.as_str())
+    }
+
     /// Whether a module (tensor name without `.weight`) is ignored.
     pub fn matches(&self, module: &str) -> bool {
-        self.exact.iter().any(|e| e == module) || self.regexes.iter().any(|r| r.is_match(module))
+        self.matching_entry(module).is_some()
+    }
+
+    /// True iff no entry matches `module` (the caller knows `module` is a Linear target).
+    pub fn is_quantized(&self, module: &str) -> bool {
+        !self.matches(module)
     }
 }
 

@@ -3,7 +3,8 @@
 //! Source: docs/model.md §1.3, §1.5 and §8 (compressed-tensors 0.17 `pack-quantized`:
 //! element `k` of row `n` is the nibble at bits `4*(k%8)` of word `[n, k/8]`, stored as
 //! `q + 8`; `w[n,k] = q * scale[n, k/128]`, exact in f32, never rounded to bf16). The
-//! f32 GEMM is the `gemm` crate (single-threaded, `Parallelism::None`).
+//! f32 GEMM is the `gemm` crate (single-threaded, `Parallelism::None`). The format itself
+//! (nibble decode, packing, RTN, the checkpoint form) is [`crate::model::w4a16`].
 //!
 //! Invariants: `Dense.w` is `[N, K]` row-major; `W4A16.packed` is `[N, K/8]` and
 //! `W4A16.scale` is `[N, K/128]` f32 (bf16 values upcast exactly), `K % 128 == 0`.
@@ -13,6 +14,7 @@
 //! to GEMM summation order (~1e-7 relative).
 
 use crate::model::config::GROUP_SIZE;
+use crate::model::w4a16::unpack_nibble;
 use crate::{EngineError, Result};
 
 /// Output rows dequantized per tile in the W4A16 kernel.
@@ -91,12 +93,6 @@ fn gemm_xwt(
             gemm::Parallelism::None,
         );
     }
-}
-
-/// Decode one nibble of a packed word: `((word >> 4*(k%8)) & 0xF) - 8`.
-#[inline]
-pub fn unpack_nibble(word: u32, i: usize) -> i32 {
-    ((word >> (4 * i)) & 0xF) as i32 - 8
 }
 
 /// Dequantize rows `[r0, r0 + rows)` of a packed weight into `tile` (`[rows, K]`).
@@ -250,39 +246,6 @@ impl Linear {
     }
 }
 
-/// Round-to-nearest INT4 of one `[N, K]` weight (docs/model.md §8 `quantize_rtn`):
-/// per row and group of 128, `scale = bf16(amax / 7)` (1.0 when amax == 0),
-/// `q = clamp(round_half_even(w / scale), -8, 7)`. Returns (packed `[N, K/8]`, scale `[N, K/128]`).
-pub fn quantize_rtn(w: &[f32], n: usize, k: usize) -> Result<(Vec<u32>, Vec<f32>)> {
-    if !k.is_multiple_of(GROUP_SIZE) || w.len() != n * k {
-        return Err(shape_err(format!(
-            "quantize_rtn: weight of {} values is not [{n}, {k}] with K % {GROUP_SIZE} == 0",
-            w.len()
-        )));
-    }
-    let kg = k / GROUP_SIZE;
-    let mut packed = vec![0u32; n * k / 8];
-    let mut scales = vec![0f32; n * kg];
-    for r in 0..n {
-        for g in 0..kg {
-            let grp = &w[r * k + g * GROUP_SIZE..r * k + (g + 1) * GROUP_SIZE];
-            let amax = grp.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-            let s = if amax == 0.0 {
-                1.0
-            } else {
-                half::bf16::from_f32(amax / 7.0).to_f32()
-            };
-            scales[r * kg + g] = s;
-            for (j, &v) in grp.iter().enumerate() {
-                let q = (v / s).round_ties_even().clamp(-8.0, 7.0) as i32;
-                let kk = g * GROUP_SIZE + j;
-                packed[r * (k / 8) + kk / 8] |= ((q + 8) as u32 & 0xF) << (4 * (kk % 8));
-            }
-        }
-    }
-    Ok((packed, scales))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -309,8 +272,10 @@ mod tests {
         let d = Linear::dense(n, k, w.clone()).unwrap();
         let y = d.forward(&x, t).unwrap();
         assert!(crate::model::ops::rel_err(&y, &naive(&x, &w, t, n, k)) < 1e-6);
-        let (p, s) = quantize_rtn(&w, n, k).unwrap();
-        let q = Linear::w4a16(n, k, p, s).unwrap();
+        let q = crate::model::w4a16::quantize_rtn(&w, n, k)
+            .unwrap()
+            .to_linear()
+            .unwrap();
         let wq = q.weight_f32();
         let yq = q.forward(&x, t).unwrap();
         assert!(crate::model::ops::rel_err(&yq, &naive(&x, &wq, t, n, k)) < 1e-6);
@@ -318,14 +283,5 @@ mod tests {
         assert!(crate::model::ops::rel_err(&yq, &yd) < 1e-6);
         assert!(Linear::dense(2, 2, vec![0.0; 3]).is_err());
         assert!(d.forward(&x[1..], t).is_err());
-    }
-
-    #[test]
-    fn nibble_order_element_zero_lowest() {
-        // q = [-8, -7, ..., -1] -> stored 0..7: word = 0x76543210.
-        let word = 0x7654_3210u32;
-        for i in 0..8 {
-            assert_eq!(unpack_nibble(word, i), i as i32 - 8);
-        }
     }
 }

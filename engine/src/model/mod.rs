@@ -8,7 +8,8 @@
 //! Modules: [`config`] (config.json, presets, KV layout), [`checkpoint`] (safetensors
 //! via mmap, sharding, typed checked getters, writing), [`weights`] (tensor inventory,
 //! loading with quantization cross-checks, export, seeded random init), [`linear`]
-//! (dense f32 GEMM and the W4A16 kernel), [`attention`] / [`kda`] / [`moe`] / [`mtp`]
+//! (dense f32 GEMM and the W4A16 kernel), [`w4a16`] (the INT4 pack-quantized format:
+//! pack / unpack, dequantization, RTN, the checkpoint form of a quantized weight), [`attention`] / [`kda`] / [`moe`] / [`mtp`]
 //! (the blocks), [`kv_store`] (host KV memory addressed by the KV manager's block ids),
 //! [`forward`] ([`ModelRunner`]: forward, snapshot / commit of KDA state), [`tokenizer`].
 //!
@@ -27,6 +28,7 @@ pub mod moe;
 pub mod mtp;
 pub mod ops;
 pub mod tokenizer;
+pub mod w4a16;
 pub mod weights;
 
 pub use checkpoint::{Checkpoint, NamedTensor, TensorDtype};

@@ -21,9 +21,12 @@ use std::path::Path;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::checkpoint::{dim, Checkpoint, Dim, FloatKind, NamedTensor, TensorDtype};
+use super::checkpoint::{
+    dim, write_checkpoint, write_file_atomic, Checkpoint, Dim, FloatKind, NamedTensor, TensorDtype,
+};
 use super::config::{IgnoreList, LayerKind, ModelConfig, GROUP_SIZE};
-use super::linear::{quantize_rtn, Linear};
+use super::linear::Linear;
+use super::w4a16::{quantize_rtn, W4A16Tensor};
 use crate::{EngineError, Result};
 
 /// One tensor of the bf16 checkpoint (`recipes/model.py::tensor_specs`).
@@ -740,20 +743,17 @@ impl ModelWeights {
         self.save_sharded(dir, None).map(|_| ())
     }
 
-    /// Write `dir/config.json` and the tensors, sharded above `max_shard_bytes`
-    /// (see [`super::checkpoint::write_checkpoint`]); returns the tensor file names.
+    /// Write `dir/config.json` and the tensors, sharded above `max_shard_bytes` (see
+    /// [`write_checkpoint`]: HF's rule on tensor bytes, atomic files, stale checkpoint
+    /// files removed); returns the tensor file names.
     pub fn save_sharded(&self, dir: &Path, max_shard_bytes: Option<usize>) -> Result<Vec<String>> {
         std::fs::create_dir_all(dir).map_err(|e| EngineError::Io {
             path: dir.display().to_string(),
             reason: e.to_string(),
         })?;
-        let cfg_path = dir.join("config.json");
         let text = self.cfg.to_json_string()? + "\n";
-        std::fs::write(&cfg_path, text).map_err(|e| EngineError::Io {
-            path: cfg_path.display().to_string(),
-            reason: e.to_string(),
-        })?;
-        super::checkpoint::write_checkpoint(dir, &self.tensors(), max_shard_bytes)
+        write_file_atomic(&dir.join("config.json"), text.as_bytes())?;
+        write_checkpoint(dir, &self.tensors(), max_shard_bytes)
     }
 
     /// A copy whose W4A16 layers are dense f32 (the dequantized side of the benchmarks).
@@ -802,29 +802,10 @@ fn export_linear(out: &mut Vec<NamedTensor>, module: &str, l: &Linear) {
             vec![*out_features, *in_features],
             w,
         )),
-        Linear::W4A16 {
-            out_features,
-            in_features,
-            packed,
-            scale,
-        } => {
-            let (n, k) = (*out_features, *in_features);
-            let words: Vec<i32> = packed.iter().map(|&w| w as i32).collect();
-            out.push(NamedTensor::i32(
-                &format!("{module}.weight_packed"),
-                vec![n, k / 8],
-                &words,
-            ));
-            out.push(NamedTensor::bf16(
-                &format!("{module}.weight_scale"),
-                vec![n, k / GROUP_SIZE],
-                scale,
-            ));
-            out.push(NamedTensor::i64(
-                &format!("{module}.weight_shape"),
-                vec![2],
-                &[n as i64, k as i64],
-            ));
+        Linear::W4A16 { .. } => {
+            if let Some(t) = W4A16Tensor::from_linear(l) {
+                out.extend(t.to_named(module));
+            }
         }
     }
 }
@@ -1000,8 +981,7 @@ impl TensorSource for RandomSource {
         let name = format!("{module}.weight");
         let w = self.float(&name, &[n, k], FloatKind::Bf16OrF32)?;
         if self.quant.contains(module) {
-            let (p, s) = quantize_rtn(&w, n.size, k.size)?;
-            return Linear::w4a16(n.size, k.size, p, s);
+            return quantize_rtn(&w, n.size, k.size)?.to_linear();
         }
         Linear::dense(n.size, k.size, w)
     }
