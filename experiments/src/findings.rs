@@ -211,6 +211,23 @@ pub fn render(rec: &RunRecord, record_path: &str) -> String {
             let _ = writeln!(md, "{}\n", m.description);
         }
     }
+    render_header(&mut md, rec, record_path);
+    render_setup(&mut md, rec, manifest.as_ref());
+    render_sim_legs(&mut md, rec);
+    let many_sets = crate::findings_plan::render(&mut md, rec, manifest.as_ref());
+    if rec.legs.iter().any(|l| l.real.is_some()) {
+        real_section(&mut md, rec, &name);
+    }
+    if let Some(m) = manifest.as_ref().filter(|_| !many_sets) {
+        render_comparison(&mut md, rec, m);
+    }
+    render_spec_legs(&mut md, rec);
+    render_chain(&mut md, rec, manifest.as_ref());
+    md
+}
+
+/// Where the page comes from (record, manifest, commit) and whether it is complete.
+fn render_header(md: &mut String, rec: &RunRecord, record_path: &str) {
     let _ = writeln!(
         md,
         "Rendered by `speclab findings` from the run record [`{record_path}`]({}) (manifest `{}`, commit `{}`, speclab {}). {} of the manifest's legs are recorded{}.\n",
@@ -221,9 +238,13 @@ pub fn render(rec: &RunRecord, record_path: &str) -> String {
         rec.legs.len(),
         if rec.complete { " (complete)" } else { " (INCOMPLETE: resume with `speclab run`)" }
     );
-    if let Some(real) = manifest.as_ref().and_then(|m| m.real.as_ref()) {
-        real_setup(&mut md, real, rec);
-        if let Some(m) = &manifest {
+}
+
+/// The setup section (real legs, or the simulated layout, scheduler and drafter).
+fn render_setup(md: &mut String, rec: &RunRecord, manifest: Option<&Manifest>) {
+    if let Some(real) = manifest.and_then(|m| m.real.as_ref()) {
+        real_setup(md, real, rec);
+        if let Some(m) = manifest {
             if !m.assumptions.is_empty() {
                 let _ = writeln!(md, "### Assumptions\n");
                 for a in &m.assumptions {
@@ -232,7 +253,7 @@ pub fn render(rec: &RunRecord, record_path: &str) -> String {
                 let _ = writeln!(md);
             }
         }
-    } else if let Some(m) = &manifest {
+    } else if let Some(m) = manifest {
         let _ = writeln!(md, "## Setup\n");
         let _ = writeln!(
             md,
@@ -270,6 +291,10 @@ pub fn render(rec: &RunRecord, record_path: &str) -> String {
         }
         let _ = writeln!(md);
     }
+}
+
+/// The simulated legs' table.
+fn render_sim_legs(md: &mut String, rec: &RunRecord) {
     let sim_legs: Vec<&LegRecord> = rec.legs.iter().filter(|l| l.real.is_none()).collect();
     if !sim_legs.is_empty() {
         let _ = writeln!(md, "## Legs\n");
@@ -315,37 +340,40 @@ pub fn render(rec: &RunRecord, record_path: &str) -> String {
         }
         let _ = writeln!(md);
     }
-    let many_sets = crate::findings_plan::render(&mut md, rec, manifest.as_ref());
-    if rec.legs.iter().any(|l| l.real.is_some()) {
-        real_section(&mut md, rec, &name);
+}
+
+/// The reference comparison of the manifest's expectations.
+fn render_comparison(md: &mut String, rec: &RunRecord, m: &Manifest) {
+    if m.expectations.is_empty() {
+        return;
     }
-    if let Some(m) = &manifest {
-        if !m.expectations.is_empty() && !many_sets {
-            let _ = writeln!(md, "## Comparison with the reference\n");
-            let _ = writeln!(md, "| leg | reference | source | speclab | verdict |");
-            let _ = writeln!(md, "|---|---|---|---|---|");
-            for e in &m.expectations {
-                let reference = if let Some(r) = crate::findings_plan::reference_text(e) {
-                    r
-                } else if let Some((g, m)) = &e.peak_at_most {
-                    format!("`{g}` holds at most {m} blocks")
-                } else if let Some(b) = e.bound_about {
-                    format!("bound ~{}", thousands(b))
-                } else if let Some((lo, hi)) = e.no_wedge_in {
-                    format!("no wedge across {}-{}", thousands(lo), thousands(hi))
-                } else {
-                    e.status.clone().unwrap_or_default()
-                };
-                let (obs, verdict) = judge(e, rec);
-                let _ = writeln!(
-                    md,
-                    "| `{}` | {} | {} | {} | **{}** |",
-                    e.leg, reference, e.source, obs, verdict
-                );
-            }
-            let _ = writeln!(md);
-        }
+    let _ = writeln!(md, "## Comparison with the reference\n");
+    let _ = writeln!(md, "| leg | reference | source | speclab | verdict |");
+    let _ = writeln!(md, "|---|---|---|---|---|");
+    for e in &m.expectations {
+        let reference = if let Some(r) = crate::findings_plan::reference_text(e) {
+            r
+        } else if let Some((g, m)) = &e.peak_at_most {
+            format!("`{g}` holds at most {m} blocks")
+        } else if let Some(b) = e.bound_about {
+            format!("bound ~{}", thousands(b))
+        } else if let Some((lo, hi)) = e.no_wedge_in {
+            format!("no wedge across {}-{}", thousands(lo), thousands(hi))
+        } else {
+            e.status.clone().unwrap_or_default()
+        };
+        let (obs, verdict) = judge(e, rec);
+        let _ = writeln!(
+            md,
+            "| `{}` | {} | {} | {} | **{}** |",
+            e.leg, reference, e.source, obs, verdict
+        );
     }
+    let _ = writeln!(md);
+}
+
+/// The simulated spec-decode table.
+fn render_spec_legs(md: &mut String, rec: &RunRecord) {
     let spec_legs: Vec<&LegRecord> = rec
         .legs
         .iter()
@@ -372,6 +400,10 @@ pub fn render(rec: &RunRecord, record_path: &str) -> String {
         }
         let _ = writeln!(md);
     }
+}
+
+/// The leg chain and the discussion.
+fn render_chain(md: &mut String, rec: &RunRecord, manifest: Option<&Manifest>) {
     let _ = writeln!(md, "## Leg chain\n");
     for (i, l) in rec.legs.iter().enumerate() {
         let _ = writeln!(md, "{}. {}", i + 1, chain_line(l));
@@ -382,7 +414,7 @@ pub fn render(rec: &RunRecord, record_path: &str) -> String {
         }
     }
     let _ = writeln!(md);
-    if let Some(m) = &manifest {
+    if let Some(m) = manifest {
         if !m.discussion.is_empty() {
             let _ = writeln!(md, "## Discussion\n");
             for p in &m.discussion {
@@ -390,7 +422,6 @@ pub fn render(rec: &RunRecord, record_path: &str) -> String {
             }
         }
     }
-    md
 }
 
 /// The plot file name of a record named `name` (next to its markdown).

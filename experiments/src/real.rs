@@ -291,7 +291,41 @@ impl RealSpec {
     /// Check the section (module doc); `path` is the manifest, named in every error.
     pub fn validate(&self, path: &Path) -> Result<()> {
         let bad = |f: &str, m: String| invalid(path, f, m);
-        // The target.
+        let (cfg, mml) = self.check_target(path)?;
+        self.check_scalars(path)?;
+        self.check_axes(path)?;
+        let skipped: Vec<RealDrafter> = self
+            .skipped_drafters()
+            .into_iter()
+            .map(|(d, _)| d)
+            .collect();
+        for &d in &self.drafters {
+            if d != RealDrafter::None {
+                self.check_drafter(path, d, &cfg, &skipped)?;
+            }
+        }
+        if self.legs().is_empty() {
+            return Err(bad(
+                "real.drafters",
+                "every drafter was skipped (missing checkpoints): no leg to run".into(),
+            ));
+        }
+        // Prompts: load them once (checks the file, tensor, shape, ids, lengths).
+        let prompts = self.load_prompts(path, &cfg)?;
+        for (i, p) in prompts.iter().enumerate() {
+            if p.len() as u64 >= mml {
+                return Err(bad(
+                    "real.prompts",
+                    format!("prompt {i} has {} tokens; the target's max_model_len is {mml} (prompts must be shorter; use truncate)", p.len()),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The target directory and config; returns the config and the effective max_model_len.
+    fn check_target(&self, path: &Path) -> Result<(ModelConfig, u64)> {
+        let bad = |f: &str, m: String| invalid(path, f, m);
         let model = self.model_dir();
         if !model.is_dir() {
             return Err(bad("real.model", missing(&self.model, "directory")));
@@ -316,8 +350,12 @@ impl RealSpec {
                 ));
             }
         }
-        let mml = self.max_model_len.unwrap_or(model_mml);
-        // Scalars.
+        Ok((cfg, self.max_model_len.unwrap_or(model_mml)))
+    }
+
+    /// Scalar fields.
+    fn check_scalars(&self, path: &Path) -> Result<()> {
+        let bad = |f: &str, m: String| invalid(path, f, m);
         if self.max_tokens == 0 {
             return Err(bad("real.max_tokens", "must be >= 1".into()));
         }
@@ -336,7 +374,12 @@ impl RealSpec {
         if self.num_blocks == Some(0) {
             return Err(bad("real.num_blocks", "must be > 0".into()));
         }
-        // Axes.
+        Ok(())
+    }
+
+    /// The sweep axes and the per-drafter maps.
+    fn check_axes(&self, path: &Path) -> Result<()> {
+        let bad = |f: &str, m: String| invalid(path, f, m);
         if self.drafters.is_empty() {
             return Err(bad(
                 "real.drafters",
@@ -412,99 +455,85 @@ impl RealSpec {
                 Some(_) => {}
             }
         }
-        let skipped: Vec<RealDrafter> = self
-            .skipped_drafters()
-            .into_iter()
-            .map(|(d, _)| d)
-            .collect();
-        for &d in &self.drafters {
-            if d == RealDrafter::None {
-                continue;
-            }
-            let field = if self.num_speculative_tokens_for.contains_key(d.name()) {
-                format!("real.num_speculative_tokens_for.{}", d.name())
-            } else {
-                "real.num_speculative_tokens".to_string()
-            };
-            let ns = self.ns_for(d);
-            if ns.is_empty() {
-                return Err(bad(
-                    &field,
-                    format!(
-                        "drafter `{}` needs at least one N (vLLM num_speculative_tokens >= 1)",
-                        d.name()
-                    ),
-                ));
-            }
-            if ns.contains(&0) {
-                return Err(bad(
-                    &field,
-                    format!(
-                        "N = 0 with drafter `{}`: N must be >= 1 (only `none` runs with N = 0)",
-                        d.name()
-                    ),
-                ));
-            }
-            for (i, n) in ns.iter().enumerate() {
-                if ns[..i].contains(n) {
-                    return Err(bad(&field, format!("N = {n} is listed twice")));
-                }
-            }
-            if d.is_dflash() && !skipped.contains(&d) {
-                let dir = self.drafter_dir(d).ok_or_else(|| {
-                    bad("real.drafter_dirs", format!("drafter `{}` needs its checkpoint directory, e.g. drafter_dirs: {{\"{}\": \"models/dflash2-tiny\"}}", d.name(), d.name()))
-                })?;
-                let key = if self.drafter_dirs.contains_key(d.name()) {
-                    d.name()
-                } else {
-                    RealDrafter::Dflash2.name()
-                };
-                let dfield = format!("real.drafter_dirs.{key}");
-                if !dir.is_dir() {
-                    return Err(bad(
-                        &dfield,
-                        format!(
-                            "{} (or set skip_missing_drafters: true)",
-                            missing(&dir.display().to_string(), "directory")
-                        ),
-                    ));
-                }
-                let dcfg = DFlash2Config::from_file(&dir.join("config.json"))
-                    .map_err(|e| bad(&dfield, e.to_string()))?;
-                dcfg.check_target(&cfg).map_err(|e| {
-                    bad(
-                        &dfield,
-                        format!("does not fit the target {}: {e}", self.model),
-                    )
-                })?;
-                let max_n = dcfg.block_size.saturating_sub(1);
-                if let Some(&n) = ns.iter().find(|&&n| n as usize > max_n) {
-                    return Err(bad(
-                        &field,
-                        format!(
-                            "N = {n} exceeds what `{}` drafts per block: block_size {} allows N <= {max_n}; give `{}` its own list, e.g. num_speculative_tokens_for: {{\"{}\": [{max_n}]}}",
-                            d.name(),
-                            dcfg.block_size,
-                            d.name(),
-                            d.name()
-                        ),
-                    ));
-                }
-            }
-        }
-        if self.legs().is_empty() {
+        Ok(())
+    }
+
+    /// One drafter's N list and, for DFlash, its checkpoint against the target.
+    fn check_drafter(
+        &self,
+        path: &Path,
+        d: RealDrafter,
+        cfg: &ModelConfig,
+        skipped: &[RealDrafter],
+    ) -> Result<()> {
+        let bad = |f: &str, m: String| invalid(path, f, m);
+        let field = if self.num_speculative_tokens_for.contains_key(d.name()) {
+            format!("real.num_speculative_tokens_for.{}", d.name())
+        } else {
+            "real.num_speculative_tokens".to_string()
+        };
+        let ns = self.ns_for(d);
+        if ns.is_empty() {
             return Err(bad(
-                "real.drafters",
-                "every drafter was skipped (missing checkpoints): no leg to run".into(),
+                &field,
+                format!(
+                    "drafter `{}` needs at least one N (vLLM num_speculative_tokens >= 1)",
+                    d.name()
+                ),
             ));
         }
-        // Prompts: load them once (checks the file, tensor, shape, ids, lengths).
-        let prompts = self.load_prompts(path, &cfg)?;
-        for (i, p) in prompts.iter().enumerate() {
-            if p.len() as u64 >= mml {
+        if ns.contains(&0) {
+            return Err(bad(
+                &field,
+                format!(
+                    "N = 0 with drafter `{}`: N must be >= 1 (only `none` runs with N = 0)",
+                    d.name()
+                ),
+            ));
+        }
+        for (i, n) in ns.iter().enumerate() {
+            if ns[..i].contains(n) {
+                return Err(bad(&field, format!("N = {n} is listed twice")));
+            }
+        }
+        if d.is_dflash() && !skipped.contains(&d) {
+            let dir = self.drafter_dir(d).ok_or_else(|| {
+                bad("real.drafter_dirs", format!("drafter `{}` needs its checkpoint directory, e.g. drafter_dirs: {{\"{}\": \"models/dflash2-tiny\"}}", d.name(), d.name()))
+            })?;
+            let key = if self.drafter_dirs.contains_key(d.name()) {
+                d.name()
+            } else {
+                RealDrafter::Dflash2.name()
+            };
+            let dfield = format!("real.drafter_dirs.{key}");
+            if !dir.is_dir() {
                 return Err(bad(
-                    "real.prompts",
-                    format!("prompt {i} has {} tokens; the target's max_model_len is {mml} (prompts must be shorter; use truncate)", p.len()),
+                    &dfield,
+                    format!(
+                        "{} (or set skip_missing_drafters: true)",
+                        missing(&dir.display().to_string(), "directory")
+                    ),
+                ));
+            }
+            let dcfg = DFlash2Config::from_file(&dir.join("config.json"))
+                .map_err(|e| bad(&dfield, e.to_string()))?;
+            dcfg.check_target(cfg).map_err(|e| {
+                bad(
+                    &dfield,
+                    format!("does not fit the target {}: {e}", self.model),
+                )
+            })?;
+            let max_n = dcfg.block_size.saturating_sub(1);
+            if let Some(&n) = ns.iter().find(|&&n| n as usize > max_n) {
+                return Err(bad(
+                    &field,
+                    format!(
+                        "N = {n} exceeds what `{}` drafts per block: block_size {} allows N <= {max_n}; give `{}` its own list, e.g. num_speculative_tokens_for: {{\"{}\": [{max_n}]}}",
+                        d.name(),
+                        dcfg.block_size,
+                        d.name(),
+                        d.name()
+                    ),
                 ));
             }
         }
