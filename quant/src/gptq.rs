@@ -223,6 +223,52 @@ pub fn gptq_quantize(
     h: &Hessian,
     cfg: &GptqConfig,
 ) -> Result<GptqOutput> {
+    check_inputs(w, n, k, h, cfg)?;
+    let groups = k / GROUP_SIZE;
+    let static_groups = cfg.static_groups || cfg.act_order;
+    let hm = h.matrix();
+    check_finite_f64("H", &hm)?;
+    // Static scales come from the original weights (before dead-column zeroing).
+    let static_scale = static_groups.then(|| static_scales(w, k, n, groups));
+    let (perm, mut wp, mut hm) = processing_order(w, hm, n, k, cfg.act_order);
+    let dead_columns = zero_dead_columns(&mut wp, &mut hm, &perm, n, k);
+    let (hinv, frac, retries) = damped_inverse(&hm, k, cfg.dampening)?;
+    let mut scale: Vec<bf16> = static_scale.unwrap_or_else(|| vec![bf16::ONE; n * groups]);
+    let sweep = Sweep {
+        hinv: &hinv,
+        perm: &perm,
+        n,
+        k,
+        groups,
+        block_size: cfg.block_size,
+        static_groups,
+    };
+    let (q, gptq_loss) = sweep.quantize(&mut wp, &mut scale);
+    let identity = !cfg.act_order;
+    // Back to the original column order.
+    let q_orig: Vec<i8> = if identity {
+        q
+    } else {
+        let mut out = vec![0i8; n * k];
+        for r in 0..n {
+            for (p, &c) in perm.iter().enumerate() {
+                out[r * k + c] = q[r * k + p];
+            }
+        }
+        out
+    };
+    let tensor = W4A16Tensor::from_q(&q_orig, scale, n, k)?;
+    Ok(GptqOutput {
+        tensor,
+        dampening_used: frac,
+        retries,
+        dead_columns,
+        gptq_loss,
+    })
+}
+
+/// The refusals of `gptq_quantize` (shapes, config, finite weights).
+fn check_inputs(w: &[f32], n: usize, k: usize, h: &Hessian, cfg: &GptqConfig) -> Result<()> {
     if !k.is_multiple_of(GROUP_SIZE) {
         return Err(QuantError::GroupMisaligned { k });
     }
@@ -249,27 +295,32 @@ pub fn gptq_quantize(
     }
     expect_len("w", w.len(), checked_len(n, k, "weight [N, K]")?)?;
     check_finite_f32("w", w)?;
-    let groups = k / GROUP_SIZE;
-    let static_groups = cfg.static_groups || cfg.act_order;
+    Ok(())
+}
 
-    let mut hm = h.matrix();
-    check_finite_f64("H", &hm)?;
-
-    // Static scales come from the original weights (before dead-column zeroing).
-    let static_scale: Option<Vec<bf16>> = static_groups.then(|| {
-        let mut s = Vec::with_capacity(n * groups);
-        for row in w.chunks_exact(k.max(1)) {
-            for g in row.chunks_exact(GROUP_SIZE) {
-                s.push(scale_from_amax(
-                    g.iter().fold(0.0f32, |m, x| m.max(x.abs())),
-                ));
-            }
+/// Per-group scales from the original weights (`static_groups` / act-order). Shape: [N, K/128].
+fn static_scales(w: &[f32], k: usize, n: usize, groups: usize) -> Vec<bf16> {
+    let mut s = Vec::with_capacity(n * groups);
+    for row in w.chunks_exact(k.max(1)) {
+        for g in row.chunks_exact(GROUP_SIZE) {
+            s.push(scale_from_amax(
+                g.iter().fold(0.0f32, |m, x| m.max(x.abs())),
+            ));
         }
-        s
-    });
+    }
+    s
+}
 
-    // Processing order: perm[p] = original column processed at position p.
-    let perm: Vec<usize> = if cfg.act_order {
+/// The processing order (`perm[p]` = original column processed at position p), W as f64
+/// [N, K] and H [K, K] in that order.
+fn processing_order(
+    w: &[f32],
+    mut hm: Vec<f64>,
+    n: usize,
+    k: usize,
+    act_order: bool,
+) -> (Vec<usize>, Vec<f64>, Vec<f64>) {
+    let perm: Vec<usize> = if act_order {
         let mut p: Vec<usize> = (0..k).collect();
         // Decreasing diagonal, ties by lower index (sort_by is stable).
         p.sort_by(|&a, &b| hm[b * k + b].total_cmp(&hm[a * k + a]));
@@ -277,7 +328,7 @@ pub fn gptq_quantize(
     } else {
         (0..k).collect()
     };
-    let identity = !cfg.act_order;
+    let identity = !act_order;
 
     // W (f64) and H in processing order.
     let mut wp = vec![0.0f64; n * k];
@@ -296,7 +347,18 @@ pub fn gptq_quantize(
         hm = hp;
     }
 
-    // Dead columns.
+    (perm, wp, hm)
+}
+
+/// Columns with a zero Hessian diagonal: weights zeroed, diagonal set to 1 (the original
+/// column ids, sorted).
+fn zero_dead_columns(
+    wp: &mut [f64],
+    hm: &mut [f64],
+    perm: &[usize],
+    n: usize,
+    k: usize,
+) -> Vec<usize> {
     let mut dead_columns = Vec::new();
     for p in 0..k {
         if hm[p * k + p] == 0.0 {
@@ -309,22 +371,27 @@ pub fn gptq_quantize(
     }
     dead_columns.sort_unstable();
 
-    // Dampening with the retry schedule.
+    dead_columns
+}
+
+/// The upper Cholesky factor of the damped inverse Hessian, with the retry schedule:
+/// (factor, dampening used, retries).
+fn damped_inverse(hm: &[f64], k: usize, dampening: f64) -> Result<(Vec<f64>, f64, u32)> {
     let mean_diag = if k == 0 {
         0.0
     } else {
         (0..k).map(|i| hm[i * k + i]).sum::<f64>() / k as f64
     };
     let mut hinv = None;
-    let mut frac = cfg.dampening;
+    let mut frac = dampening;
     let mut retries = 0u32;
     for r in 0..=DAMPENING_RETRIES {
         frac = if r == 0 {
-            cfg.dampening
+            dampening
         } else {
-            cfg.dampening.max(1e-3) * 10f64.powi(r as i32)
+            dampening.max(1e-3) * 10f64.powi(r as i32)
         };
-        let mut hd = hm.clone();
+        let mut hd = hm.to_vec();
         let damp = frac * mean_diag;
         for i in 0..k {
             hd[i * k + i] += damp;
@@ -339,88 +406,98 @@ pub fn gptq_quantize(
         attempts: DAMPENING_RETRIES + 1,
         last_dampening: frac,
     })?;
+    Ok((hinv, frac, retries))
+}
 
-    let mut q = vec![0i8; n * k]; // in processing order
-    let mut scale: Vec<bf16> = static_scale.unwrap_or_else(|| vec![bf16::ONE; n * groups]);
-    let mut gptq_loss = 0.0f64;
-    let bs = cfg.block_size;
-    let mut i1 = 0;
-    while i1 < k {
-        let i2 = (i1 + bs).min(k);
-        let cnt = i2 - i1;
-        // W1 = W[:, i1:i2] (block copy; `wp` keeps the block-start state for group scales).
-        let mut w1 = vec![0.0f64; n * cnt];
-        for r in 0..n {
-            w1[r * cnt..(r + 1) * cnt].copy_from_slice(&wp[r * k + i1..r * k + i2]);
-        }
-        let mut err1 = vec![0.0f64; n * cnt];
-        for i in 0..cnt {
-            let col = i1 + i;
-            let orig = perm[col];
-            let g = orig / GROUP_SIZE;
-            if !static_groups && col % GROUP_SIZE == 0 {
-                for r in 0..n {
-                    let seg = &wp[r * k + col..r * k + col + GROUP_SIZE];
-                    let amax = seg.iter().fold(0.0f64, |m, x| m.max(x.abs()));
-                    scale[r * groups + g] = scale_from_amax(amax as f32);
-                }
-            }
-            let hrow = &hinv[col * k + col..col * k + i2];
-            let d = hrow[0];
+/// The column sweep of GPTQ over blocks of `block_size` columns, in processing order.
+struct Sweep<'a> {
+    /// Upper Cholesky factor of H^-1. Shape: [K, K].
+    hinv: &'a [f64],
+    /// Processing order. Shape: [K].
+    perm: &'a [usize],
+    n: usize,
+    k: usize,
+    groups: usize,
+    block_size: usize,
+    static_groups: bool,
+}
+
+impl Sweep<'_> {
+    /// Quantize every column (error feedback within a block, lazy batch update after it);
+    /// `wp` [N, K] is updated in place, `scale` [N, K/128] filled for dynamic groups.
+    /// Returns q [N, K] in processing order and the GPTQ loss.
+    fn quantize(&self, wp: &mut [f64], scale: &mut [bf16]) -> (Vec<i8>, f64) {
+        let Sweep {
+            hinv,
+            perm,
+            n,
+            k,
+            groups,
+            static_groups,
+            ..
+        } = *self;
+        let mut q = vec![0i8; n * k]; // in processing order
+        let bs = self.block_size;
+        let mut gptq_loss = 0.0f64;
+        let mut i1 = 0;
+        while i1 < k {
+            let i2 = (i1 + bs).min(k);
+            let cnt = i2 - i1;
+            // W1 = W[:, i1:i2] (block copy; `wp` keeps the block-start state for group scales).
+            let mut w1 = vec![0.0f64; n * cnt];
             for r in 0..n {
-                let s = scale[r * groups + g].to_f64();
-                let row = &mut w1[r * cnt..(r + 1) * cnt];
-                let wv = row[i];
-                let qv = (wv / s).round_ties_even().clamp(QMIN as f64, QMAX as f64);
-                let dq = qv * s;
-                q[r * k + col] = qv as i8;
-                let e = (wv - dq) / d;
-                gptq_loss += e * e / 2.0;
-                for (x, &hv) in row[i..].iter_mut().zip(hrow) {
-                    *x -= e * hv;
-                }
-                err1[r * cnt + i] = e;
+                w1[r * cnt..(r + 1) * cnt].copy_from_slice(&wp[r * k + i1..r * k + i2]);
             }
-        }
-        // Lazy batch update of the remaining columns: W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:].
-        if i2 < k {
-            for r in 0..n {
-                let dst = &mut wp[r * k + i2..(r + 1) * k];
-                for j in 0..cnt {
-                    let e = err1[r * cnt + j];
-                    if e == 0.0 {
-                        continue;
+            let mut err1 = vec![0.0f64; n * cnt];
+            for i in 0..cnt {
+                let col = i1 + i;
+                let orig = perm[col];
+                let g = orig / GROUP_SIZE;
+                if !static_groups && col % GROUP_SIZE == 0 {
+                    for r in 0..n {
+                        let seg = &wp[r * k + col..r * k + col + GROUP_SIZE];
+                        let amax = seg.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+                        scale[r * groups + g] = scale_from_amax(amax as f32);
                     }
-                    let hr = &hinv[(i1 + j) * k + i2..(i1 + j + 1) * k];
-                    for (x, &hv) in dst.iter_mut().zip(hr) {
+                }
+                let hrow = &hinv[col * k + col..col * k + i2];
+                let d = hrow[0];
+                for r in 0..n {
+                    let s = scale[r * groups + g].to_f64();
+                    let row = &mut w1[r * cnt..(r + 1) * cnt];
+                    let wv = row[i];
+                    let qv = (wv / s).round_ties_even().clamp(QMIN as f64, QMAX as f64);
+                    let dq = qv * s;
+                    q[r * k + col] = qv as i8;
+                    let e = (wv - dq) / d;
+                    gptq_loss += e * e / 2.0;
+                    for (x, &hv) in row[i..].iter_mut().zip(hrow) {
                         *x -= e * hv;
                     }
+                    err1[r * cnt + i] = e;
                 }
             }
-        }
-        i1 = i2;
-    }
-
-    // Back to the original column order.
-    let q_orig: Vec<i8> = if identity {
-        q
-    } else {
-        let mut out = vec![0i8; n * k];
-        for r in 0..n {
-            for (p, &c) in perm.iter().enumerate() {
-                out[r * k + c] = q[r * k + p];
+            // Lazy batch update of the remaining columns: W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:].
+            if i2 < k {
+                for r in 0..n {
+                    let dst = &mut wp[r * k + i2..(r + 1) * k];
+                    for j in 0..cnt {
+                        let e = err1[r * cnt + j];
+                        if e == 0.0 {
+                            continue;
+                        }
+                        let hr = &hinv[(i1 + j) * k + i2..(i1 + j + 1) * k];
+                        for (x, &hv) in dst.iter_mut().zip(hr) {
+                            *x -= e * hv;
+                        }
+                    }
+                }
             }
+            i1 = i2;
         }
-        out
-    };
-    let tensor = W4A16Tensor::from_q(&q_orig, scale, n, k)?;
-    Ok(GptqOutput {
-        tensor,
-        dampening_used: frac,
-        retries,
-        dead_columns,
-        gptq_loss,
-    })
+
+        (q, gptq_loss)
+    }
 }
 
 /// Reconstruction error of `w_hat` against `w` (both `[N, K]`) under Hessian `h`.
