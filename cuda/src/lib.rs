@@ -1,0 +1,25 @@
+//! speclab-cuda: the target model of docs/model.md on an NVIDIA GPU, through cudarc + NVRTC.
+//!
+//! Design: shared/DESIGN.md "The GPU engine" and issue 11. Kernels are `.cu` sources
+//! under `cuda/kernels/`, compiled at run time by NVRTC ([`kernels`]) and cached on
+//! disk; cudarc is loaded dynamically, so this crate builds and its host tests run on a
+//! machine with no CUDA at all. [`backend::CudaBackend`] implements the backend seam of
+//! the CPU `ModelRunner` (forward / mtp_forward / commit_state / release) over the same
+//! `KvCacheManager` block ids, with device pages laid out exactly as
+//! `engine/src/model/kv_store.rs` lays out host pages.
+//!
+//! Modules: [`error`] (the one error type), [`kernels`] (sources, NVRTC, cache),
+//! [`device`] (probing for a driver / device without panicking), [`repack`] (the INT4
+//! layout of routed experts, pure host code), [`launch`] (launch shapes and workspace
+//! sizes, pure), [`meta`] (per-step metadata built on the host), [`weights`] (upload),
+//! [`ops`] (one launch wrapper per kernel), [`backend`] (the forward pass).
+//!
+//! Invariants: numerics follow docs/model.md §1 (f32 compute; bf16 weights widened
+//! exactly; INT4 dequantized to exact f32 products); every launch's bounds are checked
+//! on the host before the `unsafe` launch; inside a step the host only uploads the
+//! step's metadata, launches, and copies the outputs out once at the end.
+
+pub mod error;
+pub mod kernels;
+
+pub use error::{CudaError, Result};
