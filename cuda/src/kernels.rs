@@ -267,7 +267,7 @@ mod tests {
     }
 
     /// `fnv1a64(&[b"speclab"])`, pinned when the cache was introduced.
-    const PINNED_SPECLAB: u64 = 0;
+    const PINNED_SPECLAB: u64 = 0x820b_bd06_59da_759e;
 
     #[test]
     fn sources_list_every_entry_point() {
@@ -280,7 +280,7 @@ mod tests {
                     &rest[..rest.find('(').unwrap_or(0)]
                 })
                 .collect();
-            for d in &declared {
+            for d in declared.iter().filter(|d| !d.contains('#')) {
                 assert!(s.entries.contains(d), "{}: {d} not in SOURCES", s.name);
             }
             // Macro-generated entries (kda_recurrent_N) are listed explicitly.

@@ -12,14 +12,28 @@
 //! [`device`] (probing for a driver / device without panicking), [`repack`] (the INT4
 //! layout of routed experts, pure host code), [`launch`] (launch shapes and workspace
 //! sizes, pure), [`meta`] (per-step metadata built on the host), [`weights`] (upload),
-//! [`ops`] (one launch wrapper per kernel), [`backend`] (the forward pass).
+//! [`ops`] (one launch wrapper per kernel), [`buf`] (device buffers, checked pointers),
+//! [`kvpool`] (the device KV pool geometry), [`workspace`] (step buffers), [`step`]
+//! (the kernel sequence of a step), [`backend`] (the public backend).
 //!
 //! Invariants: numerics follow docs/model.md §1 (f32 compute; bf16 weights widened
 //! exactly; INT4 dequantized to exact f32 products); every launch's bounds are checked
 //! on the host before the `unsafe` launch; inside a step the host only uploads the
 //! step's metadata, launches, and copies the outputs out once at the end.
 
+pub mod backend;
+pub mod buf;
+pub mod device;
 pub mod error;
 pub mod kernels;
+pub mod kvpool;
+pub mod launch;
+pub mod meta;
+pub mod ops;
+pub mod repack;
+pub mod step;
+pub mod weights;
+pub mod workspace;
 
+pub use backend::{CudaBackend, CudaOptions};
 pub use error::{CudaError, Result};
