@@ -1,6 +1,6 @@
 // speclab CUDA prelude: prepended to every kernel source by cuda/src/kernels.rs.
 //
-// Self-contained on purpose: no #include at all, so NVRTC needs no CUDA headers (no
+// Self-contained on purpose: no include directive at all, so NVRTC needs no CUDA headers (no
 // cuda_bf16.h / cuda_fp16.h): bf16 values travel as their 16-bit patterns and are
 // widened by a shift, which is exact (docs/model.md §1.1: bf16 -> f32 is exact).
 // Numerics (docs/model.md §1): all arithmetic is f32; no fast-math intrinsics
