@@ -22,7 +22,10 @@ use std::collections::HashMap;
 use cudarc::driver::sys::{CUgraphInstantiate_flags_enum, CUstreamCaptureMode_enum};
 use cudarc::driver::CudaGraph;
 use speclab_engine::kv::KvCacheManager;
-use speclab_engine::model::{ForwardOptions, ForwardOut, LogitsRows, ModelConfig, ModelWeights, MtpChunk, MtpOut, RouterTrace, SeqChunk};
+use speclab_engine::model::{
+    ForwardOptions, ForwardOut, LogitsRows, ModelConfig, ModelWeights, MtpChunk, MtpOut,
+    RouterTrace, SeqChunk,
+};
 use speclab_engine::ReqSlot;
 
 use crate::buf::DevBuf;
@@ -96,7 +99,11 @@ impl CudaBackend {
     }
 
     /// [`Self::new`] with options.
-    pub fn with_options(weights: &ModelWeights, kv: &KvCacheManager, opts: CudaOptions) -> Result<Self> {
+    pub fn with_options(
+        weights: &ModelWeights,
+        kv: &KvCacheManager,
+        opts: CudaOptions,
+    ) -> Result<Self> {
         let cfg = &weights.cfg;
         cfg.validate()?;
         let geo = KvGeometry::new(cfg, kv)?;
@@ -108,7 +115,11 @@ impl CudaBackend {
         let dims = MetaDims {
             vocab: cfg.vocab_size,
             block_size: geo.block_size,
-            max_blocks: if geo.block_size == 0 { 0 } else { cfg.max_position_embeddings.div_ceil(geo.block_size) },
+            max_blocks: if geo.block_size == 0 {
+                0
+            } else {
+                cfg.max_position_embeddings.div_ceil(geo.block_size)
+            },
             max_state: geo.state_blocks,
             num_blocks: geo.num_blocks,
             full_group: geo.full_group,
@@ -152,6 +163,29 @@ impl CudaBackend {
             self.graphs.clear();
         }
     }
+    /// Kernel launches issued so far (captured launches count once, at capture).
+    pub fn launches(&self) -> u64 {
+        self.gpu.launches.get()
+    }
+
+    /// Device copy bandwidth in GB/s (bytes read + written) of `bytes`-byte copies with
+    /// the engine's own copy kernel: 2 warm-up copies, then 10 timed, host-timed.
+    pub fn copy_bandwidth_gbs(&self, bytes: usize) -> Result<f64> {
+        let n = bytes / 4;
+        let a = DevBuf::<f32>::zeros(&self.gpu.stream, n, "bandwidth src")?;
+        let b = DevBuf::<f32>::zeros(&self.gpu.stream, n, "bandwidth dst")?;
+        for _ in 0..2 {
+            ops::copy(&self.gpu, &b, 0, &a, 0, n)?;
+        }
+        self.gpu.sync()?;
+        let t0 = std::time::Instant::now();
+        for _ in 0..10 {
+            ops::copy(&self.gpu, &b, 0, &a, 0, n)?;
+        }
+        self.gpu.sync()?;
+        Ok((2 * 10 * 4 * n) as f64 / t0.elapsed().as_secs_f64() / 1e9)
+    }
+
     /// Graphs captured so far.
     pub fn num_graphs(&self) -> usize {
         self.graphs.len()
@@ -195,7 +229,10 @@ impl CudaBackend {
         }
         if collect.router && self.router.is_none() {
             let n = (cfg.num_hidden_layers + 1) * self.ws.t_cap * cfg.num_experts_per_tok.max(1);
-            self.router = Some((DevBuf::zeros(&stream, n, "router ids")?, DevBuf::zeros(&stream, n, "router weights")?));
+            self.router = Some((
+                DevBuf::zeros(&stream, n, "router ids")?,
+                DevBuf::zeros(&stream, n, "router weights")?,
+            ));
         }
         self.meta.write(&stream, &m.data, "step metadata")
     }
@@ -204,7 +241,12 @@ impl CudaBackend {
         self.check_manager(kv)?;
         let chunks: Vec<ChunkIn<'_>> = batch
             .iter()
-            .map(|c| ChunkIn { slot: c.slot, tokens: c.tokens, start_pos: c.start_pos, snapshot: c.snapshot })
+            .map(|c| ChunkIn {
+                slot: c.slot,
+                tokens: c.tokens,
+                start_pos: c.start_pos,
+                snapshot: c.snapshot,
+            })
             .collect();
         meta::build(&self.dims, kv, &chunks, &|s| self.pending.contains_key(&s))
     }
@@ -221,12 +263,24 @@ impl CudaBackend {
 
     /// Forward a batch (the CPU `ModelRunner::forward_with` contract): logits rows,
     /// final hidden of every token, optional per-layer hidden and router traces.
-    pub fn forward(&mut self, kv: &KvCacheManager, batch: &[SeqChunk<'_>], opts: &ForwardOptions) -> Result<ForwardOut> {
+    pub fn forward(
+        &mut self,
+        kv: &KvCacheManager,
+        batch: &[SeqChunk<'_>],
+        opts: &ForwardOptions,
+    ) -> Result<ForwardOut> {
         let m = self.target_meta(kv, batch)?;
-        let collect = Collect { hidden: opts.collect_hidden, router: opts.collect_router };
+        let collect = Collect {
+            hidden: opts.collect_hidden,
+            router: opts.collect_router,
+        };
         self.ensure(&m, collect)?;
         let last = opts.logits == LogitsRows::LastPerChunk;
-        let kind = StepKind::Target { last_rows: last, collect, argmax: false };
+        let kind = StepKind::Target {
+            last_rows: last,
+            collect,
+            argmax: false,
+        };
         self.run(&m, kind)?;
         self.note_pending(batch);
         self.read_target(&m, last, collect)
@@ -234,11 +288,20 @@ impl CudaBackend {
 
     /// Forward a batch and return the greedy token of each logits row, computed on the
     /// device (logits and hidden stay there). Uses CUDA graphs when enabled.
-    pub fn forward_greedy(&mut self, kv: &KvCacheManager, batch: &[SeqChunk<'_>], rows: LogitsRows) -> Result<Vec<u32>> {
+    pub fn forward_greedy(
+        &mut self,
+        kv: &KvCacheManager,
+        batch: &[SeqChunk<'_>],
+        rows: LogitsRows,
+    ) -> Result<Vec<u32>> {
         let m = self.target_meta(kv, batch)?;
         self.ensure(&m, Collect::default())?;
         let last = rows == LogitsRows::LastPerChunk;
-        let kind = StepKind::Target { last_rows: last, collect: Collect::default(), argmax: true };
+        let kind = StepKind::Target {
+            last_rows: last,
+            collect: Collect::default(),
+            argmax: true,
+        };
         if self.opts.use_graphs {
             self.run_graph((m.t_total, m.num_seqs, last, false), &m, kind)?;
         } else {
@@ -262,10 +325,15 @@ impl CudaBackend {
             let graph = ended
                 .map_err(|e| CudaError::driver("end_capture", e))?
                 .ok_or_else(|| CudaError::driver("end_capture", "no graph was captured"))?;
-            graph.upload().map_err(|e| CudaError::driver("graph upload", e))?;
+            graph
+                .upload()
+                .map_err(|e| CudaError::driver("graph upload", e))?;
             self.graphs.insert(key, graph);
         }
-        let g = self.graphs.get(&key).ok_or_else(|| CudaError::Input("graph vanished (internal)".into()))?;
+        let g = self
+            .graphs
+            .get(&key)
+            .ok_or_else(|| CudaError::Input("graph vanished (internal)".into()))?;
         g.launch().map_err(|e| CudaError::driver("graph launch", e))
     }
 
@@ -288,14 +356,33 @@ impl CudaBackend {
             _ => None,
         };
         let router = match (&self.router, collect.router) {
-            (Some(buf), true) => Some(self.read_router(buf, t, (0..cfg.num_hidden_layers).filter(|&i| cfg.is_moe_layer(i)).collect())?),
+            (Some(buf), true) => Some(
+                self.read_router(
+                    buf,
+                    t,
+                    (0..cfg.num_hidden_layers)
+                        .filter(|&i| cfg.is_moe_layer(i))
+                        .collect(),
+                )?,
+            ),
             _ => None,
         };
-        Ok(ForwardOut { logits, hidden, per_layer_hidden, router, num_tokens: t })
+        Ok(ForwardOut {
+            logits,
+            hidden,
+            per_layer_hidden,
+            router,
+            num_tokens: t,
+        })
     }
 
     /// Router traces of the MoE layers `layers` (in order) from the collect buffers.
-    fn read_router(&self, buf: &(DevBuf<i32>, DevBuf<f32>), t: usize, layers: Vec<usize>) -> Result<Vec<RouterTrace>> {
+    fn read_router(
+        &self,
+        buf: &(DevBuf<i32>, DevBuf<f32>),
+        t: usize,
+        layers: Vec<usize>,
+    ) -> Result<Vec<RouterTrace>> {
         let k = self.w.cfg.num_experts_per_tok;
         let cap = self.ws.t_cap * k;
         let st = &self.gpu.stream;
@@ -305,17 +392,29 @@ impl CudaBackend {
             .map(|(j, layer)| {
                 let ids = buf.0.read(st, j * cap, t * k, "router ids")?;
                 let weights = buf.1.read(st, j * cap, t * k, "router weights")?;
-                Ok(RouterTrace { layer, ids: ids.into_iter().map(|x| x as u32).collect(), weights })
+                Ok(RouterTrace {
+                    layer,
+                    ids: ids.into_iter().map(|x| x as u32).collect(),
+                    weights,
+                })
             })
             .collect()
     }
 
     /// After a snapshot verify of `T` tokens, keep the first `accepted + 1`: the KDA state
     /// after token `accepted` becomes the committed one (state block 0), one device copy.
-    pub fn commit_state(&mut self, kv: &KvCacheManager, slot: ReqSlot, accepted: usize) -> Result<()> {
+    pub fn commit_state(
+        &mut self,
+        kv: &KvCacheManager,
+        slot: ReqSlot,
+        accepted: usize,
+    ) -> Result<()> {
         self.check_manager(kv)?;
         let len = *self.pending.get(&slot).ok_or_else(|| {
-            CudaError::Input(format!("request slot {}: commit_state without a pending snapshot verify", slot.0))
+            CudaError::Input(format!(
+                "request slot {}: commit_state without a pending snapshot verify",
+                slot.0
+            ))
         })?;
         if accepted + 1 > len {
             return Err(CudaError::Input(format!(
@@ -327,9 +426,14 @@ impl CudaBackend {
         if accepted + 1 < len {
             if let Some(g) = self.geo.state_group {
                 let table = kv.table(g, slot);
-                let ok = |b: u32| b != speclab_engine::kv::NULL_BLOCK && (b as usize) < self.geo.num_blocks;
+                let ok = |b: u32| {
+                    b != speclab_engine::kv::NULL_BLOCK && (b as usize) < self.geo.num_blocks
+                };
                 if table.len() < len || !ok(table[0]) || !ok(table[accepted + 1]) {
-                    return Err(CudaError::Input(format!("request slot {}: state table too short or invalid for commit_state", slot.0)));
+                    return Err(CudaError::Input(format!(
+                        "request slot {}: state table too short or invalid for commit_state",
+                        slot.0
+                    )));
                 }
                 let (src, dst) = (table[accepted + 1] as usize, table[0] as usize);
                 let fpb = self.geo.floats_per_block;
@@ -343,11 +447,18 @@ impl CudaBackend {
 
     /// The MTP layer over (hidden, next token) rows (docs/model.md §6; the CPU
     /// `ModelRunner::mtp_forward` contract).
-    pub fn mtp_forward(&mut self, kv: &KvCacheManager, batch: &[MtpChunk<'_>], opts: &ForwardOptions) -> Result<MtpOut> {
+    pub fn mtp_forward(
+        &mut self,
+        kv: &KvCacheManager,
+        batch: &[MtpChunk<'_>],
+        opts: &ForwardOptions,
+    ) -> Result<MtpOut> {
         self.check_manager(kv)?;
         let cfg = self.w.cfg.clone();
         if self.w.mtp.is_none() {
-            return Err(CudaError::Input("mtp_forward: the model has no MTP layer".into()));
+            return Err(CudaError::Input(
+                "mtp_forward: the model has no MTP layer".into(),
+            ));
         }
         let h = cfg.hidden_size;
         for ch in batch {
@@ -362,25 +473,52 @@ impl CudaBackend {
         }
         let chunks: Vec<ChunkIn<'_>> = batch
             .iter()
-            .map(|c| ChunkIn { slot: c.slot, tokens: c.next_tokens, start_pos: c.start_pos, snapshot: false })
+            .map(|c| ChunkIn {
+                slot: c.slot,
+                tokens: c.next_tokens,
+                start_pos: c.start_pos,
+                snapshot: false,
+            })
             .collect();
-        let dims = MetaDims { state_group: None, ..self.dims };
+        let dims = MetaDims {
+            state_group: None,
+            ..self.dims
+        };
         let m = meta::build(&dims, kv, &chunks, &|_| false)?;
-        let collect = Collect { hidden: false, router: opts.collect_router };
+        let collect = Collect {
+            hidden: false,
+            router: opts.collect_router,
+        };
         self.ensure(&m, collect)?;
-        let rows: Vec<f32> = batch.iter().flat_map(|c| c.hidden.iter().copied()).collect();
+        let rows: Vec<f32> = batch
+            .iter()
+            .flat_map(|c| c.hidden.iter().copied())
+            .collect();
         let stream = self.gpu.stream.clone();
         self.ws.tmp.write(&stream, &rows, "MTP hidden rows")?;
         let last = opts.logits == LogitsRows::LastPerChunk;
-        self.run(&m, StepKind::Mtp { last_rows: last, collect })?;
+        self.run(
+            &m,
+            StepKind::Mtp {
+                last_rows: last,
+                collect,
+            },
+        )?;
         let t = m.t_total;
         let r = if last { m.num_seqs } else { t };
-        let logits = self.ws.logits.read(&stream, 0, r * cfg.vocab_size, "MTP logits")?;
+        let logits = self
+            .ws
+            .logits
+            .read(&stream, 0, r * cfg.vocab_size, "MTP logits")?;
         let hidden = self.ws.x.read(&stream, 0, t * h, "MTP hidden")?;
         let router = match (&self.router, collect.router) {
             (Some(buf), true) => Some(self.read_router(buf, t, vec![cfg.num_hidden_layers])?),
             _ => None,
         };
-        Ok(MtpOut { logits, hidden, router })
+        Ok(MtpOut {
+            logits,
+            hidden,
+            router,
+        })
     }
 }

@@ -38,7 +38,9 @@ pub fn device_count() -> Result<usize> {
 pub fn skip_reason() -> Option<String> {
     match device_count() {
         Ok(0) => Some("no CUDA device".into()),
-        Ok(_) if !kernels::nvrtc_available() => Some("no CUDA device usable: libnvrtc not found".into()),
+        Ok(_) if !kernels::nvrtc_available() => {
+            Some("no CUDA device usable: libnvrtc not found".into())
+        }
         Ok(_) => None,
         Err(_) => Some("no CUDA device".into()),
     }
@@ -63,6 +65,8 @@ pub struct Gpu {
     /// Device name.
     pub name: String,
     funcs: HashMap<&'static str, CudaFunction>,
+    /// Kernel launches issued so far (kernels per step = difference around a step).
+    pub launches: std::cell::Cell<u64>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -81,7 +85,8 @@ impl Gpu {
         if let Some(why) = skip_reason() {
             return Err(CudaError::NoDevice(why));
         }
-        let ctx = CudaContext::new(ordinal).map_err(|e| CudaError::driver("CudaContext::new", e))?;
+        let ctx =
+            CudaContext::new(ordinal).map_err(|e| CudaError::driver("CudaContext::new", e))?;
         // SAFETY: called before any allocation or stream of this context exists, and the
         // engine uses one stream only, so no cross-stream ordering is lost.
         unsafe { ctx.disable_event_tracking() };
@@ -90,7 +95,9 @@ impl Gpu {
             .map_err(|e| CudaError::driver("compute_capability", e))?;
         let arch = arch_for(major, minor);
         let name = ctx.name().unwrap_or_else(|_| "unknown".into());
-        let stream = ctx.new_stream().map_err(|e| CudaError::driver("new_stream", e))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| CudaError::driver("new_stream", e))?;
         let dir = kernels::cache_dir();
         let mut funcs = HashMap::new();
         for src in kernels::SOURCES {
@@ -111,6 +118,7 @@ impl Gpu {
             arch,
             name,
             funcs,
+            launches: std::cell::Cell::new(0),
         })
     }
 
@@ -123,7 +131,9 @@ impl Gpu {
 
     /// Block until the stream is idle.
     pub fn sync(&self) -> Result<()> {
-        self.stream.synchronize().map_err(|e| CudaError::driver("synchronize", e))
+        self.stream
+            .synchronize()
+            .map_err(|e| CudaError::driver("synchronize", e))
     }
 }
 

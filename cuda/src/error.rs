@@ -12,7 +12,9 @@
 #[derive(Debug, thiserror::Error)]
 pub enum CudaError {
     /// libcuda (the driver) cannot be loaded.
-    #[error("no CUDA driver: libcuda could not be loaded (set LD_LIBRARY_PATH or run on a GPU machine)")]
+    #[error(
+        "no CUDA driver: libcuda could not be loaded (set LD_LIBRARY_PATH or run on a GPU machine)"
+    )]
     NoDriver,
     /// The driver loads but reports no device.
     #[error("no CUDA device: {0}")]

@@ -51,7 +51,10 @@ impl KvGeometry {
         let find = |name: &str, kind: GroupKind| -> Result<Option<usize>> {
             match groups.iter().position(|g| g.name == name) {
                 Some(i) if groups[i].kind == kind => Ok(Some(i)),
-                Some(i) => Err(bad(format!("group `{name}` must be of kind {kind:?}, found {:?}", groups[i].kind))),
+                Some(i) => Err(bad(format!(
+                    "group `{name}` must be of kind {kind:?}, found {:?}",
+                    groups[i].kind
+                ))),
                 None => Ok(None),
             }
         };
@@ -60,15 +63,22 @@ impl KvGeometry {
         let n_attn = cfg.num_attention_kv_layers();
         let n_kda = cfg.num_kda_layers();
         if n_attn > 0 && full_group.is_none() {
-            return Err(bad(format!("the model has {n_attn} attention layers but no `{FULL_GROUP}` group")));
+            return Err(bad(format!(
+                "the model has {n_attn} attention layers but no `{FULL_GROUP}` group"
+            )));
         }
         if n_kda > 0 && state_group.is_none() {
-            return Err(bad(format!("the model has {n_kda} KDA layers but no `{STATE_GROUP}` group")));
+            return Err(bad(format!(
+                "the model has {n_kda} KDA layers but no `{STATE_GROUP}` group"
+            )));
         }
         let block_size = full_group.map_or(0, |g| groups[g].block_size as usize);
         let full_page = cfg.full_page_floats(block_size);
         let state_page = cfg.state_page_floats();
-        for (g, layers, page) in [(full_group, n_attn, full_page), (state_group, n_kda, state_page)] {
+        for (g, layers, page) in [
+            (full_group, n_attn, full_page),
+            (state_group, n_kda, state_page),
+        ] {
             if let Some(m) = g.and_then(|g| groups[g].memory) {
                 if m.num_layers as usize != layers || m.page_size_bytes != 4 * page as u64 {
                     return Err(bad(format!(
@@ -126,7 +136,8 @@ mod tests {
             (ModelConfig::tiny(), 16, 7, 40),
             (ModelConfig::tiny(), 32, 0, 9),
         ] {
-            let kv = KvCacheManager::from_layout(&cfg.kv_layout(bs, spec, blocks).unwrap()).unwrap();
+            let kv =
+                KvCacheManager::from_layout(&cfg.kv_layout(bs, spec, blocks).unwrap()).unwrap();
             let g = KvGeometry::new(&cfg, &kv).unwrap();
             let host = KvStore::new(&cfg, &kv).unwrap();
             assert_eq!(g.num_blocks, host.num_blocks());
@@ -141,7 +152,8 @@ mod tests {
 
     #[test]
     fn mismatched_manager_is_rejected() {
-        let kv = KvCacheManager::from_layout(&ModelConfig::micro().kv_layout(16, 0, 8).unwrap()).unwrap();
+        let kv = KvCacheManager::from_layout(&ModelConfig::micro().kv_layout(16, 0, 8).unwrap())
+            .unwrap();
         assert!(KvGeometry::new(&ModelConfig::tiny(), &kv).is_err());
     }
 }

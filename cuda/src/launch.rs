@@ -47,7 +47,9 @@ fn to_u32(v: usize, what: &str) -> Result<u32> {
 /// A 2-D grid of `x` by `y` blocks of `block` threads; errors beyond CUDA's limits.
 pub fn grid_2d(x: usize, y: usize, block: u32, what: &str) -> Result<Shape> {
     if x == 0 || y == 0 {
-        return Err(CudaError::Input(format!("{what}: empty launch ({x} x {y} blocks)")));
+        return Err(CudaError::Input(format!(
+            "{what}: empty launch ({x} x {y} blocks)"
+        )));
     }
     if x > (1usize << 31) - 1 || y > 65_535 {
         return Err(CudaError::Unsupported(format!(
@@ -72,7 +74,12 @@ pub fn gemm(m: usize, n: usize, what: &str) -> Result<Shape> {
 
 /// MoE expert GEMMs: grid (ceil(N / 4), max_tiles), block 128.
 pub fn moe_gemm(n: usize, max_tiles: usize, what: &str) -> Result<Shape> {
-    grid_2d(n.div_ceil(LIN_WARPS as usize), max_tiles, 32 * LIN_WARPS, what)
+    grid_2d(
+        n.div_ceil(LIN_WARPS as usize),
+        max_tiles,
+        32 * LIN_WARPS,
+        what,
+    )
 }
 
 /// One block of `block` threads per row.
@@ -151,7 +158,10 @@ mod tests {
                     for i in 0..p {
                         counts[(i * 7 + seed * 13 + i * i * seed) % e] += 1;
                     }
-                    assert!(moe_tiles_used(&counts) <= moe_max_tiles(p, e), "p {p} e {e}");
+                    assert!(
+                        moe_tiles_used(&counts) <= moe_max_tiles(p, e),
+                        "p {p} e {e}"
+                    );
                 }
                 // Worst case: as many experts as possible with one pair each.
                 let mut counts = vec![0usize; e];

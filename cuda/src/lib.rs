@@ -14,7 +14,8 @@
 //! sizes, pure), [`meta`] (per-step metadata built on the host), [`weights`] (upload),
 //! [`ops`] (one launch wrapper per kernel), [`buf`] (device buffers, checked pointers),
 //! [`kvpool`] (the device KV pool geometry), [`workspace`] (step buffers), [`step`]
-//! (the kernel sequence of a step), [`backend`] (the public backend).
+//! (the kernel sequence of a step), [`backend`] (the public backend), [`check`] (the
+//! device check: parity against the CPU engine and decode timing).
 //!
 //! Invariants: numerics follow docs/model.md §1 (f32 compute; bf16 weights widened
 //! exactly; INT4 dequantized to exact f32 products); every launch's bounds are checked
@@ -23,6 +24,7 @@
 
 pub mod backend;
 pub mod buf;
+pub mod check;
 pub mod device;
 pub mod error;
 pub mod kernels;

@@ -140,9 +140,18 @@ fn to_i32(v: usize, what: &str) -> Result<i32> {
 }
 
 /// Copy `need` real blocks of `table` into `row` (the rest of `row` stays 0).
-fn fill_table(row: &mut [i32], table: &[BlockId], need: usize, d: &MetaDims, who: &str) -> Result<()> {
+fn fill_table(
+    row: &mut [i32],
+    table: &[BlockId],
+    need: usize,
+    d: &MetaDims,
+    who: &str,
+) -> Result<()> {
     if need > row.len() {
-        return Err(input(format!("{who}: needs {need} blocks, the table row holds {}", row.len())));
+        return Err(input(format!(
+            "{who}: needs {need} blocks, the table row holds {}",
+            row.len()
+        )));
     }
     if table.len() < need {
         return Err(input(format!(
@@ -154,7 +163,9 @@ fn fill_table(row: &mut [i32], table: &[BlockId], need: usize, d: &MetaDims, who
     for (i, dst) in row.iter_mut().enumerate().take(n) {
         let b = table[i];
         if i < need && (b == NULL_BLOCK || b as usize >= d.num_blocks) {
-            return Err(input(format!("{who}: table holds block {b}, the null block or outside the pool")));
+            return Err(input(format!(
+                "{who}: table holds block {b}, the null block or outside the pool"
+            )));
         }
         *dst = b as i32;
     }
@@ -187,7 +198,10 @@ pub fn build(
             return Err(input(format!("{who} appears twice in one batch")));
         }
         if let Some(&bad) = ch.tokens.iter().find(|&&t| t as usize >= d.vocab) {
-            return Err(input(format!("{who}: token id {bad} is not below vocab_size {}", d.vocab)));
+            return Err(input(format!(
+                "{who}: token id {bad} is not below vocab_size {}",
+                d.vocab
+            )));
         }
         if ch.start_pos > 0 && pending(ch.slot) {
             return Err(input(format!(
@@ -198,12 +212,27 @@ pub fn build(
         if let Some(g) = d.full_group {
             let need = end.div_ceil(d.block_size);
             let r = &mut data[layout.block_tables.off + ci * d.max_blocks..][..d.max_blocks];
-            fill_table(r, kv.table(g, ch.slot), need, d, &format!("{who}, group `full`, positions 0..{end}"))?;
+            fill_table(
+                r,
+                kv.table(g, ch.slot),
+                need,
+                d,
+                &format!("{who}, group `full`, positions 0..{end}"),
+            )?;
         }
         if let Some(g) = d.state_group {
             let need = if ch.snapshot { n } else { 1 };
             let r = &mut data[layout.state_tables.off + ci * d.max_state..][..d.max_state];
-            fill_table(r, kv.table(g, ch.slot), need, d, &format!("{who}, group `kda_state`, chunk of {n} (snapshot {})", ch.snapshot))?;
+            fill_table(
+                r,
+                kv.table(g, ch.slot),
+                need,
+                d,
+                &format!(
+                    "{who}, group `kda_state`, chunk of {n} (snapshot {})",
+                    ch.snapshot
+                ),
+            )?;
         }
         for (j, &tok) in ch.tokens.iter().enumerate() {
             data[layout.tokens.off + row + j] = tok as i32;
@@ -248,7 +277,18 @@ mod tests {
     #[test]
     fn layout_sections_tile_the_buffer() {
         let l = MetaLayout::new(7, 3, 16, 4);
-        let secs = [l.tokens, l.pos, l.tok_seq, l.block_tables, l.row0, l.len, l.pos0, l.snap, l.state_tables, l.last_rows];
+        let secs = [
+            l.tokens,
+            l.pos,
+            l.tok_seq,
+            l.block_tables,
+            l.row0,
+            l.len,
+            l.pos0,
+            l.snap,
+            l.state_tables,
+            l.last_rows,
+        ];
         let mut off = 0;
         for s in secs {
             assert_eq!(s.off, off);
@@ -269,8 +309,18 @@ mod tests {
         let b = [7u32, 8, 9, 10];
         let none = |_: ReqSlot| false;
         let chunks = [
-            ChunkIn { slot: ReqSlot(0), tokens: &a, start_pos: 15, snapshot: false },
-            ChunkIn { slot: ReqSlot(1), tokens: &b, start_pos: 0, snapshot: false },
+            ChunkIn {
+                slot: ReqSlot(0),
+                tokens: &a,
+                start_pos: 15,
+                snapshot: false,
+            },
+            ChunkIn {
+                slot: ReqSlot(1),
+                tokens: &b,
+                start_pos: 0,
+                snapshot: false,
+            },
         ];
         let m = build(&d, &kv, &chunks, &none).unwrap();
         let l = m.layout;
@@ -285,14 +335,38 @@ mod tests {
         assert_eq!(m.data[l.block_tables.off + 2], 0);
         // Errors: token id, duplicate slot, uncovered positions, pending snapshot, snapshot too long.
         let bad = [600u32];
-        assert!(build(&d, &kv, &[ChunkIn { slot: ReqSlot(1), tokens: &bad, start_pos: 0, snapshot: false }], &none).is_err());
+        assert!(build(
+            &d,
+            &kv,
+            &[ChunkIn {
+                slot: ReqSlot(1),
+                tokens: &bad,
+                start_pos: 0,
+                snapshot: false
+            }],
+            &none
+        )
+        .is_err());
         assert!(build(&d, &kv, &[chunks[1], chunks[1]], &none).is_err());
-        let far = ChunkIn { slot: ReqSlot(1), tokens: &b, start_pos: 30, snapshot: false };
+        let far = ChunkIn {
+            slot: ReqSlot(1),
+            tokens: &b,
+            start_pos: 30,
+            snapshot: false,
+        };
         assert!(build(&d, &kv, &[far], &none).is_err());
         let yes = |_: ReqSlot| true;
         assert!(build(&d, &kv, &[chunks[0]], &yes).is_err());
-        let snap = ChunkIn { slot: ReqSlot(0), tokens: &a, start_pos: 15, snapshot: true };
-        assert!(build(&d, &kv, &[snap], &none).is_err(), "5 > 1 + 3 state blocks");
+        let snap = ChunkIn {
+            slot: ReqSlot(0),
+            tokens: &a,
+            start_pos: 15,
+            snapshot: true,
+        };
+        assert!(
+            build(&d, &kv, &[snap], &none).is_err(),
+            "5 > 1 + 3 state blocks"
+        );
         assert!(build(&d, &kv, &[], &none).is_err());
     }
 }

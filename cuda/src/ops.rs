@@ -53,6 +53,7 @@ pub fn long(v: usize) -> Arg {
 /// the kernel's parameter list in count and C types.
 pub unsafe fn launch(g: &Gpu, name: &str, shape: Shape, args: &[Arg]) -> Result<()> {
     let f = g.func(name)?;
+    g.launches.set(g.launches.get() + 1);
     let mut b = g.stream.launch_builder(f);
     for a in args {
         match a {
@@ -70,7 +71,12 @@ pub unsafe fn launch(g: &Gpu, name: &str, shape: Shape, args: &[Arg]) -> Result<
 }
 
 /// A pointer argument after checking `[off, off + n)` lies in `b`.
-pub fn ptr<T: cudarc::driver::DeviceRepr>(b: &DevBuf<T>, off: usize, n: usize, what: &str) -> Result<Arg> {
+pub fn ptr<T: cudarc::driver::DeviceRepr>(
+    b: &DevBuf<T>,
+    off: usize,
+    n: usize,
+    what: &str,
+) -> Result<Arg> {
     b.span(off, n, what).map(Arg::P)
 }
 
@@ -94,11 +100,18 @@ pub struct Mat<'a> {
 impl<'a> Mat<'a> {
     /// Rows of `stride` floats starting at row 0 of `buf`.
     pub fn rows(buf: &'a DevBuf<f32>, stride: usize) -> Self {
-        Self { buf, off: 0, stride }
+        Self {
+            buf,
+            off: 0,
+            stride,
+        }
     }
     /// The same rows starting at column `col`.
     pub fn col(self, col: usize) -> Self {
-        Self { off: self.off + col, ..self }
+        Self {
+            off: self.off + col,
+            ..self
+        }
     }
     fn arg(&self, rows: usize, cols: usize, what: &str) -> Result<Arg> {
         ptr(self.buf, self.off, strided(rows, self.stride, cols), what)
@@ -133,7 +146,14 @@ pub fn linear(g: &Gpu, a: &Linear<'_>) -> Result<()> {
     // SAFETY: y spans (M-1)*y_stride + N, x spans (M-1)*x_stride + K, W spans N*K
     // elements, all checked by `ptr`; the kernel touches y[m*ys + n], x[m*xs + k],
     // W[n*K + k] for m < M, n < N, k < K (K % 8 == 0 and 16-byte alignment checked).
-    unsafe { launch(g, "linear_bf16", launch::gemm(a.m, a.n, "linear_bf16")?, &args) }
+    unsafe {
+        launch(
+            g,
+            "linear_bf16",
+            launch::gemm(a.m, a.n, "linear_bf16")?,
+            &args,
+        )
+    }
 }
 
 /// `h = silu(x Wg^T) * (x Wu^T)` with fused bf16 `W13 [n, 2, k]` (kernel `swiglu_dense_bf16`).
@@ -160,11 +180,26 @@ pub fn swiglu(g: &Gpu, a: &Swiglu<'_>) -> Result<()> {
     ];
     // SAFETY: h [M, N], x (M-1)*stride + K, W13 [N, 2, K], checked by `ptr`; the kernel
     // touches exactly those for m < M, n < N.
-    unsafe { launch(g, "swiglu_dense_bf16", launch::gemm(a.m, a.n, "swiglu")?, &args) }
+    unsafe {
+        launch(
+            g,
+            "swiglu_dense_bf16",
+            launch::gemm(a.m, a.n, "swiglu")?,
+            &args,
+        )
+    }
 }
 
 /// Kernel `embed_gather`: `out [t, h]` rows of the bf16 table by token id.
-pub fn embed(g: &Gpu, out: &DevBuf<f32>, table: &DevBuf<u16>, tokens: Arg, t: usize, h: usize, vocab: usize) -> Result<()> {
+pub fn embed(
+    g: &Gpu,
+    out: &DevBuf<f32>,
+    table: &DevBuf<u16>,
+    tokens: Arg,
+    t: usize,
+    h: usize,
+    vocab: usize,
+) -> Result<()> {
     let args = [
         ptr(out, 0, t * h, "embed out")?,
         ptr(table, 0, vocab * h, "embed table")?,
@@ -178,7 +213,15 @@ pub fn embed(g: &Gpu, out: &DevBuf<f32>, table: &DevBuf<u16>, tokens: Arg, t: us
 }
 
 /// Kernel `rmsnorm` over `rows` rows of `d`.
-pub fn rmsnorm(g: &Gpu, out: Mat<'_>, x: Mat<'_>, w: &DevBuf<f32>, rows: usize, d: usize, eps: f32) -> Result<()> {
+pub fn rmsnorm(
+    g: &Gpu,
+    out: Mat<'_>,
+    x: Mat<'_>,
+    w: &DevBuf<f32>,
+    rows: usize,
+    d: usize,
+    eps: f32,
+) -> Result<()> {
     let args = [
         out.arg(rows, d, "rmsnorm out")?,
         int(out.stride, "out stride")?,
@@ -194,7 +237,15 @@ pub fn rmsnorm(g: &Gpu, out: Mat<'_>, x: Mat<'_>, w: &DevBuf<f32>, rows: usize, 
 }
 
 /// Kernel `gather_rows`: `out [r, d] = x[rows[i]]`; `rows` (meta) indexes `< x_rows`.
-pub fn gather_rows(g: &Gpu, out: &DevBuf<f32>, x: &DevBuf<f32>, x_rows: usize, rows: Arg, r: usize, d: usize) -> Result<()> {
+pub fn gather_rows(
+    g: &Gpu,
+    out: &DevBuf<f32>,
+    x: &DevBuf<f32>,
+    x_rows: usize,
+    rows: Arg,
+    r: usize,
+    d: usize,
+) -> Result<()> {
     let args = [
         ptr(out, 0, r * d, "gather out")?,
         ptr(x, 0, x_rows * d, "gather x")?,
@@ -204,7 +255,14 @@ pub fn gather_rows(g: &Gpu, out: &DevBuf<f32>, x: &DevBuf<f32>, x_rows: usize, r
     ];
     // SAFETY: out [R, D], x [x_rows, D] checked; `rows` holds meta last_rows, each < T =
     // x_rows (built by meta::build).
-    unsafe { launch(g, "gather_rows", launch::per_row(r, 128, "gather_rows")?, &args) }
+    unsafe {
+        launch(
+            g,
+            "gather_rows",
+            launch::per_row(r, 128, "gather_rows")?,
+            &args,
+        )
+    }
 }
 
 /// Kernel `argmax_rows`.
@@ -220,13 +278,31 @@ pub fn argmax(g: &Gpu, out: &DevBuf<u32>, logits: &DevBuf<f32>, r: usize, v: usi
 }
 
 /// Kernel `copy_f32`: `n` floats from `src[s_off..]` to `dst[d_off..]`.
-pub fn copy(g: &Gpu, dst: &DevBuf<f32>, d_off: usize, src: &DevBuf<f32>, s_off: usize, n: usize) -> Result<()> {
+pub fn copy(
+    g: &Gpu,
+    dst: &DevBuf<f32>,
+    d_off: usize,
+    src: &DevBuf<f32>,
+    s_off: usize,
+    n: usize,
+) -> Result<()> {
     if n == 0 {
         return Ok(());
     }
-    let args = [ptr(dst, d_off, n, "copy dst")?, ptr(src, s_off, n, "copy src")?, long(n)];
+    let args = [
+        ptr(dst, d_off, n, "copy dst")?,
+        ptr(src, s_off, n, "copy src")?,
+        long(n),
+    ];
     // SAFETY: both regions of n floats checked.
-    unsafe { launch(g, "copy_f32", launch::grid_2d(n.div_ceil(256), 1, 256, "copy")?, &args) }
+    unsafe {
+        launch(
+            g,
+            "copy_f32",
+            launch::grid_2d(n.div_ceil(256), 1, 256, "copy")?,
+            &args,
+        )
+    }
 }
 
 /// The MoE routing buffers of one step (`T` tokens, top-`k` of `E`).
@@ -247,7 +323,11 @@ pub struct Routing<'a> {
 
 impl Routing<'_> {
     fn check(&self) -> Result<()> {
-        if self.k == 0 || self.k > launch::TOPK_MAX || self.k > self.e || self.e > launch::EXPERTS_MAX {
+        if self.k == 0
+            || self.k > launch::TOPK_MAX
+            || self.k > self.e
+            || self.e > launch::EXPERTS_MAX
+        {
             return Err(CudaError::Unsupported(format!(
                 "MoE with top-{} of {} experts (kernels: k <= {}, E <= {})",
                 self.k,
@@ -257,14 +337,23 @@ impl Routing<'_> {
             )));
         }
         if self.max_tiles < launch::moe_max_tiles(self.t * self.k, self.e) {
-            return Err(CudaError::Input("MoE tile buffer below the bound (internal)".into()));
+            return Err(CudaError::Input(
+                "MoE tile buffer below the bound (internal)".into(),
+            ));
         }
         Ok(())
     }
 }
 
 /// Kernels `moe_topk` then `moe_align`: routing from router logits `[T, E]`.
-pub fn moe_route(g: &Gpu, r: &Routing<'_>, logits: &DevBuf<f32>, bias: &DevBuf<f32>, norm_topk: bool, rsf: f32) -> Result<()> {
+pub fn moe_route(
+    g: &Gpu,
+    r: &Routing<'_>,
+    logits: &DevBuf<f32>,
+    bias: &DevBuf<f32>,
+    norm_topk: bool,
+    rsf: f32,
+) -> Result<()> {
     r.check()?;
     let p = r.t * r.k;
     let args = [
@@ -282,7 +371,12 @@ pub fn moe_route(g: &Gpu, r: &Routing<'_>, logits: &DevBuf<f32>, bias: &DevBuf<f
     // (the kernel's shared arrays).
     unsafe { launch(g, "moe_topk", launch::per_warp(r.t, "moe_topk")?, &args)? };
     let args = [
-        ptr(r.sorted, 0, launch::ROWS_PER_TILE as usize * r.max_tiles, "sorted")?,
+        ptr(
+            r.sorted,
+            0,
+            launch::ROWS_PER_TILE as usize * r.max_tiles,
+            "sorted",
+        )?,
         ptr(r.tile_expert, 0, r.max_tiles, "tile_expert")?,
         ptr(r.ids, 0, p, "ids")?,
         int(p, "P")?,
@@ -292,7 +386,14 @@ pub fn moe_route(g: &Gpu, r: &Routing<'_>, logits: &DevBuf<f32>, bias: &DevBuf<f
     // SAFETY: sorted [8 * max_tiles], tile_expert [max_tiles], ids [P] checked; the
     // kernel writes at most moe_max_tiles(P, E) <= max_tiles tiles (checked above; the
     // bound is tested in launch.rs); ids < E (moe_topk's output).
-    unsafe { launch(g, "moe_align", launch::grid_2d(1, 1, 1024, "moe_align")?, &args) }
+    unsafe {
+        launch(
+            g,
+            "moe_align",
+            launch::grid_2d(1, 1, 1024, "moe_align")?,
+            &args,
+        )
+    }
 }
 
 /// Routed expert weights of one layer, as kernel pointers.
@@ -328,7 +429,12 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     let (e, hd, im, p) = (r.e, a.hidden, a.inter, r.t * r.k);
     launch::check_gemm_operands(hd, hd, 0, "moe gate/up")?;
     launch::check_gemm_operands(im, im, 0, "moe down")?;
-    let sorted = ptr(r.sorted, 0, launch::ROWS_PER_TILE as usize * r.max_tiles, "sorted")?;
+    let sorted = ptr(
+        r.sorted,
+        0,
+        launch::ROWS_PER_TILE as usize * r.max_tiles,
+        "sorted",
+    )?;
     let tiles = ptr(r.tile_expert, 0, r.max_tiles, "tile_expert")?;
     let h = ptr(a.h, 0, p * im, "moe h")?;
     let x = ptr(a.x, 0, r.t * hd, "moe x")?;
@@ -337,13 +443,21 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     let (gu_name, gu_w, dn_name, dn_w): (&str, Vec<Arg>, &str, Vec<Arg>) = match &a.w {
         ExpertPtrs::Int4 { q13, s13, qd, sd } => {
             if hd % 128 != 0 || im % 128 != 0 {
-                return Err(CudaError::Unsupported(format!("INT4 experts need H and Im % 128 == 0 (H {hd}, Im {im})")));
+                return Err(CudaError::Unsupported(format!(
+                    "INT4 experts need H and Im % 128 == 0 (H {hd}, Im {im})"
+                )));
             }
             (
                 "moe_gate_up_w4",
-                vec![ptr(q13, 0, e * im * 2 * hd / 8, "q13")?, ptr(s13, 0, e * im * 2 * hd / 128, "s13")?],
+                vec![
+                    ptr(q13, 0, e * im * 2 * hd / 8, "q13")?,
+                    ptr(s13, 0, e * im * 2 * hd / 128, "s13")?,
+                ],
                 "moe_down_w4",
-                vec![ptr(qd, 0, e * hd * im / 8, "qd")?, ptr(sd, 0, e * hd * im / 128, "sd")?],
+                vec![
+                    ptr(qd, 0, e * hd * im / 8, "qd")?,
+                    ptr(sd, 0, e * hd * im / 128, "sd")?,
+                ],
             )
         }
         ExpertPtrs::Bf16 { w13, wd } => (
@@ -355,20 +469,47 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     };
     let mut args = vec![h, x];
     args.extend(gu_w);
-    args.extend([sorted, tiles, int(r.k, "topk")?, int(im, "N")?, int(hd, "K")?]);
+    args.extend([
+        sorted,
+        tiles,
+        int(r.k, "topk")?,
+        int(im, "N")?,
+        int(hd, "K")?,
+    ]);
     // SAFETY: h [P, Im], x [T, H], the expert weights [E, Im, 2, H] (as words / scales),
     // sorted [8 max_tiles], tile_expert [max_tiles] checked; pair ids in `sorted` are < P
     // and tile experts < E (moe_align's output over ids < E).
-    unsafe { launch(g, gu_name, launch::moe_gemm(im, r.max_tiles, gu_name)?, &args)? };
+    unsafe {
+        launch(
+            g,
+            gu_name,
+            launch::moe_gemm(im, r.max_tiles, gu_name)?,
+            &args,
+        )?
+    };
     let mut args = vec![y, h];
     args.extend(dn_w);
     args.extend([wts, sorted, tiles, int(hd, "N")?, int(im, "K")?]);
     // SAFETY: y [P, H], h [P, Im], weights [E, H, Im], wts [P] checked; indices as above.
-    unsafe { launch(g, dn_name, launch::moe_gemm(hd, r.max_tiles, dn_name)?, &args) }
+    unsafe {
+        launch(
+            g,
+            dn_name,
+            launch::moe_gemm(hd, r.max_tiles, dn_name)?,
+            &args,
+        )
+    }
 }
 
 /// Kernel `moe_combine`: `x += routed (ascending expert) + shared`.
-pub fn moe_combine(g: &Gpu, r: &Routing<'_>, x: &DevBuf<f32>, y: &DevBuf<f32>, shared: &DevBuf<f32>, hd: usize) -> Result<()> {
+pub fn moe_combine(
+    g: &Gpu,
+    r: &Routing<'_>,
+    x: &DevBuf<f32>,
+    y: &DevBuf<f32>,
+    shared: &DevBuf<f32>,
+    hd: usize,
+) -> Result<()> {
     r.check()?;
     let args = [
         ptr(x, 0, r.t * hd, "combine x")?,
@@ -380,7 +521,14 @@ pub fn moe_combine(g: &Gpu, r: &Routing<'_>, x: &DevBuf<f32>, y: &DevBuf<f32>, s
         int(r.k, "k")?,
     ];
     // SAFETY: x, shared [T, H], y [T*k, H], ids [T*k] checked; k <= 8 (shared order array).
-    unsafe { launch(g, "moe_combine", launch::per_row(r.t, 128, "moe_combine")?, &args) }
+    unsafe {
+        launch(
+            g,
+            "moe_combine",
+            launch::per_row(r.t, 128, "moe_combine")?,
+            &args,
+        )
+    }
 }
 
 /// The paged KV pool and the step's attention metadata.
@@ -416,13 +564,17 @@ pub struct Attention<'a> {
 pub fn attention(g: &Gpu, kv: &Paged<'_>, a: &Attention<'_>) -> Result<()> {
     let (nh, nkv, d) = (a.nh, a.nkv, a.d);
     if d % 32 != 0 || d > launch::HEAD_DIM_MAX || nkv == 0 || nh % nkv != 0 {
-        return Err(CudaError::Unsupported(format!("attention nh {nh}, nkv {nkv}, d {d} (needs d % 32 == 0, d <= 128, nkv | nh)")));
+        return Err(CudaError::Unsupported(format!(
+            "attention nh {nh}, nkv {nkv}, d {d} (needs d % 32 == 0, d <= 128, nkv | nh)"
+        )));
     }
     let w = (nh + 2 * nkv) * d;
     let qkv = ptr(a.qkv, 0, a.t * w, "qkv")?;
     let pool = ptr(kv.pool, 0, kv.pool.len, "kv pool")?;
     if kv.layer_off + 2 * kv.block_size * nkv * d > kv.fpb {
-        return Err(CudaError::Input("attention page outside the block (internal)".into()));
+        return Err(CudaError::Input(
+            "attention page outside the block (internal)".into(),
+        ));
     }
     let args = [
         qkv,
@@ -446,7 +598,14 @@ pub fn attention(g: &Gpu, kv: &Paged<'_>, a: &Attention<'_>) -> Result<()> {
     // < max_position_embeddings and every block of positions 0..=pos real and < num_blocks
     // (meta::build), so each K/V write lands in block b's page of this layer, which lies
     // inside the block (layer_off + page <= fpb checked above).
-    unsafe { launch(g, "rope_kv_write", launch::per_row(a.t, 128, "rope")?, &args)? };
+    unsafe {
+        launch(
+            g,
+            "rope_kv_write",
+            launch::per_row(a.t, 128, "rope")?,
+            &args,
+        )?
+    };
     let args = [
         ptr(a.o, 0, a.t * nh * d, "attn o")?,
         qkv,
@@ -525,22 +684,54 @@ pub struct Kda<'a> {
 pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
     let (c, dl, nl, t) = (a.nl * a.dl, a.dl, a.nl, a.t);
     if !(2..=launch::KC_MAX).contains(&a.kc) || ![32, 64, 128].contains(&dl) {
-        return Err(CudaError::Unsupported(format!("KDA with kc {} and head dim {dl} (kernels: 2 <= kc <= 8, dl in 32/64/128)", a.kc)));
+        return Err(CudaError::Unsupported(format!(
+            "KDA with kc {} and head dim {dl} (kernels: 2 <= kc <= 8, dl in 32/64/128)",
+            a.kc
+        )));
     }
-    if s.layer_off + s.conv_len + nl * dl * dl > s.fpb || a.b_col + nl > a.in_width || a.in_width < 3 * c {
-        return Err(CudaError::Input("KDA page or projection layout out of range (internal)".into()));
+    if s.layer_off + s.conv_len + nl * dl * dl > s.fpb
+        || a.b_col + nl > a.in_width
+        || a.in_width < 3 * c
+    {
+        return Err(CudaError::Input(
+            "KDA page or projection layout out of range (internal)".into(),
+        ));
     }
     let pool = ptr(s.pool, 0, s.pool.len, "state pool")?;
     let xin = ptr(a.xin, 0, t * a.in_width, "kda xin")?;
     let y = ptr(a.y, 0, t * 3 * c, "kda y")?;
     let fg = ptr(a.fg, 0, t * 2 * c, "kda fg")?;
-    let meta = [s.row0, s.len, s.pos0, s.snap, s.tables, int(s.max_state, "max_state")?];
-    let mut args = vec![y, xin, int(a.in_width, "xin stride")?, ptr(a.taps, 0, 3 * c * a.kc, "taps")?, pool, long(s.layer_off), long(s.fpb), int(c, "C")?, int(a.kc, "kc")?];
+    let meta = [
+        s.row0,
+        s.len,
+        s.pos0,
+        s.snap,
+        s.tables,
+        int(s.max_state, "max_state")?,
+    ];
+    let mut args = vec![
+        y,
+        xin,
+        int(a.in_width, "xin stride")?,
+        ptr(a.taps, 0, 3 * c * a.kc, "taps")?,
+        pool,
+        long(s.layer_off),
+        long(s.fpb),
+        int(c, "C")?,
+        int(a.kc, "kc")?,
+    ];
     args.extend(meta);
     // SAFETY: y [T, 3C], xin [T, in_width >= 3C], taps [3C, kc], the pool checked; chunk
     // rows row0 + len <= T and state blocks real and < num_blocks (meta::build); conv
     // elements lie in the first conv_len floats of this layer's page (inside the block).
-    unsafe { launch(g, "kda_conv", launch::grid_2d((3 * c).div_ceil(128), s.num_seqs, 128, "kda_conv")?, &args)? };
+    unsafe {
+        launch(
+            g,
+            "kda_conv",
+            launch::grid_2d((3 * c).div_ceil(128), s.num_seqs, 128, "kda_conv")?,
+            &args,
+        )?
+    };
     let name = format!("kda_recurrent_{dl}");
     let mut args = vec![
         ptr(a.o, 0, t * c, "kda o")?,
@@ -578,7 +769,14 @@ pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
         Arg::F(a.eps),
     ];
     // SAFETY: out, o [T, C], fg [T, 2C], o_norm [dl] checked.
-    unsafe { launch(g, "kda_gate_norm", launch::per_warp(t * nl, "kda_gate_norm")?, &args) }
+    unsafe {
+        launch(
+            g,
+            "kda_gate_norm",
+            launch::per_warp(t * nl, "kda_gate_norm")?,
+            &args,
+        )
+    }
 }
 
 /// Kernel `copy_f32` on 4-byte words of any type (e.g. i32 expert ids): `n` words.
@@ -591,12 +789,25 @@ pub fn copy_words<A: cudarc::driver::DeviceRepr, B: cudarc::driver::DeviceRepr>(
     n: usize,
 ) -> Result<()> {
     if std::mem::size_of::<A>() != 4 || std::mem::size_of::<B>() != 4 {
-        return Err(CudaError::Input("copy_words on non-4-byte elements (internal)".into()));
+        return Err(CudaError::Input(
+            "copy_words on non-4-byte elements (internal)".into(),
+        ));
     }
     if n == 0 {
         return Ok(());
     }
-    let args = [ptr(dst, d_off, n, "copy dst")?, ptr(src, s_off, n, "copy src")?, long(n)];
+    let args = [
+        ptr(dst, d_off, n, "copy dst")?,
+        ptr(src, s_off, n, "copy src")?,
+        long(n),
+    ];
     // SAFETY: both regions of n 4-byte words checked; the kernel moves bits only.
-    unsafe { launch(g, "copy_f32", launch::grid_2d(n.div_ceil(256), 1, 256, "copy")?, &args) }
+    unsafe {
+        launch(
+            g,
+            "copy_f32",
+            launch::grid_2d(n.div_ceil(256), 1, 256, "copy")?,
+            &args,
+        )
+    }
 }

@@ -117,7 +117,9 @@ pub fn stack_rows(ls: &[&Linear], pad_rows: usize, what: &str) -> Result<Vec<u16
 pub fn fuse_gate_up_bf16(gate: &Linear, up: &Linear, what: &str) -> Result<Vec<u16>> {
     let (n, k) = (gate.out_features(), gate.in_features());
     if up.out_features() != n || up.in_features() != k {
-        return Err(CudaError::Input(format!("{what}: gate and up shapes differ")));
+        return Err(CudaError::Input(format!(
+            "{what}: gate and up shapes differ"
+        )));
     }
     let g = to_bf16(dense_weight(gate, what)?, what)?;
     let u = to_bf16(dense_weight(up, what)?, what)?;
@@ -174,16 +176,24 @@ pub fn repack_experts(mats: &[Vec<&Linear>], what: &str) -> Result<Int4Experts> 
     let mut s = vec![0u16; e * n * nmat * kg];
     for (ei, ms) in mats.iter().enumerate() {
         if ms.len() != nmat {
-            return Err(CudaError::Input(format!("{what}: expert {ei} has {} matrices, expected {nmat}", ms.len())));
+            return Err(CudaError::Input(format!(
+                "{what}: expert {ei} has {} matrices, expected {nmat}",
+                ms.len()
+            )));
         }
         for (mi, l) in ms.iter().enumerate() {
             if l.out_features() != n || l.in_features() != k {
-                return Err(CudaError::Input(format!("{what}: expert {ei} matrix {mi} is not [{n}, {k}]")));
+                return Err(CudaError::Input(format!(
+                    "{what}: expert {ei} matrix {mi} is not [{n}, {k}]"
+                )));
             }
             let (packed, scale) = w4_parts(l, what)?;
             for r in 0..n {
                 let row = (ei * n + r) * nmat + mi;
-                for (d, &w) in q[row * kw..(row + 1) * kw].iter_mut().zip(&packed[r * kw..(r + 1) * kw]) {
+                for (d, &w) in q[row * kw..(row + 1) * kw]
+                    .iter_mut()
+                    .zip(&packed[r * kw..(r + 1) * kw])
+                {
                     *d = repack_word(w);
                 }
                 let sb = to_bf16(&scale[r * kg..(r + 1) * kg], what)?;
@@ -191,7 +201,14 @@ pub fn repack_experts(mats: &[Vec<&Linear>], what: &str) -> Result<Int4Experts> 
             }
         }
     }
-    Ok(Int4Experts { e, n, k, nmat, q, s })
+    Ok(Int4Experts {
+        e,
+        n,
+        k,
+        nmat,
+        q,
+        s,
+    })
 }
 
 /// Inverse of [`repack_experts`] for one matrix: the compressed-tensors words `[n, k/8]`
@@ -202,7 +219,11 @@ pub fn unpack_experts(x: &Int4Experts, e: usize, m: usize) -> (Vec<u32>, Vec<f32
     let mut scales = Vec::with_capacity(x.n * kg);
     for r in 0..x.n {
         let row = (e * x.n + r) * x.nmat + m;
-        words.extend(x.q[row * kw..(row + 1) * kw].iter().map(|&w| unpack_word(w)));
+        words.extend(
+            x.q[row * kw..(row + 1) * kw]
+                .iter()
+                .map(|&w| unpack_word(w)),
+        );
         scales.extend(
             x.s[row * kg..(row + 1) * kg]
                 .iter()
@@ -236,7 +257,11 @@ mod tests {
                 let got = dequant8_model(repack_word(w), s);
                 for (i, g) in got.iter().enumerate() {
                     let want = unpack_nibble(w, i) as f32 * s;
-                    assert_eq!(g.to_bits(), want.to_bits(), "word {w:#x} elem {i} scale {s}");
+                    assert_eq!(
+                        g.to_bits(),
+                        want.to_bits(),
+                        "word {w:#x} elem {i} scale {s}"
+                    );
                 }
             }
         }
@@ -257,7 +282,11 @@ mod tests {
             Linear::w4a16(n, k, p, s).unwrap()
         };
         let ls: Vec<Linear> = (0..6).map(mk).collect();
-        let mats: Vec<Vec<&Linear>> = vec![vec![&ls[0], &ls[1]], vec![&ls[2], &ls[3]], vec![&ls[4], &ls[5]]];
+        let mats: Vec<Vec<&Linear>> = vec![
+            vec![&ls[0], &ls[1]],
+            vec![&ls[2], &ls[3]],
+            vec![&ls[4], &ls[5]],
+        ];
         let x = repack_experts(&mats, "test").unwrap();
         assert_eq!(x.q.len(), 3 * n * 2 * k / 8);
         assert_eq!(x.s.len(), 3 * n * 2 * k / 128);

@@ -33,7 +33,11 @@ pub struct Collect {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepKind {
     /// The target model; `argmax` adds the on-device greedy pick of each logits row.
-    Target { last_rows: bool, collect: Collect, argmax: bool },
+    Target {
+        last_rows: bool,
+        collect: Collect,
+        argmax: bool,
+    },
     /// The MTP layer (its hidden rows are in `Workspace::tmp`).
     Mtp { last_rows: bool, collect: Collect },
 }
@@ -93,11 +97,18 @@ impl CudaBackend {
         let collect = match kind {
             StepKind::Target { collect, .. } | StepKind::Mtp { collect, .. } => collect,
         };
-        let cx = Ctx { m, ma: self.meta_args(m)?, t, collect };
+        let cx = Ctx {
+            m,
+            ma: self.meta_args(m)?,
+            t,
+            collect,
+        };
         let g = &self.gpu;
         let ws = &self.ws;
         match kind {
-            StepKind::Target { last_rows, argmax, .. } => {
+            StepKind::Target {
+                last_rows, argmax, ..
+            } => {
                 ops::embed(g, &ws.x, &self.w.embed, cx.ma.tokens, t, h, cfg.vocab_size)?;
                 self.snap_hidden(&cx, 0)?;
                 let (mut ai, mut ki, mut moe) = (0, 0, 0);
@@ -115,7 +126,15 @@ impl CudaBackend {
                     self.layer(&cx, layer, cache, &mut moe)?;
                     self.snap_hidden(&cx, i + 1)?;
                 }
-                ops::rmsnorm(g, Mat::rows(&ws.hidden, h), Mat::rows(&ws.x, h), &self.w.norm, t, h, cfg.rms_norm_eps as f32)?;
+                ops::rmsnorm(
+                    g,
+                    Mat::rows(&ws.hidden, h),
+                    Mat::rows(&ws.x, h),
+                    &self.w.norm,
+                    t,
+                    h,
+                    cfg.rms_norm_eps as f32,
+                )?;
                 self.head(&cx, last_rows, argmax)
             }
             StepKind::Mtp { last_rows, .. } => self.mtp(&cx, last_rows),
@@ -138,12 +157,31 @@ impl CudaBackend {
         let (h, v) = (self.w.cfg.hidden_size, self.w.cfg.vocab_size);
         let (g, ws) = (&self.gpu, &self.ws);
         let (src, rows) = if last_rows {
-            ops::gather_rows(g, &ws.tmp, &ws.hidden, cx.t, cx.ma.last_rows, cx.m.num_seqs, h)?;
+            ops::gather_rows(
+                g,
+                &ws.tmp,
+                &ws.hidden,
+                cx.t,
+                cx.ma.last_rows,
+                cx.m.num_seqs,
+                h,
+            )?;
             (&ws.tmp, cx.m.num_seqs)
         } else {
             (&ws.hidden, cx.t)
         };
-        ops::linear(g, &ops::Linear { y: Mat::rows(&ws.logits, v), x: Mat::rows(src, h), w: &self.w.lm_head, m: rows, n: v, k: h, accumulate: false })?;
+        ops::linear(
+            g,
+            &ops::Linear {
+                y: Mat::rows(&ws.logits, v),
+                x: Mat::rows(src, h),
+                w: &self.w.lm_head,
+                m: rows,
+                n: v,
+                k: h,
+                accumulate: false,
+            },
+        )?;
         if argmax {
             ops::argmax(g, &ws.argmax, &ws.logits, rows, v)?;
         }
@@ -154,16 +192,39 @@ impl CudaBackend {
     fn mtp(&self, cx: &Ctx<'_>, last_rows: bool) -> Result<()> {
         let cfg = &self.w.cfg;
         let (h, t, eps) = (cfg.hidden_size, cx.t, cfg.rms_norm_eps as f32);
-        let mtp = self.w.mtp.as_ref().ok_or_else(|| CudaError::Input("no MTP layer".into()))?;
+        let mtp = self
+            .w
+            .mtp
+            .as_ref()
+            .ok_or_else(|| CudaError::Input("no MTP layer".into()))?;
         let (g, ws) = (&self.gpu, &self.ws);
         ops::embed(g, &ws.a, &self.w.embed, cx.ma.tokens, t, h, cfg.vocab_size)?;
         let cat = Mat::rows(&ws.proj, 2 * h);
         ops::rmsnorm(g, cat, Mat::rows(&ws.a, h), &mtp.enorm, t, h, eps)?;
         ops::rmsnorm(g, cat.col(h), Mat::rows(&ws.tmp, h), &mtp.hnorm, t, h, eps)?;
-        ops::linear(g, &ops::Linear { y: Mat::rows(&ws.x, h), x: cat, w: &mtp.eh_proj, m: t, n: h, k: 2 * h, accumulate: false })?;
+        ops::linear(
+            g,
+            &ops::Linear {
+                y: Mat::rows(&ws.x, h),
+                x: cat,
+                w: &mtp.eh_proj,
+                m: t,
+                n: h,
+                k: 2 * h,
+                accumulate: false,
+            },
+        )?;
         let mut moe = 0;
         self.layer(cx, &mtp.layer, Cache::Attn(cfg.num_full_layers()), &mut moe)?;
-        ops::rmsnorm(g, Mat::rows(&ws.hidden, h), Mat::rows(&ws.x, h), &mtp.head_norm, t, h, eps)?;
+        ops::rmsnorm(
+            g,
+            Mat::rows(&ws.hidden, h),
+            Mat::rows(&ws.x, h),
+            &mtp.head_norm,
+            t,
+            h,
+            eps,
+        )?;
         self.head(cx, last_rows, false)
     }
 
@@ -172,12 +233,31 @@ impl CudaBackend {
         let cfg = &self.w.cfg;
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps as f32);
         let (g, ws) = (&self.gpu, &self.ws);
-        ops::rmsnorm(g, Mat::rows(&ws.a, h), Mat::rows(&ws.x, h), &layer.input_norm, cx.t, h, eps)?;
+        ops::rmsnorm(
+            g,
+            Mat::rows(&ws.a, h),
+            Mat::rows(&ws.x, h),
+            &layer.input_norm,
+            cx.t,
+            h,
+            eps,
+        )?;
         match (&layer.mixer, cache) {
             (DevMixer::Full(w), Cache::Attn(a)) => {
                 let qkv_w = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim;
                 let o_w = cfg.num_attention_heads * cfg.head_dim;
-                ops::linear(g, &ops::Linear { y: Mat::rows(&ws.proj, qkv_w), x: Mat::rows(&ws.a, h), w: &w.wqkv, m: cx.t, n: qkv_w, k: h, accumulate: false })?;
+                ops::linear(
+                    g,
+                    &ops::Linear {
+                        y: Mat::rows(&ws.proj, qkv_w),
+                        x: Mat::rows(&ws.a, h),
+                        w: &w.wqkv,
+                        m: cx.t,
+                        n: qkv_w,
+                        k: h,
+                        accumulate: false,
+                    },
+                )?;
                 let paged = ops::Paged {
                     pool: &self.pool,
                     fpb: self.geo.floats_per_block,
@@ -200,12 +280,35 @@ impl CudaBackend {
                     d: cfg.head_dim,
                 };
                 ops::attention(g, &paged, &att)?;
-                ops::linear(g, &ops::Linear { y: Mat::rows(&ws.x, h), x: Mat::rows(&ws.mix, o_w), w: &w.wo, m: cx.t, n: h, k: o_w, accumulate: true })?;
+                ops::linear(
+                    g,
+                    &ops::Linear {
+                        y: Mat::rows(&ws.x, h),
+                        x: Mat::rows(&ws.mix, o_w),
+                        w: &w.wo,
+                        m: cx.t,
+                        n: h,
+                        k: o_w,
+                        accumulate: true,
+                    },
+                )?;
             }
             (DevMixer::Kda(w), Cache::Kda(l)) => self.kda_mixer(cx, w, l)?,
-            _ => return Err(CudaError::Input("mixer and cache kind disagree (internal)".into())),
+            _ => {
+                return Err(CudaError::Input(
+                    "mixer and cache kind disagree (internal)".into(),
+                ))
+            }
         }
-        ops::rmsnorm(g, Mat::rows(&ws.a, h), Mat::rows(&ws.x, h), &layer.post_norm, cx.t, h, eps)?;
+        ops::rmsnorm(
+            g,
+            Mat::rows(&ws.a, h),
+            Mat::rows(&ws.x, h),
+            &layer.post_norm,
+            cx.t,
+            h,
+            eps,
+        )?;
         match &layer.ffn {
             DevFfn::Dense(m) => self.dense_mlp(cx.t, m, &ws.x, true),
             DevFfn::Moe(m) => {
@@ -224,10 +327,43 @@ impl CudaBackend {
         let c = nl * dl;
         let (g, ws) = (&self.gpu, &self.ws);
         let xin = Mat::rows(&ws.proj, w.in_width);
-        ops::linear(g, &ops::Linear { y: xin, x: Mat::rows(&ws.a, h), w: &w.w_in, m: t, n: w.in_width, k: h, accumulate: false })?;
+        ops::linear(
+            g,
+            &ops::Linear {
+                y: xin,
+                x: Mat::rows(&ws.a, h),
+                w: &w.w_in,
+                m: t,
+                n: w.in_width,
+                k: h,
+                accumulate: false,
+            },
+        )?;
         let fg = Mat::rows(&ws.fg, 2 * c);
-        ops::linear(g, &ops::Linear { y: fg, x: xin.col(3 * c), w: &w.w_fb, m: t, n: c, k: dl, accumulate: false })?;
-        ops::linear(g, &ops::Linear { y: fg.col(c), x: xin.col(3 * c + dl), w: &w.w_gb, m: t, n: c, k: dl, accumulate: false })?;
+        ops::linear(
+            g,
+            &ops::Linear {
+                y: fg,
+                x: xin.col(3 * c),
+                w: &w.w_fb,
+                m: t,
+                n: c,
+                k: dl,
+                accumulate: false,
+            },
+        )?;
+        ops::linear(
+            g,
+            &ops::Linear {
+                y: fg.col(c),
+                x: xin.col(3 * c + dl),
+                w: &w.w_gb,
+                m: t,
+                n: c,
+                k: dl,
+                accumulate: false,
+            },
+        )?;
         let pages = ops::StatePages {
             pool: &self.pool,
             fpb: self.geo.floats_per_block,
@@ -260,25 +396,95 @@ impl CudaBackend {
             eps: cfg.rms_norm_eps as f32,
         };
         ops::kda(g, &pages, &k)?;
-        ops::linear(g, &ops::Linear { y: Mat::rows(&ws.x, h), x: Mat::rows(&ws.kda_out, c), w: &w.wo, m: t, n: h, k: c, accumulate: true })
+        ops::linear(
+            g,
+            &ops::Linear {
+                y: Mat::rows(&ws.x, h),
+                x: Mat::rows(&ws.kda_out, c),
+                w: &w.wo,
+                m: t,
+                n: h,
+                k: c,
+                accumulate: true,
+            },
+        )
     }
 
     /// Dense SwiGLU of `ws.a` into `out` (`accumulate`: out += mlp, else out = mlp).
-    fn dense_mlp(&self, t: usize, m: &DevMlp, out: &crate::buf::DevBuf<f32>, accumulate: bool) -> Result<()> {
+    fn dense_mlp(
+        &self,
+        t: usize,
+        m: &DevMlp,
+        out: &crate::buf::DevBuf<f32>,
+        accumulate: bool,
+    ) -> Result<()> {
         let h = self.w.cfg.hidden_size;
         let (g, ws) = (&self.gpu, &self.ws);
-        ops::swiglu(g, &ops::Swiglu { h: &ws.h_dense, x: Mat::rows(&ws.a, h), w13: &m.w13, m: t, n: m.inter, k: h })?;
-        ops::linear(g, &ops::Linear { y: Mat::rows(out, h), x: Mat::rows(&ws.h_dense, m.inter), w: &m.wd, m: t, n: h, k: m.inter, accumulate })
+        ops::swiglu(
+            g,
+            &ops::Swiglu {
+                h: &ws.h_dense,
+                x: Mat::rows(&ws.a, h),
+                w13: &m.w13,
+                m: t,
+                n: m.inter,
+                k: h,
+            },
+        )?;
+        ops::linear(
+            g,
+            &ops::Linear {
+                y: Mat::rows(out, h),
+                x: Mat::rows(&ws.h_dense, m.inter),
+                w: &m.wd,
+                m: t,
+                n: h,
+                k: m.inter,
+                accumulate,
+            },
+        )
     }
 
     /// MoE of `ws.a` added into `ws.x`: route, experts, shared expert, combine.
     fn moe(&self, cx: &Ctx<'_>, m: &DevMoe, j: usize) -> Result<()> {
         let cfg = &self.w.cfg;
-        let (h, e, k, t) = (cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cx.t);
+        let (h, e, k, t) = (
+            cfg.hidden_size,
+            cfg.n_routed_experts,
+            cfg.num_experts_per_tok,
+            cx.t,
+        );
         let (g, ws) = (&self.gpu, &self.ws);
-        ops::linear(g, &ops::Linear { y: Mat::rows(&ws.router_logits, e), x: Mat::rows(&ws.a, h), w: &m.router, m: t, n: e, k: h, accumulate: false })?;
-        let r = ops::Routing { ids: &ws.ids, wts: &ws.wts, sorted: &ws.sorted, tile_expert: &ws.tile_expert, t, k, e, max_tiles: crate::launch::moe_max_tiles(t * k, e) };
-        ops::moe_route(g, &r, &ws.router_logits, &m.bias, cfg.norm_topk_prob, cfg.routed_scaling_factor as f32)?;
+        ops::linear(
+            g,
+            &ops::Linear {
+                y: Mat::rows(&ws.router_logits, e),
+                x: Mat::rows(&ws.a, h),
+                w: &m.router,
+                m: t,
+                n: e,
+                k: h,
+                accumulate: false,
+            },
+        )?;
+        let r = ops::Routing {
+            ids: &ws.ids,
+            wts: &ws.wts,
+            sorted: &ws.sorted,
+            tile_expert: &ws.tile_expert,
+            t,
+            k,
+            e,
+            max_tiles: crate::launch::moe_max_tiles(t * k, e),
+        };
+        ops::moe_route(
+            g,
+            &r,
+            &ws.router_logits,
+            &m.bias,
+            cfg.norm_topk_prob,
+            cfg.routed_scaling_factor as f32,
+        )?;
         if let (Some((ids, wts)), true) = (&self.router, cx.collect.router) {
             let off = j * ws.t_cap * k;
             ops::copy_words(g, ids, off, &ws.ids, 0, t * k)?;
@@ -288,7 +494,14 @@ impl CudaBackend {
             DevExperts::Int4 { q13, s13, qd, sd } => ops::ExpertPtrs::Int4 { q13, s13, qd, sd },
             DevExperts::Bf16 { w13, wd } => ops::ExpertPtrs::Bf16 { w13, wd },
         };
-        let ex = ops::Experts { w, x: &ws.a, h: &ws.h_moe, y: &ws.y_pairs, hidden: h, inter: cfg.moe_intermediate_size };
+        let ex = ops::Experts {
+            w,
+            x: &ws.a,
+            h: &ws.h_moe,
+            y: &ws.y_pairs,
+            hidden: h,
+            inter: cfg.moe_intermediate_size,
+        };
         ops::moe_experts(g, &r, &ex)?;
         self.dense_mlp(t, &m.shared, &ws.shared_out, false)?;
         ops::moe_combine(g, &r, &ws.x, &ws.y_pairs, &ws.shared_out, h)

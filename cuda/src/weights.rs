@@ -16,7 +16,9 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 use speclab_engine::model::attention::rope_tables;
-use speclab_engine::model::weights::{AttnWeights, Ffn, KdaWeights, LayerWeights, Mixer, Mlp, MoeWeights};
+use speclab_engine::model::weights::{
+    AttnWeights, Ffn, KdaWeights, LayerWeights, Mixer, Mlp, MoeWeights,
+};
 use speclab_engine::model::{Linear, ModelConfig, ModelWeights};
 
 use crate::buf::DevBuf;
@@ -185,13 +187,20 @@ fn attn(up: &mut Up<'_>, w: &AttnWeights, p: &str) -> Result<DevAttn> {
 
 /// Rows of the stacked KDA input projection: 3C + 2 dl + nl, rounded up to 8.
 pub fn kda_in_width(cfg: &ModelConfig) -> usize {
-    round_up(3 * cfg.kda_channels() + 2 * cfg.linear_head_dim + cfg.linear_num_heads, 8)
+    round_up(
+        3 * cfg.kda_channels() + 2 * cfg.linear_head_dim + cfg.linear_num_heads,
+        8,
+    )
 }
 
 fn kda(up: &mut Up<'_>, w: &KdaWeights, cfg: &ModelConfig, p: &str) -> Result<DevKda> {
     let raw = 3 * cfg.kda_channels() + 2 * cfg.linear_head_dim + cfg.linear_num_heads;
     let width = kda_in_width(cfg);
-    let w_in = stack_rows(&[&w.q, &w.k, &w.v, &w.f_a, &w.g_a, &w.b], width - raw, &format!("{p}.linear_attn.in"))?;
+    let w_in = stack_rows(
+        &[&w.q, &w.k, &w.v, &w.f_a, &w.g_a, &w.b],
+        width - raw,
+        &format!("{p}.linear_attn.in"),
+    )?;
     let mut taps = Vec::with_capacity(3 * cfg.kda_channels() * cfg.linear_conv_kernel_dim);
     for t in &w.conv {
         taps.extend_from_slice(t);
@@ -218,8 +227,16 @@ fn mlp(up: &mut Up<'_>, m: &Mlp, p: &str) -> Result<DevMlp> {
 }
 
 fn experts(up: &mut Up<'_>, m: &MoeWeights, p: &str) -> Result<DevExperts> {
-    let quant = m.experts.iter().map(|e| e.gate.is_quantized()).collect::<Vec<_>>();
-    if quant.iter().all(|&q| q) && m.experts.iter().all(|e| e.up.is_quantized() && e.down.is_quantized()) {
+    let quant = m
+        .experts
+        .iter()
+        .map(|e| e.gate.is_quantized())
+        .collect::<Vec<_>>();
+    if quant.iter().all(|&q| q)
+        && m.experts
+            .iter()
+            .all(|e| e.up.is_quantized() && e.down.is_quantized())
+    {
         let gu: Vec<Vec<&Linear>> = m.experts.iter().map(|e| vec![&e.gate, &e.up]).collect();
         let dn: Vec<Vec<&Linear>> = m.experts.iter().map(|e| vec![&e.down]).collect();
         let a: Int4Experts = repack_experts(&gu, &format!("{p}.experts gate/up"))?;
@@ -253,7 +270,10 @@ fn layer(up: &mut Up<'_>, lw: &LayerWeights, cfg: &ModelConfig, i: usize) -> Res
     let ffn = match &lw.ffn {
         Ffn::Dense(m) => DevFfn::Dense(mlp(up, m, &format!("{p}.mlp"))?),
         Ffn::Moe(m) => DevFfn::Moe(DevMoe {
-            router: up.u16(&to_bf16(repack_dense(&m.router, &p)?, &format!("{p}.mlp.gate"))?, &p)?,
+            router: up.u16(
+                &to_bf16(repack_dense(&m.router, &p)?, &format!("{p}.mlp.gate"))?,
+                &p,
+            )?,
             bias: up.f32(&m.bias, &p)?,
             experts: experts(up, m, &format!("{p}.mlp"))?,
             shared: mlp(up, &m.shared, &format!("{p}.mlp.shared_experts"))?,
