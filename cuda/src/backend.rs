@@ -122,6 +122,7 @@ impl CudaBackend {
             },
             max_state: geo.state_blocks,
             num_blocks: geo.num_blocks,
+            max_pos: cfg.max_position_embeddings,
             full_group: geo.full_group,
             state_group: geo.state_group,
         };

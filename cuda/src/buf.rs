@@ -75,6 +75,11 @@ impl<T: DeviceRepr> DevBuf<T> {
         stream
             .memcpy_dtoh(&self.slice.slice(off..off + n), &mut out)
             .map_err(|e| CudaError::driver(format!("copy {what} to the host"), e))?;
+        // A device-to-pageable copy completes before returning in practice; the explicit
+        // sync makes `out` valid whatever the driver does.
+        stream
+            .synchronize()
+            .map_err(|e| CudaError::driver(format!("synchronize after reading {what}"), e))?;
         Ok(out)
     }
 

@@ -109,7 +109,12 @@ pub fn moe_tiles_used(counts: &[usize]) -> usize {
 /// Checks of a GEMM's operands: K a multiple of 8 (16-byte bf16 loads, one INT4 word per
 /// lane), the activation stride and column offset multiples of 4 floats (16-byte loads).
 pub fn check_gemm_operands(k: usize, x_stride: usize, x_col: usize, what: &str) -> Result<()> {
-    if k == 0 || k % 8 != 0 || x_stride % 4 != 0 || x_col % 4 != 0 || x_stride < x_col + k {
+    if k == 0
+        || !k.is_multiple_of(8)
+        || !x_stride.is_multiple_of(4)
+        || !x_col.is_multiple_of(4)
+        || x_stride < x_col + k
+    {
         return Err(CudaError::Unsupported(format!(
             "{what}: GEMM with K = {k}, activation stride {x_stride}, column {x_col} (needs K % 8 == 0, stride and column % 4 == 0, column + K <= stride)"
         )));

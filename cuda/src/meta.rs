@@ -103,6 +103,8 @@ pub struct MetaDims {
     pub max_state: usize,
     /// Blocks in the pool.
     pub num_blocks: usize,
+    /// Positions the device RoPE tables cover (max_position_embeddings).
+    pub max_pos: usize,
     /// Index of the `full` group in the manager.
     pub full_group: Option<usize>,
     /// Index of the `kda_state` group.
@@ -209,6 +211,12 @@ pub fn build(
             )));
         }
         let end = ch.start_pos + n;
+        if end > d.max_pos {
+            return Err(input(format!(
+                "{who}: positions up to {end} exceed max_position_embeddings {} (the device RoPE tables)",
+                d.max_pos
+            )));
+        }
         if let Some(g) = d.full_group {
             let need = end.div_ceil(d.block_size);
             let r = &mut data[layout.block_tables.off + ci * d.max_blocks..][..d.max_blocks];
@@ -268,6 +276,7 @@ mod tests {
             max_blocks: cfg.max_position_embeddings.div_ceil(16),
             max_state: 1 + spec as usize,
             num_blocks: 64,
+            max_pos: cfg.max_position_embeddings,
             full_group: Some(0),
             state_group: Some(1),
         };

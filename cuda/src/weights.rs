@@ -59,7 +59,7 @@ pub struct DevKda {
 /// A token mixer.
 pub enum DevMixer {
     Full(DevAttn),
-    Kda(DevKda),
+    Kda(Box<DevKda>),
 }
 
 /// A dense SwiGLU (dense-prefix MLP or shared expert).
@@ -107,7 +107,7 @@ pub struct DevMoe {
 /// An FFN.
 pub enum DevFfn {
     Dense(DevMlp),
-    Moe(DevMoe),
+    Moe(Box<DevMoe>),
 }
 
 /// One decoder layer.
@@ -265,11 +265,11 @@ fn layer(up: &mut Up<'_>, lw: &LayerWeights, cfg: &ModelConfig, i: usize) -> Res
     let p = format!("model.layers.{i}");
     let mixer = match &lw.mixer {
         Mixer::Full(a) => DevMixer::Full(attn(up, a, &p)?),
-        Mixer::Kda(k) => DevMixer::Kda(kda(up, k, cfg, &p)?),
+        Mixer::Kda(k) => DevMixer::Kda(Box::new(kda(up, k, cfg, &p)?)),
     };
     let ffn = match &lw.ffn {
         Ffn::Dense(m) => DevFfn::Dense(mlp(up, m, &format!("{p}.mlp"))?),
-        Ffn::Moe(m) => DevFfn::Moe(DevMoe {
+        Ffn::Moe(m) => DevFfn::Moe(Box::new(DevMoe {
             router: up.u16(
                 &to_bf16(repack_dense(&m.router, &p)?, &format!("{p}.mlp.gate"))?,
                 &p,
@@ -277,7 +277,7 @@ fn layer(up: &mut Up<'_>, lw: &LayerWeights, cfg: &ModelConfig, i: usize) -> Res
             bias: up.f32(&m.bias, &p)?,
             experts: experts(up, m, &format!("{p}.mlp"))?,
             shared: mlp(up, &m.shared, &format!("{p}.mlp.shared_experts"))?,
-        }),
+        })),
     };
     Ok(DevLayer {
         input_norm: up.f32(&lw.input_norm, &p)?,
