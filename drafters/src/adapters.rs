@@ -147,7 +147,8 @@ impl Drafter for DFlash2Drafter {
         // `&mut &mut dyn RngCore` is itself an RngCore (forwarding): a reborrow with the
         // call's lifetime.
         let rng = ctx.rng.as_mut().map(|r| r as &mut dyn rand::RngCore);
-        let d = self.inner.draft(t.kv, t.runner.weights(), &req, rng)?;
+        let head: &dyn speclab_engine::backend::SharedHead = &*t.backend;
+        let d = self.inner.draft(t.kv, head, &req, rng)?;
         let mut tokens = d.tokens;
         tokens.truncate(want);
         let probs = d.q.map(|mut q| {

@@ -73,10 +73,7 @@ impl Drafter for Mtp {
             .target
             .as_mut()
             .ok_or_else(|| bad("the MTP drafter needs the target pass (ProposeCtx::target); it cannot draft from tokens alone".into()))?;
-        if t.runner.weights().mtp.is_none() {
-            return Err(bad("the target checkpoint has no MTP weights".into()));
-        }
-        let h = t.runner.config().hidden_size;
+        let h = t.backend.head_dims().0;
         let rows = t.rows.clone();
         let len = rows.len();
         if len == 0 {
@@ -106,7 +103,7 @@ impl Drafter for Mtp {
             logits: LogitsRows::LastPerChunk,
             ..ForwardOptions::default()
         };
-        let out = t.runner.mtp_forward(
+        let out = t.backend.mtp_forward(
             t.kv,
             &[MtpChunk {
                 slot,
@@ -125,7 +122,7 @@ impl Drafter for Mtp {
         let mut prev = out.hidden[(len - 1) * h..len * h].to_vec();
         // Step i runs at the position after the last committed row's.
         for pos in t.start_pos + len..t.start_pos + len + want - 1 {
-            let o = t.runner.mtp_forward(
+            let o = t.backend.mtp_forward(
                 t.kv,
                 &[MtpChunk {
                     slot,

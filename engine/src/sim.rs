@@ -5,13 +5,11 @@
 //! many are accepted from an [`AcceptanceModel`] (vLLM's per-position
 //! acceptance rates, `vllm/v1/spec_decode/metrics.py` `SpecDecodingStats`),
 //! seeded through `rand_chacha::ChaCha8Rng` so runs are reproducible. It never
-//! emits EOS: `max_tokens` (or `max_model_len`) ends requests. [`run_sim`]
-//! drives any [`Scheduler`] + [`Executor`] pair against a [`KvCacheManager`]
-//! (vLLM `EngineCore.step`: `schedule` -> `execute_model` ->
-//! `update_from_output`) and records admissions, rejections, a wedge, peaks of
-//! KV use and spec-decode metrics ([`SpecMetrics`], with vLLM's definitions:
-//! draft acceptance rate = accepted / drafted tokens, mean acceptance length
-//! tau = 1 + accepted / drafts, per-position counts unconditional).
+//! emits EOS: `max_tokens` (or `max_model_len`) ends requests, and it tracks no
+//! token ids (count-only: `StepResult::sampled` empty, `drafts: None`). [`run_sim`]
+//! is the engine's one step loop ([`crate::run::run`], shared with the real engine)
+//! with a progress callback: it records admissions, rejections, a wedge, peaks of
+//! KV use and spec-decode metrics ([`SpecMetrics`], counted in that loop).
 //!
 //! Where the design comes from: DESIGN.md "Core seams" (the `Executor` seam,
 //! `SimExecutor` = acceptance model, no weights) and "Measuring" (metric
@@ -24,17 +22,15 @@
 //! sampled right after `schedule` (blocks are only allocated there; `update`
 //! only frees), so requests that finish in a step still count.
 
-use std::collections::HashMap;
-
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::kv::KvCacheManager;
-use crate::traits::{
-    Admission, AdmissionReport, Executor, RequestId, ScheduledRequest, Scheduler, SchedulerOutput,
-    StepResult,
-};
+pub use crate::metrics::SpecMetrics;
+pub use crate::run::RunReport as SimRun;
+use crate::run::{run, RunLimits, StepStats};
+use crate::traits::{Executor, Scheduler, StepCtx, StepOutput, StepResult};
 use crate::{EngineError, Result};
 
 /// vLLM's per-position acceptance rates: `per_position[i]` is the fraction of
@@ -154,29 +150,29 @@ impl SimExecutor {
 }
 
 impl Executor for SimExecutor {
-    fn execute(
-        &mut self,
-        _kv: &KvCacheManager,
-        batch: &SchedulerOutput,
-    ) -> Result<Vec<StepResult>> {
+    fn execute(&mut self, ctx: &StepCtx<'_>) -> Result<StepOutput> {
         if let Some(e) = &self.invalid {
             return Err(e.clone());
         }
-        let mut out = Vec::with_capacity(batch.scheduled.len());
-        for s in &batch.scheduled {
+        let mut results = Vec::with_capacity(ctx.batch.scheduled.len());
+        for s in &ctx.batch.scheduled {
             let accepted = if s.is_prefill || s.num_draft == 0 {
                 0
             } else {
                 self.sample_accepted(s.num_draft)
             };
-            out.push(StepResult {
+            // Count-only: no token ids sampled, the scheduler drafts its configured N.
+            results.push(StepResult {
                 id: s.id,
                 accepted,
-                eos: false,
-                next_drafts: None,
+                sampled: Vec::new(),
+                drafts: None,
             });
         }
-        Ok(out)
+        Ok(StepOutput {
+            results,
+            ..StepOutput::default()
+        })
     }
 }
 
@@ -187,136 +183,10 @@ pub struct SimLimits {
     pub max_steps: u64,
 }
 
-/// Spec-decode counters, vLLM `SpecDecodingStats` definitions.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-pub struct SpecMetrics {
-    /// Decode steps that verified at least one draft token.
-    pub num_drafts: u64,
-    /// Draft tokens verified.
-    pub num_draft_tokens: u64,
-    /// Draft tokens accepted (the bonus token is not counted).
-    pub num_accepted_tokens: u64,
-    /// `accepted_per_position[i]`: drafts whose position i was accepted. Shape: [max drafts seen].
-    pub accepted_per_position: Vec<u64>,
-}
-
-impl SpecMetrics {
-    /// vLLM `SpecDecodingStats.observe_draft`.
-    pub fn observe_draft(&mut self, num_draft_tokens: u64, num_accepted_tokens: u64) {
-        self.num_drafts += 1;
-        self.num_draft_tokens += num_draft_tokens;
-        self.num_accepted_tokens += num_accepted_tokens;
-        let n = usize::try_from(num_draft_tokens.max(num_accepted_tokens)).unwrap_or(usize::MAX);
-        if self.accepted_per_position.len() < n {
-            self.accepted_per_position.resize(n, 0);
-        }
-        for c in self
-            .accepted_per_position
-            .iter_mut()
-            .take(usize::try_from(num_accepted_tokens).unwrap_or(usize::MAX))
-        {
-            *c += 1;
-        }
-    }
-
-    /// Draft acceptance rate = accepted / drafted tokens (0 when nothing was drafted).
-    pub fn draft_acceptance_rate(&self) -> f64 {
-        if self.num_draft_tokens == 0 {
-            0.0
-        } else {
-            self.num_accepted_tokens as f64 / self.num_draft_tokens as f64
-        }
-    }
-
-    /// Mean acceptance length tau = 1 + accepted / drafts (includes the bonus
-    /// token; 1 when nothing was drafted).
-    pub fn mean_acceptance_length(&self) -> f64 {
-        if self.num_drafts == 0 {
-            1.0
-        } else {
-            1.0 + self.num_accepted_tokens as f64 / self.num_drafts as f64
-        }
-    }
-
-    /// Unconditional per-position acceptance rates: `accepted_per_position[i] / num_drafts`.
-    pub fn per_position_rates(&self) -> Vec<f64> {
-        if self.num_drafts == 0 {
-            return vec![0.0; self.accepted_per_position.len()];
-        }
-        self.accepted_per_position
-            .iter()
-            .map(|&c| c as f64 / self.num_drafts as f64)
-            .collect()
-    }
-}
-
-/// Everything a simulated run observed.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct SimRun {
-    /// Executed steps (a step that wedged is not counted).
-    pub steps: u64,
-    /// Set when the scheduler reported a wedge; the run stopped there.
-    pub wedged: Option<AdmissionReport>,
-    /// Requests the policy refused, in order.
-    pub rejected: Vec<AdmissionReport>,
-    /// (step index, admission), step index 0-based.
-    pub admitted: Vec<(u64, Admission)>,
-    /// (step index, request), step index 0-based.
-    pub finished: Vec<(u64, RequestId)>,
-    /// Preemptions over the run.
-    pub preemptions: u64,
-    /// Max over steps of the blocks held by any single scheduled request, per group.
-    /// Shape: [num_groups].
-    pub peak_held_per_group: Vec<u64>,
-    /// Max over steps of `usable - free`.
-    pub peak_total_held: u64,
-    /// Spec-decode counters.
-    pub spec: SpecMetrics,
-    /// The run stopped at `SimLimits::max_steps` with work left.
-    pub hit_step_limit: bool,
-}
-
-/// Pair each scheduled request with its result (same order fast path, else by id).
-fn pair_results<'a>(
-    batch: &'a SchedulerOutput,
-    results: &'a [StepResult],
-) -> Result<Vec<(&'a ScheduledRequest, &'a StepResult)>> {
-    if results.len() != batch.scheduled.len() {
-        return Err(EngineError::BadTokenCount {
-            req: "batch".into(),
-            reason: format!(
-                "executor returned {} results for {} scheduled requests",
-                results.len(),
-                batch.scheduled.len()
-            ),
-        });
-    }
-    if batch
-        .scheduled
-        .iter()
-        .zip(results)
-        .all(|(s, r)| s.id == r.id)
-    {
-        return Ok(batch.scheduled.iter().zip(results).collect());
-    }
-    let by_id: HashMap<RequestId, &StepResult> = results.iter().map(|r| (r.id, r)).collect();
-    batch
-        .scheduled
-        .iter()
-        .map(|s| {
-            by_id
-                .get(&s.id)
-                .map(|r| (s, *r))
-                .ok_or(EngineError::UnknownRequest {
-                    req: s.id.to_string(),
-                })
-        })
-        .collect()
-}
-
 /// Run a scheduler + executor against a KV manager until no work is left, a
-/// wedge is reported, or `limits.max_steps` steps ran. `on_step` is called
-/// after every executed step with the number of steps so far.
+/// wedge is reported, or `limits.max_steps` steps ran: the engine's one loop
+/// ([`crate::run::run`], no allocator check). `on_step` is called after every
+/// executed step with the number of steps so far.
 pub fn run_sim(
     kv: &mut KvCacheManager,
     sched: &mut dyn Scheduler,
@@ -324,65 +194,13 @@ pub fn run_sim(
     limits: SimLimits,
     on_step: &mut dyn FnMut(u64),
 ) -> Result<SimRun> {
-    let num_groups = kv.groups().len();
-    let mut run = SimRun {
-        peak_held_per_group: vec![0; num_groups],
-        ..SimRun::default()
+    let limits = RunLimits {
+        max_steps: limits.max_steps,
+        check_allocator: false,
     };
-    while sched.has_work() {
-        if run.steps >= limits.max_steps {
-            run.hit_step_limit = true;
-            break;
-        }
-        let step = run.steps;
-        let out = sched.schedule(kv)?;
-        run.rejected.extend(out.rejected.iter().cloned());
-        run.admitted
-            .extend(out.admitted.iter().map(|a| (step, a.clone())));
-        run.preemptions += out.preempted.len() as u64;
-
-        // Peaks: blocks are allocated in `schedule` only, so sample here.
-        run.peak_total_held = run
-            .peak_total_held
-            .max(kv.usable_blocks().saturating_sub(kv.num_free_blocks()));
-        for s in &out.scheduled {
-            for (peak, held) in run
-                .peak_held_per_group
-                .iter_mut()
-                .zip(kv.held_blocks(s.slot))
-            {
-                *peak = (*peak).max(held);
-            }
-        }
-
-        if let Some(w) = out.wedged.clone() {
-            run.wedged = Some(w);
-            break;
-        }
-
-        let results = exec.execute(kv, &out)?;
-        for (s, r) in pair_results(&out, &results)? {
-            if r.accepted > s.num_draft {
-                return Err(EngineError::BadTokenCount {
-                    req: s.id.to_string(),
-                    reason: format!(
-                        "executor accepted {} of {} draft tokens",
-                        r.accepted, s.num_draft
-                    ),
-                });
-            }
-            // vLLM update_from_output: stats only for steps that verified drafts.
-            if s.num_draft > 0 {
-                run.spec.observe_draft(s.num_draft, r.accepted);
-            }
-        }
-        let finished = sched.update(kv, &out, &results)?;
-        run.finished
-            .extend(finished.into_iter().map(|id| (step, id)));
-        run.steps += 1;
-        on_step(run.steps);
-    }
-    Ok(run)
+    run(kv, sched, exec, limits, &mut |s: &StepStats| {
+        on_step(s.step + 1)
+    })
 }
 
 #[cfg(test)]
@@ -390,7 +208,10 @@ mod tests {
     use super::*;
     use crate::kv::manager::AllocArgs;
     use crate::kv::{GroupSpec, KvLayout};
-    use crate::request::{ReqSlot, RequestStatus, RequestView};
+    use crate::request::{FinishReason, ReqSlot, RequestStatus, RequestView};
+    use crate::traits::{
+        Finished, NoTokens, RequestId, ScheduledRequest, SchedulerOutput, StepUpdate, TokenView,
+    };
 
     #[test]
     fn acceptance_validation() {
@@ -427,7 +248,13 @@ mod tests {
             4,
         )
         .unwrap();
-        assert!(e.execute(&kv, &SchedulerOutput::default()).is_err());
+        let batch = SchedulerOutput::default();
+        let ctx = StepCtx {
+            kv: &kv,
+            batch: &batch,
+            tokens: &NoTokens,
+        };
+        assert!(e.execute(&ctx).is_err());
     }
 
     #[test]
@@ -527,6 +354,7 @@ mod tests {
                     slot: ReqSlot(0),
                     num_tokens: n,
                     num_draft: if prefill { 0 } else { 2 },
+                    draft_tokens: Vec::new(),
                     is_prefill: prefill,
                 }],
                 ..SchedulerOutput::default()
@@ -537,7 +365,7 @@ mod tests {
             kv: &mut KvCacheManager,
             out: &SchedulerOutput,
             results: &[StepResult],
-        ) -> Result<Vec<RequestId>> {
+        ) -> Result<StepUpdate> {
             let s = &out.scheduled[0];
             let a = results[0].accepted;
             self.computed += s.num_tokens - (s.num_draft - a);
@@ -545,15 +373,30 @@ mod tests {
             if !s.is_prefill {
                 self.decodes -= 1;
             }
+            let mut upd = StepUpdate {
+                committed: vec![(9, a + 1)],
+                finished: Vec::new(),
+            };
             if self.decodes == 0 {
                 kv.free(ReqSlot(0));
                 self.live = false;
-                return Ok(vec![9]);
+                upd.finished.push(Finished {
+                    id: 9 as RequestId,
+                    reason: FinishReason::Length,
+                    output: Vec::new(),
+                    num_output_tokens: self.tokens - 4,
+                });
             }
-            Ok(vec![])
+            Ok(upd)
         }
         fn has_work(&self) -> bool {
             self.live
+        }
+    }
+
+    impl TokenView for OneShot {
+        fn token_ids(&self, _id: RequestId) -> Option<&[u32]> {
+            None
         }
     }
 

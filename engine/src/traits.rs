@@ -1,31 +1,40 @@
-//! The engine's seams: [`Drafter`], [`Scheduler`], [`Executor`].
+//! The engine's seams: [`Drafter`], [`Scheduler`], [`Executor`] (and, in
+//! [`crate::backend`], the model seam [`TargetBackend`]).
 //!
-//! Shapes from DESIGN.md "Core seams": each trait has 2-4 methods, and
-//! context is passed in borrowed structs. The same scheduler and KV manager
-//! serve the simulated executor (no weights) and, later, the model executor.
+//! Shapes from DESIGN.md "Core seams" and vLLM v1's split of ownership
+//! (`vllm/v1/core/sched/scheduler.py` owns every request's tokens and its
+//! `scheduled_spec_decode_tokens`, `update_from_output` applies the stop rule once;
+//! the model runner only executes a `SchedulerOutput` and returns what it sampled
+//! and what the drafter proposed). Each trait has 2-4 methods; context is passed in
+//! borrowed structs. One run loop ([`crate::run::run`]) drives any scheduler +
+//! executor pair: the simulated executor (no weights) and the model executor alike.
 //!
-//! Invariant: a scheduler never allocates KV outside `KvCacheManager`, and
-//! an executor never changes which requests are scheduled.
+//! Invariants: a scheduler never allocates KV outside `KvCacheManager`; an executor
+//! never changes which requests are scheduled and holds no token state of its own
+//! (it reads tokens through [`TokenView`]); the stop rule runs only in
+//! [`Scheduler::update`] ([`crate::request::check_stop`]).
 
 use std::ops::Range;
 
 use rand::RngCore;
 
+use crate::backend::TargetBackend;
 use crate::kv::KvCacheManager;
-use crate::model::{ForwardOut, ModelRunner};
-use crate::request::ReqSlot;
+use crate::model::ForwardOut;
+use crate::request::{FinishReason, ReqSlot};
 use crate::spec::SamplingParams;
 use crate::Result;
 
 /// Identifier of a request in an engine run.
 pub type RequestId = u64;
 
-/// Real mode: the target model and this step's forward pass, as a drafter that reads
-/// target hidden states or keeps its own KV (MTP, DFlash2) sees them.
+/// Real mode: the target model behind the backend seam and this step's forward pass,
+/// as a drafter that reads target hidden states or keeps its own KV (MTP, DFlash2)
+/// sees them.
 pub struct TargetStep<'a> {
-    /// The target (its weights, and for MTP its KV store: the MTP layer's K/V live in
-    /// the target's `full` group).
-    pub runner: &'a mut ModelRunner,
+    /// The target (forward, MTP layer, shared embedding / lm_head), on whatever device
+    /// the backend keeps it (the MTP layer's K/V live in the target's `full` group).
+    pub backend: &'a mut dyn TargetBackend,
     /// The KV manager of the run (block tables of every group, the drafter's included).
     pub kv: &'a KvCacheManager,
     /// This step's target forward (`hidden` always; `per_layer_hidden` when the drafter
@@ -43,8 +52,8 @@ pub struct ProposeCtx<'a> {
     pub request: RequestId,
     /// The request's slot in the KV manager.
     pub slot: ReqSlot,
-    /// Prompt + committed output tokens so far (the last one is the token to draft
-    /// after). Shape: [num_tokens].
+    /// Prompt + committed output tokens so far, including the tokens this step just
+    /// sampled (the last one is the token to draft after). Shape: [num_tokens].
     pub tokens: &'a [u32],
     /// Maximum number of draft tokens to propose this step; 0 = only observe the
     /// target rows (a partial prefill chunk), propose nothing.
@@ -99,14 +108,15 @@ pub struct Proposal {
 
 /// Proposes draft tokens around a target model.
 ///
-/// Protocol (the model executor, `crate::exec`): after every target pass of a live
+/// Protocol (the model executor, `crate::exec`): after every target pass of a
 /// request (every prefill chunk, every verify) the executor calls [`Drafter::propose`]
-/// once for it, with the rows that pass committed (`ctx.target`) and the committed
-/// tokens (`ctx.tokens`, including the token just sampled). Drafters with state
-/// (their own KV, context length) update it from those rows, in position order, and
-/// then draft up to `ctx.max_draft` tokens (vLLM proposes right after sampling; a
-/// partial prefill chunk proposes nothing). A chunk starting at position 0 starts the
-/// request afresh (first prefill, or the recompute after a preemption).
+/// once for it, with the rows that pass committed (`ctx.target`) and the tokens
+/// (`ctx.tokens`: the scheduler's committed tokens plus the ones just sampled).
+/// Drafters with state (their own KV, context length) update it from those rows, in
+/// position order, and then draft up to `ctx.max_draft` tokens (vLLM proposes right
+/// after sampling, before the scheduler's stop rule; a partial prefill chunk proposes
+/// nothing). A chunk starting at position 0 starts the request afresh (first prefill,
+/// or the recompute after a preemption).
 pub trait Drafter {
     /// Observe the committed rows of this step's target pass, then draft up to
     /// `ctx.max_draft` tokens.
@@ -124,7 +134,8 @@ pub trait Drafter {
     fn release(&mut self, _slot: ReqSlot) {}
 }
 
-/// One request's share of a step.
+/// One request's share of a step (vLLM `SchedulerOutput.num_scheduled_tokens` +
+/// `scheduled_spec_decode_tokens` for one request).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ScheduledRequest {
     pub id: RequestId,
@@ -135,8 +146,28 @@ pub struct ScheduledRequest {
     pub num_tokens: u64,
     /// Draft tokens included in `num_tokens` (decode only).
     pub num_draft: u64,
+    /// The draft token ids to verify (vLLM `scheduled_spec_decode_tokens`), when the
+    /// scheduler tracks token ids; empty in count-only simulation. Shape: [num_draft] or [0].
+    pub draft_tokens: Vec<u32>,
     /// Whether the request is still prefilling.
     pub is_prefill: bool,
+}
+
+/// Token ids as the scheduler, their one owner, holds them (read by executors).
+pub trait TokenView {
+    /// Prompt + committed output tokens of a live request; `None` when the request is
+    /// unknown or the scheduler only counts tokens (simulation).
+    fn token_ids(&self, id: RequestId) -> Option<&[u32]>;
+}
+
+/// A [`TokenView`] that knows no tokens (count-only simulation, tests).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoTokens;
+
+impl TokenView for NoTokens {
+    fn token_ids(&self, _id: RequestId) -> Option<&[u32]> {
+        None
+    }
 }
 
 /// Why a run cannot make progress for a request.
@@ -253,40 +284,109 @@ pub struct SchedulerOutput {
     /// Set when nothing runs and the head request can never be admitted
     /// (faithful mode: vLLM would retry forever: Waiting 1, Running 0).
     pub wedged: Option<AdmissionReport>,
+    /// Requests that finished since the previous step (vLLM `finished_req_ids`): the
+    /// executor forgets their model state.
+    pub finished_req_ids: Vec<RequestId>,
 }
 
-/// What an executor reports for one request after a step.
+/// What an executor reports for one request after a step (vLLM `ModelRunnerOutput`
+/// for one request: `sampled_token_ids` and the drafter's `draft_token_ids`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StepResult {
     pub id: RequestId,
     /// Draft tokens accepted (decode only; 0 for prefill).
     pub accepted: u64,
-    /// The model emitted end-of-sequence.
-    pub eos: bool,
-    /// Draft tokens the drafter proposed for this request's next step (after a
-    /// sampling step); `None` = the scheduler's configured number (simulation).
-    pub next_drafts: Option<u64>,
+    /// Tokens sampled this step (the accepted drafts, then the bonus or recovered
+    /// token): `accepted + 1` of them after a sampling step, none after a partial
+    /// prefill chunk; empty in count-only simulation. Shape: [accepted + 1] or [0].
+    pub sampled: Vec<u32>,
+    /// Drafts proposed for this request's next step; `None` = count-only simulation
+    /// (the scheduler drafts its configured number of placeholder tokens).
+    pub drafts: Option<Vec<u32>>,
 }
 
-/// Decides admission and per-step token budgets against the KV manager.
-pub trait Scheduler {
+/// A request that finished in a step, as the scheduler's stop rule decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finished {
+    pub id: RequestId,
+    pub reason: FinishReason,
+    /// Committed output tokens (EOS included when it stopped the request); empty when
+    /// the scheduler only counts tokens. Shape: [num_output_tokens] or [0].
+    pub output: Vec<u32>,
+    pub num_output_tokens: u64,
+}
+
+/// What [`Scheduler::update`] committed in one step.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepUpdate {
+    /// Output tokens committed per request this step (after the stop rule), in
+    /// scheduling order; requests that committed nothing are left out.
+    pub committed: Vec<(RequestId, u64)>,
+    /// Requests that finished this step.
+    pub finished: Vec<Finished>,
+}
+
+impl StepUpdate {
+    /// Ids of the requests that finished, in order.
+    pub fn finished_ids(&self) -> Vec<RequestId> {
+        self.finished.iter().map(|f| f.id).collect()
+    }
+    /// Output tokens committed this step, over all requests.
+    pub fn num_committed(&self) -> u64 {
+        self.committed.iter().map(|c| c.1).sum()
+    }
+}
+
+/// Decides admission and per-step token budgets against the KV manager, and owns
+/// every request's tokens, drafts and stop rule.
+pub trait Scheduler: TokenView {
     /// Plan one step.
     fn schedule(&mut self, kv: &mut KvCacheManager) -> Result<SchedulerOutput>;
-    /// Apply the executor's results (commit tokens, roll back rejections, free
-    /// finished requests); returns the ids that finished this step.
+    /// Apply the executor's results (commit sampled tokens through the stop rule, roll
+    /// back rejections, keep the proposed drafts, free finished requests).
     fn update(
         &mut self,
         kv: &mut KvCacheManager,
         out: &SchedulerOutput,
         results: &[StepResult],
-    ) -> Result<Vec<RequestId>>;
+    ) -> Result<StepUpdate>;
     /// Whether any request is waiting or running.
     fn has_work(&self) -> bool;
+}
+
+/// What an executor is handed for one step.
+#[derive(Clone, Copy)]
+pub struct StepCtx<'a> {
+    /// Block tables the scheduler allocated for this step.
+    pub kv: &'a KvCacheManager,
+    /// The scheduler's decision.
+    pub batch: &'a SchedulerOutput,
+    /// The scheduler's tokens (prompts, committed outputs).
+    pub tokens: &'a dyn TokenView,
+}
+
+/// Executor-side measurements of one step (zero / `None` in simulation).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct StepPerf {
+    /// Seconds in the target forward and in the drafter.
+    pub forward_s: f64,
+    pub draft_s: f64,
+    /// Distinct (MoE layer, expert) pairs routed to by the decode (verify) rows.
+    pub verify_experts: Option<u64>,
+    /// Distinct (MoE layer, expert) pairs routed to by the whole batch.
+    pub batch_experts: Option<u64>,
+}
+
+/// What an executor returns for one step.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct StepOutput {
+    /// One result per scheduled request, in scheduling order.
+    pub results: Vec<StepResult>,
+    pub perf: StepPerf,
 }
 
 /// Runs one step for a scheduled batch.
 pub trait Executor {
     /// Execute the step and report per-request results (one per scheduled request).
-    /// `kv` holds the block tables the scheduler allocated for this step.
-    fn execute(&mut self, kv: &KvCacheManager, batch: &SchedulerOutput) -> Result<Vec<StepResult>>;
+    fn execute(&mut self, ctx: &StepCtx<'_>) -> Result<StepOutput>;
 }

@@ -20,10 +20,21 @@
 //! - `Scheduler._update_after_schedule` + `update_from_output`: computed tokens
 //!   advance by the scheduled count; a step that reaches `num_tokens` samples:
 //!   rejected drafts roll `num_computed_tokens` back, `accepted + 1` tokens are
-//!   appended one by one and `check_stop` (`sched/utils.py`) stops at
-//!   `max_tokens`, at `max_model_len`, or at EOS; finished requests free their KV.
-//!   Drafts exist for the next step only after a sampling step (vLLM proposes
-//!   after sampling; partial prefill chunks propose nothing).
+//!   appended one by one and `check_stop` (`sched/utils.py`; here
+//!   `speclab_engine::check_stop`, the one place the stop rule runs) stops at
+//!   EOS, at `max_tokens` or at `max_model_len`; finished requests free their KV
+//!   and are announced to the executor in the next `SchedulerOutput`
+//!   (`finished_req_ids`). Drafts exist for the next step only after a sampling
+//!   step (vLLM proposes after sampling; partial prefill chunks propose nothing).
+//!
+//! Token ownership (vLLM: the scheduler's `Request` holds `all_token_ids` and
+//! `spec_token_ids`): a request added with
+//! [`FcfsScheduler::add_request_with_tokens`] has its prompt, committed outputs
+//! and pending draft ids here; each step schedules the draft ids to verify
+//! (`ScheduledRequest::draft_tokens`, vLLM `scheduled_spec_decode_tokens`) and
+//! `update` appends the executor's sampled ids through the stop rule and keeps
+//! the drafter's next proposal. A request added with
+//! [`FcfsScheduler::add_request`] is count-only (simulation: no ids, no EOS).
 //!
 //! Beyond vLLM: a request that can never be admitted (admission need above the
 //! usable pool while nothing runs) is reported as `SchedulerOutput::wedged`
@@ -47,8 +58,9 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use speclab_engine::kv::manager::AllocArgs;
 use speclab_engine::kv::{AllocOutcome, KvCacheManager};
 use speclab_engine::{
-    Admission, AdmissionReport, EngineError, ReqSlot, RequestId, RequestStatus, RequestView,
-    ScheduledRequest, Scheduler, SchedulerOutput, StallKind, StepResult,
+    check_stop, Admission, AdmissionReport, EngineError, FinishReason, Finished, ReqSlot,
+    RequestId, RequestStatus, RequestView, ScheduledRequest, Scheduler, SchedulerOutput, StallKind,
+    StepResult, StepUpdate, StopRule, TokenView,
 };
 
 use crate::config::{AdmissionPolicy, RequestSpec, SchedulerConfig};
@@ -108,12 +120,27 @@ fn admission_report(
     }
 }
 
+/// The token ids of a request whose tokens the scheduler tracks (real engine runs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ReqTokens {
+    /// Prompt + committed outputs. Shape: [num_tokens].
+    tokens: Vec<u32>,
+    /// Drafts proposed after the last sampling step (vLLM `spec_token_ids`). Shape: [pending_drafts].
+    drafts: Vec<u32>,
+    /// EOS stops the request (`None`: `ignore_eos`).
+    eos_token_id: Option<u32>,
+}
+
 /// vLLM's FCFS scheduler (see the module docs).
 #[derive(Debug, Clone)]
 pub struct FcfsScheduler {
     cfg: SchedulerConfig,
     /// Live requests by slot. Shape: [slots ever used].
     reqs: Vec<Option<RequestState>>,
+    /// Token ids by slot, for requests added with them (`None`: count-only). Shape: [slots ever used].
+    toks: Vec<Option<ReqTokens>>,
+    /// Requests finished by `update` since the last `schedule` (vLLM `finished_req_ids`).
+    finished_since: Vec<RequestId>,
     free_slots: BinaryHeap<Reverse<u32>>,
     by_id: HashMap<RequestId, ReqSlot>,
     waiting: VecDeque<ReqSlot>,
@@ -130,6 +157,8 @@ impl FcfsScheduler {
         Self {
             cfg,
             reqs: Vec::new(),
+            toks: Vec::new(),
+            finished_since: Vec::new(),
             free_slots: BinaryHeap::new(),
             by_id: HashMap::new(),
             waiting: VecDeque::new(),
@@ -146,6 +175,39 @@ impl FcfsScheduler {
         &mut self,
         kv: &KvCacheManager,
         r: RequestSpec,
+    ) -> Result<(), SchedulerError> {
+        self.add_inner(kv, r, None)
+    }
+
+    /// Queue a request with its prompt token ids (real engine runs): the scheduler then
+    /// owns its tokens (read through [`TokenView`]), the draft ids it schedules, and the
+    /// stop rule with `eos_token_id` (`None`: EOS does not stop, vLLM `ignore_eos`).
+    pub fn add_request_with_tokens(
+        &mut self,
+        kv: &KvCacheManager,
+        id: RequestId,
+        prompt: Vec<u32>,
+        max_tokens: u64,
+        eos_token_id: Option<u32>,
+    ) -> Result<(), SchedulerError> {
+        let spec = RequestSpec {
+            id,
+            prompt_len: prompt.len() as u64,
+            max_tokens,
+        };
+        let t = ReqTokens {
+            tokens: prompt,
+            drafts: Vec::new(),
+            eos_token_id,
+        };
+        self.add_inner(kv, spec, Some(t))
+    }
+
+    fn add_inner(
+        &mut self,
+        kv: &KvCacheManager,
+        r: RequestSpec,
+        tokens: Option<ReqTokens>,
     ) -> Result<(), SchedulerError> {
         self.cfg.validate()?;
         if r.prompt_len == 0 {
@@ -192,6 +254,7 @@ impl FcfsScheduler {
             }
         }
         self.reqs[slot.0 as usize] = Some(state);
+        self.toks[slot.0 as usize] = tokens;
         self.by_id.insert(r.id, slot);
         self.waiting.push_back(slot);
         Ok(())
@@ -261,12 +324,14 @@ impl FcfsScheduler {
         let n = self.reqs.len();
         let s = u32::try_from(n).map_err(|_| SchedulerError::TooManyRequests { live: n })?;
         self.reqs.push(None);
+        self.toks.push(None);
         Ok(ReqSlot(s))
     }
 
     /// Forget a request that holds no KV (finished and freed, or rejected).
     fn release(&mut self, slot: ReqSlot) {
         if let Some(r) = self.reqs.get_mut(slot.0 as usize).and_then(Option::take) {
+            self.toks[slot.0 as usize] = None;
             self.by_id.remove(&r.id);
             self.free_slots.push(Reverse(slot.0));
         }
@@ -285,6 +350,9 @@ impl FcfsScheduler {
         r.pending_drafts = 0;
         r.num_preemptions += 1;
         let id = r.id;
+        if let Some(t) = self.toks.get_mut(slot.0 as usize).and_then(Option::as_mut) {
+            t.drafts.clear();
+        }
         self.waiting.push_front(slot);
         Ok(id)
     }
@@ -296,135 +364,191 @@ impl FcfsScheduler {
         self.cfg.validate()?;
         let mut out = SchedulerOutput {
             rejected: std::mem::take(&mut self.pending_rejected),
+            finished_req_ids: std::mem::take(&mut self.finished_since),
             ..SchedulerOutput::default()
         };
         let mut budget = self.cfg.max_num_batched_tokens;
-        let lookahead = self.cfg.lookahead;
-        let mml = kv.max_model_len();
-        let mut livelocked: Option<ReqSlot> = None;
+        let livelocked = self.schedule_running(kv, &mut out, &mut budget)?;
+        // Then waiting requests, FCFS, unless something was preempted this step.
+        if out.preempted.is_empty() {
+            self.schedule_waiting(kv, &mut out, &mut budget)?;
+        }
+        self.detect_stall(kv, &mut out, livelocked)?;
+        Ok(out)
+    }
 
-        // Running requests first (vLLM schedule(): "First, schedule the RUNNING requests").
+    /// The draft token ids of `slot` to verify this step (empty when count-only).
+    fn draft_ids(&self, slot: ReqSlot, num_draft: u64) -> Vec<u32> {
+        let k = usize::try_from(num_draft).unwrap_or(usize::MAX);
+        match self.toks.get(slot.0 as usize).and_then(Option::as_ref) {
+            Some(t) => t.drafts.iter().take(k).copied().collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// Running requests first (vLLM schedule(): "First, schedule the RUNNING
+    /// requests"). Returns the slot found livelocked, if any.
+    fn schedule_running(
+        &mut self,
+        kv: &mut KvCacheManager,
+        out: &mut SchedulerOutput,
+        budget: &mut u64,
+    ) -> Result<Option<ReqSlot>, SchedulerError> {
+        let mml = kv.max_model_len();
+        let mut livelocked = None;
         let mut i = 0;
-        while i < self.running.len() && budget > 0 {
+        while i < self.running.len() && *budget > 0 {
             let slot = self.running[i];
             let r = self.get(slot)?;
-            let drafts = r.pending_drafts;
-            let wanted = r.num_tokens.saturating_sub(r.num_computed_tokens) + drafts;
+            let wanted = r.num_tokens.saturating_sub(r.num_computed_tokens) + r.pending_drafts;
             // "Make sure the input position does not exceed the max model len."
             let n = wanted
-                .min(budget)
+                .min(*budget)
                 .min(mml.saturating_sub(r.num_computed_tokens + 1));
             if n == 0 {
                 i += 1;
                 continue;
             }
-            let view = r.view();
-            // vLLM passes no has_scheduled_reqs here (default True); the watermark only
-            // applies to WAITING/PREEMPTED requests anyway.
-            let args = AllocArgs {
-                num_new_tokens: n,
-                num_lookahead_tokens: lookahead,
-                full_sequence_must_fit: false,
-                has_scheduled_reqs: true,
-            };
-            let fits = loop {
-                match kv.allocate_slots(&view, args)? {
-                    AllocOutcome::Allocated(_) => break true,
-                    AllocOutcome::NoFit => {
-                        // FCFS: preempt the lowest-priority (last) running request.
-                        let Some(victim) = self.running.pop() else {
-                            break false;
-                        };
-                        out.preempted.push(self.preempt(kv, victim)?);
-                        if victim == slot {
-                            if self.running.is_empty() {
-                                // Alone in the pool and still no fit. Recomputing from 0 replays
-                                // the same chunks to the same state, so a second time at the same
-                                // num_tokens is a certain livelock (vLLM would thrash forever).
-                                let st = self.get_mut(slot)?;
-                                if st.alone_self_preempted_at == Some(st.num_tokens) {
-                                    livelocked = Some(slot);
-                                }
-                                st.alone_self_preempted_at = Some(st.num_tokens);
-                            }
-                            break false;
-                        }
-                    }
-                }
-            };
-            if !fits {
+            if !self.allocate_running(kv, out, &r, n, &mut livelocked)? {
                 break;
             }
+            let num_draft = (r.num_computed_tokens + n).saturating_sub(r.num_tokens);
             out.scheduled.push(ScheduledRequest {
                 id: r.id,
                 slot,
                 start_pos: r.num_computed_tokens,
                 num_tokens: n,
-                num_draft: (r.num_computed_tokens + n).saturating_sub(r.num_tokens),
+                num_draft,
+                draft_tokens: self.draft_ids(slot, num_draft),
                 is_prefill: r.num_computed_tokens + 1 < r.num_tokens,
             });
-            budget -= n;
+            *budget -= n;
             i += 1;
         }
+        Ok(livelocked)
+    }
 
-        // Then waiting requests, FCFS, unless something was preempted this step.
-        if out.preempted.is_empty() {
-            while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
-                let Some(&slot) = self.waiting.front() else {
-                    break;
-                };
-                let r = self.get(slot)?;
-                let view = r.view();
-                // The numbers the must-fit gate checks, before it runs.
-                let need = kv.admission_need(&view);
-                if self.cfg.policy == AdmissionPolicy::RejectImpossible
-                    && need.iter().sum::<u64>() > kv.usable_blocks()
-                {
-                    self.waiting.pop_front();
-                    out.rejected.push(admission_report(
-                        StallKind::MustFitExceedsPool,
-                        kv,
-                        &r,
-                        need,
-                    ));
-                    self.release(slot);
-                    continue;
+    /// `allocate_slots` for a running request, preempting from the back of the running
+    /// queue until it fits; false when the request preempted itself.
+    fn allocate_running(
+        &mut self,
+        kv: &mut KvCacheManager,
+        out: &mut SchedulerOutput,
+        r: &RequestState,
+        n: u64,
+        livelocked: &mut Option<ReqSlot>,
+    ) -> Result<bool, SchedulerError> {
+        // vLLM passes no has_scheduled_reqs here (default True); the watermark only
+        // applies to WAITING/PREEMPTED requests anyway.
+        let args = AllocArgs {
+            num_new_tokens: n,
+            num_lookahead_tokens: self.cfg.lookahead,
+            full_sequence_must_fit: false,
+            has_scheduled_reqs: true,
+        };
+        let view = r.view();
+        loop {
+            if let AllocOutcome::Allocated(_) = kv.allocate_slots(&view, args)? {
+                return Ok(true);
+            }
+            // FCFS: preempt the lowest-priority (last) running request.
+            let Some(victim) = self.running.pop() else {
+                return Ok(false);
+            };
+            out.preempted.push(self.preempt(kv, victim)?);
+            if victim == r.slot {
+                if self.running.is_empty() {
+                    // Alone in the pool and still no fit. Recomputing from 0 replays
+                    // the same chunks to the same state, so a second time at the same
+                    // num_tokens is a certain livelock (vLLM would thrash forever).
+                    let st = self.get_mut(r.slot)?;
+                    if st.alone_self_preempted_at == Some(st.num_tokens) {
+                        *livelocked = Some(r.slot);
+                    }
+                    st.alone_self_preempted_at = Some(st.num_tokens);
                 }
-                let n = r
-                    .num_tokens
-                    .saturating_sub(r.num_computed_tokens)
-                    .min(budget);
-                let args = AllocArgs {
-                    num_new_tokens: n,
-                    num_lookahead_tokens: lookahead,
-                    full_sequence_must_fit: true,
-                    has_scheduled_reqs: !self.running.is_empty(),
-                };
-                match kv.allocate_slots(&view, args)? {
-                    // Head-of-line blocking: the request stays at the head.
-                    AllocOutcome::NoFit => break,
-                    AllocOutcome::Allocated(_) => {}
-                }
-                self.waiting.pop_front();
-                self.running.push(slot);
-                self.get_mut(slot)?.status = RequestStatus::Running;
-                out.admitted.push(Admission {
-                    id: r.id,
-                    slot,
-                    need_per_group: need,
-                });
-                out.scheduled.push(ScheduledRequest {
-                    id: r.id,
-                    slot,
-                    start_pos: r.num_computed_tokens,
-                    num_tokens: n,
-                    num_draft: 0,
-                    is_prefill: r.num_computed_tokens + 1 < r.num_tokens,
-                });
-                budget -= n;
+                return Ok(false);
             }
         }
+    }
 
+    /// Waiting requests, FCFS, head-of-line blocking.
+    fn schedule_waiting(
+        &mut self,
+        kv: &mut KvCacheManager,
+        out: &mut SchedulerOutput,
+        budget: &mut u64,
+    ) -> Result<(), SchedulerError> {
+        while *budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+            let Some(&slot) = self.waiting.front() else {
+                break;
+            };
+            let r = self.get(slot)?;
+            let view = r.view();
+            // The numbers the must-fit gate checks, before it runs.
+            let need = kv.admission_need(&view);
+            if self.cfg.policy == AdmissionPolicy::RejectImpossible
+                && need.iter().sum::<u64>() > kv.usable_blocks()
+            {
+                self.waiting.pop_front();
+                out.rejected.push(admission_report(
+                    StallKind::MustFitExceedsPool,
+                    kv,
+                    &r,
+                    need,
+                ));
+                self.release(slot);
+                continue;
+            }
+            let n = r
+                .num_tokens
+                .saturating_sub(r.num_computed_tokens)
+                .min(*budget);
+            let args = AllocArgs {
+                num_new_tokens: n,
+                num_lookahead_tokens: self.cfg.lookahead,
+                full_sequence_must_fit: true,
+                has_scheduled_reqs: !self.running.is_empty(),
+            };
+            if let AllocOutcome::NoFit = kv.allocate_slots(&view, args)? {
+                // Head-of-line blocking: the request stays at the head.
+                break;
+            }
+            self.waiting.pop_front();
+            self.running.push(slot);
+            self.get_mut(slot)?.status = RequestStatus::Running;
+            out.admitted.push(Admission {
+                id: r.id,
+                slot,
+                need_per_group: need,
+            });
+            out.scheduled.push(ScheduledRequest {
+                id: r.id,
+                slot,
+                start_pos: r.num_computed_tokens,
+                num_tokens: n,
+                num_draft: 0,
+                draft_tokens: Vec::new(),
+                is_prefill: r.num_computed_tokens + 1 < r.num_tokens,
+            });
+            *budget -= n;
+        }
+        Ok(())
+    }
+
+    /// Wedge, livelock and no-progress detection after a step was planned.
+    fn detect_stall(
+        &mut self,
+        kv: &KvCacheManager,
+        out: &mut SchedulerOutput,
+        livelocked: Option<ReqSlot>,
+    ) -> Result<(), SchedulerError> {
+        let report =
+            |s: &Self, kind: StallKind, slot: ReqSlot| -> Result<AdmissionReport, SchedulerError> {
+                let r = s.get(slot)?;
+                let need = kv.admission_need(&r.view());
+                Ok(admission_report(kind, kv, &r, need))
+            };
         // Wedge: nothing runs and the head can never fit, even in an empty pool.
         // (vLLM retries forever here: Waiting 1 / Running 0.)
         if self.cfg.policy == AdmissionPolicy::Fcfs
@@ -432,24 +556,16 @@ impl FcfsScheduler {
             && self.running.is_empty()
         {
             if let Some(&head) = self.waiting.front() {
-                let r = self.get(head)?;
-                let need = kv.admission_need(&r.view());
-                if need.iter().sum::<u64>() > kv.usable_blocks() {
-                    out.wedged = Some(admission_report(
-                        StallKind::MustFitExceedsPool,
-                        kv,
-                        &r,
-                        need,
-                    ));
+                let rep = report(self, StallKind::MustFitExceedsPool, head)?;
+                if rep.total() > kv.usable_blocks() {
+                    out.wedged = Some(rep);
                 }
             }
         }
         // Preemption thrash of a request that cannot proceed even alone.
         if out.wedged.is_none() {
             if let Some(slot) = livelocked {
-                let r = self.get(slot)?;
-                let need = kv.admission_need(&r.view());
-                out.wedged = Some(admission_report(StallKind::PerStepLivelock, kv, &r, need));
+                out.wedged = Some(report(self, StallKind::PerStepLivelock, slot)?);
             }
         }
         // Backstop for any other livelock.
@@ -462,12 +578,10 @@ impl FcfsScheduler {
         let limit = self.cfg.max_steps_without_progress;
         if out.wedged.is_none() && limit > 0 && self.idle_steps >= limit {
             if let Some(&head) = self.waiting.front().or(self.running.first()) {
-                let r = self.get(head)?;
-                let need = kv.admission_need(&r.view());
-                out.wedged = Some(admission_report(StallKind::NoProgress, kv, &r, need));
+                out.wedged = Some(report(self, StallKind::NoProgress, head)?);
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     fn update_inner(
@@ -475,7 +589,7 @@ impl FcfsScheduler {
         kv: &mut KvCacheManager,
         out: &SchedulerOutput,
         results: &[StepResult],
-    ) -> Result<Vec<RequestId>, SchedulerError> {
+    ) -> Result<StepUpdate, SchedulerError> {
         if results.len() != out.scheduled.len() {
             let id = out
                 .scheduled
@@ -498,9 +612,8 @@ impl FcfsScheduler {
         } else {
             results.iter().map(|r| (r.id, r)).collect()
         };
-        let k = self.cfg.num_speculative_tokens;
-        let mml = kv.max_model_len();
-        let mut finished: Vec<(ReqSlot, RequestId)> = Vec::new();
+        let mut upd = StepUpdate::default();
+        let mut done: Vec<ReqSlot> = Vec::new();
         for (i, s) in out.scheduled.iter().enumerate() {
             let res = if in_order {
                 results.get(i)
@@ -511,77 +624,188 @@ impl FcfsScheduler {
                 id: s.id,
                 reason: "no result for a scheduled request".into(),
             })?;
-            let slot = *self
-                .by_id
-                .get(&s.id)
-                .ok_or(SchedulerError::UnknownRequest { id: s.id })?;
-            if slot != s.slot {
-                return Err(SchedulerError::BadStepResult {
-                    id: s.id,
-                    reason: format!("scheduled in slot {}, lives in slot {}", s.slot.0, slot.0),
-                });
+            let (committed, finished) = self.update_one(kv, s, res)?;
+            if committed > 0 {
+                upd.committed.push((s.id, committed));
             }
-            if res.accepted > s.num_draft {
-                return Err(SchedulerError::BadStepResult {
-                    id: s.id,
-                    reason: format!("accepted {} of {} draft tokens", res.accepted, s.num_draft),
-                });
-            }
-            let r = self.get_mut(slot)?;
-            if r.status != RequestStatus::Running {
-                return Err(SchedulerError::UnknownRequest { id: s.id });
-            }
-            let computed = r.num_computed_tokens + s.num_tokens;
-            let done = if computed >= r.num_tokens {
-                // A sampling step (last prefill chunk or decode): roll back the
-                // rejected drafts, then append accepted + 1 tokens until check_stop.
-                let drafts = computed - r.num_tokens;
-                if drafts != s.num_draft {
-                    return Err(SchedulerError::BadStepResult {
-                        id: s.id,
-                        reason: format!(
-                            "scheduled {} drafts but the request state implies {drafts}",
-                            s.num_draft
-                        ),
-                    });
-                }
-                r.num_computed_tokens = computed - (drafts - res.accepted);
-                let room = r
-                    .max_tokens
-                    .saturating_sub(r.num_output_tokens)
-                    .min(mml.saturating_sub(r.num_tokens));
-                let commit = (res.accepted + 1).min(room);
-                r.num_tokens += commit;
-                r.num_output_tokens += commit;
-                r.pending_drafts = res.next_drafts.unwrap_or(k);
-                res.eos || r.num_output_tokens >= r.max_tokens || r.num_tokens >= mml
-            } else {
-                // A partial prefill chunk samples nothing and proposes nothing.
-                r.num_computed_tokens = computed;
-                r.pending_drafts = 0;
-                false
-            };
-            if done {
-                r.status = RequestStatus::Finished;
-                finished.push((slot, s.id));
+            if let Some(f) = finished {
+                upd.finished.push(f);
+                done.push(s.slot);
             }
         }
-        if finished.is_empty() {
-            return Ok(Vec::new());
+        if done.is_empty() {
+            return Ok(upd);
         }
-        let reqs = &self.reqs;
-        self.running.retain(|s| {
-            reqs.get(s.0 as usize)
-                .and_then(Option::as_ref)
-                .is_some_and(|r| r.status != RequestStatus::Finished)
-        });
-        let mut ids = Vec::with_capacity(finished.len());
-        for (slot, id) in finished {
+        self.running.retain(|s| !done.contains(s));
+        for slot in done {
             kv.free(slot);
             self.release(slot);
-            ids.push(id);
         }
-        Ok(ids)
+        self.finished_since
+            .extend(upd.finished.iter().map(|f| f.id));
+        Ok(upd)
+    }
+
+    /// The checks of one scheduled request's result against the scheduler's state.
+    fn check_result(
+        &self,
+        s: &ScheduledRequest,
+        res: &StepResult,
+    ) -> Result<ReqSlot, SchedulerError> {
+        let bad = |reason: String| SchedulerError::BadStepResult { id: s.id, reason };
+        let slot = *self
+            .by_id
+            .get(&s.id)
+            .ok_or(SchedulerError::UnknownRequest { id: s.id })?;
+        if slot != s.slot {
+            return Err(bad(format!(
+                "scheduled in slot {}, lives in slot {}",
+                s.slot.0, slot.0
+            )));
+        }
+        if res.accepted > s.num_draft {
+            return Err(bad(format!(
+                "accepted {} of {} draft tokens",
+                res.accepted, s.num_draft
+            )));
+        }
+        let k = usize::try_from(res.accepted).unwrap_or(usize::MAX);
+        if !s.draft_tokens.is_empty()
+            && res.sampled.len() > k
+            && res.sampled[..k] != s.draft_tokens[..k]
+        {
+            return Err(bad(format!(
+                "sampled {:?} does not start with the {k} accepted drafts {:?}",
+                res.sampled,
+                &s.draft_tokens[..k]
+            )));
+        }
+        Ok(slot)
+    }
+
+    /// Apply one request's result (module doc, `update_from_output`): returns the output
+    /// tokens committed and, when the stop rule ended it, the finished request.
+    fn update_one(
+        &mut self,
+        kv: &KvCacheManager,
+        s: &ScheduledRequest,
+        res: &StepResult,
+    ) -> Result<(u64, Option<Finished>), SchedulerError> {
+        let slot = self.check_result(s, res)?;
+        let k = self.cfg.num_speculative_tokens;
+        let mml = kv.max_model_len();
+        let bad = |reason: String| SchedulerError::BadStepResult { id: s.id, reason };
+        let r = self.get_mut(slot)?;
+        if r.status != RequestStatus::Running {
+            return Err(SchedulerError::UnknownRequest { id: s.id });
+        }
+        let computed = r.num_computed_tokens + s.num_tokens;
+        if computed < r.num_tokens {
+            // A partial prefill chunk samples nothing and proposes nothing.
+            r.num_computed_tokens = computed;
+            r.pending_drafts = 0;
+            return Ok((0, None));
+        }
+        // A sampling step (last prefill chunk or decode): roll back the rejected
+        // drafts, then append accepted + 1 tokens one by one until check_stop.
+        let drafts = computed - r.num_tokens;
+        if drafts != s.num_draft {
+            return Err(bad(format!(
+                "scheduled {} drafts but the request state implies {drafts}",
+                s.num_draft
+            )));
+        }
+        r.num_computed_tokens = computed - (drafts - res.accepted);
+        let rule = StopRule {
+            max_tokens: r.max_tokens,
+            max_model_len: mml,
+            eos_token_id: None,
+        };
+        let state = *r;
+        let (committed, reason) = self.commit_tokens(slot, state, res, rule)?;
+        let r = self.get_mut(slot)?;
+        r.num_tokens += committed;
+        r.num_output_tokens += committed;
+        r.pending_drafts = match &res.drafts {
+            Some(d) => d.len() as u64,
+            None => k,
+        };
+        let Some(reason) = reason else {
+            return Ok((committed, None));
+        };
+        r.status = RequestStatus::Finished;
+        let num_output_tokens = r.num_output_tokens;
+        let prompt = usize::try_from(r.num_prompt_tokens).unwrap_or(usize::MAX);
+        let output = self.toks[slot.0 as usize]
+            .as_ref()
+            .map(|t| t.tokens.get(prompt..).unwrap_or(&[]).to_vec())
+            .unwrap_or_default();
+        let f = Finished {
+            id: s.id,
+            reason,
+            output,
+            num_output_tokens,
+        };
+        Ok((committed, Some(f)))
+    }
+
+    /// Append up to `accepted + 1` tokens through the stop rule (vLLM `check_stop` after
+    /// each); keep the proposed drafts. Returns how many were committed and why the
+    /// request stopped, if it did.
+    fn commit_tokens(
+        &mut self,
+        slot: ReqSlot,
+        r: RequestState,
+        res: &StepResult,
+        mut rule: StopRule,
+    ) -> Result<(u64, Option<FinishReason>), SchedulerError> {
+        let tracked = self.toks.get_mut(slot.0 as usize).and_then(Option::as_mut);
+        let Some(t) = tracked else {
+            // Count-only: no token ids, no EOS.
+            let (mut n, mut out) = (r.num_tokens, r.num_output_tokens);
+            for _ in 0..=res.accepted {
+                n += 1;
+                out += 1;
+                if let Some(why) = check_stop(n, out, None, &rule) {
+                    return Ok((out - r.num_output_tokens, Some(why)));
+                }
+            }
+            return Ok((out - r.num_output_tokens, None));
+        };
+        let want = usize::try_from(res.accepted + 1).unwrap_or(usize::MAX);
+        if res.sampled.len() != want {
+            return Err(SchedulerError::BadStepResult {
+                id: r.id,
+                reason: format!(
+                    "{} tokens sampled after accepting {} drafts (expected accepted + 1)",
+                    res.sampled.len(),
+                    res.accepted
+                ),
+            });
+        }
+        rule.eos_token_id = t.eos_token_id;
+        let before = t.tokens.len();
+        let mut why = None;
+        for &tok in &res.sampled {
+            t.tokens.push(tok);
+            let n = t.tokens.len() as u64;
+            why = check_stop(n, n - r.num_prompt_tokens, Some(tok), &rule);
+            if why.is_some() {
+                break;
+            }
+        }
+        t.drafts = res.drafts.clone().unwrap_or_default();
+        Ok(((t.tokens.len() - before) as u64, why))
+    }
+}
+
+impl TokenView for FcfsScheduler {
+    fn token_ids(&self, id: RequestId) -> Option<&[u32]> {
+        let slot = self.by_id.get(&id)?;
+        self.toks
+            .get(slot.0 as usize)?
+            .as_ref()
+            .map(|t| t.tokens.as_slice())
     }
 }
 
@@ -595,7 +819,7 @@ impl Scheduler for FcfsScheduler {
         kv: &mut KvCacheManager,
         out: &SchedulerOutput,
         results: &[StepResult],
-    ) -> speclab_engine::Result<Vec<RequestId>> {
+    ) -> speclab_engine::Result<StepUpdate> {
         self.update_inner(kv, out, results)
             .map_err(EngineError::from)
     }

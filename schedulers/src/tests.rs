@@ -5,7 +5,8 @@ use speclab_engine::kv::presets::glm53_dflash2;
 use speclab_engine::kv::{CapPolicy, GroupSpec, KvCacheManager, KvLayout};
 use speclab_engine::sim::{run_sim, AcceptanceModel, SimExecutor, SimLimits};
 use speclab_engine::{
-    Executor, ReqSlot, RequestId, RequestStatus, Scheduler, SchedulerOutput, StepResult,
+    Executor, NoTokens, ReqSlot, RequestId, RequestStatus, Scheduler, SchedulerOutput, StepCtx,
+    StepResult,
 };
 
 use crate::{AdmissionPolicy, FcfsScheduler, RequestSpec, SchedulerConfig, SchedulerError};
@@ -48,9 +49,19 @@ fn step(
     e: &mut SimExecutor,
 ) -> (SchedulerOutput, Vec<RequestId>) {
     let out = s.schedule(kv).unwrap();
-    let res = e.execute(kv, &out).unwrap();
-    let fin = s.update(kv, &out, &res).unwrap();
+    let res = exec(e, kv, &out);
+    let fin = s.update(kv, &out, &res).unwrap().finished_ids();
     (out, fin)
+}
+
+/// The executor's results for one step (count-only: no token view).
+fn exec(e: &mut SimExecutor, kv: &KvCacheManager, out: &SchedulerOutput) -> Vec<StepResult> {
+    let ctx = StepCtx {
+        kv,
+        batch: out,
+        tokens: &NoTokens,
+    };
+    e.execute(&ctx).unwrap().results
 }
 
 /// (id, tokens) of each scheduled request.
@@ -328,8 +339,8 @@ fn proposed_draft_count_drives_the_next_step() {
     let res = vec![StepResult {
         id: 1,
         accepted: 0,
-        eos: false,
-        next_drafts: Some(2),
+        sampled: Vec::new(),
+        drafts: Some(vec![7, 7]),
     }];
     s.update(&mut kv, &out, &res).unwrap();
     let out = s.schedule(&mut kv).unwrap();
@@ -344,8 +355,8 @@ fn proposed_draft_count_drives_the_next_step() {
     let res = vec![StepResult {
         id: 1,
         accepted: 2,
-        eos: false,
-        next_drafts: Some(0),
+        sampled: Vec::new(),
+        drafts: Some(Vec::new()),
     }];
     s.update(&mut kv, &out, &res).unwrap();
     let out = s.schedule(&mut kv).unwrap();
@@ -546,10 +557,10 @@ fn bad_step_results_are_errors() {
     s.add_request(&kv, req(1, 4, 8)).unwrap();
     let out = s.schedule(&mut kv).unwrap();
     assert!(s.update(&mut kv, &out, &[]).is_err());
-    let res = no_accept().execute(&kv, &out).unwrap();
+    let res = exec(&mut no_accept(), &kv, &out);
     s.update(&mut kv, &out, &res).unwrap();
     let out = s.schedule(&mut kv).unwrap();
-    let mut res = no_accept().execute(&kv, &out).unwrap();
+    let mut res = exec(&mut no_accept(), &kv, &out);
     res[0].accepted = 3; // only 2 drafts
     assert!(s.update(&mut kv, &out, &res).is_err());
 }

@@ -9,7 +9,7 @@
 use proptest::prelude::*;
 use speclab_engine::kv::{CapPolicy, GroupSpec, KvCacheManager, KvLayout};
 use speclab_engine::sim::{run_sim, AcceptanceModel, SimExecutor, SimLimits};
-use speclab_engine::{RequestId, Scheduler, SchedulerOutput, StepResult};
+use speclab_engine::{RequestId, Scheduler, SchedulerOutput, StepResult, StepUpdate, TokenView};
 use speclab_schedulers::{AdmissionPolicy, FcfsScheduler, RequestSpec, SchedulerConfig};
 
 /// Wraps the scheduler and checks per-step limits.
@@ -46,11 +46,17 @@ impl Scheduler for Checked {
         kv: &mut KvCacheManager,
         out: &SchedulerOutput,
         results: &[StepResult],
-    ) -> speclab_engine::Result<Vec<RequestId>> {
+    ) -> speclab_engine::Result<StepUpdate> {
         self.inner.update(kv, out, results)
     }
     fn has_work(&self) -> bool {
         self.inner.has_work()
+    }
+}
+
+impl TokenView for Checked {
+    fn token_ids(&self, id: RequestId) -> Option<&[u32]> {
+        self.inner.token_ids(id)
     }
 }
 

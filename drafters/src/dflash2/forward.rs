@@ -37,11 +37,12 @@ use std::collections::HashMap;
 use std::ops::Range;
 
 use rand::{Rng, RngCore};
+use speclab_engine::backend::SharedHead;
 use speclab_engine::kv::{BlockId, CapPolicy, GroupKind, KvCacheManager, NULL_BLOCK};
 use speclab_engine::model::attention::{apply_rope, rope_tables};
 use speclab_engine::model::moe::mlp;
 use speclab_engine::model::ops::{argmax, rmsnorm};
-use speclab_engine::model::{ForwardOut, ModelConfig, ModelWeights};
+use speclab_engine::model::{ForwardOut, ModelConfig};
 use speclab_engine::{EngineError, ReqSlot, Result};
 
 use super::config::{DFlash2Config, KV_GROUP_NAME};
@@ -453,7 +454,7 @@ impl DFlash2 {
     pub fn draft(
         &self,
         kv: &KvCacheManager,
-        target: &ModelWeights,
+        target: &dyn SharedHead,
         req: &DraftRequest,
         rng: Option<&mut dyn RngCore>,
     ) -> Result<Draft> {
@@ -487,18 +488,13 @@ impl DFlash2 {
                 slot.0, req.anchor_token
             )));
         }
-        let tc = &target.cfg;
-        if tc.hidden_size != h
-            || tc.vocab_size != v
-            || target.embed.len() != v * h
-            || target.lm_head.out_features() != v
-            || target.lm_head.in_features() != h
-        {
+        let (th, tv) = target.head_dims();
+        if th != h || tv != v {
             return Err(EngineError::InvalidConfig {
                 key: "hidden_size / vocab_size".into(),
                 reason: format!(
                     "the target weights (hidden {}, vocab {}) do not match the drafter (hidden {h}, vocab {v}): embed_tokens and lm_head are shared",
-                    tc.hidden_size, tc.vocab_size
+                    th, tv
                 ),
             });
         }
@@ -528,13 +524,10 @@ impl DFlash2 {
 
         // x = embed_tokens[[anchor, MASK x N]]
         let mask = cfg.dflash_config.mask_token_id as usize;
-        let mut x = Vec::with_capacity(q_rows * h);
-        x.extend_from_slice(
-            &target.embed[req.anchor_token as usize * h..(req.anchor_token as usize + 1) * h],
-        );
-        for _ in 0..nn {
-            x.extend_from_slice(&target.embed[mask * h..(mask + 1) * h]);
-        }
+        let mut block = Vec::with_capacity(q_rows);
+        block.push(req.anchor_token);
+        block.extend(std::iter::repeat_n(mask as u32, nn));
+        let mut x = target.embed(&block)?;
         let (cos, sin) = rope_tables(p0, q_rows, cfg.head_dim, cfg.rope_theta);
         let mut layer_out = req
             .trace
@@ -585,9 +578,9 @@ impl DFlash2 {
         let hid = rmsnorm(&x, &self.w.norm, eps); // [Q, H]
                                                   // Rows 1..Q predict positions P_1..P_N; row 0 (the anchor) only for the trace.
         let (logits, first) = if req.trace {
-            (target.lm_head.forward(&hid, q_rows)?, 1)
+            (target.lm_head(&hid, q_rows)?, 1)
         } else {
-            (target.lm_head.forward(&hid[h..], nn)?, 0)
+            (target.lm_head(&hid[h..], nn)?, 0)
         };
         let lrow = |j: usize| &logits[(first + j) * v..(first + j + 1) * v]; // j = 0..N-1 -> block row j+1
         let sample_t = if req.temperature > 0.0 {
@@ -772,6 +765,7 @@ mod tests {
     use rand_chacha::ChaCha8Rng;
     use speclab_engine::kv::manager::AllocArgs;
     use speclab_engine::kv::AllocOutcome;
+    use speclab_engine::model::ModelWeights;
     use speclab_engine::{RequestStatus, RequestView};
 
     fn setup() -> (KvCacheManager, ModelWeights, DFlash2) {

@@ -16,7 +16,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::exec::run::{
-    check_requests, generate, DrafterFactory, EngineOptions, EngineRequest, EngineRun,
+    check_token_ids, generate, DrafterFactory, EngineOptions, EngineRequest, EngineRun,
     NoDrafterFactory, SchedulerFactory,
 };
 use crate::kv::{AllocOutcome, KvCacheManager};
@@ -183,10 +183,7 @@ pub fn verify_lossless(
             ),
         });
     }
-    let mml = opts
-        .max_model_len
-        .unwrap_or(target.cfg.max_position_embeddings as u64);
-    check_requests(&target.cfg, requests, mml)?;
+    check_token_ids(&target.cfg, requests)?;
     let reference = generate(target, &NoDrafterFactory, requests, opts, make_scheduler)?;
     let candidate = generate(target, drafter, requests, opts, make_scheduler)?;
     for (name, run) in [

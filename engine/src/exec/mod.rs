@@ -55,11 +55,13 @@ pub mod executor;
 pub mod lossless;
 pub mod run;
 
-pub use executor::{ExecConfig, FinishReason, ModelExecutor, RequestStats, StepStats};
+pub use crate::request::FinishReason;
+pub use crate::run::StepStats;
+pub use executor::{ExecConfig, ModelExecutor};
 pub use lossless::{
     first_divergence, mismatch_at, teacher_forced_logits, verify_lossless, LosslessReport, Mismatch,
 };
 pub use run::{
-    generate, run_engine, DrafterFactory, EngineOptions, EngineRequest, EngineRun,
+    generate, generate_on, DrafterFactory, EngineOptions, EngineRequest, EngineRun, RequestStats,
     SchedulerFactory, SchedulerParams,
 };

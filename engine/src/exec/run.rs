@@ -1,35 +1,32 @@
-//! The engine run loop ([`run_engine`]) and one-call generation ([`generate`]).
+//! One-call generation ([`generate`], [`generate_on`]) on the engine's one step loop.
 //!
-//! [`run_engine`] is vLLM's `EngineCore.step` loop (schedule -> execute -> update) over a
-//! [`Scheduler`], a [`ModelExecutor`] and one [`KvCacheManager`], like
-//! [`crate::sim::run_sim`] for the simulated executor. After every `schedule` it checks the
-//! allocator: the blocks in use (`usable - free`) equal the blocks the requests hold
-//! (`held_blocks`, summed over every slot the run used); at the end of a run with no work
-//! left every block is free again. A violation is recorded in
-//! [`EngineRun::allocator_violation`] (the run goes on, so the outputs can still be read).
-//!
-//! [`generate`] assembles a run: the KV layout is the target's groups
+//! [`generate_on`] assembles a run: the KV layout is the target's groups
 //! (`ModelConfig::kv_layout(block_size, N, num_blocks)`) followed by the drafter's own
 //! groups ([`DrafterFactory::kv_groups`], e.g. DFlash2's sliding-window group), one
-//! manager for both; the scheduler comes from the caller's closure (the engine never names
-//! a policy), told `N` and the lookahead (vLLM: N for MTP, N + 1 for DFlash, 0 for n-gram
-//! and none).
+//! manager for both; the target backend comes from a [`BackendFactory`] (the CPU
+//! reference for [`generate`]); the scheduler comes from the caller's closure (the engine
+//! never names a policy), told `N`, the lookahead (vLLM: N for MTP, N + 1 for DFlash, 0
+//! for n-gram and none) and the EOS token of the stop rule, and queues the requests with
+//! their token ids. The loop is [`crate::run::run`] with allocator checks on: after every
+//! `schedule` the blocks in use (`usable - free`) must equal the blocks the requests
+//! hold, and at the end of a complete run every block is free again; a violation is
+//! recorded in [`EngineRun::allocator_violation`] (the run goes on, so the outputs can
+//! still be read).
 //!
 //! Invariants: the loop never runs past `max_steps` executed steps and stops at the first
 //! wedge; tokens per second = output tokens / wall seconds of the whole loop.
 
-use std::collections::BTreeSet;
-use std::time::Instant;
-
 use serde::{Deserialize, Serialize};
 
-use crate::exec::executor::{ExecConfig, ModelExecutor, RequestStats, StepStats};
+use crate::backend::{BackendFactory, CpuBackend};
+use crate::exec::executor::{ExecConfig, ModelExecutor};
 use crate::kv::{GroupSpec, KvCacheManager};
-use crate::model::{ModelConfig, ModelRunner, ModelWeights};
-use crate::request::ReqSlot;
+use crate::model::{ModelConfig, ModelWeights};
+use crate::request::FinishReason;
+use crate::run::{run, RunLimits, RunReport, StepStats};
 use crate::sim::SpecMetrics;
 use crate::spec::SamplingParams;
-use crate::traits::{Drafter, Executor, RequestId, Scheduler};
+use crate::traits::{Drafter, RequestId, Scheduler};
 use crate::{EngineError, Result};
 
 /// A request to generate for.
@@ -40,6 +37,26 @@ pub struct EngineRequest {
     pub prompt: Vec<u32>,
     /// Output tokens to generate at most (>= 1).
     pub max_tokens: u64,
+}
+
+/// One request's outputs and metrics.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestStats {
+    pub id: RequestId,
+    pub prompt_len: usize,
+    /// Committed output token ids (EOS included when it stopped the request).
+    pub output: Vec<u32>,
+    /// `None`: not finished (wedged, rejected, or the run hit its step limit).
+    pub finish: Option<FinishReason>,
+    /// vLLM `SpecDecodingStats` over this request's verify steps.
+    pub spec: SpecMetrics,
+    /// Executed steps up to and including the one that produced the first output token.
+    pub ttft_steps: Option<u64>,
+    /// Seconds from the start of the run to the first output token.
+    pub ttft_s: Option<f64>,
+    /// Seconds from the start of the run to the finish.
+    pub e2e_s: Option<f64>,
+    pub num_preemptions: u64,
 }
 
 /// What a run observed.
@@ -93,104 +110,66 @@ impl EngineRun {
     }
 }
 
-fn held_total(kv: &KvCacheManager, slots: &BTreeSet<ReqSlot>) -> u64 {
-    slots
-        .iter()
-        .map(|&s| kv.held_blocks(s).iter().sum::<u64>())
-        .sum()
-}
-
-/// Run `sched` + `exec` against `kv` until no work is left, a wedge, or `max_steps`
-/// executed steps. Requests must already be added to both the scheduler and the executor
-/// (same ids, prompt lengths and `max_tokens`).
-pub fn run_engine(
-    kv: &mut KvCacheManager,
-    sched: &mut dyn Scheduler,
-    exec: &mut ModelExecutor,
-    max_steps: u64,
-) -> Result<EngineRun> {
-    let mut run = EngineRun {
-        kv_usable_blocks: kv.usable_blocks(),
-        ..EngineRun::default()
-    };
-    let mut slots = BTreeSet::new();
-    exec.start_clock();
-    let t0 = Instant::now();
-    while sched.has_work() {
-        if run.num_steps >= max_steps {
-            run.hit_step_limit = true;
-            break;
+impl EngineRun {
+    /// The engine's view of a [`RunReport`]: per request in `requests` order (outputs of
+    /// finished requests from the report, of unfinished ones from the scheduler's
+    /// tokens), the step records, and the run's rates.
+    fn from_report(
+        rep: RunReport,
+        requests: &[EngineRequest],
+        sched: &dyn Scheduler,
+        steps: Vec<StepStats>,
+    ) -> Self {
+        let stats = requests.iter().map(|r| {
+            let p = rep.requests.get(&r.id).cloned().unwrap_or_default();
+            let output = if p.finish.is_some() {
+                p.output
+            } else {
+                sched
+                    .token_ids(r.id)
+                    .and_then(|t| t.get(r.prompt.len()..))
+                    .map(<[u32]>::to_vec)
+                    .unwrap_or_default()
+            };
+            RequestStats {
+                id: r.id,
+                prompt_len: r.prompt.len(),
+                output,
+                finish: p.finish,
+                spec: p.spec,
+                ttft_steps: p.ttft_steps,
+                ttft_s: p.ttft_s,
+                e2e_s: p.e2e_s,
+                num_preemptions: p.num_preemptions,
+            }
+        });
+        let requests: Vec<RequestStats> = stats.collect();
+        let output_tokens = requests.iter().map(|r| r.output.len() as u64).sum();
+        let spec = rep.spec;
+        Self {
+            acceptance_rate: spec.draft_acceptance_rate(),
+            tau: spec.mean_acceptance_length(),
+            per_position: spec.per_position_rates(),
+            spec,
+            requests,
+            steps,
+            num_steps: rep.steps,
+            output_tokens,
+            wall_s: rep.wall_s,
+            tokens_per_s: if rep.wall_s > 0.0 {
+                output_tokens as f64 / rep.wall_s
+            } else {
+                0.0
+            },
+            wedged: rep.wedged.map(|w| w.to_string()),
+            rejected: rep.rejected.iter().map(|r| r.to_string()).collect(),
+            preemptions: rep.preemptions,
+            hit_step_limit: rep.hit_step_limit,
+            kv_usable_blocks: rep.kv_usable_blocks,
+            kv_free_blocks_end: rep.kv_free_blocks_end,
+            kv_held_blocks_end: rep.kv_held_blocks_end,
+            allocator_violation: rep.allocator_violation,
         }
-        let out = sched.schedule(kv)?;
-        run.rejected
-            .extend(out.rejected.iter().map(|r| r.to_string()));
-        run.preemptions += out.preempted.len() as u64;
-        slots.extend(out.scheduled.iter().map(|s| s.slot));
-        let in_use = kv.usable_blocks() - kv.num_free_blocks();
-        let held = held_total(kv, &slots);
-        if in_use != held && run.allocator_violation.is_none() {
-            run.allocator_violation = Some(format!(
-                "step {}: {in_use} blocks in use (usable - free) but requests hold {held}",
-                run.num_steps
-            ));
-        }
-        if let Some(w) = &out.wedged {
-            run.wedged = Some(w.to_string());
-            break;
-        }
-        let results = exec.execute(kv, &out)?;
-        sched.update(kv, &out, &results)?;
-        run.num_steps += 1;
-    }
-    run.wall_s = t0.elapsed().as_secs_f64();
-    run.kv_free_blocks_end = kv.num_free_blocks();
-    run.kv_held_blocks_end = held_total(kv, &slots);
-    if !sched.has_work()
-        && run.allocator_violation.is_none()
-        && (run.kv_free_blocks_end != run.kv_usable_blocks || run.kv_held_blocks_end != 0)
-    {
-        run.allocator_violation = Some(format!(
-            "end of run: {} of {} usable blocks free, requests still hold {}",
-            run.kv_free_blocks_end, run.kv_usable_blocks, run.kv_held_blocks_end
-        ));
-    }
-    run.requests = exec.request_stats();
-    run.steps = exec.steps().to_vec();
-    for r in &run.requests {
-        run.output_tokens += r.output.len() as u64;
-    }
-    // vLLM SpecDecodingStats over the run = the sum of the per-request counters.
-    let mut spec = SpecMetrics::default();
-    for r in &run.requests {
-        merge_spec(&mut spec, &r.spec);
-    }
-    run.acceptance_rate = spec.draft_acceptance_rate();
-    run.tau = spec.mean_acceptance_length();
-    run.per_position = spec.per_position_rates();
-    run.spec = spec;
-    run.tokens_per_s = if run.wall_s > 0.0 {
-        run.output_tokens as f64 / run.wall_s
-    } else {
-        0.0
-    };
-    Ok(run)
-}
-
-/// Add `b`'s counters to `a`.
-fn merge_spec(a: &mut SpecMetrics, b: &SpecMetrics) {
-    a.num_drafts += b.num_drafts;
-    a.num_draft_tokens += b.num_draft_tokens;
-    a.num_accepted_tokens += b.num_accepted_tokens;
-    if a.accepted_per_position.len() < b.accepted_per_position.len() {
-        a.accepted_per_position
-            .resize(b.accepted_per_position.len(), 0);
-    }
-    for (x, y) in a
-        .accepted_per_position
-        .iter_mut()
-        .zip(&b.accepted_per_position)
-    {
-        *x += y;
     }
 }
 
@@ -211,6 +190,8 @@ pub struct SchedulerParams {
     pub num_speculative_tokens: u64,
     /// vLLM `num_lookahead_tokens` (the drafter's `lookahead_slots`).
     pub lookahead: u64,
+    /// EOS stops a request (`None`: `ignore_eos`); the scheduler's stop rule uses it.
+    pub eos_token_id: Option<u32>,
 }
 
 /// Builds the run's scheduler with `requests` queued (in order).
@@ -249,38 +230,10 @@ impl Default for EngineOptions {
     }
 }
 
-/// Check requests against the model and `max_model_len` (clear errors before any work).
-pub(crate) fn check_requests(
-    cfg: &ModelConfig,
-    requests: &[EngineRequest],
-    mml: u64,
-) -> Result<()> {
-    let mut ids = BTreeSet::new();
+/// Check the prompts' token ids against the model's vocabulary before any work (the
+/// counts, duplicates and lengths are the scheduler's to check when it queues them).
+pub(crate) fn check_token_ids(cfg: &ModelConfig, requests: &[EngineRequest]) -> Result<()> {
     for r in requests {
-        if !ids.insert(r.id) {
-            return Err(EngineError::DuplicateRequest {
-                req: r.id.to_string(),
-            });
-        }
-        if r.prompt.is_empty() {
-            return Err(EngineError::BadTokenCount {
-                req: r.id.to_string(),
-                reason: "empty prompt".into(),
-            });
-        }
-        if r.max_tokens == 0 {
-            return Err(EngineError::BadTokenCount {
-                req: r.id.to_string(),
-                reason: "max_tokens must be >= 1".into(),
-            });
-        }
-        if r.prompt.len() as u64 >= mml {
-            return Err(EngineError::PromptTooLong {
-                req: r.id.to_string(),
-                prompt_len: r.prompt.len() as u64,
-                max_model_len: mml,
-            });
-        }
         if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= cfg.vocab_size) {
             return Err(EngineError::ModelInput(format!(
                 "request {}: prompt token id {t} is not below vocab_size {}",
@@ -291,16 +244,12 @@ pub(crate) fn check_requests(
     Ok(())
 }
 
-/// Generate for `requests` with the target and a drafter: build the KV manager (target
-/// groups + drafter groups), runner, drafter, executor and scheduler, then [`run_engine`].
-pub fn generate(
+/// The KV layout of a run: the target's groups, then the drafter's own groups.
+fn run_layout(
     target: &ModelWeights,
     drafter: &dyn DrafterFactory,
-    requests: &[EngineRequest],
     opts: &EngineOptions,
-    make_scheduler: &mut SchedulerFactory<'_>,
-) -> Result<EngineRun> {
-    opts.sampling.validate()?;
+) -> Result<crate::kv::KvLayout> {
     let n = drafter.num_speculative_tokens();
     let n32 = u32::try_from(n).map_err(|_| EngineError::InvalidDrafterConfig {
         drafter: "any".into(),
@@ -323,28 +272,63 @@ pub fn generate(
     }
     layout.groups.extend(drafter.kv_groups()?);
     layout.resolve_groups()?;
-    let kv_mml = u64::from(layout.max_model_len);
-    check_requests(&target.cfg, requests, kv_mml)?;
+    Ok(layout)
+}
+
+/// Generate for `requests` on the CPU reference backend ([`generate_on`]).
+pub fn generate(
+    target: &ModelWeights,
+    drafter: &dyn DrafterFactory,
+    requests: &[EngineRequest],
+    opts: &EngineOptions,
+    make_scheduler: &mut SchedulerFactory<'_>,
+) -> Result<EngineRun> {
+    generate_on(&CpuBackend, target, drafter, requests, opts, make_scheduler)
+}
+
+/// Generate for `requests` with the target on `backend` and a drafter: build the KV
+/// manager (target groups + drafter groups), backend, drafter, executor and scheduler
+/// (which queues the requests with their token ids), then the one step loop
+/// ([`crate::run::run`], allocator checks on).
+pub fn generate_on(
+    backend: &dyn BackendFactory,
+    target: &ModelWeights,
+    drafter: &dyn DrafterFactory,
+    requests: &[EngineRequest],
+    opts: &EngineOptions,
+    make_scheduler: &mut SchedulerFactory<'_>,
+) -> Result<EngineRun> {
+    opts.sampling.validate()?;
+    let layout = run_layout(target, drafter, opts)?;
+    check_token_ids(&target.cfg, requests)?;
     let mut kv = KvCacheManager::new(&layout, opts.num_blocks)?;
-    let runner = ModelRunner::new(target.clone(), &kv)?;
     let d = drafter.build(&target.cfg, &kv)?;
     let params = SchedulerParams {
-        num_speculative_tokens: n as u64,
+        num_speculative_tokens: drafter.num_speculative_tokens() as u64,
         lookahead: d.lookahead_slots() as u64,
+        eos_token_id: (!opts.ignore_eos).then_some(target.cfg.eos_token_id),
     };
+    let mut sched = make_scheduler(&kv, &params, requests)?;
     let cfg = ExecConfig {
-        num_speculative_tokens: n,
+        num_speculative_tokens: drafter.num_speculative_tokens(),
         sampling: opts.sampling,
         seed: opts.seed,
-        ignore_eos: opts.ignore_eos,
         collect_router: opts.collect_router,
     };
-    let mut exec = ModelExecutor::new(runner, d, cfg)?;
-    for r in requests {
-        exec.add_request(r.id, r.prompt.clone(), r.max_tokens)?;
-    }
-    let mut sched = make_scheduler(&kv, &params, requests)?;
-    run_engine(&mut kv, sched.as_mut(), &mut exec, opts.max_steps)
+    let mut exec = ModelExecutor::new(backend.build(target, &kv)?, d, cfg)?;
+    let mut steps = Vec::new();
+    let limits = RunLimits {
+        max_steps: opts.max_steps,
+        check_allocator: true,
+    };
+    let rep = run(
+        &mut kv,
+        sched.as_mut(),
+        &mut exec,
+        limits,
+        &mut |s: &StepStats| steps.push(s.clone()),
+    )?;
+    Ok(EngineRun::from_report(rep, requests, sched.as_ref(), steps))
 }
 
 /// The no-drafter factory (the lossless check's reference run).
