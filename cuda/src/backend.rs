@@ -79,6 +79,8 @@ pub struct CudaBackend {
     pub(crate) per_layer: Option<DevBuf<f32>>,
     /// Router ids / weights per MoE layer (collect_router). Shape: [n_moe * t_cap * k].
     pub(crate) router: Option<(DevBuf<i32>, DevBuf<f32>)>,
+    /// Host copy of the bf16 embedding for `SharedHead::embed`. Shape: [V, H] bf16 bits.
+    pub(crate) embed_host: Vec<u16>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -142,6 +144,7 @@ impl CudaBackend {
             opts,
             per_layer: None,
             router: None,
+            embed_host: crate::repack::to_bf16(&weights.embed, "model.embed_tokens")?,
         })
     }
 

@@ -15,7 +15,8 @@
 //! [`ops`] (one launch wrapper per kernel), [`buf`] (device buffers, checked pointers),
 //! [`kvpool`] (the device KV pool geometry), [`workspace`] (step buffers), [`step`]
 //! (the kernel sequence of a step), [`backend`] (the public backend), [`check`] (the
-//! device check: parity against the CPU engine and decode timing).
+//! device check: parity against the CPU engine and decode timing), [`seam`] (the
+//! engine's `TargetBackend` / `SharedHead` / `BackendFactory` for the CUDA backend).
 //!
 //! Invariants: numerics follow docs/model.md §1 (f32 compute; bf16 weights widened
 //! exactly; INT4 dequantized to exact f32 products); every launch's bounds are checked
@@ -33,9 +34,11 @@ pub mod launch;
 pub mod meta;
 pub mod ops;
 pub mod repack;
+pub mod seam;
 pub mod step;
 pub mod weights;
 pub mod workspace;
 
 pub use backend::{CudaBackend, CudaOptions};
 pub use error::{CudaError, Result};
+pub use seam::CudaFactory;
