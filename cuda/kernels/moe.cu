@@ -75,7 +75,7 @@ extern "C" __global__ void moe_topk(int* __restrict__ ids, float* __restrict__ w
 // max_tiles = ceil((P + min(E, P) * 7) / 8) (cuda/src/launch.rs::moe_max_tiles).
 // Shapes: ids [P] i32 (< E), sorted [p_pad_max] i32, tile_expert [max_tiles] i32.
 // Launch: grid (1), block 1024; E <= 1024.
-extern "C" __global__ void moe_align(int* __restrict__ sorted, int* __restrict__ tile_expert,
+extern "C" __global__ void __launch_bounds__(1024) moe_align(int* __restrict__ sorted, int* __restrict__ tile_expert,
                                      const int* __restrict__ ids, int P, int E,
                                      int max_tiles) {
     __shared__ int count[EXPERTS_MAX];

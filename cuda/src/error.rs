@@ -17,7 +17,7 @@ pub enum CudaError {
     )]
     NoDriver,
     /// The driver loads but reports no device.
-    #[error("no CUDA device: {0}")]
+    #[error("CUDA device unavailable: {0}")]
     NoDevice(String),
     /// libnvrtc cannot be loaded.
     #[error("no NVRTC: libnvrtc could not be loaded (pip install nvidia-cuda-nvrtc==13.0.88 and put its nvidia/cu13/lib on LD_LIBRARY_PATH; see cuda/README.md)")]
