@@ -13,10 +13,12 @@ BIN=target/gpu-check/gpu_check
 
 if [ "${1:-}" = "--build" ]; then
   CARGO_PROFILE_RELEASE_DEBUG=0 cargo build --release --locked -p speclab-cuda --example gpu_check
+  CARGO_PROFILE_RELEASE_DEBUG=0 cargo build --release --locked -p speclab --bin speclab
   mkdir -p target/gpu-check
   cp target/release/examples/gpu_check "$BIN"
-  strip "$BIN" 2>/dev/null || true
-  ls -la "$BIN"
+  cp target/release/speclab target/gpu-check/speclab
+  strip "$BIN" target/gpu-check/speclab 2>/dev/null || true
+  ls -la target/gpu-check
   exit 0
 fi
 
@@ -35,4 +37,35 @@ echo "libnvrtc: ${NVRTC:-not found}"
 export SPECLAB_KERNEL_CACHE=/tmp/speclab-kernel-cache
 nvidia-smi -L || true
 set -o pipefail
-"$BIN" --model models/tiny --json "$OUT/gpu_check.json" --steps 50 2>&1 | tee "$OUT/gpu_check.log"
+# The step loop end to end (scheduler + MTP drafter + CUDA target): greedy output of
+# --device cuda must equal --device cpu. Before the check so its table stays last.
+CLI=target/gpu-check/speclab
+if [ -x "$CLI" ]; then
+  P=1,1000,2000,3000,4000,500,600,700
+  for dev in cpu cuda; do
+    timeout 120 "$CLI" generate --model models/tiny --device $dev --drafter mtp --num-spec 2 \
+      --prompt-ids $P --max-tokens 48 --ignore-eos --json > "$OUT/generate_$dev.json" 2> "$OUT/generate_$dev.err" \
+      || echo "generate --device $dev failed: $(tail -3 "$OUT/generate_$dev.err")"
+  done
+  python3 - "$OUT" <<'PY' || true
+import json, sys
+d = sys.argv[1]
+try:
+    a, b = (json.load(open(f"{d}/generate_{x}.json"))["output_ids"] for x in ("cpu", "cuda"))
+    print("generate --drafter mtp --num-spec 2: cuda output", "EQUALS" if a == b else "DIFFERS FROM", "cpu output", f"({len(b)} tokens)")
+except Exception as e:
+    print("generate comparison unavailable:", e)
+PY
+fi
+# On a parity failure, locate bad memory accesses (compute-sanitizer works on the
+# Firecracker machines) before printing the table again.
+rc=0
+"$BIN" --model models/tiny --json "$OUT/gpu_check.json" --steps 50 > "$OUT/gpu_check.log" 2>&1 || rc=$?
+if [ "$rc" != 0 ] && command -v compute-sanitizer >/dev/null; then
+  timeout 240 compute-sanitizer --tool memcheck --print-limit 30 "$BIN" --model models/tiny --parity-only \
+    --json /tmp/sanitized.json > "$OUT/sanitizer.log" 2>&1 || true
+  echo "compute-sanitizer (exit $rc run): $(grep -c 'Invalid' "$OUT/sanitizer.log" || true) invalid accesses; head:"
+  grep -m 8 -A3 'Invalid\|ERROR' "$OUT/sanitizer.log" || true
+fi
+cat "$OUT/gpu_check.log"
+exit "$rc"

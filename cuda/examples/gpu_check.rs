@@ -1,6 +1,8 @@
 //! The device check in one process: parity (speclab_cuda::check::parity) then decode
 //! timing at batch 1 / 8 / 32 / 128 with CUDA graphs off and on; JSON to the path given
 //! by `--json PATH` (default `gpu_check.json`), a short table last on stdout.
+//! `--parity-only` skips the timing (for runs under compute-sanitizer); `--steps N`
+//! sets the timed decode steps (default 50).
 //!
 //! Built here in release and carried to the GPU machine (no cargo there): see
 //! cuda/README.md and recipes/gpu_check.sh. Exit code 1 when a parity line fails,
@@ -35,14 +37,17 @@ fn main() {
     let model = PathBuf::from(arg("--model").unwrap_or_else(|| "models/tiny".into()));
     let json = PathBuf::from(arg("--json").unwrap_or_else(|| "gpu_check.json".into()));
     let steps: usize = arg("--steps").and_then(|s| s.parse().ok()).unwrap_or(50);
+    let parity_only = std::env::args().any(|a| a == "--parity-only");
     if let Some(why) = speclab_cuda::device::skip_reason() {
         eprintln!("skipping: {why}");
         std::process::exit(2);
     }
     let t0 = std::time::Instant::now();
-    let (parity, parity_error) = match check::parity(&model) {
-        Ok(l) => (l, None),
-        Err(e) => (Vec::new(), Some(e.to_string())),
+    let caught = std::panic::catch_unwind(|| check::parity(&model));
+    let (parity, parity_error) = match caught {
+        Ok(Ok(l)) => (l, None),
+        Ok(Err(e)) => (Vec::new(), Some(e.to_string())),
+        Err(_) => (Vec::new(), Some("parity panicked (see stderr)".to_string())),
     };
     println!("parity ({:.1} s):", t0.elapsed().as_secs_f64());
     for l in &parity {
@@ -58,11 +63,18 @@ fn main() {
         println!("  parity ERROR: {e}");
     }
     let all_pass = parity_error.is_none() && parity.iter().all(|l| l.pass);
-    let (timing, copy_gb_s, weight_bytes, timing_error) =
-        match check::timing(&model, &[1, 8, 32, 128], steps) {
-            Ok((r, bw, wb)) => (r, bw, wb, None),
-            Err(e) => (Vec::new(), 0.0, 0, Some(e.to_string())),
-        };
+    let batches: &[usize] = if parity_only { &[] } else { &[1, 8, 32, 128] };
+    let caught = std::panic::catch_unwind(|| check::timing(&model, batches, steps));
+    let (timing, copy_gb_s, weight_bytes, timing_error) = match caught {
+        Ok(Ok((r, bw, wb))) => (r, bw, wb, None),
+        Ok(Err(e)) => (Vec::new(), 0.0, 0, Some(e.to_string())),
+        Err(_) => (
+            Vec::new(),
+            0.0,
+            0,
+            Some("timing panicked (see stderr)".to_string()),
+        ),
+    };
     let report = Report {
         device: speclab_cuda::device::device_count()
             .ok()

@@ -79,6 +79,8 @@ pub struct CudaBackend {
     pub(crate) per_layer: Option<DevBuf<f32>>,
     /// Router ids / weights per MoE layer (collect_router). Shape: [n_moe * t_cap * k].
     pub(crate) router: Option<(DevBuf<i32>, DevBuf<f32>)>,
+    /// The first graph capture / replay failure (graphs are off after it).
+    graph_error: Option<String>,
     /// Host copy of the bf16 embedding for `SharedHead::embed`. Shape: [V, H] bf16 bits.
     pub(crate) embed_host: Vec<u16>,
 }
@@ -144,6 +146,7 @@ impl CudaBackend {
             opts,
             per_layer: None,
             router: None,
+            graph_error: None,
             embed_host: crate::repack::to_bf16(&weights.embed, "model.embed_tokens")?,
         })
     }
@@ -316,8 +319,26 @@ impl CudaBackend {
         self.ws.argmax.read(&self.gpu.stream, 0, r, "greedy tokens")
     }
 
-    /// Replay the graph of `key`, capturing it first if needed.
+    /// Replay the graph of `key`, capturing it first if needed. A capture that fails
+    /// turns graphs off for this backend (recorded in [`Self::graph_error`]) and runs the
+    /// step eagerly: nothing ran during the failed capture.
     fn run_graph(&mut self, key: GraphKey, m: &StepMeta, kind: StepKind) -> Result<()> {
+        match self.replay(key, m, kind) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.graph_error = Some(e.to_string());
+                self.set_graphs(false);
+                self.run(m, kind)
+            }
+        }
+    }
+
+    /// Why graph capture / replay failed, if it did (graphs are then off).
+    pub fn graph_error(&self) -> Option<&str> {
+        self.graph_error.as_deref()
+    }
+
+    fn replay(&mut self, key: GraphKey, m: &StepMeta, kind: StepKind) -> Result<()> {
         if !self.graphs.contains_key(&key) {
             let stream = self.gpu.stream.clone();
             stream

@@ -331,6 +331,11 @@ impl Rig {
             miss_graph as f64,
             0.0,
         );
+        if let Some(e) = self.greedy.graph_error() {
+            eprintln!("CUDA graph capture failed (greedy ran eagerly): {e}");
+        }
+        let failed = f64::from(u8::from(self.greedy.graph_error().is_some()));
+        line(out, "CUDA graph capture/replay failures", failed, 0.0);
         let gold_miss: usize = seqs
             .iter()
             .zip(&self.gold.greedy)
@@ -502,9 +507,12 @@ pub fn timing(dir: &Path, batches: &[usize], steps: usize) -> Result<(Vec<Timing
             if !graphs {
                 eager_kernels = kernels as f64 / steps as f64;
             }
+            if let Some(e) = gpu.graph_error() {
+                eprintln!("batch {b}: CUDA graphs failed, the graphs-on row ran eagerly: {e}");
+            }
             rows.push(TimingRow {
                 batch: b,
-                graphs,
+                graphs: graphs && gpu.graph_error().is_none(),
                 steps,
                 us_per_step: med,
                 tok_per_s: b as f64 / med * 1e6,
