@@ -102,7 +102,7 @@ fn real_manifest_runs_and_records_acceptance() {
         );
         assert_eq!(r["finish"]["length"], 2, "{id}");
         let n = u(&r["num_speculative_tokens"]);
-        assert_eq!(id.contains(&format!(" n={n} ")), true, "{id}");
+        assert!(id.contains(&format!(" n={n} ")), "{id}");
         let c = u(&r["concurrency"]);
         assert!(
             u(&r["max_verify_width"]) <= c * (n + 1),

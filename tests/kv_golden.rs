@@ -105,12 +105,14 @@ fn check(path: &Path, g: &Golden) -> Result<(), String> {
     for (i, (op, want)) in g.ops.iter().zip(&g.results).enumerate() {
         let got = match r.apply(op) {
             Ok(got) => got,
-            Err(e) => return Err(format!(
+            Err(e) => {
+                return Err(format!(
                 "{} ({}): op {i} {op}: replay error: {e}\n  expected: {want}\n  previous ops:\n{}",
                 path.display(),
                 g.name,
                 context(i)
-            )),
+            ))
+            }
         };
         let got_v = serde_json::to_value(&got).map_err(|e| e.to_string())?;
         let same = got_v.get("i") == want.get("i")

@@ -20,6 +20,8 @@
 //! appended in position order, and a chunk at position 0 restarts it.
 
 use std::path::Path;
+
+use serde::{Deserialize, Serialize};
 use std::str::FromStr;
 
 use speclab_engine::exec::DrafterFactory;
@@ -159,7 +161,7 @@ impl Drafter for DFlash2Drafter {
     }
 
     fn lookahead_slots(&self) -> usize {
-        crate::dflash2::DFlash2Config::lookahead_slots(self.num_speculative_tokens)
+        DrafterKind::Dflash2.lookahead(self.num_speculative_tokens)
     }
 
     fn wants_layer_hidden(&self) -> bool {
@@ -171,22 +173,35 @@ impl Drafter for DFlash2Drafter {
     }
 }
 
-/// Which drafter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Which drafter: the one vocabulary of the CLI (`--drafter`), manifests (`drafter.kind`,
+/// `real.drafters`) and records (`none`, `ngram`, `mtp`, `dflash2`, `dflash1`).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
 pub enum DrafterKind {
-    /// No drafter (N = 0).
+    /// No drafter (N = 0): the spec-off control.
+    #[default]
     None,
     /// vLLM's n-gram prompt lookup.
     Ngram,
     /// The target's MTP layer.
     Mtp,
     /// DFlash2 (grouped conv + candidate selector).
-    DFlash2,
+    Dflash2,
     /// DFlash v1 (the DFlash2 checkpoint with conv and selector off).
-    DFlash1,
+    Dflash1,
 }
 
 impl DrafterKind {
+    /// Every kind, in order.
+    pub const ALL: [DrafterKind; 5] = [
+        Self::None,
+        Self::Ngram,
+        Self::Mtp,
+        Self::Dflash2,
+        Self::Dflash1,
+    ];
     /// The names `FromStr` accepts.
     pub const NAMES: [&'static str; 5] = ["none", "ngram", "mtp", "dflash2", "dflash1"];
 
@@ -196,8 +211,41 @@ impl DrafterKind {
             DrafterKind::None => "none",
             DrafterKind::Ngram => "ngram",
             DrafterKind::Mtp => "mtp",
-            DrafterKind::DFlash2 => "dflash2",
-            DrafterKind::DFlash1 => "dflash1",
+            DrafterKind::Dflash2 => "dflash2",
+            DrafterKind::Dflash1 => "dflash1",
+        }
+    }
+
+    /// Parse a name as written in manifests (exact spelling).
+    pub fn from_name(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|d| d.name() == s)
+    }
+
+    /// DFlash (v1 or v2): needs a checkpoint directory and its own KV group.
+    pub fn is_dflash(self) -> bool {
+        matches!(self, Self::Dflash2 | Self::Dflash1)
+    }
+
+    /// Drafts per step with `n` speculative tokens (0 without a drafter).
+    pub fn drafts_per_step(self, n: usize) -> usize {
+        if self == Self::None {
+            0
+        } else {
+            n
+        }
+    }
+
+    /// vLLM's lookahead slots per step (`VllmConfig.num_lookahead_tokens`): N for MTP
+    /// (EAGLE-style proposers write KV for N positions), N + 1 for DFlash (the bonus
+    /// query + one per draft, `DFlash2Config::lookahead_slots`), 0 for n-gram and none
+    /// (no drafter KV). The one place this rule lives.
+    pub fn lookahead(self, n: usize) -> usize {
+        match self {
+            DrafterKind::None | DrafterKind::Ngram => 0,
+            DrafterKind::Mtp => n,
+            DrafterKind::Dflash2 | DrafterKind::Dflash1 => {
+                crate::dflash2::DFlash2Config::lookahead_slots(n)
+            }
         }
     }
 }
@@ -209,8 +257,8 @@ impl FromStr for DrafterKind {
             "none" => DrafterKind::None,
             "ngram" => DrafterKind::Ngram,
             "mtp" => DrafterKind::Mtp,
-            "dflash2" => DrafterKind::DFlash2,
-            "dflash1" | "dflash" => DrafterKind::DFlash1,
+            "dflash2" => DrafterKind::Dflash2,
+            "dflash1" | "dflash" => DrafterKind::Dflash1,
             other => {
                 return Err(bad(
                     other,
@@ -289,9 +337,9 @@ impl DrafterSpec {
         check_dflash(&weights, target, num_speculative_tokens, mode)?;
         weights.cfg.kv_group(block_size, cap)?;
         let kind = if mode == DraftMode::V2 {
-            DrafterKind::DFlash2
+            DrafterKind::Dflash2
         } else {
-            DrafterKind::DFlash1
+            DrafterKind::Dflash1
         };
         Ok(Self {
             kind,
@@ -317,7 +365,7 @@ impl DrafterSpec {
             DrafterKind::None => Ok(Self::none()),
             DrafterKind::Ngram => Self::ngram(num_speculative_tokens, 5, 5),
             DrafterKind::Mtp => Self::mtp(target, num_speculative_tokens),
-            DrafterKind::DFlash2 | DrafterKind::DFlash1 => {
+            DrafterKind::Dflash2 | DrafterKind::Dflash1 => {
                 let dir = dir.ok_or_else(|| {
                     bad(
                         kind.name(),
@@ -325,7 +373,7 @@ impl DrafterSpec {
                     )
                 })?;
                 let w = DFlash2Weights::load_for_target(dir, target)?;
-                let mode = if kind == DrafterKind::DFlash2 {
+                let mode = if kind == DrafterKind::Dflash2 {
                     DraftMode::V2
                 } else {
                     DraftMode::V1
@@ -335,13 +383,38 @@ impl DrafterSpec {
         }
     }
 
-    /// vLLM's lookahead slots: N for MTP, N + 1 for DFlash, 0 for n-gram and none.
+    /// vLLM's lookahead slots ([`DrafterKind::lookahead`]).
     pub fn lookahead_slots(&self) -> usize {
-        match self.kind {
-            DrafterKind::None | DrafterKind::Ngram => 0,
-            DrafterKind::Mtp => self.num_speculative_tokens,
-            DrafterKind::DFlash2 | DrafterKind::DFlash1 => self.num_speculative_tokens + 1,
-        }
+        self.kind.lookahead(self.num_speculative_tokens)
+    }
+
+    /// The default pool of a run when none is given (`speclab generate`, real manifest
+    /// legs): every request at its full length `min(prompt + max_tokens + N + 1,
+    /// max_model_len)` at once, in the target's full-attention group at `block_size`,
+    /// `1 + N` KDA snapshot blocks, and a DFlash window group at this spec's
+    /// `dflash_block_size` sized without a cap (+ 2), plus the null block. The DFlash
+    /// term is counted for every drafter kind (an upper bound; the recorded legs were
+    /// sized this way). Saturates at `u32::MAX`.
+    pub fn default_num_blocks(
+        &self,
+        block_size: u32,
+        max_model_len: u64,
+        requests: &[speclab_engine::exec::EngineRequest],
+    ) -> u32 {
+        let n = self.num_speculative_tokens() as u64;
+        let (bs, dbs) = (
+            u64::from(block_size.max(1)),
+            u64::from(self.dflash_block_size.max(1)),
+        );
+        let need = requests.iter().fold(0u64, |acc, r| {
+            let len = (r.prompt.len() as u64)
+                .saturating_add(r.max_tokens)
+                .saturating_add(n + 1)
+                .min(max_model_len);
+            let per = len.div_ceil(bs) + 1 + n + len.div_ceil(dbs) + 2;
+            acc.saturating_add(per)
+        });
+        u32::try_from(need.saturating_add(1)).unwrap_or(u32::MAX)
     }
 }
 
@@ -356,10 +429,10 @@ impl DrafterFactory for DrafterSpec {
 
     fn kv_groups(&self) -> Result<Vec<GroupSpec>> {
         match (&self.kind, &self.dflash) {
-            (DrafterKind::DFlash2 | DrafterKind::DFlash1, Some(w)) => Ok(vec![w
+            (DrafterKind::Dflash2 | DrafterKind::Dflash1, Some(w)) => Ok(vec![w
                 .cfg
                 .kv_group(self.dflash_block_size, self.dflash_cap)?]),
-            (DrafterKind::DFlash2 | DrafterKind::DFlash1, None) => Err(bad(
+            (DrafterKind::Dflash2 | DrafterKind::Dflash1, None) => Err(bad(
                 self.kind.name(),
                 "no DFlash weights in the spec".into(),
             )),
@@ -377,12 +450,12 @@ impl DrafterFactory for DrafterSpec {
                 n,
             )?),
             DrafterKind::Mtp => Box::new(Mtp::new(target, n)?),
-            DrafterKind::DFlash2 | DrafterKind::DFlash1 => {
+            DrafterKind::Dflash2 | DrafterKind::Dflash1 => {
                 let w = self
                     .dflash
                     .clone()
                     .ok_or_else(|| bad(self.kind.name(), "no DFlash weights in the spec".into()))?;
-                let mode = if self.kind == DrafterKind::DFlash2 {
+                let mode = if self.kind == DrafterKind::Dflash2 {
                     DraftMode::V2
                 } else {
                     DraftMode::V1

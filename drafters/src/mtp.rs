@@ -143,6 +143,6 @@ impl Drafter for Mtp {
     }
 
     fn lookahead_slots(&self) -> usize {
-        self.num_speculative_tokens
+        crate::DrafterKind::Mtp.lookahead(self.num_speculative_tokens)
     }
 }

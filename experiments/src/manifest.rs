@@ -209,16 +209,8 @@ pub enum PolicyName {
     RejectImpossible,
 }
 
-/// Drafter kinds known to manifests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum DrafterKind {
-    #[default]
-    None,
-    Ngram,
-    Mtp,
-    Dflash2,
-}
+/// Drafter kinds known to manifests: the one drafter vocabulary.
+pub use speclab_drafters::DrafterKind;
 
 /// Drafter settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -240,20 +232,12 @@ impl DrafterSpec {
     /// KV lookahead slots per step, as vLLM `VllmConfig.num_lookahead_tokens`:
     /// N + 1 for DFlash (bonus query + one per draft), N for MTP/EAGLE, 0 otherwise.
     pub fn lookahead(&self) -> u64 {
-        let n = u64::from(self.num_speculative_tokens);
-        match self.kind {
-            DrafterKind::Dflash2 => n + 1,
-            DrafterKind::Mtp => n,
-            DrafterKind::None | DrafterKind::Ngram => 0,
-        }
+        self.kind.lookahead(self.num_speculative_tokens as usize) as u64
     }
     /// Drafts per decode step.
     pub fn drafts_per_step(&self) -> u64 {
-        if self.kind == DrafterKind::None {
-            0
-        } else {
-            u64::from(self.num_speculative_tokens)
-        }
+        self.kind
+            .drafts_per_step(self.num_speculative_tokens as usize) as u64
     }
 }
 
@@ -449,8 +433,7 @@ impl Manifest {
             ));
         }
         if let Some(b) = self.drafter.block_size {
-            if self.drafter.kind == DrafterKind::Dflash2
-                && (b == 0 || self.drafter.num_speculative_tokens > b)
+            if self.drafter.kind.is_dflash() && (b == 0 || self.drafter.num_speculative_tokens > b)
             {
                 return Err(bad(
                     "drafter.num_speculative_tokens",

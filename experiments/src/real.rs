@@ -28,51 +28,8 @@ use speclab_engine::model::ModelConfig;
 
 use crate::{ExperimentError, Result};
 
-/// Drafter kinds of real legs (the names of `speclab_drafters::DrafterKind`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RealDrafter {
-    /// No drafter (N = 0): the spec-off control.
-    None,
-    /// vLLM's n-gram prompt lookup.
-    Ngram,
-    /// The target's MTP layer.
-    Mtp,
-    /// DFlash2 (grouped conv + candidate selector) from a checkpoint directory.
-    Dflash2,
-    /// DFlash v1: a DFlash2 checkpoint with conv and selector off.
-    Dflash1,
-}
-
-impl RealDrafter {
-    /// Every kind, in manifest spelling.
-    pub const ALL: [RealDrafter; 5] = [
-        Self::None,
-        Self::Ngram,
-        Self::Mtp,
-        Self::Dflash2,
-        Self::Dflash1,
-    ];
-
-    /// The name (`speclab_drafters::DrafterKind` parses it).
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::None => "none",
-            Self::Ngram => "ngram",
-            Self::Mtp => "mtp",
-            Self::Dflash2 => "dflash2",
-            Self::Dflash1 => "dflash1",
-        }
-    }
-    /// Parse a name as written in manifests.
-    pub fn from_name(s: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|d| d.name() == s)
-    }
-    /// DFlash (needs a checkpoint directory).
-    pub fn is_dflash(self) -> bool {
-        matches!(self, Self::Dflash2 | Self::Dflash1)
-    }
-}
+/// Drafter kinds of real legs: the one drafter vocabulary, `speclab_drafters::DrafterKind`.
+pub use speclab_drafters::DrafterKind as RealDrafter;
 
 /// Seeded random prompts: `count` prompts of `len` ordinary tokens (the special ids at
 /// the end of the vocabulary excluded), ChaCha8 seeded with `seed` — the same prompts as

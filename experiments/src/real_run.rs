@@ -20,8 +20,7 @@ use std::time::Instant;
 
 use speclab_drafters::{DFlash2Weights, DraftMode, DrafterSpec};
 use speclab_engine::exec::{
-    generate, verify_lossless, DrafterFactory, EngineOptions, EngineRequest, EngineRun,
-    LosslessReport,
+    generate, verify_lossless, EngineOptions, EngineRequest, EngineRun, LosslessReport,
 };
 use speclab_engine::model::ModelWeights;
 use speclab_engine::spec::SamplingParams;
@@ -139,11 +138,12 @@ impl<'a> RealRunner<'a> {
         }
     }
 
-    /// Engine options of a leg (pool sized as `speclab generate` does unless given).
+    /// Engine options of a leg (the drafter factory's default pool unless given, as
+    /// `speclab generate` sizes it).
     pub fn options(
         &self,
         reqs: &[EngineRequest],
-        n_spec: usize,
+        spec: &DrafterSpec,
         temperature: f32,
         collect_router: bool,
     ) -> EngineOptions {
@@ -151,24 +151,10 @@ impl<'a> RealRunner<'a> {
         let mml = s
             .max_model_len
             .unwrap_or(self.target.cfg.max_position_embeddings as u64);
-        let (bs, dbs) = (
-            u64::from(s.block_size.max(1)),
-            u64::from(s.drafter_block_size.max(1)),
-        );
-        // Every request at its full length at once, in every group (full attention,
-        // 1 + N KDA snapshot blocks, a DFlash window group sized without a cap), + null.
-        let need: u64 = reqs
-            .iter()
-            .map(|r| {
-                let len = (r.prompt.len() as u64 + r.max_tokens + n_spec as u64 + 1).min(mml);
-                len.div_ceil(bs) + 1 + n_spec as u64 + len.div_ceil(dbs) + 2
-            })
-            .sum();
+        let need = spec.default_num_blocks(s.block_size, mml, reqs);
         EngineOptions {
             block_size: s.block_size,
-            num_blocks: s
-                .num_blocks
-                .unwrap_or_else(|| u32::try_from(need + 1).unwrap_or(u32::MAX)),
+            num_blocks: s.num_blocks.unwrap_or(need),
             max_model_len: s.max_model_len,
             sampling: SamplingParams::random(temperature),
             seed: s.seed,
@@ -196,12 +182,7 @@ impl<'a> RealRunner<'a> {
             .drafter(leg.drafter, leg.num_speculative_tokens)
             .map_err(eng)?;
         let reqs = self.requests();
-        let opts = self.options(
-            &reqs,
-            spec.num_speculative_tokens(),
-            leg.temperature,
-            self.spec.collect_router,
-        );
+        let opts = self.options(&reqs, &spec, leg.temperature, self.spec.collect_router);
         let mut make = fcfs_factory(leg.concurrency, self.spec.max_num_batched_tokens);
         let run = generate(&self.target, &spec, &reqs, &opts, &mut make).map_err(eng)?;
         let real = self.real_record(leg, &reqs, &opts, &run);
@@ -343,7 +324,7 @@ impl<'a> RealRunner<'a> {
         let t0 = Instant::now();
         let spec = self.drafter(d, n).map_err(eng)?;
         let reqs = self.requests();
-        let opts = self.options(&reqs, spec.num_speculative_tokens(), 0.0, false);
+        let opts = self.options(&reqs, &spec, 0.0, false);
         let mut make = fcfs_factory(c, self.spec.max_num_batched_tokens);
         let report = verify_lossless(&self.target, &spec, &reqs, &opts, &mut make).map_err(eng)?;
         let leg = LosslessLeg {

@@ -397,19 +397,16 @@ fn gptq_input_errors() {
     for bad in [
         GptqConfig {
             group_size: 64,
-            ..d.clone()
+            ..d
         },
-        GptqConfig {
-            block_size: 0,
-            ..d.clone()
-        },
+        GptqConfig { block_size: 0, ..d },
         GptqConfig {
             dampening: -1.0,
-            ..d.clone()
+            ..d
         },
         GptqConfig {
             dampening: f64::NAN,
-            ..d.clone()
+            ..d
         },
     ] {
         assert!(

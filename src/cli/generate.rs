@@ -174,7 +174,7 @@ fn drafter_spec(a: &EngineArgs, target: &ModelWeights) -> anyhow::Result<Drafter
         DrafterKind::None => DrafterSpec::none(),
         DrafterKind::Ngram => DrafterSpec::ngram(n, a.ngram_min, a.ngram_max)?,
         DrafterKind::Mtp => DrafterSpec::mtp(cfg, n)?,
-        DrafterKind::DFlash2 | DrafterKind::DFlash1 => {
+        DrafterKind::Dflash2 | DrafterKind::Dflash1 => {
             let dir = a.drafter_dir.as_deref().with_context(|| {
                 format!(
                     "--drafter {} needs --drafter-dir DIR (the DFlash checkpoint)",
@@ -182,7 +182,7 @@ fn drafter_spec(a: &EngineArgs, target: &ModelWeights) -> anyhow::Result<Drafter
                 )
             })?;
             let w = DFlash2Weights::load_for_target(dir, cfg)?;
-            let mode = if kind == DrafterKind::DFlash2 {
+            let mode = if kind == DrafterKind::Dflash2 {
                 DraftMode::V2
             } else {
                 DraftMode::V1
@@ -196,29 +196,15 @@ fn options(
     a: &EngineArgs,
     target: &ModelWeights,
     reqs: &[EngineRequest],
-    n_spec: usize,
+    spec: &DrafterSpec,
     sampling: SamplingParams,
     collect_router: bool,
 ) -> EngineOptions {
     let mml = a
         .max_model_len
         .unwrap_or(target.cfg.max_position_embeddings as u64);
-    // Default pool: every request at its full length at once, in every group (full
-    // attention, 1 + N KDA snapshot blocks, a DFlash window group sized without a cap),
-    // plus the null block. The host KV store allocates every block for every layer, so
-    // the pool is sized from the requests rather than from max_model_len.
-    let (bs, dbs) = (
-        u64::from(a.block_size.max(1)),
-        u64::from(a.drafter_block_size.max(1)),
-    );
-    let need: u64 = reqs
-        .iter()
-        .map(|r| {
-            let len = (r.prompt.len() as u64 + r.max_tokens + n_spec as u64 + 1).min(mml);
-            len.div_ceil(bs) + 1 + n_spec as u64 + len.div_ceil(dbs) + 2
-        })
-        .sum();
-    let default_blocks = u32::try_from(need + 1).unwrap_or(u32::MAX);
+    // Default pool: the drafter factory's (every request at its full length at once).
+    let default_blocks = spec.default_num_blocks(a.block_size, mml, reqs);
     EngineOptions {
         block_size: a.block_size,
         num_blocks: a.num_blocks.unwrap_or(default_blocks),
@@ -293,7 +279,7 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
         prompt: prompt.clone(),
         max_tokens: e.max_tokens,
     }];
-    let opts = options(e, &target, &reqs, n_spec, sampling, a.experts);
+    let opts = options(e, &target, &reqs, &spec, sampling, a.experts);
     let mut make = fcfs(e);
     let run = match a.device {
         DeviceArg::Cpu => run_generate(&target, &spec, &reqs, &opts, &mut make)?,
@@ -445,7 +431,7 @@ pub fn verify(a: VerifyLosslessArgs) -> anyhow::Result<ExitCode> {
             max_tokens: e.max_tokens,
         })
         .collect();
-    let opts = options(e, &target, &reqs, n_spec, SamplingParams::GREEDY, false);
+    let opts = options(e, &target, &reqs, &spec, SamplingParams::GREEDY, false);
     let mut make = fcfs(e);
     let report = verify_lossless(&target, &spec, &reqs, &opts, &mut make)?;
     if e.json {

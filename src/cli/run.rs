@@ -104,7 +104,7 @@ impl Progress for Bar {
         }
     }
     fn step(&mut self, step: u64) {
-        if step % 64 == 0 {
+        if step.is_multiple_of(64) {
             if let Some(b) = &self.bar {
                 b.set_position(step);
             }

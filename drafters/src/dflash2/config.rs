@@ -343,6 +343,18 @@ impl DFlash2Config {
 
     /// Refuse invalid or unsupported values, naming the key (module doc).
     pub fn validate(&self) -> Result<()> {
+        self.check_identity()?;
+        self.check_dims()?;
+        self.check_layers()?;
+        self.check_dflash_config()?;
+        self.check_fixed()?;
+        check_knobs(&self.extra, "", self.vocab_size)?;
+        check_knobs(&self.dflash_config.extra, "dflash_config.", self.vocab_size)?;
+        Ok(())
+    }
+
+    /// `architectures` and `model_type`.
+    fn check_identity(&self) -> Result<()> {
         if self.architectures != [ARCHITECTURE] {
             return Err(invalid(
                 "architectures",
@@ -355,6 +367,11 @@ impl DFlash2Config {
                 format!("{:?}: must be {MODEL_TYPE:?}", self.model_type),
             ));
         }
+        Ok(())
+    }
+
+    /// Sizes, heads, RoPE and norm constants.
+    fn check_dims(&self) -> Result<()> {
         let pos = |key: &str, v: usize| {
             if v == 0 {
                 Err(invalid(key, "must be > 0"))
@@ -401,6 +418,12 @@ impl DFlash2Config {
                 format!("{} must be finite and > 0", self.rope_theta),
             ));
         }
+        Ok(())
+    }
+
+    /// Every layer sliding-window, non-causal, the block inside the window, the shared
+    /// hidden size.
+    fn check_layers(&self) -> Result<()> {
         if self.layer_types.len() != self.num_hidden_layers
             || self.layer_types.iter().any(|t| t != SLIDING_ATTENTION)
         {
@@ -448,6 +471,11 @@ impl DFlash2Config {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// `dflash_config`: target layers, mask token, conv and selector knobs.
+    fn check_dflash_config(&self) -> Result<()> {
         let dc = &self.dflash_config;
         if dc.target_layer_ids.is_empty() {
             return Err(invalid(
@@ -501,6 +529,11 @@ impl DFlash2Config {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// Values the format fixes: activation, no biases, untied embeddings, bf16.
+    fn check_fixed(&self) -> Result<()> {
         if self.hidden_act != "silu" {
             return Err(invalid(
                 "hidden_act",
@@ -525,8 +558,6 @@ impl DFlash2Config {
                 format!("{:?}: must be \"bfloat16\" (§1.1)", self.torch_dtype),
             ));
         }
-        check_knobs(&self.extra, "", self.vocab_size)?;
-        check_knobs(&dc.extra, "dflash_config.", self.vocab_size)?;
         Ok(())
     }
 

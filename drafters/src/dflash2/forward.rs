@@ -459,6 +459,63 @@ impl DFlash2 {
         rng: Option<&mut dyn RngCore>,
     ) -> Result<Draft> {
         self.check_manager(kv)?;
+        let n = self.check_draft(target, req, rng.is_some())?;
+        let cfg = &self.w.cfg;
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let nn = req.num_speculative_tokens;
+        let q_rows = nn + 1;
+        let ctx_start = (n + 1).saturating_sub(cfg.sliding_window);
+        let table = kv.table(self.group, req.slot);
+        let ctx_slots: Vec<(BlockId, usize)> = (ctx_start..n)
+            .map(|p| self.locate(table, req.slot, p))
+            .collect::<Result<_>>()?;
+        // x = embed_tokens[[anchor, MASK x N]]
+        let mask = cfg.dflash_config.mask_token_id;
+        let mut block = Vec::with_capacity(q_rows);
+        block.push(req.anchor_token);
+        block.extend(std::iter::repeat_n(mask, nn));
+        let mut x = target.embed(&block)?;
+        let (cos, sin) = rope_tables(n, q_rows, cfg.head_dim, cfg.rope_theta);
+        let at = AttnCtx {
+            q_rows,
+            p0: n,
+            ctx_start,
+            cos: &cos,
+            sin: &sin,
+        };
+        let layer_out = self.layers(&mut x, &ctx_slots, &at, req)?;
+        let hid = rmsnorm(&x, &self.w.norm, cfg.rms_norm_eps as f32); // [Q, H]
+                                                                      // Rows 1..Q predict positions P_1..P_N; row 0 (the anchor) only for the trace.
+        let (logits, first) = if req.trace {
+            (target.lm_head(&hid, q_rows)?, 1)
+        } else {
+            (target.lm_head(&hid[h..], nn)?, 0)
+        };
+        let rows = &logits[first * v..(first + nn) * v];
+        let mut pick = Picked::new(req, nn);
+        if req.mode == DraftMode::V2 {
+            self.pick_v2(&hid[h..], rows, req, rng, &mut pick)?;
+        } else {
+            pick_v1(rows, v, req, rng, &mut pick);
+        }
+        Ok(Draft {
+            tokens: pick.tokens,
+            q: pick.q,
+            hidden: req.trace.then_some(hid),
+            logits: req.trace.then_some(logits),
+            layer_out,
+            margin: pick.margin,
+            selector: pick.selector,
+        })
+    }
+
+    /// The checks of a draft request; returns the context length `n` (the anchor's position).
+    fn check_draft(
+        &self,
+        target: &dyn SharedHead,
+        req: &DraftRequest,
+        has_rng: bool,
+    ) -> Result<usize> {
         let cfg = &self.w.cfg;
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let slot = req.slot;
@@ -475,8 +532,7 @@ impl DFlash2 {
                 reason: format!("{} must be finite and >= 0", req.temperature),
             });
         }
-        let mut rng = rng;
-        if req.temperature > 0.0 && rng.is_none() {
+        if req.temperature > 0.0 && !has_rng {
             return Err(EngineError::InvalidSamplingParams {
                 field: "temperature".into(),
                 reason: "sampling drafts (temperature > 0) needs an RNG".into(),
@@ -510,25 +566,22 @@ impl DFlash2 {
                 slot.0, req.anchor_pos
             )));
         }
-        let nn = req.num_speculative_tokens;
-        let q_rows = nn + 1;
-        let p0 = n;
-        let w = cfg.sliding_window;
-        let ctx_start = (p0 + 1).saturating_sub(w);
-        let table = kv.table(self.group, slot);
-        let ctx_slots: Vec<(BlockId, usize)> = (ctx_start..p0)
-            .map(|p| self.locate(table, slot, p))
-            .collect::<Result<_>>()?;
+        Ok(n)
+    }
+
+    /// The drafter's layer stack over the block `x` [Q, H] in place (§5), reading each
+    /// layer's context K/V rows at `ctx_slots`; the per-layer outputs when tracing.
+    fn layers(
+        &self,
+        x: &mut [f32],
+        ctx_slots: &[(BlockId, usize)],
+        at: &AttnCtx<'_>,
+        req: &DraftRequest,
+    ) -> Result<Option<Vec<f32>>> {
+        let cfg = &self.w.cfg;
+        let (h, q_rows) = (cfg.hidden_size, at.q_rows);
         let v2 = req.mode == DraftMode::V2;
         let eps = cfg.rms_norm_eps as f32;
-
-        // x = embed_tokens[[anchor, MASK x N]]
-        let mask = cfg.dflash_config.mask_token_id as usize;
-        let mut block = Vec::with_capacity(q_rows);
-        block.push(req.anchor_token);
-        block.extend(std::iter::repeat_n(mask as u32, nn));
-        let mut x = target.embed(&block)?;
-        let (cos, sin) = rope_tables(p0, q_rows, cfg.head_dim, cfg.rope_theta);
         let mut layer_out = req
             .trace
             .then(|| Vec::with_capacity(cfg.num_hidden_layers * q_rows * h));
@@ -541,7 +594,7 @@ impl DFlash2 {
                 ck[i * row..(i + 1) * row].copy_from_slice(kr);
                 cv[i * row..(i + 1) * row].copy_from_slice(vr);
             }
-            let a1 = rmsnorm(&x, &lw.input_norm, eps);
+            let a1 = rmsnorm(x, &lw.input_norm, eps);
             let k_taps = cfg.dflash_config.conv_kernel_size;
             let gs = cfg.dflash_config.conv_group_size;
             let ac = conv_taps(v2, &lw.attn_conv, &a1, q_rows)?;
@@ -549,7 +602,7 @@ impl DFlash2 {
                 Some((cw, d)) => grouped_conv(&a1, h, d, &cw.base, 0, k_taps, gs),
                 None => a1,
             };
-            let o = self.attention(lw, &a2, q_rows, p0, &ck, &cv, ctx_start, &cos, &sin)?;
+            let o = self.attention(lw, &a2, &ck, &cv, at)?;
             let o = match &ac {
                 Some((cw, d)) => grouped_conv(&o, h, d, &cw.base, 1, k_taps, gs),
                 None => o,
@@ -557,7 +610,7 @@ impl DFlash2 {
             for (xv, ov) in x.iter_mut().zip(&o) {
                 *xv += ov;
             }
-            let f1 = rmsnorm(&x, &lw.post_norm, eps);
+            let f1 = rmsnorm(x, &lw.post_norm, eps);
             let mc = conv_taps(v2, &lw.mlp_conv, &f1, q_rows)?;
             let f2 = match &mc {
                 Some((cw, d)) => grouped_conv(&f1, h, d, &cw.base, 0, k_taps, gs),
@@ -572,126 +625,99 @@ impl DFlash2 {
                 *xv += mv;
             }
             if let Some(lo) = layer_out.as_mut() {
-                lo.extend_from_slice(&x);
+                lo.extend_from_slice(x);
             }
         }
-        let hid = rmsnorm(&x, &self.w.norm, eps); // [Q, H]
-                                                  // Rows 1..Q predict positions P_1..P_N; row 0 (the anchor) only for the trace.
-        let (logits, first) = if req.trace {
-            (target.lm_head(&hid, q_rows)?, 1)
-        } else {
-            (target.lm_head(&hid[h..], nn)?, 0)
-        };
-        let lrow = |j: usize| &logits[(first + j) * v..(first + j + 1) * v]; // j = 0..N-1 -> block row j+1
-        let sample_t = if req.temperature > 0.0 {
-            req.temperature
-        } else {
-            1.0
-        };
-        let want_q = req.temperature > 0.0 || req.trace;
-        let mut tokens = Vec::with_capacity(nn);
-        let mut q_out = want_q.then(|| Vec::with_capacity(nn));
-        let mut margin = req.trace.then(|| Vec::with_capacity(nn));
-        let mut selector = None;
-        if !v2 {
-            for j in 0..nn {
-                let r = lrow(j);
-                let p = want_q.then(|| softmax_temp(r, sample_t));
-                let tok = match (&p, rng.as_deref_mut()) {
-                    (Some(p), Some(g)) if req.temperature > 0.0 => {
-                        sample_index(p, g.random::<f32>())
-                    }
-                    _ => argmax(r),
-                };
-                tokens.push(tok as u32);
-                if let Some(m) = margin.as_mut() {
-                    m.push(sorted_gap(r, 0));
-                }
-                if let (Some(qo), Some(p)) = (q_out.as_mut(), p) {
-                    qo.push(p);
-                }
+        Ok(layer_out)
+    }
+
+    /// v2 (§6.2): the selector walk over the top-k candidates of each row, with q.
+    /// `hid_rows` [N, H] and `rows` [N, V] are the block's prediction rows.
+    fn pick_v2(
+        &self,
+        hid_rows: &[f32],
+        rows: &[f32],
+        req: &DraftRequest,
+        mut rng: Option<&mut dyn RngCore>,
+        out: &mut Picked,
+    ) -> Result<()> {
+        let cfg = &self.w.cfg;
+        let (v, nn) = (cfg.vocab_size, req.num_speculative_tokens);
+        let sample_t = sample_temperature(req);
+        let lrow = |j: usize| &rows[j * v..(j + 1) * v];
+        let sel = self
+            .w
+            .selector
+            .as_ref()
+            .ok_or_else(|| input_err("selector weights missing (internal)".into()))?;
+        let k = cfg.dflash_config.selector_top_k;
+        let r = cfg.dflash_config.selector_rank;
+        let g = sel.hidden_proj.forward(hid_rows, nn)?; // [N, r]
+        let mut tr = SelectorTrace::default();
+        let mut prev_cand: Vec<u32> = vec![req.anchor_token; k];
+        let mut prev = 0usize;
+        for j in 0..nn {
+            let lr = lrow(j);
+            let cand = topk_ids(lr, k);
+            let unary: Vec<f32> = cand.iter().map(|&c| lr[c as usize]).collect();
+            let gj = &g[j * r..(j + 1) * r];
+            let realized = if req.trace {
+                let s = edge_scores(sel, r, &cand, &unary, gj, &prev_cand);
+                let row = s[prev * k..(prev + 1) * k].to_vec();
+                tr.edge_scores.extend_from_slice(&s);
+                row
+            } else {
+                edge_scores(sel, r, &cand, &unary, gj, &prev_cand[prev..prev + 1])
+            };
+            let p = softmax_temp(&realized, sample_t);
+            let c = match rng.as_deref_mut() {
+                Some(gen) if req.temperature > 0.0 => sample_index(&p, gen.random::<f32>()),
+                _ => argmax(&realized),
+            };
+            out.tokens.push(cand[c]);
+            if let Some(m) = out.margin.as_mut() {
+                m.push(sorted_gap(&realized, 0));
             }
-        } else {
-            let sel = self
-                .w
-                .selector
-                .as_ref()
-                .ok_or_else(|| input_err("selector weights missing (internal)".into()))?;
-            let k = cfg.dflash_config.selector_top_k;
-            let r = cfg.dflash_config.selector_rank;
-            let g = sel.hidden_proj.forward(&hid[h..], nn)?; // [N, r]
-            let mut tr = SelectorTrace::default();
-            let mut prev_cand: Vec<u32> = vec![req.anchor_token; k];
-            let mut prev = 0usize;
-            for j in 0..nn {
-                let lr = lrow(j);
-                let cand = topk_ids(lr, k);
-                let unary: Vec<f32> = cand.iter().map(|&c| lr[c as usize]).collect();
-                let gj = &g[j * r..(j + 1) * r];
-                let realized = if req.trace {
-                    let s = edge_scores(sel, r, &cand, &unary, gj, &prev_cand);
-                    let row = s[prev * k..(prev + 1) * k].to_vec();
-                    tr.edge_scores.extend_from_slice(&s);
-                    row
-                } else {
-                    edge_scores(sel, r, &cand, &unary, gj, &prev_cand[prev..prev + 1])
-                };
-                let p = softmax_temp(&realized, sample_t);
-                let c = match rng.as_deref_mut() {
-                    Some(gen) if req.temperature > 0.0 => sample_index(&p, gen.random::<f32>()),
-                    _ => argmax(&realized),
-                };
-                tokens.push(cand[c]);
-                if let Some(m) = margin.as_mut() {
-                    m.push(sorted_gap(&realized, 0));
+            if let Some(qo) = out.q.as_mut() {
+                let mut qv = vec![0.0f32; v];
+                for (&ci, &pi) in cand.iter().zip(&p) {
+                    qv[ci as usize] = pi;
                 }
-                if let Some(qo) = q_out.as_mut() {
-                    let mut qv = vec![0.0f32; v];
-                    for (&ci, &pi) in cand.iter().zip(&p) {
-                        qv[ci as usize] = pi;
-                    }
-                    qo.push(qv);
-                }
-                if req.trace {
-                    tr.cand_ids.extend_from_slice(&cand);
-                    tr.cand_unary.extend_from_slice(&unary);
-                    tr.choice.push(c as u32);
-                    tr.realized.extend_from_slice(&realized);
-                    tr.topk_gap.push(sorted_gap(lr, k - 1));
-                }
-                prev = c;
-                prev_cand = cand;
+                qo.push(qv);
             }
             if req.trace {
-                selector = Some(tr);
+                tr.cand_ids.extend_from_slice(&cand);
+                tr.cand_unary.extend_from_slice(&unary);
+                tr.choice.push(c as u32);
+                tr.realized.extend_from_slice(&realized);
+                tr.topk_gap.push(sorted_gap(lr, k - 1));
             }
+            prev = c;
+            prev_cand = cand;
         }
-        Ok(Draft {
-            tokens,
-            q: q_out,
-            hidden: req.trace.then_some(hid),
-            logits: req.trace.then_some(logits),
-            layer_out,
-            margin,
-            selector,
-        })
+        if req.trace {
+            out.selector = Some(tr);
+        }
+        Ok(())
     }
 
     /// §5.2 for one layer: `a2 [Q, H]` -> `o_proj(attention) [Q, H]`. Context rows
     /// `ctx_k`/`ctx_v` `[S, nkv, d]` hold positions `ctx_start .. p0`.
-    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         lw: &DraftLayer,
         a2: &[f32],
-        q_rows: usize,
-        p0: usize,
         ctx_k: &[f32],
         ctx_v: &[f32],
-        ctx_start: usize,
-        cos: &[f32],
-        sin: &[f32],
+        at: &AttnCtx<'_>,
     ) -> Result<Vec<f32>> {
+        let AttnCtx {
+            q_rows,
+            p0,
+            ctx_start,
+            cos,
+            sin,
+        } = *at;
         let cfg = &self.w.cfg;
         let (nh, nkv, d) = (
             cfg.num_attention_heads,
@@ -755,6 +781,75 @@ impl DFlash2 {
             }
         }
         lw.o.forward(&o, q_rows)
+    }
+}
+
+/// The block's attention inputs shared by every drafter layer: `q_rows` block rows at
+/// positions `p0 ..`, context positions `ctx_start .. p0`, RoPE tables [Q, d/2].
+struct AttnCtx<'a> {
+    q_rows: usize,
+    p0: usize,
+    ctx_start: usize,
+    cos: &'a [f32],
+    sin: &'a [f32],
+}
+
+/// What the pickers produce: tokens, q and the trace parts.
+struct Picked {
+    tokens: Vec<u32>,
+    /// Shape: [N][V] when sampling or tracing.
+    q: Option<Vec<Vec<f32>>>,
+    margin: Option<Vec<f32>>,
+    selector: Option<SelectorTrace>,
+}
+
+impl Picked {
+    fn new(req: &DraftRequest, nn: usize) -> Self {
+        let want_q = req.temperature > 0.0 || req.trace;
+        Self {
+            tokens: Vec::with_capacity(nn),
+            q: want_q.then(|| Vec::with_capacity(nn)),
+            margin: req.trace.then(|| Vec::with_capacity(nn)),
+            selector: None,
+        }
+    }
+}
+
+/// The temperature the pickers' softmax uses (1 when greedy).
+fn sample_temperature(req: &DraftRequest) -> f32 {
+    if req.temperature > 0.0 {
+        req.temperature
+    } else {
+        1.0
+    }
+}
+
+/// v1 (§6.1): argmax (or a sample) per prediction row `rows` [N, V], with q.
+fn pick_v1(
+    rows: &[f32],
+    v: usize,
+    req: &DraftRequest,
+    mut rng: Option<&mut dyn RngCore>,
+    out: &mut Picked,
+) {
+    let nn = req.num_speculative_tokens;
+    let sample_t = sample_temperature(req);
+    let want_q = out.q.is_some();
+    let lrow = |j: usize| &rows[j * v..(j + 1) * v];
+    for j in 0..nn {
+        let r = lrow(j);
+        let p = want_q.then(|| softmax_temp(r, sample_t));
+        let tok = match (&p, rng.as_deref_mut()) {
+            (Some(p), Some(g)) if req.temperature > 0.0 => sample_index(p, g.random::<f32>()),
+            _ => argmax(r),
+        };
+        out.tokens.push(tok as u32);
+        if let Some(m) = out.margin.as_mut() {
+            m.push(sorted_gap(r, 0));
+        }
+        if let (Some(qo), Some(p)) = (out.q.as_mut(), p) {
+            qo.push(p);
+        }
     }
 }
 

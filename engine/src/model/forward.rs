@@ -109,18 +109,25 @@ fn input_err(msg: String) -> EngineError {
     EngineError::ModelInput(msg)
 }
 
+/// Which decoder layer to run and where its cache lives.
+#[derive(Clone, Copy)]
+pub(crate) struct LayerCall<'a> {
+    pub lw: &'a LayerWeights,
+    /// Decoder layer index (the MTP layer is `num_hidden_layers`).
+    pub layer: usize,
+    pub cache: CacheIndex,
+}
+
 /// Run one decoder layer (§2 body) in place on `x [T, H]`.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn decoder_layer(
-    lw: &LayerWeights,
+    call: LayerCall<'_>,
     cfg: &ModelConfig,
-    layer: usize,
     x: &mut [f32],
     spans: &[Span<'_>],
     store: &mut KvStore,
-    cache: CacheIndex,
     taps: &mut Taps<'_>,
 ) -> Result<()> {
+    let LayerCall { lw, layer, cache } = call;
     let eps = cfg.rms_norm_eps as f32;
     let t = x.len() / cfg.hidden_size;
     let a = rmsnorm(x, &lw.input_norm, eps);
@@ -387,7 +394,12 @@ impl ModelRunner {
                     CacheIndex::Kda(ki - 1)
                 }
             };
-            decoder_layer(lw, cfg, i, &mut x, &spans, store, cache, &mut taps)?;
+            let call = LayerCall {
+                lw,
+                layer: i,
+                cache,
+            };
+            decoder_layer(call, cfg, &mut x, &spans, store, &mut taps)?;
             if let Some(p) = per_layer.as_mut() {
                 p.extend_from_slice(&x);
             }

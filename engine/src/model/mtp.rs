@@ -19,8 +19,11 @@
 
 use crate::kv::KvCacheManager;
 use crate::model::attention::{rope_tables, Span};
+use crate::model::config::ModelConfig;
 use crate::model::config::FULL_GROUP;
-use crate::model::forward::{decoder_layer, CacheIndex, ForwardOptions, LogitsRows, ModelRunner};
+use crate::model::forward::{
+    decoder_layer, CacheIndex, ForwardOptions, LayerCall, LogitsRows, ModelRunner,
+};
 use crate::model::moe::{RouterTrace, Taps};
 use crate::model::ops::rmsnorm;
 use crate::request::ReqSlot;
@@ -70,6 +73,67 @@ impl ModelRunner {
                 "mtp_forward: the model has no MTP layer (num_nextn_predict_layers = 0)".into(),
             )
         })?;
+        let spans = self.mtp_spans(kv, batch, &cfg)?;
+        let t_total: usize = spans.iter().map(|sp| sp.len).sum();
+        let Some(mtp) = self.weights.mtp.as_ref() else {
+            return Err(input_err("mtp_forward: MTP weights are absent".into()));
+        };
+        let eps = cfg.rms_norm_eps as f32;
+        // cat = [enorm(embed(next)), hnorm(hidden)]: [T_total, 2H]
+        let mut cat = vec![0.0f32; t_total * 2 * h];
+        let mut row = 0;
+        for ch in batch {
+            for (i, &tok) in ch.next_tokens.iter().enumerate() {
+                let e = rmsnorm(
+                    &self.weights.embed[tok as usize * h..(tok as usize + 1) * h],
+                    &mtp.enorm,
+                    eps,
+                );
+                let hh = rmsnorm(&ch.hidden[i * h..(i + 1) * h], &mtp.hnorm, eps);
+                cat[row * 2 * h..row * 2 * h + h].copy_from_slice(&e);
+                cat[row * 2 * h + h..(row + 1) * 2 * h].copy_from_slice(&hh);
+                row += 1;
+            }
+        }
+        let mut x = mtp.eh_proj.forward(&cat, t_total)?; // [T_total, H]
+        let mut taps = Taps {
+            router: opts.collect_router.then(Vec::new),
+            experts: None,
+        };
+        let attn_index = cfg.num_full_layers();
+        let call = LayerCall {
+            lw: &mtp.layer,
+            layer: n,
+            cache: CacheIndex::Attn(attn_index),
+        };
+        decoder_layer(call, &cfg, &mut x, &spans, &mut self.store, &mut taps)?;
+        let m = rmsnorm(&x, &mtp.head_norm, eps);
+        let logits = match opts.logits {
+            LogitsRows::All => self.weights.lm_head.forward(&m, t_total)?,
+            LogitsRows::LastPerChunk => {
+                let mut last = Vec::with_capacity(spans.len() * h);
+                for sp in &spans {
+                    let r = sp.offset + sp.len - 1;
+                    last.extend_from_slice(&m[r * h..(r + 1) * h]);
+                }
+                self.weights.lm_head.forward(&last, spans.len())?
+            }
+        };
+        Ok(MtpOut {
+            logits,
+            hidden: x,
+            router: taps.router,
+        })
+    }
+
+    /// Validate an MTP batch against the `full` group's tables and build its spans.
+    fn mtp_spans<'k>(
+        &self,
+        kv: &'k KvCacheManager,
+        batch: &[MtpChunk<'_>],
+        cfg: &ModelConfig,
+    ) -> Result<Vec<Span<'k>>> {
+        let h = cfg.hidden_size;
         let full = self
             .store
             .full_group()
@@ -125,59 +189,6 @@ impl ModelRunner {
             });
             offset += t;
         }
-        let t_total = offset;
-        let Some(mtp) = self.weights.mtp.as_ref() else {
-            return Err(input_err("mtp_forward: MTP weights are absent".into()));
-        };
-        let eps = cfg.rms_norm_eps as f32;
-        // cat = [enorm(embed(next)), hnorm(hidden)]: [T_total, 2H]
-        let mut cat = vec![0.0f32; t_total * 2 * h];
-        let mut row = 0;
-        for ch in batch {
-            for (i, &tok) in ch.next_tokens.iter().enumerate() {
-                let e = rmsnorm(
-                    &self.weights.embed[tok as usize * h..(tok as usize + 1) * h],
-                    &mtp.enorm,
-                    eps,
-                );
-                let hh = rmsnorm(&ch.hidden[i * h..(i + 1) * h], &mtp.hnorm, eps);
-                cat[row * 2 * h..row * 2 * h + h].copy_from_slice(&e);
-                cat[row * 2 * h + h..(row + 1) * 2 * h].copy_from_slice(&hh);
-                row += 1;
-            }
-        }
-        let mut x = mtp.eh_proj.forward(&cat, t_total)?; // [T_total, H]
-        let mut taps = Taps {
-            router: opts.collect_router.then(Vec::new),
-            experts: None,
-        };
-        let attn_index = cfg.num_full_layers();
-        decoder_layer(
-            &mtp.layer,
-            &cfg,
-            n,
-            &mut x,
-            &spans,
-            &mut self.store,
-            CacheIndex::Attn(attn_index),
-            &mut taps,
-        )?;
-        let m = rmsnorm(&x, &mtp.head_norm, eps);
-        let logits = match opts.logits {
-            LogitsRows::All => self.weights.lm_head.forward(&m, t_total)?,
-            LogitsRows::LastPerChunk => {
-                let mut last = Vec::with_capacity(spans.len() * h);
-                for sp in &spans {
-                    let r = sp.offset + sp.len - 1;
-                    last.extend_from_slice(&m[r * h..(r + 1) * h]);
-                }
-                self.weights.lm_head.forward(&last, spans.len())?
-            }
-        };
-        Ok(MtpOut {
-            logits,
-            hidden: x,
-            router: taps.router,
-        })
+        Ok(spans)
     }
 }
