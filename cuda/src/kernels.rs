@@ -276,7 +276,10 @@ mod tests {
                 .source
                 .match_indices("extern \"C\" __global__ void ")
                 .map(|(i, m)| {
-                    let rest = &s.source[i + m.len()..];
+                    let mut rest = &s.source[i + m.len()..];
+                    if let Some(r) = rest.strip_prefix("__launch_bounds__(") {
+                        rest = r[r.find(')').map_or(0, |j| j + 1)..].trim_start();
+                    }
                     &rest[..rest.find('(').unwrap_or(0)]
                 })
                 .collect();
