@@ -181,10 +181,30 @@ pub fn parity(dir: &Path) -> Result<Vec<CheckLine>> {
     rig.mtp(&mut out, &hidden)?;
     let (next, pos) = rig.decode(&mut out, last)?;
     rig.verify(&mut out, next, pos)?;
+    rig.shared_head(&mut out, &w, &hidden)?;
     Ok(out)
 }
 
 impl Rig {
+    /// The seam's SharedHead (what DFlash2 drafts through): embedding rows and lm_head.
+    fn shared_head(
+        &self,
+        out: &mut Vec<CheckLine>,
+        w: &ModelWeights,
+        hidden: &[f32],
+    ) -> Result<()> {
+        use speclab_engine::backend::SharedHead;
+        let toks = &self.gold.prompts[0];
+        let e_gpu = SharedHead::embed(&self.gpu, toks)?;
+        let e_cpu = SharedHead::embed(w, toks)?;
+        tol(out, "SharedHead embed vs CPU", rel_err(&e_gpu, &e_cpu));
+        let rows = 4;
+        let l_gpu = SharedHead::lm_head(&self.gpu, &hidden[..rows * self.h], rows)?;
+        let l_cpu = SharedHead::lm_head(w, &hidden[..rows * self.h], rows)?;
+        tol(out, "SharedHead lm_head vs CPU", rel_err(&l_gpu, &l_cpu));
+        Ok(())
+    }
+
     fn prompts(&self) -> &[Vec<u32>] {
         &self.gold.prompts
     }
