@@ -14,6 +14,7 @@ fn main() -> std::process::ExitCode {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .init();
+    cli::out::install_broken_pipe_hook();
     let args = cli::Cli::parse();
     match cli::dispatch(args) {
         Ok(code) => code,

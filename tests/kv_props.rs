@@ -533,11 +533,16 @@ fn computed_ahead_of_allocation_is_an_error_not_a_panic() {
         prompt_len: 1,
     })
     .expect("add");
-    r.apply(&Op::Computed {
-        req: "a".into(),
-        n: 25,
-    })
-    .expect("computed");
+    // Computed tokens beyond the allocated slots are refused up front, naming the op.
+    let e = r
+        .apply(&Op::Computed {
+            req: "a".into(),
+            n: 25,
+        })
+        .expect_err("computed ahead of allocation")
+        .to_string();
+    assert!(e.contains("op 1") && e.contains("token slots"), "{e}");
+    assert_eq!(r.request("a").map(|s| s.num_computed_tokens), Some(0));
     let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         r.apply(&Op::Allocate {
             req: "a".into(),
@@ -549,7 +554,7 @@ fn computed_ahead_of_allocation_is_an_error_not_a_panic() {
     }));
     match res {
         Ok(Ok(rec)) => assert!(rec.blocks.is_some()),
-        Ok(Err(e)) => assert!(e.to_string().contains("op 2"), "{e}"),
+        Ok(Err(e)) => assert!(e.to_string().contains("op 1"), "{e}"),
         Err(_) => panic!("allocate panicked"),
     }
 }

@@ -18,7 +18,7 @@ use crate::real::{temp_label, RealSpec};
 use crate::record::{LegRecord, LegStatus, RealLegRecord, RunRecord};
 use crate::{ExperimentError, Result};
 
-fn thousands(n: u64) -> String {
+pub(crate) fn thousands(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, c) in s.chars().enumerate() {
@@ -41,7 +41,7 @@ fn status_word(s: LegStatus) -> &'static str {
     }
 }
 
-fn bound_text(l: &LegRecord) -> String {
+pub(crate) fn bound_text(l: &LegRecord) -> String {
     match &l.bound {
         None => "-".into(),
         Some(b) if b.unbounded => format!(
@@ -119,15 +119,28 @@ pub fn chain_line(l: &LegRecord) -> String {
     s
 }
 
+/// Whether leg `id` matches an expectation's `leg`: every space-separated token of the
+/// pattern is a token of the id (`bs=1024 cap=none` matches `tp=4 bs=1024 cap=none prompt=1`).
+pub fn leg_matches(id: &str, pattern: &str) -> bool {
+    let toks: Vec<&str> = id.split(' ').collect();
+    pattern
+        .split(' ')
+        .filter(|t| !t.is_empty())
+        .all(|t| toks.contains(&t))
+}
+
 /// Evaluate an expectation against the record: (observed, verdict).
 pub fn judge(e: &Expectation, rec: &RunRecord) -> (String, &'static str) {
     let legs: Vec<&LegRecord> = rec
         .legs
         .iter()
-        .filter(|l| l.id == e.leg || l.id.starts_with(&format!("{} ", e.leg)))
+        .filter(|l| leg_matches(&l.id, &e.leg))
         .collect();
     if legs.is_empty() {
         return ("leg not in record".into(), "not measured");
+    }
+    if let Some(r) = crate::findings_plan::judge_plan(e, rec, &legs) {
+        return r;
     }
     if let Some(about) = e.bound_about {
         let tol = e.tolerance.unwrap_or(about / 50);
@@ -302,16 +315,19 @@ pub fn render(rec: &RunRecord, record_path: &str) -> String {
         }
         let _ = writeln!(md);
     }
+    let many_sets = crate::findings_plan::render(&mut md, rec, manifest.as_ref());
     if rec.legs.iter().any(|l| l.real.is_some()) {
         real_section(&mut md, rec, &name);
     }
     if let Some(m) = &manifest {
-        if !m.expectations.is_empty() {
+        if !m.expectations.is_empty() && !many_sets {
             let _ = writeln!(md, "## Comparison with the reference\n");
             let _ = writeln!(md, "| leg | reference | source | speclab | verdict |");
             let _ = writeln!(md, "|---|---|---|---|---|");
             for e in &m.expectations {
-                let reference = if let Some((g, m)) = &e.peak_at_most {
+                let reference = if let Some(r) = crate::findings_plan::reference_text(e) {
+                    r
+                } else if let Some((g, m)) = &e.peak_at_most {
                     format!("`{g}` holds at most {m} blocks")
                 } else if let Some(b) = e.bound_about {
                     format!("bound ~{}", thousands(b))
@@ -389,8 +405,12 @@ pub fn render_files(
     out_dir: &Path,
 ) -> Result<Vec<std::path::PathBuf>> {
     let mut written = Vec::new();
+    let mut hazards = Vec::new();
     for p in records {
         let rec = RunRecord::load(p)?;
+        if let Some(h) = crate::atlas::entry(&rec, p) {
+            hazards.push(h);
+        }
         let name = rec
             .manifest
             .get("name")
@@ -408,6 +428,11 @@ pub fn render_files(
             crate::record::write_atomic(&sp, svg.as_bytes())?;
             written.push(sp);
         }
+    }
+    if !hazards.is_empty() {
+        let out = out_dir.join("atlas.md");
+        crate::record::write_atomic(&out, crate::atlas::render(&hazards).as_bytes())?;
+        written.push(out);
     }
     if written.is_empty() {
         return Err(ExperimentError::Invalid {

@@ -6,10 +6,14 @@
 //! Invariant: every record is written atomically (temp file + rename), and a
 //! crash mid-sweep leaves the finished legs intact and resumable.
 
+pub mod atlas;
 pub mod bounds;
 pub mod error;
 pub mod findings;
+pub mod findings_plan;
 pub mod manifest;
+pub mod manifest_check;
+pub mod plan;
 pub mod plot;
 pub mod real;
 pub mod real_run;

@@ -16,9 +16,11 @@
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+use speclab_engine::kv::hybrid::{KvDtype, PlanAssumptions};
 use speclab_engine::kv::layout::GroupMemory;
 use speclab_engine::kv::{CapPolicy, GroupKind, GroupSpec, KvLayout};
 
+use crate::plan::{Calibration, LegPlan, Variant};
 use crate::{ExperimentError, Result};
 
 /// A whole experiment.
@@ -65,6 +67,10 @@ pub struct Manifest {
     /// temperature) and the simulated sections must be left out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub real: Option<crate::real::RealSpec>,
+    /// Hazard-atlas entry: `speclab findings` lists every record carrying one in
+    /// `findings/atlas.md` ([`crate::atlas`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hazard: Option<crate::atlas::Hazard>,
 }
 
 fn default_max_steps() -> u64 {
@@ -100,6 +106,20 @@ pub struct KvSpec {
     pub max_model_len: u32,
     #[serde(default)]
     pub watermark: f64,
+    /// Plan the pool the way vLLM 0.33.0 does from GLM-5.3-Flash's architecture under
+    /// these assumptions ([`crate::plan`]); the preset's layout, page sizes and pool
+    /// then come from the plan.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<PlanAssumptions>,
+    /// With `plan`: the KV memory that gives this pool at this block size (per set).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibrate: Option<Calibration>,
+    /// vLLM `max_in_flight_tokens` = max_concurrent_batches x max_num_batched_tokens
+    /// (async scheduling, vLLM 0.33.0's default for DFlash, doubles it). It sizes the
+    /// `upstream` sliding-window cap and the startup check. Default: one batch,
+    /// `scheduler.max_num_batched_tokens`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_in_flight_tokens: Option<u32>,
 }
 
 fn default_mml() -> u32 {
@@ -118,6 +138,9 @@ impl Default for KvSpec {
             memory: None,
             max_model_len: default_mml(),
             watermark: 0.0,
+            plan: None,
+            calibrate: None,
+            max_in_flight_tokens: None,
         }
     }
 }
@@ -168,6 +191,16 @@ pub struct Expectation {
     /// The reference says: no request ever holds more than this many blocks of this group.
     #[serde(default)]
     pub peak_at_most: Option<(String, u64)>,
+    /// The reference says: vLLM logs "Maximum concurrency ... Cx" with C this, to 2 decimals
+    /// (needs `kv.plan`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_concurrency_about: Option<f64>,
+    /// The reference says: "GPU KV cache size: N tokens", within `tolerance` (needs `kv.plan`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache_tokens_about: Option<u64>,
+    /// The reference says: vLLM starts with this config (true) or refuses it (false).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub starts: Option<bool>,
 }
 
 /// Scheduler settings (vLLM names).
@@ -181,11 +214,18 @@ pub struct SchedulerSpec {
     pub max_num_seqs: usize,
     #[serde(default = "default_mnbt")]
     pub max_num_batched_tokens: u32,
+    /// FULL decode CUDA graphs (vLLM's default FULL_AND_PIECEWISE for models with Mamba /
+    /// KDA state; false = `--enforce-eager`). With state groups vLLM then refuses to start
+    /// when max_num_seqs exceeds the pool's num_blocks (`CompilationConfig`,
+    /// vllm/config/compilation.py: "max_num_seqs (N) exceeds available Mamba cache blocks").
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub full_cudagraphs: bool,
 }
 
 impl Default for SchedulerSpec {
     fn default() -> Self {
         Self {
+            full_cudagraphs: false,
             policy: PolicyName::default(),
             max_num_seqs: default_max_num_seqs(),
             max_num_batched_tokens: default_mnbt(),
@@ -297,6 +337,22 @@ pub struct Sweep {
     pub caps: Vec<CapPolicy>,
     #[serde(default)]
     pub num_blocks: Vec<u32>,
+    /// `max_in_flight_tokens` values (ids gain `inflight=N`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub max_in_flight_tokens: Vec<u32>,
+    /// Plan axes (need `kv.plan`): tensor parallel sizes, KV dtypes, drafter block sizes
+    /// (`None` = vLLM's rule), indexer kernel alignment on/off.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tps: Vec<u32>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kv_dtypes: Vec<KvDtype>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub drafter_block_sizes: Vec<Option<u32>>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub indexer_block_alignment: Vec<bool>,
+    /// `scheduler.max_num_seqs` values (ids gain `seqs=N`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub max_num_seqs: Vec<usize>,
 }
 
 /// What to measure per leg.
@@ -309,6 +365,10 @@ pub struct Measure {
     /// Bisect the largest admissible prompt (exact to the token).
     #[serde(default)]
     pub bound: bool,
+    /// Bisect the bound even when vLLM's startup check refuses the config (status stays
+    /// REFUSED_AT_STARTUP): what admission would do if the check were skipped.
+    #[serde(default)]
+    pub bound_if_refused: bool,
 }
 
 impl Default for Measure {
@@ -316,6 +376,7 @@ impl Default for Measure {
         Self {
             simulate: true,
             bound: false,
+            bound_if_refused: false,
         }
     }
 }
@@ -332,6 +393,12 @@ pub struct Leg {
     pub num_blocks: u32,
     /// Prompt lengths of the leg's requests.
     pub prompts: Vec<u64>,
+    /// The vLLM pool plan of the leg (manifests with `kv.plan`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<LegPlan>,
+    /// `max_num_seqs` of this leg when swept (else `scheduler.max_num_seqs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_num_seqs: Option<usize>,
 }
 
 /// The preset's name.
@@ -340,7 +407,9 @@ pub const PRESET_GLM53_DFLASH2: &str = "glm53-flash-dflash2";
 /// Parse RON with positions and the field path: `path:line:col: field `a.b[2]`: message`.
 /// `Option` fields may be written bare (RON's `implicit_some`): `truncate: 128` and
 /// `truncate: Some(128)` both work.
+/// A UTF-8 byte-order mark at the start is accepted (skipped).
 pub fn parse_ron<T: for<'de> Deserialize<'de>>(path: &Path, text: &str) -> Result<T> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let opts =
         ron::Options::default().with_default_extension(ron::extensions::Extensions::IMPLICIT_SOME);
     let err = |e: ron::error::SpannedError, field: Option<String>| ExperimentError::Parse {
@@ -405,8 +474,11 @@ impl Manifest {
         }
         if let Some(real) = &self.real {
             self.check_no_sim_sections(path)?;
+            crate::manifest_check::check_real_top(self, path)?;
+            crate::manifest_check::check_real(real, path)?;
             return real.validate(path);
         }
+        crate::manifest_check::check_sizes(self, path)?;
         if self.scheduler.max_num_seqs == 0 {
             return Err(bad("scheduler.max_num_seqs", "must be > 0".into()));
         }
@@ -475,11 +547,29 @@ impl Manifest {
                 return Err(bad("sweep.block_sizes", "block sizes must be > 0".into()));
             }
         }
-        self.legs().map_err(|e| match e {
-            ExperimentError::Engine { context, error } => bad(&context, error.to_string()),
+        crate::plan::check(self).map_err(|e| match e {
+            ExperimentError::Invalid { field, msg, .. } => bad(&field, msg),
             other => other,
         })?;
-        Ok(())
+        if self.kv.max_in_flight_tokens == Some(0) {
+            return Err(bad("kv.max_in_flight_tokens", "must be > 0".into()));
+        }
+        if self.sweep.max_num_seqs.contains(&0) {
+            return Err(bad("sweep.max_num_seqs", "values must be > 0".into()));
+        }
+        if self.sweep.max_in_flight_tokens.contains(&0) {
+            return Err(bad(
+                "sweep.max_in_flight_tokens",
+                "values must be > 0".into(),
+            ));
+        }
+        let legs = self.legs().map_err(|e| match e {
+            ExperimentError::Engine { context, error } => bad(&context, error.to_string()),
+            // Plan errors are raised without the file; name it here.
+            ExperimentError::Invalid { field, msg, .. } => bad(&field, msg),
+            other => other,
+        })?;
+        crate::manifest_check::check_fields(self, path, &legs)
     }
 
     /// A manifest with `real` must leave the simulated sections out (they would be ignored).
@@ -548,6 +638,22 @@ impl Manifest {
                     kv.max_model_len,
                     self.scheduler.max_num_batched_tokens,
                 );
+                // The drafter's window and N take effect in the preset: the DFlash2 SW
+                // group's window, and the KDA state groups' speculative blocks (vLLM
+                // MambaSpec.num_speculative_blocks = num_speculative_tokens).
+                for g in &mut l.groups {
+                    match g.kind {
+                        GroupKind::SlidingWindow => {
+                            if let Some(w) = self.drafter.sliding_window {
+                                g.sliding_window = Some(w);
+                            }
+                        }
+                        GroupKind::State => {
+                            g.num_speculative_blocks = self.drafter.num_speculative_tokens
+                        }
+                        _ => {}
+                    }
+                }
                 if let Some(m) = kv.memory {
                     attach_memory(&mut l, &m, bs);
                 }
@@ -588,6 +694,9 @@ impl Manifest {
         };
         layout.max_model_len = kv.max_model_len;
         layout.watermark = kv.watermark;
+        if let Some(f) = self.kv.max_in_flight_tokens {
+            layout.max_in_flight_tokens = Some(f);
+        }
         if layout.max_in_flight_tokens.is_none() {
             layout.max_in_flight_tokens = Some(self.scheduler.max_num_batched_tokens);
         }
@@ -600,7 +709,49 @@ impl Manifest {
         Ok(layout)
     }
 
-    /// Expand the sweep into simulated legs, in order: block size, cap, pool, workload.
+    /// The layout, pool and (with `kv.plan`) vLLM plan of one assumption set x block size
+    /// x cap x pool.
+    fn leg_layout(
+        &self,
+        v: &Variant,
+        bs: Option<u32>,
+        cap: CapPolicy,
+        pool: Option<u32>,
+    ) -> Result<(KvLayout, u32, Option<LegPlan>)> {
+        let ctx = format!("kv (block_size {bs:?}, cap {cap:?})");
+        if let Some(a) = v.plan {
+            let b = bs
+                .or(self.kv.block_size)
+                .ok_or_else(|| ExperimentError::Invalid {
+                    path: "manifest".into(),
+                    field: "kv.block_size".into(),
+                    msg: "kv.plan needs a block size (kv.block_size or sweep.block_sizes)".into(),
+                })?;
+            let f = v.max_in_flight_tokens;
+            let (layout, plan, mem, over) = crate::plan::planned_layout(self, a, f, b, cap, pool)?;
+            let n = layout.num_blocks.unwrap_or(1);
+            let lp = LegPlan {
+                leg: String::new(),
+                set: v.id.join(" "),
+                assumptions: a,
+                max_in_flight_tokens: f,
+                kv_cache_memory_bytes: mem,
+                overridden: over,
+                plan,
+            };
+            return Ok((layout, n, Some(lp)));
+        }
+        let mut layout = self.layout_for(bs, cap, pool)?;
+        if !self.sweep.max_in_flight_tokens.is_empty() {
+            layout.max_in_flight_tokens = Some(v.max_in_flight_tokens);
+        }
+        let num_blocks = speclab_engine::kv::planning::resolve_num_blocks(&layout)
+            .map_err(|e| ExperimentError::engine(ctx, e))?;
+        Ok((layout, num_blocks, None))
+    }
+
+    /// Expand the sweep into simulated legs, in order: assumption set (plan axes,
+    /// in-flight tokens), block size, cap, pool, workload.
     /// A real manifest has none (its legs are [`crate::real::RealSpec::legs`]).
     pub fn legs(&self) -> Result<Vec<Leg>> {
         if self.real.is_some() {
@@ -631,36 +782,53 @@ impl Manifest {
         } else {
             vec![prompts.clone()]
         };
+        let seqs_axis: Vec<Option<usize>> = if self.sweep.max_num_seqs.is_empty() {
+            vec![None]
+        } else {
+            self.sweep.max_num_seqs.iter().map(|&n| Some(n)).collect()
+        };
         let mut legs = Vec::new();
-        for &bs in &bss {
-            for &cap in &caps {
-                for &pool in &pools {
-                    let layout = self.layout_for(bs, cap, pool)?;
-                    let ctx = format!("kv (block_size {bs:?}, cap {cap:?})");
-                    let num_blocks = speclab_engine::kv::planning::resolve_num_blocks(&layout)
-                        .map_err(|e| ExperimentError::engine(ctx.clone(), e))?;
-                    for ps in &groups {
-                        let mut id = Vec::new();
-                        if let Some(b) = bs {
-                            id.push(format!("bs={b}"));
+        for v in crate::plan::variants(self) {
+            for &bs in &bss {
+                for &cap in &caps {
+                    for &pool in &pools {
+                        let (layout, num_blocks, plan) = self.leg_layout(&v, bs, cap, pool)?;
+                        for (seqs, ps) in seqs_axis
+                            .iter()
+                            .flat_map(|s| groups.iter().map(move |g| (*s, g)))
+                        {
+                            let mut id = v.id.clone();
+                            if let Some(n) = seqs {
+                                id.push(format!("seqs={n}"));
+                            }
+                            if let Some(b) = bs {
+                                id.push(format!("bs={b}"));
+                            }
+                            id.push(format!("cap={}", cap_name(cap)));
+                            if pool.is_some() || !self.sweep.num_blocks.is_empty() {
+                                id.push(format!("blocks={num_blocks}"));
+                            }
+                            match ps.len() {
+                                0 => {}
+                                1 => id.push(format!("prompt={}", ps[0])),
+                                n => id.push(format!("prompts={n}")),
+                            }
+                            let id = id.join(" ");
+                            let plan = plan.clone().map(|p| LegPlan {
+                                leg: id.clone(),
+                                ..p
+                            });
+                            legs.push(Leg {
+                                id,
+                                block_size: bs,
+                                cap,
+                                layout: layout.clone(),
+                                num_blocks,
+                                prompts: ps.clone(),
+                                plan,
+                                max_num_seqs: seqs,
+                            });
                         }
-                        id.push(format!("cap={}", cap_name(cap)));
-                        if pool.is_some() || !self.sweep.num_blocks.is_empty() {
-                            id.push(format!("blocks={num_blocks}"));
-                        }
-                        match ps.len() {
-                            0 => {}
-                            1 => id.push(format!("prompt={}", ps[0])),
-                            n => id.push(format!("prompts={n}")),
-                        }
-                        legs.push(Leg {
-                            id: id.join(" "),
-                            block_size: bs,
-                            cap,
-                            layout: layout.clone(),
-                            num_blocks,
-                            prompts: ps.clone(),
-                        });
                     }
                 }
             }
@@ -738,22 +906,58 @@ mod shipped {
     use super::*;
 
     #[test]
-    fn block_size_manifest_derives_pools_from_bytes() {
+    fn block_size_manifest_plans_pools_per_assumption_set() {
         let p = Path::new("df2w-block-size.ron");
         let m: Manifest = parse_ron(p, include_str!("../df2w-block-size.ron")).unwrap();
         m.validate(p).unwrap();
         let legs = m.legs().unwrap();
-        let pool = |bs: u32| {
+        assert_eq!(legs.len(), 4 * 2 * 2 * 2 * 2 * 3);
+        let set = "tp=4 kv=auto inflight=16384 drafter_bs=16 idx_align=off";
+        let leg = |bs: u32| {
             legs.iter()
-                .find(|l| l.block_size == Some(bs))
+                .find(|l| l.id == format!("{set} bs={bs} cap=none"))
                 .unwrap()
-                .num_blocks
         };
-        // Calibrated: block 2304 gives the card's pool.
-        assert_eq!(pool(2304), 1012);
-        // At 1536 and 1024 the KDA state page (9 x 2,170,880 bytes) is the largest block.
-        assert_eq!(pool(1536), (24_174_526_464u64 / (9 * 2_170_880)) as u32);
-        assert_eq!(pool(1024), pool(1536));
+        // Calibrated: block 2304 gets the card's pool under every set.
+        assert_eq!(leg(2304).num_blocks, 1012);
+        // vLLM raises 1024 to 2048 at TP 4 (KDA page > 1024-token MLA page): 1012 x 2304 / 2048.
+        let p1024 = leg(1024).plan.as_ref().unwrap();
+        assert_eq!(p1024.plan.effective_block_size, 2048);
+        assert_eq!(leg(1024).num_blocks, 1138);
+        assert_eq!(leg(1536).num_blocks, 1518);
+        // Stock vLLM (indexer alignment on) runs 2304 as 2560.
+        let stock = legs
+            .iter()
+            .find(|l| {
+                l.id == "tp=4 kv=auto inflight=16384 drafter_bs=16 idx_align=on bs=2304 cap=none"
+            })
+            .unwrap();
+        assert_eq!(stock.plan.as_ref().unwrap().plan.effective_block_size, 2560);
+    }
+
+    #[test]
+    fn plan_fields_that_would_not_take_effect_are_refused() {
+        let p = Path::new("x.ron");
+        let text = include_str!("../df2w-block-size.ron");
+        let no_plan = text.replace(
+            "plan: Some((tp: 4, kv_dtype: auto, drafter_block_size: Some(16), indexer_block_alignment: false)),",
+            "",
+        );
+        let m: Manifest = parse_ron(p, &no_plan).unwrap();
+        let e = m.validate(p).unwrap_err().to_string();
+        assert!(e.contains("sweep.tps") && e.contains("kv.plan"), "{e}");
+        let two = text.replace(
+            "max_model_len: 262144,",
+            "max_model_len: 262144, kv_cache_memory_bytes: Some(1),",
+        );
+        let m: Manifest = parse_ron(p, &two).unwrap();
+        let e = m.validate(p).unwrap_err().to_string();
+        assert!(e.contains("kv.kv_cache_memory_bytes"), "{e}");
+        // TP 3 does not divide the 64 KDA heads: refused, naming the file and the field.
+        let tp3 = text.replace("tps: [1, 2, 4, 8]", "tps: [1, 3]");
+        let m: Manifest = parse_ron(p, &tp3).unwrap();
+        let e = m.validate(p).unwrap_err().to_string();
+        assert!(e.starts_with("x.ron") && e.contains("plan.tp"), "{e}");
     }
 
     #[test]

@@ -200,6 +200,16 @@ pub struct RunRecord {
     /// Run-level notes (e.g. drafters skipped because their checkpoint is missing).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
+    /// vLLM 0.33.0 pool plans of the legs (manifests with `kv.plan`), in leg order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub plans: Vec<crate::plan::LegPlan>,
+}
+
+impl RunRecord {
+    /// The plan of a leg, if the manifest planned it.
+    pub fn plan_of(&self, leg: &str) -> Option<&crate::plan::LegPlan> {
+        self.plans.iter().find(|p| p.leg == leg)
+    }
 }
 
 /// Seconds since the epoch (0 if the clock is before it).
@@ -238,24 +248,247 @@ pub fn git_commit() -> Option<String> {
     Some(if dirty { format!("{s}-dirty") } else { s })
 }
 
-/// Write `bytes` to `path` atomically (temp file in the same directory + fsync + rename).
+/// Write `bytes` to `path` atomically: a temp file in the same directory, fsync, rename.
+///
+/// The temp file (`tempfile::NamedTempFile`, unique name) is removed on every error path
+/// (write, fsync or rename failing, e.g. on a full disk), so a failed write never leaves
+/// a partial file behind and never blocks a retry; the previous file at `path` stays whole.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
+    let dir = parent_dir(path);
     std::fs::create_dir_all(dir).map_err(|e| ExperimentError::io(dir, e))?;
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "record".into());
-    let tmp: PathBuf = dir.join(format!(".{name}.{}.tmp", std::process::id()));
-    let mut f = std::fs::File::create(&tmp).map_err(|e| ExperimentError::io(&tmp, e))?;
-    f.write_all(bytes)
-        .map_err(|e| ExperimentError::io(&tmp, e))?;
-    f.sync_all().map_err(|e| ExperimentError::io(&tmp, e))?;
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(|e| ExperimentError::io(path, e))
+    let mut tmp = tempfile::Builder::new()
+        .prefix(&format!(".{name}."))
+        .suffix(".tmp")
+        .tempfile_in(dir)
+        .map_err(|e| ExperimentError::io(dir, e))?;
+    let tmp_path = tmp.path().to_path_buf();
+    tmp.write_all(bytes)
+        .and_then(|()| tmp.as_file().sync_all())
+        .map_err(|e| ExperimentError::io(&tmp_path, e))?;
+    // On failure `persist` hands the temp file back; dropping it deletes it.
+    tmp.persist(path)
+        .map_err(|e| ExperimentError::io(path, e.error))?;
+    Ok(())
+}
+
+/// The directory of `path` (`.` for a bare file name).
+fn parent_dir(path: &Path) -> &Path {
+    path.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+}
+
+/// `dir/.<file name><suffix>`: the hidden sidecar files of a record.
+fn sidecar(path: &Path, suffix: &str) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "record".into());
+    parent_dir(path).join(format!(".{name}{suffix}"))
+}
+
+/// Where an unfinished run keeps its progress: `dir/.<record>.partial` (renamed over the
+/// record only once every leg is done, so a killed run never replaces a complete record).
+pub fn partial_path(record: &Path) -> PathBuf {
+    sidecar(record, ".partial")
+}
+
+/// The lock file of a record: `dir/.<record>.lock`.
+pub fn lock_path(record: &Path) -> PathBuf {
+    sidecar(record, ".lock")
+}
+
+/// The timings of the last run over a record: `dir/<stem>.timings.json` (gitignored, so
+/// re-measured wall times never dirty the tracked research record).
+pub fn timings_path(record: &Path) -> PathBuf {
+    let stem = record
+        .file_stem()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "record".into());
+    parent_dir(record).join(format!("{stem}.timings.json"))
+}
+
+/// An exclusive lock on a record (`fd-lock` on its `.lock` sidecar), held while a run
+/// writes it. A second run over the same record fails fast instead of racing.
+pub struct RecordLock {
+    lock: fd_lock::RwLock<std::fs::File>,
+    path: PathBuf,
+}
+
+impl RecordLock {
+    /// Create the lock file (and the record's directory), proving the directory is
+    /// writable before any leg runs. Errors name the record and the lock file.
+    pub fn open(record: &Path) -> Result<Self> {
+        if record.is_dir() {
+            return Err(ExperimentError::Invalid {
+                path: record.to_path_buf(),
+                field: "--out".into(),
+                msg: "is a directory; give a record file path such as runs/name.json".into(),
+            });
+        }
+        let dir = parent_dir(record);
+        std::fs::create_dir_all(dir).map_err(|e| unwritable(record, dir, e))?;
+        let path = lock_path(record);
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| unwritable(record, &path, e))?;
+        Ok(Self {
+            lock: fd_lock::RwLock::new(f),
+            path,
+        })
+    }
+
+    /// Take the lock without waiting; refuse if another process holds it.
+    pub fn try_lock(&mut self) -> Result<fd_lock::RwLockWriteGuard<'_, std::fs::File>> {
+        let path = self.path.clone();
+        self.lock.try_write().map_err(|e| ExperimentError::Invalid {
+            path: path.clone(),
+            field: "record lock".into(),
+            msg: format!(
+                "another speclab run is writing this record ({e}); wait for it to finish or pass --out for a separate record"
+            ),
+        })
+    }
+}
+
+fn unwritable(record: &Path, at: &Path, e: std::io::Error) -> ExperimentError {
+    ExperimentError::Invalid {
+        path: record.to_path_buf(),
+        field: "record".into(),
+        msg: format!("cannot write the record here ({}: {e})", at.display()),
+    }
+}
+
+/// Leg fields that are measurements of time, not research results: excluded from
+/// reproduction checks and written to the timings file.
+pub const TIMING_FIELDS: [&str; 5] = [
+    "wall_ms",
+    "tokens_per_s",
+    "wall_s",
+    "mean_ttft_s",
+    "max_ttft_s",
+];
+
+/// A leg as JSON with its timing fields removed (also inside `real`).
+fn results_only(l: &LegRecord) -> serde_json::Value {
+    let mut v = serde_json::to_value(l).unwrap_or(serde_json::Value::Null);
+    strip_timings(&mut v);
+    v
+}
+
+fn strip_timings(v: &mut serde_json::Value) {
+    if let Some(m) = v.as_object_mut() {
+        for k in TIMING_FIELDS {
+            m.remove(k);
+        }
+        if let Some(r) = m.get_mut("real") {
+            strip_timings(r);
+        }
+    }
+}
+
+/// The first field where two legs' results differ (timings ignored), as
+/// `field: old -> new`; `None` when the results are the same.
+pub fn result_difference(old: &LegRecord, new: &LegRecord) -> Option<String> {
+    first_difference("", &results_only(old), &results_only(new))
+}
+
+fn first_difference(at: &str, a: &serde_json::Value, b: &serde_json::Value) -> Option<String> {
+    use serde_json::Value;
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+            keys.into_iter().find_map(|k| {
+                let null = Value::Null;
+                let p = if at.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{at}.{k}")
+                };
+                first_difference(&p, x.get(k).unwrap_or(&null), y.get(k).unwrap_or(&null))
+            })
+        }
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => x
+            .iter()
+            .zip(y)
+            .enumerate()
+            .find_map(|(i, (p, q))| first_difference(&format!("{at}[{i}]"), p, q)),
+        _ if a == b => None,
+        _ => Some(format!("{at}: {} -> {}", short(a), short(b))),
+    }
+}
+
+fn short(v: &serde_json::Value) -> String {
+    let s = v.to_string();
+    if s.chars().count() > 80 {
+        format!("{}...", s.chars().take(77).collect::<String>())
+    } else {
+        s
+    }
+}
+
+/// The timings of one run over a record (the `.timings.json` file).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TimingsRecord {
+    /// The record these timings belong to.
+    pub record: String,
+    pub measured_unix_s: u64,
+    pub git_commit: Option<String>,
+    /// Per leg: its id and every timing field it has.
+    pub legs: Vec<serde_json::Value>,
+}
+
+impl TimingsRecord {
+    /// The timing fields of each leg of a run.
+    pub fn of(record: &Path, legs: &[LegRecord]) -> Self {
+        let legs = legs
+            .iter()
+            .map(|l| {
+                let full = serde_json::to_value(l).unwrap_or(serde_json::Value::Null);
+                let mut m = serde_json::Map::new();
+                m.insert("id".into(), serde_json::Value::String(l.id.clone()));
+                for src in [Some(&full), full.get("real")].into_iter().flatten() {
+                    for k in TIMING_FIELDS {
+                        if let Some(x) = src.get(k) {
+                            m.insert(k.into(), x.clone());
+                        }
+                    }
+                }
+                serde_json::Value::Object(m)
+            })
+            .collect();
+        Self {
+            record: record.display().to_string(),
+            measured_unix_s: now_unix(),
+            git_commit: git_commit(),
+            legs,
+        }
+    }
+    /// Save atomically next to the record.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let bytes = serde_json::to_vec_pretty(self).map_err(|e| ExperimentError::Invalid {
+            path: path.to_path_buf(),
+            field: "timings".into(),
+            msg: e.to_string(),
+        })?;
+        write_atomic(path, &bytes)
+    }
+}
+
+/// serde_json's message without its " at line L column C" suffix.
+fn json_msg(e: &serde_json::Error) -> String {
+    let s = e.to_string();
+    match s.rfind(" at line ") {
+        Some(k) if e.line() != 0 => s[..k].to_string(),
+        _ => s,
+    }
 }
 
 impl RunRecord {
@@ -272,10 +505,11 @@ impl RunRecord {
     /// Load a record, with `path:line:col` on malformed JSON.
     pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| ExperimentError::io(path, e))?;
-        serde_json::from_str(&text).map_err(|e| ExperimentError::Parse {
+        let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+        serde_json::from_str(text).map_err(|e| ExperimentError::Parse {
             path: path.to_path_buf(),
             at: format!("{}:{}", e.line(), e.column()),
-            msg: e.to_string(),
+            msg: format!("not a readable run record: {}", json_msg(&e)),
         })
     }
 

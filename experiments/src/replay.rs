@@ -65,7 +65,9 @@ pub fn load_layout(path: impl AsRef<Path>) -> Result<KvLayout> {
 }
 
 /// Parse a RON layout from text; `path` is only used in error messages.
+/// A UTF-8 byte-order mark at the start is accepted (skipped).
 pub fn parse_layout_ron(text: &str, path: &Path) -> Result<KvLayout> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let opts =
         ron::Options::default().with_default_extension(ron::extensions::Extensions::IMPLICIT_SOME);
     let ron_err = |e: ron::error::SpannedError, field: Option<String>| ExperimentError::Parse {
@@ -89,7 +91,9 @@ pub fn parse_layout_ron(text: &str, path: &Path) -> Result<KvLayout> {
 }
 
 /// Parse a JSON layout from text; `path` is only used in error messages.
+/// A UTF-8 byte-order mark at the start is accepted (skipped).
 pub fn parse_layout_json(text: &str, path: &Path) -> Result<KvLayout> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let mut de = serde_json::Deserializer::from_str(text);
     let layout: KvLayout = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let field = field_path(e.path());
@@ -311,6 +315,10 @@ pub fn parse_ops_reader<R: BufRead>(reader: R, source: &Path) -> Result<OpTrace>
     for (k, line) in reader.lines().enumerate() {
         let n = k + 1;
         let line = line.map_err(|e| ExperimentError::io(source, e))?;
+        let line = match (k, line.strip_prefix('\u{feff}')) {
+            (0, Some(rest)) => rest.to_string(),
+            _ => line,
+        };
         if line.trim().is_empty() {
             continue;
         }
@@ -396,6 +404,9 @@ pub struct ReqState {
     pub num_prompt_tokens: u64,
     /// WAITING until a successful allocate, PREEMPTED after preempt.
     pub status: RequestStatus,
+    /// Token slots of the last successful allocate (`computed + num_new_tokens +
+    /// lookahead`); 0 before any and after preempt. `computed` may not go beyond it.
+    pub allocated_slots: u64,
 }
 
 impl ReqState {
@@ -588,6 +599,7 @@ impl Replayer {
                     num_tokens: *prompt_len,
                     num_prompt_tokens: *prompt_len,
                     status: RequestStatus::Waiting,
+                    allocated_slots: 0,
                 };
                 self.reqs.insert(req.clone(), st);
                 Ok(None)
@@ -616,10 +628,15 @@ impl Replayer {
                     has_scheduled_reqs: *has_scheduled_reqs,
                 };
                 let out = self.kv.allocate_slots(&st.view(), args)?;
-                if matches!(out, AllocOutcome::Allocated(_))
-                    && matches!(st.status, RequestStatus::Waiting | RequestStatus::Preempted)
-                {
-                    st.status = RequestStatus::Running;
+                if matches!(out, AllocOutcome::Allocated(_)) {
+                    // allocate_slots refused any overflow of this sum above.
+                    st.allocated_slots = st
+                        .num_computed_tokens
+                        .saturating_add(*num_new_tokens)
+                        .saturating_add(*lookahead);
+                    if matches!(st.status, RequestStatus::Waiting | RequestStatus::Preempted) {
+                        st.status = RequestStatus::Running;
+                    }
                 }
                 Ok(Some(out))
             }
@@ -633,6 +650,15 @@ impl Replayer {
                         s.num_computed_tokens
                     ),
                 })?;
+                if new > s.allocated_slots {
+                    return Err(EngineError::BadTokenCount {
+                        req: format!("{req:?}"),
+                        reason: format!(
+                            "num_computed_tokens {} + {n} = {new} is beyond the {} token slots the last allocate gave the request (num_tokens {}): computed tokens need KV slots, allocate them first",
+                            s.num_computed_tokens, s.allocated_slots, s.num_tokens
+                        ),
+                    });
+                }
                 s.num_computed_tokens = new;
                 Ok(None)
             }
@@ -654,6 +680,7 @@ impl Replayer {
                     .ok_or_else(|| unknown(req))?;
                 self.kv.free(st.slot);
                 st.num_computed_tokens = 0;
+                st.allocated_slots = 0;
                 st.status = RequestStatus::Preempted;
                 Ok(None)
             }
@@ -866,6 +893,22 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("unknown field `x`"), "{e}");
+    }
+
+    #[test]
+    fn a_utf8_bom_is_accepted_in_layouts_and_traces() {
+        let ron = "\u{feff}(num_blocks: 9, max_model_len: 64, groups: [(name: \"f\", kind: full, block_size: 4)])";
+        assert!(parse_layout_ron(ron, Path::new("l.ron")).is_ok());
+        let json = "\u{feff}{\"num_blocks\": 9, \"max_model_len\": 64, \"groups\": [{\"name\": \"f\", \"kind\": \"full\", \"block_size\": 4}]}";
+        assert!(parse_layout_json(json, Path::new("l.json")).is_ok());
+        let ops = "\u{feff}{\"op\":\"add\",\"req\":\"a\",\"prompt_len\":1}\n";
+        assert_eq!(
+            parse_ops_reader(ops.as_bytes(), Path::new("t.jsonl"))
+                .unwrap()
+                .ops
+                .len(),
+            1
+        );
     }
 
     #[test]

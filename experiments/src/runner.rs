@@ -5,14 +5,22 @@
 //! `kv_cache_planning.check_enough_kv_cache_memory`), optionally bisect the
 //! admission bound, then simulate the workload with the scheduler policy and
 //! the simulated executor until every request completes, the run WEDGES, or
-//! the step backstop is hit. After each leg the record is saved atomically;
-//! legs already in a record for the same manifest text are skipped (resume).
+//! the step backstop is hit.
+//!
+//! Records: the record is locked (`fd-lock`) for the whole run, so a second run over
+//! it fails fast. Progress is saved atomically after each leg to the hidden
+//! `.<record>.partial` sidecar, which a later run resumes (finished legs are never
+//! recomputed nor rewritten); the record itself is replaced only at the end. Over a
+//! complete record of the same manifest text every leg is recomputed and compared
+//! with it, timings aside ([`Verdict`]): same results leave the record untouched
+//! (bit for bit); different ones replace it and are listed. The wall times of every
+//! run go to `<stem>.timings.json` next to the record (gitignored).
 //!
 //! A manifest with a `real` section runs its legs through the real engine instead
 //! ([`crate::real_run`]): the target, prompts and drafter checkpoints are loaded once,
 //! only when some leg is left to run; the record bookkeeping is the same.
 //!
-//! Invariant: the record on disk only ever gains complete legs.
+//! Invariant: the record on disk is always whole; a killed run never shrinks it.
 
 use std::path::Path;
 use std::time::Instant;
@@ -56,7 +64,7 @@ pub struct RunCtx<'a> {
 }
 
 /// Run (or resume) every leg of a manifest, saving the record after each leg.
-pub fn run_manifest(ctx: &RunCtx<'_>, progress: &mut dyn Progress) -> Result<RunRecord> {
+pub fn run_manifest(ctx: &RunCtx<'_>, progress: &mut dyn Progress) -> Result<RunOutcome> {
     let m = ctx.manifest;
     if let Some(real) = &m.real {
         let legs = real.legs();
@@ -68,7 +76,7 @@ pub fn run_manifest(ctx: &RunCtx<'_>, progress: &mut dyn Progress) -> Result<Run
             .collect();
         // The model is loaded only if some leg is left to run.
         let mut runner: Option<RealRunner<'_>> = None;
-        return run_legs(ctx, &ids, notes, progress, &mut |i, _progress| {
+        return run_legs(ctx, &ids, notes, vec![], progress, &mut |i, _progress| {
             if runner.is_none() {
                 runner = Some(RealRunner::load(real, ctx.manifest_path)?);
             }
@@ -80,47 +88,59 @@ pub fn run_manifest(ctx: &RunCtx<'_>, progress: &mut dyn Progress) -> Result<Run
     }
     let legs = m.legs()?;
     let ids: Vec<String> = legs.iter().map(|l| l.id.clone()).collect();
-    run_legs(ctx, &ids, vec![], progress, &mut |i, progress| {
+    let plans: Vec<_> = legs.iter().filter_map(|l| l.plan.clone()).collect();
+    run_legs(ctx, &ids, vec![], plans, progress, &mut |i, progress| {
         run_leg(m, &legs[i], progress)
     })
 }
 
-/// The record bookkeeping shared by simulated and real manifests: load (resume) or start
-/// the record, run each leg not yet recorded, save atomically after each.
+/// How a run related to the record that was already at its path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// No record was there (or `--fresh`): every leg was computed and written.
+    New,
+    /// An unfinished record (or an interrupted run's `.partial`) was resumed: finished
+    /// legs were kept byte for byte, the others computed.
+    Resumed { kept: usize, computed: usize },
+    /// A complete record was there: every leg was recomputed and gave the same results
+    /// (timings aside). The record was left untouched.
+    Reproduced { legs: usize },
+    /// A complete record was there and some legs' results differ: the record was
+    /// replaced. Each entry: leg id and its first differing field (`old -> new`).
+    Differs {
+        legs: usize,
+        differing: Vec<(String, String)>,
+    },
+}
+
+/// A finished run: the record as it now stands on disk, what happened, and where the
+/// timings of this run were written.
+#[derive(Debug, Clone)]
+pub struct RunOutcome {
+    pub record: RunRecord,
+    pub verdict: Verdict,
+    pub timings_path: std::path::PathBuf,
+}
+
+/// The record bookkeeping shared by simulated and real manifests (module doc): lock the
+/// record, pick up an interrupted run or an unfinished record, run each leg not yet
+/// recorded (progress saved atomically to the `.partial` sidecar after each), then
+/// either confirm the committed record or replace it.
 fn run_legs(
     ctx: &RunCtx<'_>,
     ids: &[String],
     notes: Vec<String>,
+    plans: Vec<crate::plan::LegPlan>,
     progress: &mut dyn Progress,
     run_one: &mut dyn FnMut(usize, &mut dyn Progress) -> Result<LegRecord>,
-) -> Result<RunRecord> {
-    let m = ctx.manifest;
-    let mut rec = match (ctx.resume, ctx.record_path.exists()) {
-        (true, true) => {
-            let r = RunRecord::load(ctx.record_path)?;
-            if r.manifest_text != ctx.manifest_text {
-                return Err(ExperimentError::Invalid {
-                    path: ctx.record_path.to_path_buf(),
-                    field: "manifest_text".into(),
-                    msg: "the record was made from a different manifest text; pass --fresh to overwrite or --out for a new record".into(),
-                });
-            }
-            r
-        }
-        _ => RunRecord {
-            speclab_version: env!("CARGO_PKG_VERSION").to_string(),
-            git_commit: record::git_commit(),
-            manifest_path: ctx.manifest_path.display().to_string(),
-            manifest_text: ctx.manifest_text.to_string(),
-            manifest: serde_json::to_value(m).unwrap_or(serde_json::Value::Null),
-            started_unix_s: record::now_unix(),
-            updated_unix_s: record::now_unix(),
-            legs: vec![],
-            complete: false,
-            notes: vec![],
-        },
-    };
+) -> Result<RunOutcome> {
+    let mut lock = record::RecordLock::open(ctx.record_path)?;
+    let _guard = lock.try_lock()?;
+    let partial = record::partial_path(ctx.record_path);
+    let (mut rec, committed) = start_record(ctx, &partial)?;
+    let kept = rec.legs.len();
     rec.notes = notes;
+    rec.plans = plans;
     let total = ids.len();
     for (i, id) in ids.iter().enumerate() {
         if rec.leg(id).is_some() {
@@ -132,15 +152,123 @@ fn run_legs(
         progress.leg_done(&lr);
         rec.legs.push(lr);
         rec.updated_unix_s = record::now_unix();
-        rec.save(ctx.record_path)?;
+        rec.save(&partial)?;
     }
     // Keep manifest order even after a resume.
     rec.legs
         .sort_by_key(|l| ids.iter().position(|x| *x == l.id).unwrap_or(usize::MAX));
     rec.complete = ids.iter().all(|id| rec.leg(id).is_some());
-    rec.updated_unix_s = record::now_unix();
-    rec.save(ctx.record_path)?;
-    Ok(rec)
+    let timings_path = record::timings_path(ctx.record_path);
+    record::TimingsRecord::of(ctx.record_path, &rec.legs).save(&timings_path)?;
+    let verdict = match committed {
+        Some(old) => compare(&old, &rec),
+        None if kept > 0 => Verdict::Resumed {
+            kept,
+            computed: rec.legs.len() - kept,
+        },
+        None => Verdict::New,
+    };
+    let record = if matches!(verdict, Verdict::Reproduced { .. }) {
+        std::fs::remove_file(&partial).ok();
+        RunRecord::load(ctx.record_path)?
+    } else {
+        rec.updated_unix_s = record::now_unix();
+        rec.save(ctx.record_path)?;
+        std::fs::remove_file(&partial).ok();
+        rec
+    };
+    Ok(RunOutcome {
+        record,
+        verdict,
+        timings_path,
+    })
+}
+
+/// The record a run starts from, and the complete record it must reproduce (if any).
+///
+/// - `--fresh`: an empty record (a stale `.partial` is discarded);
+/// - a `.partial` of the same manifest text: resumed (an interrupted run);
+/// - a complete record of the same manifest text: an empty record, compared at the end;
+/// - an unfinished record of the same manifest text: resumed;
+/// - a record of another manifest text: refused (`--fresh` or `--out`).
+fn start_record(ctx: &RunCtx<'_>, partial: &Path) -> Result<(RunRecord, Option<RunRecord>)> {
+    if !ctx.resume {
+        // --fresh: whatever is at the path (even an unreadable record) is replaced at the end.
+        std::fs::remove_file(partial).ok();
+        return Ok((new_record(ctx), None));
+    }
+    let existing = if ctx.record_path.exists() {
+        let r = RunRecord::load(ctx.record_path)?;
+        if r.manifest_text != ctx.manifest_text {
+            return Err(ExperimentError::Invalid {
+                path: ctx.record_path.to_path_buf(),
+                field: "manifest_text".into(),
+                msg: "the record was made from a different manifest text; pass --fresh to overwrite or --out for a new record".into(),
+            });
+        }
+        Some(r)
+    } else {
+        None
+    };
+    let committed = existing.clone().filter(|r| r.complete);
+    if partial.exists() {
+        match RunRecord::load(partial) {
+            Ok(p) if p.manifest_text == ctx.manifest_text => return Ok((p, committed)),
+            // A stale or unreadable sidecar of an interrupted run: start over.
+            _ => {
+                std::fs::remove_file(partial).ok();
+            }
+        }
+    }
+    match existing {
+        Some(r) if !r.complete => Ok((r, None)),
+        _ => Ok((new_record(ctx), committed)),
+    }
+}
+
+fn new_record(ctx: &RunCtx<'_>) -> RunRecord {
+    RunRecord {
+        speclab_version: env!("CARGO_PKG_VERSION").to_string(),
+        git_commit: record::git_commit(),
+        manifest_path: ctx.manifest_path.display().to_string(),
+        manifest_text: ctx.manifest_text.to_string(),
+        manifest: serde_json::to_value(ctx.manifest).unwrap_or(serde_json::Value::Null),
+        started_unix_s: record::now_unix(),
+        updated_unix_s: record::now_unix(),
+        legs: vec![],
+        complete: false,
+        notes: vec![],
+        plans: vec![],
+    }
+}
+
+/// Compare a recomputed record with the committed one, leg by leg (timings aside).
+fn compare(old: &RunRecord, new: &RunRecord) -> Verdict {
+    let mut differing = Vec::new();
+    for l in &new.legs {
+        let d = match old.leg(&l.id) {
+            Some(o) => record::result_difference(o, l),
+            None => Some("not in the committed record".into()),
+        };
+        if let Some(d) = d {
+            differing.push((l.id.clone(), d));
+        }
+    }
+    for o in &old.legs {
+        if new.leg(&o.id).is_none() {
+            differing.push((o.id.clone(), "no longer a leg of the manifest".into()));
+        }
+    }
+    if differing.is_empty() && old.notes == new.notes {
+        Verdict::Reproduced {
+            legs: new.legs.len(),
+        }
+    } else {
+        Verdict::Differs {
+            legs: new.legs.len(),
+            differing,
+        }
+    }
 }
 
 fn policy(p: PolicyName) -> AdmissionPolicy {
@@ -176,28 +304,41 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
         wall_ms: 0.0,
         real: None,
     };
+    let lookahead = m.drafter.lookahead();
+    let mnbt = u64::from(m.scheduler.max_num_batched_tokens);
+    let pc = ProbeCtx {
+        layout: &leg.layout,
+        num_blocks: leg.num_blocks,
+        max_num_batched_tokens: mnbt,
+        lookahead,
+    };
     if let Err(e) = planning::check_startup(&leg.layout, leg.num_blocks) {
         lr.status = LegStatus::RefusedAtStartup;
         lr.note = Some(e.to_string());
+        if m.measure.bound && m.measure.bound_if_refused {
+            lr.bound = Some(bounds::find_bound(&pc)?);
+        }
         lr.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
         return Ok(lr);
     }
-    let lookahead = m.drafter.lookahead();
-    let mnbt = u64::from(m.scheduler.max_num_batched_tokens);
+    let max_num_seqs = leg.max_num_seqs.unwrap_or(m.scheduler.max_num_seqs);
+    if let Some(why) = cudagraph_refusal(m, leg, max_num_seqs) {
+        lr.status = LegStatus::RefusedAtStartup;
+        lr.note = Some(why);
+        if m.measure.bound && m.measure.bound_if_refused {
+            lr.bound = Some(bounds::find_bound(&pc)?);
+        }
+        lr.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
+        return Ok(lr);
+    }
     if m.measure.bound {
-        let pc = ProbeCtx {
-            layout: &leg.layout,
-            num_blocks: leg.num_blocks,
-            max_num_batched_tokens: mnbt,
-            lookahead,
-        };
         lr.bound = Some(bounds::find_bound(&pc)?);
     }
     if m.measure.simulate && !leg.prompts.is_empty() {
         let mut kv = KvCacheManager::new(&leg.layout, leg.num_blocks)
             .map_err(|e| ExperimentError::engine(ctxs.clone(), e))?;
         let cfg = SchedulerConfig {
-            max_num_seqs: m.scheduler.max_num_seqs,
+            max_num_seqs,
             max_num_batched_tokens: mnbt,
             num_speculative_tokens: m.drafter.drafts_per_step(),
             lookahead,
@@ -239,6 +380,20 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
     }
     lr.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
     Ok(lr)
+}
+
+/// vLLM's FULL-cudagraph check for models with state (vllm/config/compilation.py,
+/// `CompilationConfig` cudagraph resolution after the KV cache config is known): each
+/// decode sequence needs one Mamba cache block, so max_num_seqs > num_blocks is refused.
+fn cudagraph_refusal(m: &Manifest, leg: &Leg, max_num_seqs: usize) -> Option<String> {
+    use speclab_engine::kv::GroupKind;
+    let has_state = leg.layout.groups.iter().any(|g| g.kind == GroupKind::State);
+    let blocks = leg.num_blocks as usize;
+    (m.scheduler.full_cudagraphs && has_state && max_num_seqs > blocks).then(|| {
+        format!(
+            "max_num_seqs ({max_num_seqs}) exceeds available Mamba cache blocks ({blocks}). Each decode sequence requires one Mamba cache block, so CUDA graph capture cannot proceed. Please lower max_num_seqs to at most {blocks} or increase gpu_memory_utilization. (vLLM 0.33.0 CompilationConfig)"
+        )
+    })
 }
 
 fn fill_from_sim(lr: &mut LegRecord, leg: &Leg, run: &SimRun, names: &[String]) {
@@ -294,5 +449,53 @@ fn fill_from_sim(lr: &mut LegRecord, leg: &Leg, run: &SimRun, names: &[String]) 
     };
     if !notes.is_empty() {
         lr.note = Some(notes.join("; "));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MANIFEST: &str = "(name: \"t\", kv: (preset: Some(\"glm53-flash-dflash2\"), block_size: Some(2304), num_blocks: Some(1012)), \
+        drafter: (kind: dflash2, num_speculative_tokens: 7), workload: (prompts: [1000, 2000, 3000], output_len: 4))";
+
+    /// A run that fails after its first leg: the complete record stays whole, and the
+    /// finished leg waits in the `.partial` sidecar for the next run.
+    #[test]
+    fn a_failing_run_keeps_the_complete_record_and_its_progress() {
+        let dir = tempfile::tempdir().unwrap();
+        let rec = dir.path().join("t.json");
+        let p = Path::new("t.ron");
+        let m: Manifest = crate::manifest::parse_ron(p, MANIFEST).unwrap();
+        m.validate(p).unwrap();
+        let ctx = RunCtx {
+            manifest: &m,
+            manifest_path: p,
+            manifest_text: MANIFEST,
+            record_path: &rec,
+            resume: true,
+        };
+        run_manifest(&ctx, &mut Quiet).unwrap();
+        let complete = std::fs::read(&rec).unwrap();
+        let legs = m.legs().unwrap();
+        let ids: Vec<String> = legs.iter().map(|l| l.id.clone()).collect();
+        for resume in [false, true] {
+            let ctx = RunCtx { resume, ..ctx };
+            let e = run_legs(&ctx, &ids, vec![], &mut Quiet, &mut |i, pr| {
+                if i == 1 {
+                    return Err(ExperimentError::engine(
+                        "test",
+                        speclab_engine::EngineError::Unsupported("killed".into()),
+                    ));
+                }
+                run_leg(&m, &legs[i], pr)
+            })
+            .unwrap_err();
+            assert!(e.to_string().contains("killed"), "{e}");
+            assert_eq!(std::fs::read(&rec).unwrap(), complete, "resume {resume}");
+            let partial = RunRecord::load(&record::partial_path(&rec)).unwrap();
+            assert_eq!(partial.legs.len(), 1);
+            assert!(!partial.complete);
+        }
     }
 }

@@ -67,7 +67,7 @@ pub struct TensorData {
 
 fn dtype_size(dtype: Dtype) -> Result<usize> {
     let bits = dtype.bitsize();
-    if bits % 8 != 0 {
+    if !bits.is_multiple_of(8) {
         return Err(QuantError::Checkpoint(format!(
             "sub-byte dtype {dtype:?} is not supported"
         )));

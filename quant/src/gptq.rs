@@ -106,7 +106,7 @@ impl Hessian {
             ));
         }
         let k = self.k;
-        if k == 0 || x.len() % k != 0 {
+        if k == 0 || !x.len().is_multiple_of(k) {
             return Err(QuantError::Shape(format!(
                 "x has {} elements, not a multiple of K = {k}",
                 x.len()
@@ -223,7 +223,7 @@ pub fn gptq_quantize(
     h: &Hessian,
     cfg: &GptqConfig,
 ) -> Result<GptqOutput> {
-    if k % GROUP_SIZE != 0 {
+    if !k.is_multiple_of(GROUP_SIZE) {
         return Err(QuantError::GroupMisaligned { k });
     }
     if cfg.group_size != GROUP_SIZE {

@@ -21,7 +21,7 @@ pub fn quantize_value(w: f32, s: f32) -> i8 {
 
 /// RTN-quantize `w` (`[N, K]` row-major f32, usually the f32 of a bf16 weight).
 pub fn quantize_rtn(w: &[f32], n: usize, k: usize) -> Result<W4A16Tensor> {
-    if k % GROUP_SIZE != 0 {
+    if !k.is_multiple_of(GROUP_SIZE) {
         return Err(QuantError::GroupMisaligned { k });
     }
     expect_len("w", w.len(), checked_len(n, k, "weight [N, K]")?)?;

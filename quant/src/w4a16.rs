@@ -30,7 +30,7 @@ pub const QMAX: i8 = 7;
 
 /// Check `n`, `k` for the format and return `n * k`.
 fn check_nk(n: usize, k: usize) -> Result<usize> {
-    if k % GROUP_SIZE != 0 {
+    if !k.is_multiple_of(GROUP_SIZE) {
         return Err(QuantError::GroupMisaligned { k });
     }
     checked_len(n, k, "weight [N, K]")

@@ -8,6 +8,10 @@
 //! that both produced the same results when vLLM's results file is given,
 //! and prints the ratio. If the trace does not exist and a Python with vLLM
 //! is given, it is generated first with the recipe's deterministic generator.
+//! A run that times vLLM too writes a record (`runs/bench-kv-replay.json` unless `--out`;
+//! a speclab-only run only where `--out` says), atomically and locked like experiment
+//! records: the trace and its FNV-1a digest, both timings, the
+//! ratio, the equality check, the machine's CPU count, the git commit and the command.
 //! Invariant: the ratio printed is computed from the two timings of this run.
 
 use std::path::PathBuf;
@@ -50,9 +54,118 @@ pub struct KvReplayArgs {
     /// Repetitions (best of) for speclab.
     #[arg(long, default_value_t = 5)]
     pub repeat: u32,
+    /// Where to write the benchmark record (default runs/bench-kv-replay.json when vLLM is
+    /// timed too; a speclab-only run writes a record only where --out says).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+/// Compare speclab's results with vLLM's results file; refuse any difference.
+fn check_results(p: &std::path::Path, got: &[replay::OpResult]) -> anyhow::Result<usize> {
+    let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+    let mut mismatches = 0usize;
+    for (i, (line, res)) in text.lines().zip(got).enumerate() {
+        let want: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("{}:{}", p.display(), i + 1))?;
+        let got: serde_json::Value = serde_json::from_str(&res.to_json())?;
+        if want.get("blocks") != got.get("blocks") || want.get("free") != got.get("free") {
+            mismatches += 1;
+        }
+    }
+    if mismatches > 0 {
+        bail!(
+            "{mismatches} of {} results differ from vLLM's ({})",
+            got.len(),
+            p.display()
+        );
+    }
+    Ok(mismatches)
+}
+
+/// vLLM's replay time (best of `--repeat`) from the recipe, on the same trace.
+fn vllm_seconds(
+    py: &std::path::Path,
+    recipe: &std::path::Path,
+    a: &KvReplayArgs,
+) -> anyhow::Result<Option<f64>> {
+    let out = Command::new(py)
+        .arg(recipe)
+        .arg("--layout")
+        .arg(&a.layout)
+        .arg("--ops")
+        .arg(&a.ops)
+        .arg("--repeat")
+        .arg(a.repeat.max(1).to_string())
+        .output()
+        .with_context(|| format!("running {} {}", py.display(), recipe.display()))?;
+    if !out.status.success() {
+        bail!(
+            "vLLM replay failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let line = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(line.trim().lines().last().unwrap_or(""))
+        .context("parsing the recipe's JSON")?;
+    Ok(v.get("seconds").and_then(|s| s.as_f64()))
+}
+
+/// The human form of a benchmark record.
+fn print_text(a: &KvReplayArgs, record: &serde_json::Value, out: Option<&std::path::Path>) {
+    let f = |k: &str| record[k].as_f64();
+    let n = record["ops"].as_u64().unwrap_or(0) as usize;
+    let best = f("speclab_seconds").unwrap_or(f64::NAN);
+    let vllm_s = f("vllm_seconds");
+    let ratio = f("ratio");
+    let checked = record["results_checked_against_vllm"]
+        .as_bool()
+        .map(|ok| if ok { 0 } else { n });
+    outln!(
+        "trace: {} ({n} ops), layout {}",
+        a.ops.display(),
+        a.layout.display()
+    );
+    outln!(
+        "speclab  : {:>10.3} ms  ({:.0} ops/s, best of {})",
+        best * 1e3,
+        n as f64 / best,
+        a.repeat.max(1)
+    );
+    if let Some(v) = vllm_s {
+        outln!(
+            "vLLM py  : {:>10.3} ms  ({:.0} ops/s, best of {})",
+            v * 1e3,
+            n as f64 / v,
+            a.repeat.max(1)
+        );
+    }
+    if let Some(r) = ratio {
+        outln!("ratio    : speclab is {r:.1}x faster");
+    }
+    if let Some(m) = checked {
+        outln!("results  : {} of {n} equal to vLLM's", n - m);
+    }
+    if cfg!(debug_assertions) {
+        outln!("(debug build: timings are not representative; use cargo run --release)");
+    }
+    match out {
+        Some(o) => outln!("record   : {}", o.display()),
+        None => outln!("record   : none written (speclab only; give --python, or --out)"),
+    }
+}
+
+/// FNV-1a 64 of a file's bytes (identifies the trace a record was measured on).
+fn file_digest(p: &std::path::Path) -> anyhow::Result<String> {
+    let bytes = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    Ok(format!("{h:016x}"))
 }
 
 pub fn run(c: BenchCommand) -> anyhow::Result<ExitCode> {
@@ -61,16 +174,31 @@ pub fn run(c: BenchCommand) -> anyhow::Result<ExitCode> {
     }
 }
 
-fn kv_replay(a: KvReplayArgs) -> anyhow::Result<ExitCode> {
+fn kv_replay(mut a: KvReplayArgs) -> anyhow::Result<ExitCode> {
     let recipe = PathBuf::from("recipes/kv_replay_bench.py");
+    // Lock the record first: an unwritable --out fails before any work.
+    let out = a.out.clone().or_else(|| {
+        a.python
+            .as_ref()
+            .map(|_| PathBuf::from("runs/bench-kv-replay.json"))
+    });
+    let mut lock = match &out {
+        Some(o) => Some(speclab_experiments::record::RecordLock::open(o)?),
+        None => None,
+    };
+    let _guard = match &mut lock {
+        Some(l) => Some(l.try_lock()?),
+        None => None,
+    };
+    let default_results = a.ops.with_extension("results.jsonl");
     if !a.ops.exists() || !a.layout.exists() {
         let Some(py) = &a.python else {
-            bail!("{} or {} does not exist; pass --python <python with vllm==0.33.0> to generate it (recipes/README.md)", a.layout.display(), a.ops.display())
+            bail!("{} or {} does not exist; the trace is generated by vLLM itself: python -m venv .venv && .venv/bin/pip install vllm==0.33.0, then pass --python .venv/bin/python (recipes/README.md)", a.layout.display(), a.ops.display())
         };
         let results = a
             .vllm_results
             .clone()
-            .unwrap_or_else(|| a.ops.with_extension("results.jsonl"));
+            .unwrap_or_else(|| default_results.clone());
         let st = Command::new(py)
             .arg(&recipe)
             .args(["--gen", &a.gen.to_string(), "--seed", "0", "--out-layout"])
@@ -84,6 +212,9 @@ fn kv_replay(a: KvReplayArgs) -> anyhow::Result<ExitCode> {
         if !st.success() {
             bail!("trace generation failed ({st})");
         }
+    }
+    if a.vllm_results.is_none() && default_results.exists() {
+        a.vllm_results = Some(default_results);
     }
     let layout = replay::load_layout(&a.layout)?;
     let trace = replay::parse_ops(&a.ops)?;
@@ -101,79 +232,39 @@ fn kv_replay(a: KvReplayArgs) -> anyhow::Result<ExitCode> {
         best = best.min(t0.elapsed().as_secs_f64());
         last = out;
     }
-    let mut checked = None;
-    if let Some(p) = &a.vllm_results {
-        let text =
-            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-        let mut mismatches = 0usize;
-        for (i, (line, res)) in text.lines().zip(&last).enumerate() {
-            let want: serde_json::Value =
-                serde_json::from_str(line).with_context(|| format!("{}:{}", p.display(), i + 1))?;
-            let got: serde_json::Value = serde_json::from_str(&res.to_json())?;
-            if want.get("blocks") != got.get("blocks") || want.get("free") != got.get("free") {
-                mismatches += 1;
-            }
-        }
-        checked = Some(mismatches);
-        if mismatches > 0 {
-            bail!(
-                "{mismatches} of {n} results differ from vLLM's ({})",
-                p.display()
-            );
-        }
-    }
-    let mut vllm_s = None;
-    if let Some(py) = &a.python {
-        let out = Command::new(py)
-            .arg(&recipe)
-            .arg("--layout")
-            .arg(&a.layout)
-            .arg("--ops")
-            .arg(&a.ops)
-            .output()
-            .with_context(|| format!("running {} {}", py.display(), recipe.display()))?;
-        if !out.status.success() {
-            bail!(
-                "vLLM replay failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        let line = String::from_utf8_lossy(&out.stdout);
-        let v: serde_json::Value = serde_json::from_str(line.trim().lines().last().unwrap_or(""))
-            .context("parsing the recipe's JSON")?;
-        vllm_s = v.get("seconds").and_then(|s| s.as_f64());
-    }
+    let checked = match &a.vllm_results {
+        Some(p) => Some(check_results(p, &last)?),
+        None => None,
+    };
+    let vllm_s = match &a.python {
+        Some(py) => vllm_seconds(py, &recipe, &a)?,
+        None => None,
+    };
     let ratio = vllm_s.map(|v| v / best);
+    let record = serde_json::json!({
+        "bench": "kv-replay",
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "git_commit": speclab_experiments::record::git_commit(),
+        "measured_unix_s": speclab_experiments::record::now_unix(),
+        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "release_build": !cfg!(debug_assertions),
+        "layout": a.layout.display().to_string(),
+        "trace": a.ops.display().to_string(),
+        "trace_fnv1a": file_digest(&a.ops)?,
+        "ops": n,
+        "repeat_best_of": a.repeat.max(1),
+        "speclab_seconds": best,
+        "vllm_seconds": vllm_s,
+        "ratio": ratio,
+        "results_checked_against_vllm": checked.map(|m| m == 0),
+    });
+    if let Some(o) = &out {
+        speclab_experiments::record::write_atomic(o, &serde_json::to_vec_pretty(&record)?)?;
+    }
     if a.json {
-        println!(
-            "{}",
-            serde_json::json!({"ops": n, "speclab_seconds": best, "vllm_seconds": vllm_s, "ratio": ratio, "results_checked_against_vllm": checked.map(|m| m == 0)})
-        );
+        outln!("{}", serde_json::to_string(&record)?);
     } else {
-        println!(
-            "trace: {} ({n} ops), layout {}",
-            a.ops.display(),
-            a.layout.display()
-        );
-        println!(
-            "speclab  : {:>10.3} ms  ({:.0} ops/s, best of {})",
-            best * 1e3,
-            n as f64 / best,
-            a.repeat.max(1)
-        );
-        if let Some(v) = vllm_s {
-            println!(
-                "vLLM py  : {:>10.3} ms  ({:.0} ops/s)",
-                v * 1e3,
-                n as f64 / v
-            );
-        }
-        if let Some(r) = ratio {
-            println!("ratio    : speclab is {r:.1}x faster");
-        }
-        if let Some(m) = checked {
-            println!("results  : {} of {n} equal to vLLM's", n - m);
-        }
+        print_text(&a, &record, out.as_deref());
     }
     Ok(ExitCode::SUCCESS)
 }

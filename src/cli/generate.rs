@@ -29,6 +29,8 @@ use speclab_engine::Scheduler;
 pub enum CapArg {
     None,
     Upstream,
+    /// Manifests' spelling; the older CLI spelling `window-plus-two` is accepted too.
+    #[value(name = "window_plus_two", alias = "window-plus-two")]
     WindowPlusTwo,
 }
 
@@ -39,6 +41,15 @@ impl From<CapArg> for CapPolicy {
             CapArg::Upstream => CapPolicy::Upstream,
             CapArg::WindowPlusTwo => CapPolicy::WindowPlusTwo,
         }
+    }
+}
+
+/// A count flag that must be >= 1 (the error names the flag as written).
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be >= 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("expected a whole number >= 1: {e}")),
     }
 }
 
@@ -58,9 +69,9 @@ pub struct EngineArgs {
     #[arg(long)]
     pub num_spec: Option<usize>,
     /// n-gram bounds (vLLM prompt_lookup_min / max).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = at_least_one)]
     pub ngram_min: usize,
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = at_least_one)]
     pub ngram_max: usize,
     #[arg(long, default_value_t = 32)]
     pub max_tokens: u64,
@@ -141,6 +152,9 @@ pub struct VerifyLosslessArgs {
     pub manifest: Option<PathBuf>,
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// One prompt as text (tokenized with the model's tokenizer.json), as `generate --prompt`.
+    #[arg(long, conflicts_with_all = ["prompts", "random_prompts", "manifest"])]
+    pub prompt: Option<String>,
     /// Prompts: a .json list of strings or of token-id lists, or a text file (one prompt a line).
     #[arg(long, conflicts_with = "random_prompts")]
     pub prompts: Option<PathBuf>,
@@ -159,6 +173,13 @@ fn tokenizer(model: &Path) -> anyhow::Result<Option<Tokenizer>> {
 }
 
 fn drafter_spec(a: &EngineArgs, target: &ModelWeights) -> anyhow::Result<DrafterSpec> {
+    if a.ngram_max < a.ngram_min {
+        bail!(
+            "--ngram-max {} is below --ngram-min {}",
+            a.ngram_max,
+            a.ngram_min
+        );
+    }
     let kind: DrafterKind = a.drafter.parse()?;
     if kind == DrafterKind::None {
         return Ok(DrafterSpec::none());
@@ -337,7 +358,9 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
             }
         }
         if let Some(r) = run.requests.first() {
-            println!("finish: {:?}", r.finish);
+            // Plain words, as records spell them (`length`, `eos`, `max_model_len`).
+            let finish = serde_json::to_value(r.finish)?;
+            println!("finish: {}", finish.as_str().unwrap_or("unfinished"));
         }
         if let Some(w) = &run.wedged {
             println!("wedged: {w}");
@@ -397,6 +420,15 @@ pub fn verify(a: VerifyLosslessArgs) -> anyhow::Result<ExitCode> {
     let target = ModelWeights::load(&e.model)?;
     let tok = tokenizer(&e.model)?;
     let prompts: Vec<Vec<u32>> = match (&a.prompts, &a.random_prompts) {
+        _ if a.prompt.is_some() => {
+            let t = tok.as_ref().with_context(|| {
+                format!(
+                    "--prompt TEXT needs {}; give --prompts FILE with token ids instead",
+                    e.model.join("tokenizer.json").display()
+                )
+            })?;
+            vec![t.encode(a.prompt.as_deref().unwrap_or_default(), true)?]
+        }
         (Some(p), None) => read_prompts(p, tok.as_ref())?,
         (None, Some(spec)) => {
             let (k, len) = spec
@@ -415,7 +447,7 @@ pub fn verify(a: VerifyLosslessArgs) -> anyhow::Result<ExitCode> {
                 .map(|_| (0..len).map(|_| rng.random_range(0..hi)).collect())
                 .collect()
         }
-        _ => bail!("give --prompts FILE or --random-prompts K:LEN"),
+        _ => bail!("give --prompt TEXT, --prompts FILE or --random-prompts K:LEN"),
     };
     if prompts.is_empty() {
         bail!("no prompts");

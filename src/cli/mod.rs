@@ -7,6 +7,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+#[macro_use]
+pub mod out;
+
 pub mod bench;
 pub mod generate;
 pub mod kv;
@@ -28,7 +31,7 @@ pub enum Command {
         #[command(subcommand)]
         command: kv::KvCommand,
     },
-    /// Run an experiment manifest (default: the embedded df2w-wedge) and record it.
+    /// Run an experiment manifest and record it (default: the embedded df2w-wedge, then the quality spot-suite on models/tiny).
     Run(run::RunArgs),
     /// Bisect the largest admissible prompt for each layout of a manifest.
     Bounds(run::BoundsArgs),

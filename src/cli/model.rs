@@ -33,8 +33,41 @@ pub struct InitModelArgs {
     /// Shard tensor files above this many MiB.
     #[arg(long)]
     pub max_shard_mib: Option<usize>,
+    /// Replace a checkpoint already in --out.
+    #[arg(long)]
+    pub force: bool,
     #[arg(long)]
     pub json: bool,
+}
+
+/// Refuse to write a checkpoint over an existing one without `--force`.
+fn check_out_dir(out: &Path, force: bool) -> anyhow::Result<()> {
+    if out.is_file() {
+        bail!(
+            "{}: --out must be a directory, and this is a file",
+            out.display()
+        );
+    }
+    let has_checkpoint = out.join("config.json").exists()
+        || std::fs::read_dir(out).is_ok_and(|d| {
+            d.filter_map(Result::ok)
+                .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        });
+    if has_checkpoint && !force {
+        bail!(
+            "{}: already holds a checkpoint (config.json / *.safetensors); refusing to replace it without --force",
+            out.display()
+        );
+    }
+    Ok(())
+}
+
+/// Whether two paths name the same existing directory.
+fn same_dir(a: &Path, b: &Path) -> bool {
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => false,
+    }
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -78,6 +111,9 @@ pub struct QuantizeArgs {
     /// Write the per-matrix report (JSON) here too.
     #[arg(long)]
     pub report: Option<PathBuf>,
+    /// Replace a checkpoint already in --out (never the source itself).
+    #[arg(long)]
+    pub force: bool,
     #[arg(long)]
     pub json: bool,
 }
@@ -93,15 +129,16 @@ pub fn init_model(a: InitModelArgs) -> anyhow::Result<ExitCode> {
     } else {
         cfg
     };
+    check_out_dir(&a.out, a.force)?;
     let w = ModelWeights::random(&cfg, a.seed, a.w4a16)?;
     let files = w.save_sharded(&a.out, a.max_shard_mib.map(|m| m << 20))?;
     if a.json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({"out": a.out, "preset": a.preset, "seed": a.seed, "w4a16": a.w4a16, "files": files, "parameters": cfg.num_parameters()})
         );
     } else {
-        println!(
+        outln!(
             "wrote {} ({} parameters, {}) to {}",
             a.preset,
             cfg.num_parameters(),
@@ -194,6 +231,13 @@ fn read_calib_file(p: &Path, tensor: &str) -> anyhow::Result<Vec<Vec<u32>>> {
 
 /// `speclab quantize`.
 pub fn quantize(a: QuantizeArgs) -> anyhow::Result<ExitCode> {
+    if same_dir(&a.model, &a.out) {
+        bail!(
+            "{}: --out is the source checkpoint itself; quantizing in place would replace the bf16 weights it reads (give another --out)",
+            a.out.display()
+        );
+    }
+    check_out_dir(&a.out, a.force)?;
     let cfg = ModelConfig::from_file(&a.model.join("config.json"))?;
     let calib = load_calib(&a, cfg.vocab_size)?;
     let method = match a.method {
@@ -221,21 +265,25 @@ pub fn quantize(a: QuantizeArgs) -> anyhow::Result<ExitCode> {
         speclab_experiments::record::write_atomic(p, &serde_json::to_vec_pretty(&report)?)?;
     }
     if a.json {
-        println!("{}", serde_json::to_string(&report)?);
+        outln!("{}", serde_json::to_string(&report)?);
     } else {
-        println!(
+        outln!(
             "{} on {} calibration sequences ({} tokens) -> {}",
             report.method,
             report.calib_sequences,
             report.calib_tokens,
             a.out.display()
         );
-        println!(
+        outln!(
             "{:<46} {:>10} {:>12} {:>12} {:>7}",
-            "matrix", "rows", "proxy loss", "RTN proxy", "ratio"
+            "matrix",
+            "rows",
+            "proxy loss",
+            "RTN proxy",
+            "ratio"
         );
         for m in &report.matrices {
-            println!(
+            outln!(
                 "{:<46} {:>10} {:>12.4e} {:>12.4e} {:>7.3}",
                 m.module,
                 m.calib_rows,
@@ -244,7 +292,7 @@ pub fn quantize(a: QuantizeArgs) -> anyhow::Result<ExitCode> {
                 m.proxy_loss / m.rtn_proxy_loss
             );
         }
-        println!(
+        outln!(
             "total proxy loss vs RTN: {:.3}",
             report.total_proxy_ratio_vs_rtn
         );
@@ -304,6 +352,9 @@ pub fn eval_ce(weights: &ModelWeights, seqs: &[Vec<u32>]) -> anyhow::Result<(f64
         )?;
         for t in 0..s.len() - 1 {
             let row = &out.logits[t * v..(t + 1) * v];
+            if let Some(x) = row.iter().find(|x| !x.is_finite()) {
+                bail!("sequence {i}, position {t}: non-finite logit {x}: the checkpoint's weights give NaN or inf (check them for non-finite values)");
+            }
             let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
             let lse = m + row
                 .iter()
@@ -345,13 +396,20 @@ pub fn eval_ppl(a: EvalPplArgs) -> anyhow::Result<ExitCode> {
     for m in &a.models {
         let w = ModelWeights::load(m).with_context(|| format!("loading {}", m.display()))?;
         let t0 = std::time::Instant::now();
-        let (ce, n, top1) = eval_ce(&w, &seqs)?;
+        let (ce, n, top1) =
+            eval_ce(&w, &seqs).with_context(|| format!("evaluating {}", m.display()))?;
+        if !ce.is_finite() {
+            bail!(
+                "{}: cross-entropy is {ce}: the checkpoint's weights give non-finite logits (NaN or inf weights?)",
+                m.display()
+            );
+        }
         let row = serde_json::json!({
             "model": m, "quantized": w.cfg.quantization_config.is_some(), "ce_nats": ce, "ppl": ce.exp(),
             "top1": top1, "positions": n, "seconds": t0.elapsed().as_secs_f64(),
         });
         if !a.json {
-            println!(
+            outln!(
                 "{:<40} ce {:.4} nats  ppl {:.3}  top1 {:.4}  ({} positions, {:.1} s)",
                 m.display(),
                 ce,
@@ -364,7 +422,7 @@ pub fn eval_ppl(a: EvalPplArgs) -> anyhow::Result<ExitCode> {
         rows.push(row);
     }
     if a.json {
-        println!("{}", serde_json::to_string(&rows)?);
+        outln!("{}", serde_json::to_string(&rows)?);
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -20,7 +20,7 @@ use speclab_experiments::findings;
 use speclab_experiments::manifest::{cap_name, Manifest};
 use speclab_experiments::real_run;
 use speclab_experiments::record::{LegRecord, RunRecord};
-use speclab_experiments::runner::{self, Progress, RunCtx};
+use speclab_experiments::runner::{self, Progress, RunCtx, Verdict};
 
 /// The manifest `speclab run` uses first when none is given (simulated, no weights).
 pub const EMBEDDED_MANIFEST: &str = include_str!("../../experiments/df2w-wedge.ron");
@@ -32,12 +32,13 @@ const EMBEDDED_REAL_PATH: &str = "experiments/quality-spot.ron";
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// Manifest (RON). Default: the embedded experiments/df2w-wedge.ron.
+    /// Manifest (RON). Default: the embedded experiments/df2w-wedge.ron, then (when
+    /// models/tiny is present) the quality spot-suite experiments/quality-spot.ron.
     pub manifest: Option<PathBuf>,
     /// Record path (default runs/<name>.json).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Ignore an existing record instead of resuming it.
+    /// Ignore an existing record instead of resuming (unfinished) or reproducing (complete) it.
     #[arg(long)]
     pub fresh: bool,
     /// Print the record as JSON on stdout.
@@ -152,7 +153,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
         m.validate(p)?;
         run_one(&a, m, p.to_path_buf(), EMBEDDED_REAL.to_string())?;
     } else if !a.json {
-        println!("(models/tiny not found here: skipped the quality spot-suite on the trained checkpoint; run from the repository root)");
+        outln!("(models/tiny not found here: skipped the quality spot-suite on the trained checkpoint; run from the repository root)");
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -173,16 +174,49 @@ fn run_one(a: &RunArgs, m: Manifest, mpath: PathBuf, text: String) -> anyhow::Re
         resume: !a.fresh,
     };
     let mut progress = bar(!a.json && std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    let rec = runner::run_manifest(&ctx, &mut progress)?;
+    let outcome = runner::run_manifest(&ctx, &mut progress)?;
     if let Some(b) = progress.bar.take() {
         b.finish_and_clear();
     }
+    let verdict = verdict_line(&outcome, &out);
     if a.json {
-        println!("{}", serde_json::to_string(&rec)?);
+        outln!("{}", serde_json::to_string(&outcome.record)?);
+        eprintln!("{verdict}");
     } else {
-        print_run(&rec, &out);
+        print_run(&outcome.record, &out);
+        outln!("{verdict}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// One line saying whether the run reproduced the record that was there.
+fn verdict_line(o: &runner::RunOutcome, out: &Path) -> String {
+    let t = o.timings_path.display();
+    match &o.verdict {
+        Verdict::New => format!("wrote {} ({} legs computed; timings in {t})", out.display(), o.record.legs.len()),
+        Verdict::Resumed { kept, computed } => format!(
+            "resumed {}: {kept} finished legs kept unchanged, {computed} computed; timings in {t}",
+            out.display()
+        ),
+        Verdict::Reproduced { legs } => format!(
+            "REPRODUCED {}: all {legs} legs recomputed with the same results (record left untouched; this run's timings in {t}, untracked)",
+            out.display()
+        ),
+        Verdict::Differs { legs, differing } => {
+            let shown: Vec<String> = differing
+                .iter()
+                .take(5)
+                .map(|(id, d)| format!("  {id}: {d}"))
+                .collect();
+            format!(
+                "DIFFERS from the committed {}: {} of {legs} legs give other results; the record was replaced (see git diff):\n{}{}",
+                out.display(),
+                differing.len(),
+                shown.join("\n"),
+                if differing.len() > 5 { format!("\n  ... and {} more", differing.len() - 5) } else { String::new() }
+            )
+        }
+    }
 }
 
 /// `speclab run --dry-run`: the legs of a validated manifest, and which a resume would skip.
@@ -201,20 +235,24 @@ fn dry_run(
         ),
         None => (m.legs()?.into_iter().map(|l| l.id).collect(), vec![]),
     };
+    // Refuse what a real run would refuse: an unreadable record, or one of another manifest.
     let recorded: Vec<String> = match (fresh, out.exists()) {
-        (false, true) => match RunRecord::load(out) {
-            Ok(r) if r.manifest_text == text => r.legs.into_iter().map(|l| l.id).collect(),
-            _ => vec![],
-        },
+        (false, true) => {
+            let r = RunRecord::load(out)?;
+            if r.manifest_text != text {
+                anyhow::bail!("{}: manifest_text: the record was made from a different manifest text; pass --fresh to overwrite or --out for a new record", out.display());
+            }
+            r.legs.into_iter().map(|l| l.id).collect()
+        }
         _ => vec![],
     };
     if json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({"manifest": mpath.display().to_string(), "name": m.name, "real": m.is_real(), "record": out.display().to_string(), "legs": ids, "recorded": recorded, "notes": notes})
         );
     } else {
-        println!(
+        outln!(
             "{} ({} legs{}) -> record {}",
             mpath.display(),
             ids.len(),
@@ -222,7 +260,7 @@ fn dry_run(
             out.display()
         );
         for (i, id) in ids.iter().enumerate() {
-            println!(
+            outln!(
                 "{:>3}. {id}{}",
                 i + 1,
                 if recorded.contains(id) {
@@ -233,31 +271,31 @@ fn dry_run(
             );
         }
         for n in &notes {
-            println!("note: {n}");
+            outln!("note: {n}");
         }
     }
     Ok(ExitCode::SUCCESS)
 }
 
 fn print_run(rec: &RunRecord, out: &Path) {
-    println!(
+    outln!(
         "{} ({} legs) -> record {}",
         rec.manifest_path,
         rec.legs.len(),
         out.display()
     );
     for (i, l) in rec.legs.iter().enumerate() {
-        println!(
+        outln!(
             "{:>3}. {}",
             i + 1,
             findings::chain_line(l).replace("**", "").replace('`', "")
         );
         if let (Some(n), None) = (&l.note, &l.real) {
-            println!("       {n}");
+            outln!("       {n}");
         }
     }
     for n in &rec.notes {
-        println!("note: {n}");
+        outln!("note: {n}");
     }
 }
 
@@ -273,7 +311,8 @@ pub fn bounds(a: BoundsArgs) -> anyhow::Result<ExitCode> {
     let mut seen = std::collections::HashSet::new();
     let mut rows = Vec::new();
     for leg in m.legs()? {
-        let key = (leg.block_size, cap_name(leg.cap), leg.num_blocks);
+        let set = leg.plan.as_ref().map(|p| p.set.clone()).unwrap_or_default();
+        let key = (set, leg.block_size, cap_name(leg.cap), leg.num_blocks);
         if !seen.insert(key) {
             continue;
         }
@@ -290,6 +329,7 @@ pub fn bounds(a: BoundsArgs) -> anyhow::Result<ExitCode> {
             "num_blocks": leg.num_blocks,
             "groups": leg.layout.groups.iter().map(|g| g.name.clone()).collect::<Vec<_>>(),
             "bound": b,
+            "plan": leg.plan,
         }));
         if !a.json {
             let what = match (b.unbounded, b.largest_admissible) {
@@ -303,7 +343,10 @@ pub fn bounds(a: BoundsArgs) -> anyhow::Result<ExitCode> {
                 ),
                 (false, None) => "not even a 1-token prompt is admissible".into(),
             };
-            println!(
+            if let Some(p) = &leg.plan {
+                outln!("{}", plan_line(p));
+            }
+            outln!(
                 "block_size {:>5} cap {:<15} pool {:>6} blocks: {what}",
                 leg.block_size
                     .map(|b| b.to_string())
@@ -314,19 +357,44 @@ pub fn bounds(a: BoundsArgs) -> anyhow::Result<ExitCode> {
         }
     }
     if a.json {
-        println!("{}", serde_json::to_string(&rows)?);
+        outln!("{}", serde_json::to_string(&rows)?);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// What vLLM 0.33.0 makes of the leg's request (printed before its bound line); names the
+/// change when vLLM would not use the block size or pool the user asked for, as vLLM logs it.
+fn plan_line(p: &speclab_experiments::plan::LegPlan) -> String {
+    let q = &p.plan;
+    let mut s = format!("[{}] ", if p.set.is_empty() { "plan" } else { &p.set });
+    if q.effective_block_size != q.requested_block_size {
+        s.push_str(&format!(
+            "vLLM changes --block-size {} to {} (\"Setting attention block size to {} tokens to ensure that attention page size is >= mamba page size\"); ",
+            q.requested_block_size, q.effective_block_size, q.effective_block_size
+        ));
+    } else {
+        s.push_str(&format!("block size {} kept; ", q.effective_block_size));
+    }
+    s.push_str(&format!(
+        "{} bytes per block -> pool {} blocks{}; GPU KV cache size: {} tokens, maximum concurrency {:.2}x{}",
+        q.bytes_per_block,
+        q.num_blocks,
+        if p.overridden { " (num_gpu_blocks_override)" } else { "" },
+        q.kv_cache_tokens,
+        q.max_concurrency,
+        if q.starts { "" } else { "; vLLM REFUSES TO START (one max_model_len request does not fit)" }
+    ));
+    s
 }
 
 /// `speclab findings`.
 pub fn findings(a: FindingsArgs) -> anyhow::Result<ExitCode> {
     let written = findings::render_files(&a.records, &a.out_dir)?;
     if a.json {
-        println!("{}", serde_json::to_string(&written)?);
+        outln!("{}", serde_json::to_string(&written)?);
     } else {
         for w in written {
-            println!("wrote {}", w.display());
+            outln!("wrote {}", w.display());
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -361,7 +429,7 @@ pub fn verify_manifest(path: &Path, json: bool) -> anyhow::Result<ExitCode> {
         let (leg, _) = runner.verify_leg(d, n, c)?;
         all_ok &= leg.lossless;
         if !json {
-            println!(
+            outln!(
                 "{}: {}/{} requests equal, {} tokens compared: {} (acceptance {:.1}%, tau {:.3}; {:.1} s)",
                 leg.id,
                 leg.requests_equal,
@@ -378,7 +446,7 @@ pub fn verify_manifest(path: &Path, json: bool) -> anyhow::Result<ExitCode> {
                 } else {
                     "clear margin: logic bug likely"
                 };
-                println!(
+                outln!(
                     "  request {}: first divergence at output {}: reference {:?} vs drafter {:?}; target top1 {} ({:.6}) top2 {} ({:.6}), margin {:.3e} -> {verdict}",
                     mm.request, mm.index, mm.reference_token, mm.candidate_token, mm.top1_token, mm.top1_logit, mm.top2_token, mm.top2_logit, mm.margin
                 );
@@ -392,17 +460,17 @@ pub fn verify_manifest(path: &Path, json: bool) -> anyhow::Result<ExitCode> {
         .map(|(_, n)| n)
         .collect();
     if json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({"manifest": mpath.display().to_string(), "lossless": all_ok, "legs": rows, "skipped": skipped})
         );
     } else {
         for n in &skipped {
-            println!("note: {n}");
+            outln!("note: {n}");
         }
         let equal: usize = rows.iter().map(|r| r.requests_equal).sum();
         let total: usize = rows.iter().map(|r| r.num_requests).sum();
-        println!(
+        outln!(
             "{}: {} legs, {equal}/{total} request checks equal: {}",
             mpath.display(),
             rows.len(),

@@ -18,6 +18,7 @@
 //!
 //! Invariant: a table only ever holds blocks obtained from the pool, each
 //! once; `free` returns the non-null ones in reverse table order (tail first).
+//! Counts are saturating: no token count, however large, wraps around.
 
 use super::layout::{CapPolicy, GroupKind, ResolvedGroup};
 use super::pool::{BlockId, BlockPool, NULL_BLOCK};
@@ -180,7 +181,9 @@ pub struct SlidingWindow {
 
 impl SlidingWindow {
     fn skipped_tokens(&self, computed: u64) -> u64 {
-        (computed + 1).saturating_sub(self.window + self.extra)
+        computed
+            .saturating_add(1)
+            .saturating_sub(self.window + self.extra)
     }
     fn held_real(&self, slot: ReqSlot) -> u64 {
         self.t
@@ -254,7 +257,9 @@ pub struct RecurrentState {
 
 impl GroupManager for RecurrentState {
     fn num_blocks_to_allocate(&self, q: &AllocQuery) -> u64 {
-        let n = q.num_tokens + self.bs * self.spec_blocks;
+        let n = q
+            .num_tokens
+            .saturating_add(self.bs.saturating_mul(self.spec_blocks));
         // vLLM MambaManager.get_num_skipped_tokens = num_computed_tokens - 1.
         let skipped = q.total_computed_tokens.saturating_sub(1);
         general_count(
@@ -271,7 +276,7 @@ impl GroupManager for RecurrentState {
         num_tokens: u64,
         out: &mut Vec<BlockId>,
     ) -> Result<()> {
-        let n = num_tokens + self.bs * self.spec_blocks;
+        let n = num_tokens.saturating_add(self.bs.saturating_mul(self.spec_blocks));
         self.t.grow_to(pool, slot, cdiv(n, self.bs), out)
     }
     fn remove_skipped_blocks(&mut self, pool: &mut BlockPool, slot: ReqSlot, processed: u64) {

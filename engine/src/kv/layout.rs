@@ -41,6 +41,8 @@ pub enum CapPolicy {
     Upstream,
     /// The model card's fix: `min(cdiv(tokens, bs), cdiv(window, bs) + 2)` blocks on
     /// admission and execution (the group keeps a per-request ring of that many blocks).
+    /// The CLI's older spelling `window-plus-two` is accepted as an alias.
+    #[serde(alias = "window-plus-two")]
     WindowPlusTwo,
 }
 
@@ -180,6 +182,11 @@ impl KvLayout {
                 "watermark".into(),
                 format!("must be in [0, 1), got {}", self.watermark),
             ));
+        }
+        if let Some(n) = self.num_blocks {
+            if n > super::pool::MAX_NUM_BLOCKS {
+                return Err(super::pool::too_many_blocks(u64::from(n)));
+            }
         }
         if self.max_in_flight_tokens == Some(0) {
             return Err(bad("max_in_flight_tokens".into(), "must be > 0 when given"));

@@ -128,6 +128,13 @@ impl KvCacheManager {
             .collect()
     }
 
+    /// The sum of [`Self::admission_need`] (saturating).
+    pub fn admission_total(&self, req: &RequestView) -> u64 {
+        self.admission_need(req)
+            .into_iter()
+            .fold(0, u64::saturating_add)
+    }
+
     /// vLLM `allocate_slots` (no prefix caching, no connector, no encoder).
     pub fn allocate_slots(&mut self, req: &RequestView, a: AllocArgs) -> Result<AllocOutcome> {
         if a.num_new_tokens == 0 {
@@ -146,14 +153,30 @@ impl KvCacheManager {
         } else {
             0
         };
+        // Checked: the counts come from traces and manifests (a lookahead of u64::MAX must
+        // be refused, not wrap around to a small request).
+        let overflow = || {
+            EngineError::BadTokenCount {
+            req: format!("slot {}", req.slot.0),
+            reason: format!(
+                "num_computed_tokens {total_computed} + num_new_tokens {} + lookahead {} overflows a 64-bit token count",
+                a.num_new_tokens, a.num_lookahead_tokens
+            ),
+        }
+        };
+        let main = total_computed
+            .checked_add(a.num_new_tokens)
+            .ok_or_else(overflow)?;
+        let need_slot = main
+            .checked_add(a.num_lookahead_tokens)
+            .ok_or_else(overflow)?
+            .min(self.max_model_len);
         if a.full_sequence_must_fit {
-            let need: u64 = self.admission_need(req).iter().sum();
-            if need + watermark > self.pool.num_free() {
+            let need = self.admission_total(req);
+            if need.saturating_add(watermark) > self.pool.num_free() {
                 return Ok(AllocOutcome::NoFit);
             }
         }
-        let main = total_computed + a.num_new_tokens;
-        let need_slot = (main + a.num_lookahead_tokens).min(self.max_model_len);
         let processed = total_computed.saturating_sub(req.num_in_flight_tokens);
         for m in &mut self.managers {
             m.remove_skipped_blocks(&mut self.pool, req.slot, processed);
@@ -165,12 +188,12 @@ impl KvCacheManager {
             num_tokens_main_model: main,
             apply_admission_cap: false,
         };
-        let need: u64 = self
+        let need = self
             .managers
             .iter()
             .map(|m| m.num_blocks_to_allocate(&q))
-            .sum();
-        if need + watermark > self.pool.num_free() {
+            .fold(0u64, u64::saturating_add);
+        if need.saturating_add(watermark) > self.pool.num_free() {
             return Ok(AllocOutcome::NoFit);
         }
         let mut out = Vec::with_capacity(self.managers.len());

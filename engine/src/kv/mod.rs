@@ -14,6 +14,7 @@
 //! same operation trace.
 
 pub mod group;
+pub mod hybrid;
 pub mod layout;
 pub mod manager;
 pub mod planning;

@@ -8,6 +8,12 @@
 //! order given (LIFO reuse). Matching that order exactly makes block ids equal
 //! to vLLM's for the same trace. Allocation and free are O(1) per block.
 //!
+//! Lazy: the free queue is always some freed blocks (a `VecDeque`) followed by the
+//! never-touched tail `next_fresh..num_blocks` of the initial `1..num_blocks` order,
+//! so a pool costs memory only for blocks that were handed out at least once. A
+//! layout of 2^32 - 1 blocks builds instantly; memory grows with use. (vLLM's
+//! queue has the same order: freed blocks are always prepended.)
+//!
 //! Invariant: every id in 1..num_blocks is either in the free queue or held
 //! (`held[id]`), never both; the null block is neither.
 
@@ -21,13 +27,30 @@ pub type BlockId = u32;
 /// The null block's id.
 pub const NULL_BLOCK: BlockId = 0;
 
+/// The largest pool speclab builds: 2^24 blocks (an H200's whole KV memory in 16-token
+/// blocks of a large model is about 10^6). Bounds the memory a layout can make the
+/// manager use (ids, tables, held flags: under 200 MiB even with every block handed out).
+pub const MAX_NUM_BLOCKS: u32 = 1 << 24;
+
+/// The error for a pool above [`MAX_NUM_BLOCKS`].
+pub fn too_many_blocks(num_blocks: u64) -> EngineError {
+    EngineError::InvalidLayout {
+        field: "num_blocks".into(),
+        reason: format!(
+            "{num_blocks} blocks is above the supported maximum {MAX_NUM_BLOCKS} (2^24); use a smaller pool or larger blocks"
+        ),
+    }
+}
+
 /// The shared block pool.
 #[derive(Debug, Clone)]
 pub struct BlockPool {
     num_blocks: u32,
-    /// Free block ids, front = next to allocate. Shape: [num_free].
-    free: VecDeque<BlockId>,
-    /// Whether each block id is held by some request. Shape: [num_blocks].
+    /// Freed block ids at the front of the free queue, front = next to allocate.
+    freed: VecDeque<BlockId>,
+    /// The untouched rest of the queue: ids `next_fresh..num_blocks`, in order.
+    next_fresh: u32,
+    /// Whether each block id below `next_fresh` is held. Shape: [next_fresh].
     held: Vec<bool>,
 }
 
@@ -41,10 +64,14 @@ impl BlockPool {
                     .into(),
             });
         }
+        if num_blocks > MAX_NUM_BLOCKS {
+            return Err(too_many_blocks(u64::from(num_blocks)));
+        }
         Ok(Self {
             num_blocks,
-            free: (1..num_blocks).collect(),
-            held: vec![false; num_blocks as usize],
+            freed: VecDeque::new(),
+            next_fresh: 1,
+            held: vec![false],
         })
     }
 
@@ -56,7 +83,7 @@ impl BlockPool {
     /// Free blocks (excludes the null block, as vLLM's `get_num_free_blocks`).
     #[inline]
     pub fn num_free(&self) -> u64 {
-        self.free.len() as u64
+        self.freed.len() as u64 + u64::from(self.num_blocks - self.next_fresh)
     }
 
     /// Blocks currently held by requests.
@@ -74,8 +101,16 @@ impl BlockPool {
         }
         out.reserve(n as usize);
         for _ in 0..n {
-            // Length checked above.
-            let b = self.free.pop_front().unwrap_or(NULL_BLOCK);
+            // Length checked above: either a freed block or a fresh one is left.
+            let b = match self.freed.pop_front() {
+                Some(b) => b,
+                None => {
+                    let b = self.next_fresh;
+                    self.next_fresh += 1;
+                    self.held.push(false);
+                    b
+                }
+            };
             self.held[b as usize] = true;
             out.push(b);
         }
@@ -93,9 +128,11 @@ impl BlockPool {
             if b == NULL_BLOCK {
                 continue;
             }
-            debug_assert!(self.held[b as usize], "double free of block {b}");
-            self.held[b as usize] = false;
-            self.free.push_front(b);
+            debug_assert!(self.is_held(b), "double free of block {b}");
+            if let Some(h) = self.held.get_mut(b as usize) {
+                *h = false;
+            }
+            self.freed.push_front(b);
         }
     }
 
@@ -106,7 +143,10 @@ impl BlockPool {
 
     /// Iterate the free queue front to back.
     pub fn free_ids(&self) -> impl Iterator<Item = BlockId> + '_ {
-        self.free.iter().copied()
+        self.freed
+            .iter()
+            .copied()
+            .chain(self.next_fresh..self.num_blocks)
     }
 }
 
@@ -127,6 +167,22 @@ mod tests {
         p.get_new_blocks(4, &mut w).unwrap();
         assert_eq!(w, vec![3, 2, 1, 4]);
         assert!(p.get_new_blocks(1, &mut w).is_err());
+    }
+
+    #[test]
+    fn pools_are_built_lazily_and_bounded() {
+        let e = BlockPool::new(u32::MAX).unwrap_err().to_string();
+        assert!(e.contains("4294967295") && e.contains("16777216"), "{e}");
+        let mut p = BlockPool::new(MAX_NUM_BLOCKS).unwrap();
+        assert_eq!(p.num_free(), u64::from(MAX_NUM_BLOCKS) - 1);
+        let mut v = vec![];
+        p.get_new_blocks(3, &mut v).unwrap();
+        assert_eq!(v, vec![1, 2, 3]);
+        // Only what was handed out is tracked.
+        assert!(p.held.len() <= 4 && p.freed.capacity() < 1024);
+        p.free_blocks([2]);
+        assert_eq!(p.free_ids().take(3).collect::<Vec<_>>(), vec![2, 4, 5]);
+        assert_eq!(p.num_held(), 2);
     }
 
     #[test]

@@ -175,17 +175,32 @@ pub struct QuantArgs {
 }
 
 /// Parse an HF-style JSON config and validate it (shared by the target's and the
-/// drafters' configs): errors name the file.
+/// drafters' configs): errors name the file (`file:line:col` for syntax and type
+/// errors, `(in file)` after a refused key). A UTF-8 byte-order mark is accepted.
 pub fn parse_json_config<T: serde::de::DeserializeOwned>(
     text: &str,
     file: &str,
     validate: impl Fn(&T) -> Result<()>,
 ) -> Result<T> {
-    let cfg: T = serde_json::from_str(text).map_err(|e| EngineError::ConfigParse {
-        file: file.into(),
-        reason: e.to_string(),
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    let cfg: T = serde_json::from_str(text).map_err(|e| {
+        let msg = e.to_string();
+        let msg = match msg.rfind(" at line ") {
+            Some(k) if e.line() != 0 => msg[..k].to_string(),
+            _ => msg,
+        };
+        EngineError::ConfigParse {
+            file: format!("{file}:{}:{}", e.line(), e.column()),
+            reason: msg,
+        }
     })?;
-    validate(&cfg)?;
+    validate(&cfg).map_err(|e| match e {
+        EngineError::InvalidConfig { key, reason } => EngineError::InvalidConfig {
+            key,
+            reason: format!("{reason} (in {file})"),
+        },
+        other => other,
+    })?;
     Ok(cfg)
 }
 

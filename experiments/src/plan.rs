@@ -1,0 +1,298 @@
+//! Manifest-side pool planning: assumption sets (`kv.plan` + the plan sweep axes)
+//! turned into legs whose layout and pool come from `speclab_engine::kv::hybrid::plan`.
+//!
+//! A manifest states its assumptions (tensor parallel size, KV dtype, the drafter's
+//! block size, the indexer's kernel alignment, `max_in_flight_tokens`) instead of
+//! free page sizes; each combination of the swept values is one assumption set, and
+//! every leg of a set is planned the way vLLM 0.33.0 plans it (effective block size,
+//! groups, bytes per block, num_blocks, capacity, startup verdict). The KV memory is
+//! given (`kv.kv_cache_memory_bytes`), calibrated (`kv.calibrate`: the memory that gives
+//! a stated pool at a stated block size under the same set; the card pins 1,012 blocks
+//! at --block-size 2304) or replaced by an override (`kv.num_blocks`, vLLM's
+//! `num_gpu_blocks_override`).
+//!
+//! Invariants: a set id lists only the axes the manifest sweeps (`tp=4 kv=auto`), so
+//! leg ids without plan axes are unchanged; every plan field either takes effect or
+//! is refused naming it (checked by [`check`]).
+
+use serde::{Deserialize, Serialize};
+use speclab_engine::kv::hybrid::{self, PlanAssumptions, PlanInput, PoolPlan};
+use speclab_engine::kv::{CapPolicy, KvLayout};
+
+use crate::manifest::{Manifest, PRESET_GLM53_DFLASH2};
+use crate::{ExperimentError, Result};
+
+/// The memory that gives `num_blocks` at `block_size` under the same assumption set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Calibration {
+    pub block_size: u32,
+    pub num_blocks: u32,
+}
+
+/// One assumption set: the plan (if any) and the in-flight tokens, with its id tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Variant {
+    pub plan: Option<PlanAssumptions>,
+    pub max_in_flight_tokens: u32,
+    pub id: Vec<String>,
+}
+
+/// A leg's plan as recorded (`RunRecord.plans`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LegPlan {
+    pub leg: String,
+    /// The assumption set's id (the leg id's plan tokens).
+    pub set: String,
+    pub assumptions: PlanAssumptions,
+    pub max_in_flight_tokens: u32,
+    pub kv_cache_memory_bytes: u64,
+    /// True when `kv.num_blocks` overrode the planned pool.
+    pub overridden: bool,
+    pub plan: PoolPlan,
+}
+
+fn invalid(field: &str, msg: impl Into<String>) -> ExperimentError {
+    ExperimentError::Invalid {
+        path: "manifest".into(),
+        field: field.into(),
+        msg: msg.into(),
+    }
+}
+
+/// Refuse plan fields that would not take effect.
+pub fn check(m: &Manifest) -> Result<()> {
+    let kv = &m.kv;
+    let s = &m.sweep;
+    let axes = [
+        ("sweep.tps", !s.tps.is_empty()),
+        ("sweep.kv_dtypes", !s.kv_dtypes.is_empty()),
+        (
+            "sweep.drafter_block_sizes",
+            !s.drafter_block_sizes.is_empty(),
+        ),
+        (
+            "sweep.indexer_block_alignment",
+            !s.indexer_block_alignment.is_empty(),
+        ),
+        ("kv.calibrate", kv.calibrate.is_some()),
+    ];
+    if kv.plan.is_none() {
+        if let Some((f, _)) = axes.iter().find(|a| a.1) {
+            return Err(invalid(f, "needs kv.plan (the assumption set it varies)"));
+        }
+        return Ok(());
+    }
+    if kv.preset.as_deref() != Some(PRESET_GLM53_DFLASH2) {
+        return Err(invalid(
+            "kv.plan",
+            format!("plans the {PRESET_GLM53_DFLASH2} preset only; set kv.preset"),
+        ));
+    }
+    if kv.memory.is_some() {
+        return Err(invalid(
+            "kv.memory",
+            "kv.plan derives every page from the architecture; leave kv.memory out",
+        ));
+    }
+    let sources = [
+        kv.kv_cache_memory_bytes.is_some(),
+        kv.calibrate.is_some(),
+        kv.num_blocks.is_some() || !s.num_blocks.is_empty(),
+    ];
+    if sources.iter().filter(|x| **x).count() != 1 {
+        return Err(invalid(
+            "kv.kv_cache_memory_bytes",
+            "with kv.plan give exactly one of kv.kv_cache_memory_bytes, kv.calibrate or kv.num_blocks / sweep.num_blocks (override)",
+        ));
+    }
+    if m.drafter.num_speculative_tokens == 0 {
+        return Err(invalid(
+            "drafter.num_speculative_tokens",
+            "kv.plan sizes the KDA conv state and spec blocks from N; give N > 0",
+        ));
+    }
+    Ok(())
+}
+
+fn axis<T: Clone>(v: &[T], base: T) -> Vec<T> {
+    if v.is_empty() {
+        vec![base]
+    } else {
+        v.to_vec()
+    }
+}
+
+/// The assumption sets of a manifest, in order tp, kv dtype, in-flight, drafter block,
+/// indexer alignment.
+pub fn variants(m: &Manifest) -> Vec<Variant> {
+    let s = &m.sweep;
+    let base_flight =
+        m.kv.max_in_flight_tokens
+            .unwrap_or(m.scheduler.max_num_batched_tokens);
+    let flights = axis(&s.max_in_flight_tokens, base_flight);
+    let Some(base) = m.kv.plan else {
+        return flights
+            .iter()
+            .map(|&f| Variant {
+                plan: None,
+                max_in_flight_tokens: f,
+                id: (!s.max_in_flight_tokens.is_empty())
+                    .then(|| format!("inflight={f}"))
+                    .into_iter()
+                    .collect(),
+            })
+            .collect();
+    };
+    let mut out = Vec::new();
+    for tp in axis(&s.tps, base.tp) {
+        for kv in axis(&s.kv_dtypes, base.kv_dtype) {
+            for &f in &flights {
+                for dbs in axis(&s.drafter_block_sizes, base.drafter_block_size) {
+                    for al in axis(&s.indexer_block_alignment, base.indexer_block_alignment) {
+                        let mut id = Vec::new();
+                        let mut tok = |on: bool, t: String| {
+                            if on {
+                                id.push(t)
+                            }
+                        };
+                        tok(!s.tps.is_empty(), format!("tp={tp}"));
+                        tok(!s.kv_dtypes.is_empty(), format!("kv={}", kv.name()));
+                        tok(!s.max_in_flight_tokens.is_empty(), format!("inflight={f}"));
+                        let d = dbs.map(|b| b.to_string()).unwrap_or_else(|| "vllm".into());
+                        tok(!s.drafter_block_sizes.is_empty(), format!("drafter_bs={d}"));
+                        let a = if al { "on" } else { "off" };
+                        tok(
+                            !s.indexer_block_alignment.is_empty(),
+                            format!("idx_align={a}"),
+                        );
+                        out.push(Variant {
+                            plan: Some(PlanAssumptions {
+                                tp,
+                                kv_dtype: kv,
+                                drafter_block_size: dbs,
+                                indexer_block_alignment: al,
+                                ..base
+                            }),
+                            max_in_flight_tokens: f,
+                            id,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn input(m: &Manifest, a: PlanAssumptions, f: u32, bs: u32, mem: u64) -> PlanInput {
+    PlanInput {
+        assumptions: a,
+        block_size: bs,
+        num_speculative_tokens: m.drafter.num_speculative_tokens,
+        max_model_len: m.kv.max_model_len,
+        max_in_flight_tokens: f,
+        drafter_window: m.drafter.sliding_window.unwrap_or(2048),
+        kv_cache_memory_bytes: mem,
+    }
+}
+
+fn engine(ctx: &str, e: speclab_engine::EngineError) -> ExperimentError {
+    ExperimentError::engine(ctx.to_string(), e)
+}
+
+/// Plan one leg: the layout (pool resolved) and the record entry's parts.
+pub fn planned_layout(
+    m: &Manifest,
+    a: PlanAssumptions,
+    max_in_flight_tokens: u32,
+    block_size: u32,
+    cap: CapPolicy,
+    pool_override: Option<u32>,
+) -> Result<(KvLayout, PoolPlan, u64, bool)> {
+    let ctx = format!("kv.plan (tp {}, block_size {block_size})", a.tp);
+    let f = max_in_flight_tokens;
+    let mem = match (m.kv.kv_cache_memory_bytes, m.kv.calibrate) {
+        (Some(b), _) => b,
+        (None, Some(c)) => {
+            let p = hybrid::plan(&input(m, a, f, c.block_size, 0)).map_err(|e| engine(&ctx, e))?;
+            u64::from(c.num_blocks) * p.bytes_per_block
+        }
+        // Override only: size the plan's memory as exactly the override pool.
+        (None, None) => 0,
+    };
+    let mut inp = input(m, a, f, block_size, mem);
+    let mut p = hybrid::plan(&inp).map_err(|e| engine(&ctx, e))?;
+    let over = pool_override.or(m.kv.num_blocks);
+    if let Some(n) = over {
+        // vLLM get_kv_cache_configs: available memory becomes override x bytes per block.
+        inp.kv_cache_memory_bytes = u64::from(n) * p.bytes_per_block;
+        p = hybrid::plan(&inp).map_err(|e| engine(&ctx, e))?;
+    }
+    let mut layout = p.layout(&inp, cap).map_err(|e| engine(&ctx, e))?;
+    layout.watermark = m.kv.watermark;
+    Ok((layout, p, inp.kv_cache_memory_bytes, over.is_some()))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use crate::manifest::{parse_ron, Manifest};
+    use crate::record::LegStatus;
+    use crate::runner::{run_leg, Quiet};
+
+    fn load(name: &str, text: &str) -> Manifest {
+        let p = Path::new(name);
+        let m: Manifest = parse_ron(p, text).unwrap();
+        m.validate(p).unwrap();
+        m
+    }
+
+    #[test]
+    fn upstream_cap_follows_in_flight_tokens() {
+        let m = load(
+            "df2w-upstream-inflight.ron",
+            include_str!("../df2w-upstream-inflight.ron"),
+        );
+        let legs = m.legs().unwrap();
+        let run = |id: &str| {
+            let leg = legs.iter().find(|l| l.id == id).unwrap();
+            run_leg(&m, leg, &mut Quiet).unwrap()
+        };
+        let sync = run("inflight=8192 bs=2304 cap=upstream prompt=63734");
+        assert_eq!(sync.status, LegStatus::Completed);
+        // Async scheduling: vLLM refuses the pool; past the check the cap is no better than none.
+        let asy = run("inflight=16384 bs=2304 cap=upstream prompt=63734");
+        assert_eq!(asy.status, LegStatus::RefusedAtStartup);
+        assert_eq!(asy.bound.unwrap().largest_admissible, Some(15_536));
+    }
+
+    #[test]
+    fn full_cudagraphs_refuse_more_seqs_than_blocks() {
+        let m = load(
+            "hazard-max-num-seqs.ron",
+            include_str!("../hazard-max-num-seqs.ron"),
+        );
+        let legs = m.legs().unwrap();
+        assert_eq!(legs.len(), 3);
+        let r = run_leg(&m, &legs[1], &mut Quiet).unwrap();
+        assert_eq!(legs[1].max_num_seqs, Some(513));
+        assert_eq!(r.status, LegStatus::RefusedAtStartup);
+        assert!(r
+            .note
+            .unwrap()
+            .contains("exceeds available Mamba cache blocks (512)"));
+    }
+
+    #[test]
+    fn leg_tokens_match_in_any_order() {
+        use crate::findings::leg_matches;
+        assert!(leg_matches(
+            "tp=4 kv=auto bs=1024 cap=none",
+            "bs=1024 cap=none"
+        ));
+        assert!(leg_matches("tp=4 bs=1024 cap=none", ""));
+        assert!(!leg_matches("tp=4 bs=10240 cap=none", "bs=1024"));
+    }
+}
