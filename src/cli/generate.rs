@@ -108,10 +108,22 @@ pub struct EngineArgs {
     pub json: bool,
 }
 
+/// Where the target model runs.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum DeviceArg {
+    /// The CPU reference engine (engine/src/model).
+    Cpu,
+    /// The CUDA engine (speclab-cuda): needs a GPU, libcuda and libnvrtc.
+    Cuda,
+}
+
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// Target backend: the CPU reference or the CUDA engine.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: DeviceArg,
     /// Prompt text (needs tokenizer.json in the model directory).
     #[arg(long, conflicts_with = "prompt_ids")]
     pub prompt: Option<String>,
@@ -290,7 +302,17 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
     }];
     let opts = options(e, &target, &reqs, &spec, sampling, a.experts);
     let mut make = fcfs(e);
-    let run = run_generate(&target, &spec, &reqs, &opts, &mut make)?;
+    let run = match a.device {
+        DeviceArg::Cpu => run_generate(&target, &spec, &reqs, &opts, &mut make)?,
+        DeviceArg::Cuda => speclab_engine::exec::generate_on(
+            &speclab_cuda::CudaFactory::default(),
+            &target,
+            &spec,
+            &reqs,
+            &opts,
+            &mut make,
+        )?,
+    };
     let out = run.output(0).unwrap_or(&[]).to_vec();
     let text = match &tok {
         Some(t) => Some(t.decode(&out, true)?),

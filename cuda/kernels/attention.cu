@@ -1,0 +1,125 @@
+// Full attention over the paged KV cache: RoPE + K/V write, then GQA attention.
+//
+// Source: docs/model.md §3 / §3.1 (Llama GQA, query head h uses KV head h / (nh / nkv);
+// rotate-half RoPE over the whole head_dim with f64-built tables rounded to f32;
+// scores (q . k) * d^-0.5, causal by absolute position), engine/src/model/attention.rs
+// (the CPU reference), engine/src/model/kv_store.rs (the page layout, reproduced
+// exactly on the device: block b of the pool starts at float b * fpb; attention layer a
+// at + a * 2 * bs * nkv * d: K [bs, nkv, d] then V [bs, nkv, d]; position p of a request
+// lives in block table[p / bs] at offset p % bs).  Prefill, decode and verify are the
+// same kernels: a chunk's K/V are written first, then each token attends over
+// positions 0 ..= pos[t] of its own sequence (rejected drafts' K/V are overwritten).
+//
+// Step metadata (cuda/src/meta.rs, uploaded once per step): pos [T], tok_seq [T]
+// (the chunk of each token), block_tables [S, max_blocks] (the `full` group's tables,
+// checked on the host to cover positions 0 ..= pos with real blocks).
+
+#define ATT_WARPS 4
+#define HEAD_DIM_MAX 128
+
+// Rotate q in place and write rotated k and v into the cache.
+// Shapes: qkv [T, qkv_stride] f32 with q at column 0 ([nh, d]), k at nh * d ([nkv, d]),
+// v at (nh + nkv) * d; cos_tab, sin_tab [max_pos, d] f32; kv the device pool (f32).
+// Launch: grid (T), block 128.
+extern "C" __global__ void rope_kv_write(float* __restrict__ qkv, int qkv_stride,
+                                         const float* __restrict__ cos_tab,
+                                         const float* __restrict__ sin_tab,
+                                         const int* __restrict__ pos,
+                                         const int* __restrict__ tok_seq,
+                                         const int* __restrict__ block_tables, int max_blocks,
+                                         float* __restrict__ kv, long long layer_off,
+                                         long long fpb, int bs, int nh, int nkv, int d, int T) {
+    const int t = blockIdx.x;
+    if (t >= T) return;
+    const int half = d / 2;
+    const int p = pos[t];
+    const float* c = cos_tab + (size_t)p * d;
+    const float* s = sin_tab + (size_t)p * d;
+    float* row = qkv + (size_t)t * qkv_stride;
+    const int blk = block_tables[(size_t)tok_seq[t] * max_blocks + p / bs];
+    float* kdst = kv + (long long)blk * fpb + layer_off + (long long)(p % bs) * nkv * d;
+    float* vdst = kdst + (long long)bs * nkv * d;
+    // (head, i) pairs of q heads then k heads; element i and i + half of a head together.
+    for (int idx = threadIdx.x; idx < (nh + nkv) * half; idx += blockDim.x) {
+        const int hh = idx / half, i = idx % half;
+        float* x = row + (size_t)hh * d;  // k heads follow the q heads in the row
+        const float a = x[i], b = x[i + half];
+        const float ra = a * c[i] + (-b) * s[i];
+        const float rb = b * c[i + half] + a * s[i + half];
+        if (hh < nh) {
+            x[i] = ra;
+            x[i + half] = rb;
+        } else {
+            float* kd = kdst + (size_t)(hh - nh) * d;
+            kd[i] = ra;
+            kd[i + half] = rb;
+        }
+    }
+    const float* v = row + (size_t)(nh + nkv) * d;
+    for (int i = threadIdx.x; i < nkv * d; i += blockDim.x) vdst[i] = v[i];
+}
+
+// o[t, h, :] = softmax_j((q[t,h] . K[j, h/G]) * scale) V[j, h/G] over j = 0 ..= pos[t].
+// Shapes: q rows of qkv [T, qkv_stride] (columns [nh, d] at 0), o [T, nh * d].
+// d % 32 == 0, d <= 128 (host-checked).  Online softmax per warp over positions
+// j = warp, warp + 4, ..., merged across the 4 warps at the end.
+// Launch: grid (T, nh), block 128.
+extern "C" __global__ void paged_attention(float* __restrict__ o, const float* __restrict__ qkv,
+                                           int qkv_stride, const float* __restrict__ kv,
+                                           long long layer_off, long long fpb, int bs,
+                                           const int* __restrict__ block_tables, int max_blocks,
+                                           const int* __restrict__ pos,
+                                           const int* __restrict__ tok_seq, int nh, int nkv,
+                                           int d, float scale, int T) {
+    __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS];
+    __shared__ float sm_acc[ATT_WARPS][HEAD_DIM_MAX];
+    const int t = blockIdx.x, h = blockIdx.y;
+    if (t >= T) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int kvh = h / (nh / nkv);
+    const int nc = d / 32;  // values per lane, <= 4
+    const float* qrow = qkv + (size_t)t * qkv_stride + (size_t)h * d;
+    float q[4], acc[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        q[c] = c < nc ? qrow[lane + 32 * c] : 0.0f;
+        acc[c] = 0.0f;
+    }
+    const int* table = block_tables + (size_t)tok_seq[t] * max_blocks;
+    const int n_ctx = pos[t] + 1;
+    const long long half_page = (long long)bs * nkv * d;
+    float m = -INFINITY, l = 0.0f;
+    for (int j = warp; j < n_ctx; j += ATT_WARPS) {
+        const float* kr = kv + (long long)table[j / bs] * fpb + layer_off +
+                          ((long long)(j % bs) * nkv + kvh) * d;
+        float dot = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            if (c < nc) dot += q[c] * kr[lane + 32 * c];
+        const float sc = warp_sum(dot) * scale;
+        const float m_new = fmaxf(m, sc);
+        const float corr = expf(m - m_new);
+        const float pj = expf(sc - m_new);
+        l = l * corr + pj;
+        const float* vr = kr + half_page;
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            if (c < nc) acc[c] = acc[c] * corr + pj * vr[lane + 32 * c];
+        m = m_new;
+    }
+    if (lane == 0) { sm_m[warp] = m; sm_l[warp] = l; }
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+        if (c < nc) sm_acc[warp][lane + 32 * c] = acc[c];
+    __syncthreads();
+    float mx = -INFINITY;
+    for (int w = 0; w < ATT_WARPS; ++w) mx = fmaxf(mx, sm_m[w]);
+    float denom = 0.0f;
+    for (int w = 0; w < ATT_WARPS; ++w) denom += sm_l[w] * expf(sm_m[w] - mx);
+    float* orow = o + ((size_t)t * nh + h) * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float num = 0.0f;
+        for (int w = 0; w < ATT_WARPS; ++w) num += sm_acc[w][i] * expf(sm_m[w] - mx);
+        orow[i] = num / denom;
+    }
+}

@@ -1,0 +1,79 @@
+// Row-wise and gather kernels: embedding, RMSNorm, row gather, greedy arg-max.
+// Source: docs/model.md §1 (rmsnorm: x / sqrt(mean(x^2) + eps) * w, the weight
+// multiplies), §2 (embedding lookup, final norm), §1.7 (arg-max ties: lowest index).
+// Host wrappers and launch shapes: cuda/src/ops.rs.
+
+// out[t, :] = f32(table[tokens[t], :]).  Shapes: out [T, H] f32, table [V, H] bf16,
+// tokens [T] u32 (checked < V on the host).  Launch: grid (T), block 128.
+extern "C" __global__ void embed_gather(float* __restrict__ out,
+                                        const bf16_bits* __restrict__ table,
+                                        const u32* __restrict__ tokens, int T, int H) {
+    const int t = blockIdx.x;
+    if (t >= T) return;
+    const bf16_bits* row = table + (size_t)tokens[t] * H;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) out[(size_t)t * H + i] = bf16_to_f32(row[i]);
+}
+
+// out[r, :] = rmsnorm(x[r, :], w, eps), rows of length D with their own strides.
+// Shapes: x [R, x_stride] f32, out [R, out_stride] f32, w [D] f32.
+// Launch: grid (R), block 128 (any multiple of 32 <= 1024).
+extern "C" __global__ void rmsnorm(float* __restrict__ out, int out_stride,
+                                   const float* __restrict__ x, int x_stride,
+                                   const float* __restrict__ w, int R, int D, float eps) {
+    __shared__ float scratch[32];
+    const int r = blockIdx.x;
+    if (r >= R) return;
+    const float* xr = x + (size_t)r * x_stride;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+    float* orow = out + (size_t)r * out_stride;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) orow[i] = xr[i] * inv * w[i];
+}
+
+// out[i, :] = x[rows[i], :].  Shapes: out [R, D], x [*, D], rows [R] (in range, host-built).
+// Launch: grid (R), block 128.
+extern "C" __global__ void gather_rows(float* __restrict__ out, const float* __restrict__ x,
+                                       const int* __restrict__ rows, int R, int D) {
+    const int i = blockIdx.x;
+    if (i >= R) return;
+    const float* src = x + (size_t)rows[i] * D;
+    for (int j = threadIdx.x; j < D; j += blockDim.x) out[(size_t)i * D + j] = src[j];
+}
+
+// out[r] = argmax_j logits[r, j] (lowest index among equal maxima).
+// Shapes: logits [R, V] f32, out [R] u32.  Launch: grid (R), block 256.
+extern "C" __global__ void argmax_rows(u32* __restrict__ out, const float* __restrict__ logits,
+                                       int R, int V) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const int r = blockIdx.x;
+    if (r >= R) return;
+    const float* row = logits + (size_t)r * V;
+    float bv = -INFINITY;
+    int bi = 0;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) argmax_merge(bv, bi, row[j], j);
+    // A thread that saw nothing keeps (-inf, 0): it cannot beat a real -inf at index 0.
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
+        const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+        argmax_merge(bv, bi, ov, oi);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); ++w) argmax_merge(bv, bi, sv[w], si[w]);
+        out[r] = (u32)bi;
+    }
+}
+
+// Copy `n` floats (a KDA state page range, a hidden snapshot): dst[i] = src[i].
+// Launch: grid (ceil(n / 256)), block 256.
+extern "C" __global__ void copy_f32(float* __restrict__ dst, const float* __restrict__ src,
+                                    long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = src[i];
+}

@@ -1,0 +1,177 @@
+// KDA (Kimi Delta Attention): short conv + SiLU, the gated delta rule, the gated output norm.
+//
+// Source: docs/model.md §4 (vLLM / fla `fused_recurrent_kda` with
+// use_qk_l2norm_in_kernel, the fused gate, sigmoid beta), engine/src/model/kda.rs (the
+// CPU reference: same per-token order of operations, same state passes).
+// State pages (engine/src/model/kv_store.rs layout, reproduced on the device): KDA
+// layer l of pool block b starts at float b * fpb + l * state_page: conv windows
+// [3 (q, k, v), kc - 1, C] (pre-conv inputs, oldest first) then S [nl, dl (key), dl
+// (value)].  A chunk at start_pos 0 starts from zeros, otherwise from its state block
+// table[0]; the state after its last token goes to table[0]; with `snapshot` the
+// state after token t < len - 1 also goes to table[t + 1] (one snapshot per speculative
+// position; rollback = cuda/src/backend.rs commit_state copying table[accepted + 1]).
+// Tokens of a chunk are sequential (the recurrence); chunks run in parallel.
+//
+// Step metadata (cuda/src/meta.rs): per chunk s: row0[s] (first row in the batch),
+// len[s], pos0[s] (start position), snap[s] (0/1); state_tables [S, max_state].
+
+#define KC_MAX 8
+
+// Causal depthwise conv + SiLU of the q, k, v projections with conv-state update.
+// Shapes: xin [T, xin_stride] (columns [0, 3C): pre-conv q | k | v), taps [3C, kc] f32,
+// y [T, 3C] (post-SiLU).  kc <= 8 (host-checked).
+// Launch: grid (ceil(3C / 128), S), block 128.
+extern "C" __global__ void kda_conv(float* __restrict__ y, const float* __restrict__ xin,
+                                    int xin_stride, const float* __restrict__ taps,
+                                    float* __restrict__ pool, long long layer_off,
+                                    long long fpb, int C, int kc,
+                                    const int* __restrict__ row0, const int* __restrict__ len,
+                                    const int* __restrict__ pos0, const int* __restrict__ snap,
+                                    const int* __restrict__ state_tables, int max_state) {
+    const int c3 = blockIdx.x * blockDim.x + threadIdx.x;
+    const int s = blockIdx.y;
+    if (c3 >= 3 * C) return;
+    const int which = c3 / C, c = c3 % C;
+    const int* table = state_tables + (size_t)s * max_state;
+    // conv element (which, j, c) of a page: (which * (kc - 1) + j) * C + c.
+    const long long elem0 = (long long)which * (kc - 1) * C + c;
+    float win[KC_MAX - 1];
+    float* page0 = pool + (long long)table[0] * fpb + layer_off;
+#pragma unroll
+    for (int j = 0; j < KC_MAX - 1; ++j)
+        win[j] = (j < kc - 1 && pos0[s] > 0) ? page0[elem0 + (long long)j * C] : 0.0f;
+    const float* w = taps + (size_t)c3 * kc;
+    const int n = len[s];
+    for (int t = 0; t < n; ++t) {
+        const size_t row = (size_t)(row0[s] + t);
+        const float xt = xin[row * xin_stride + c3];
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < KC_MAX - 1; ++j)
+            if (j < kc - 1) acc += w[j] * win[j];
+        acc += w[kc - 1] * xt;
+        y[row * 3 * C + c3] = silu_f(acc);
+#pragma unroll
+        for (int j = 0; j < KC_MAX - 2; ++j)
+            if (j < kc - 2) win[j] = win[j + 1];
+#pragma unroll
+        for (int j = 0; j < KC_MAX - 1; ++j)
+            if (j == kc - 2) win[j] = xt;
+        if (snap[s] && t + 1 < n) {
+            float* pg = pool + (long long)table[t + 1] * fpb + layer_off;
+#pragma unroll
+            for (int j = 0; j < KC_MAX - 1; ++j)
+                if (j < kc - 1) pg[elem0 + (long long)j * C] = win[j];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < KC_MAX - 1; ++j)
+        if (j < kc - 1) page0[elem0 + (long long)j * C] = win[j];
+}
+
+// Gated delta rule for one (head, chunk): thread j owns column j (value index) of
+// S [dl (key i), dl (value j)] in registers.  Per token (docs/model.md §4, the CPU's two
+// fused passes, each sum ascending in i from 0):
+//   pass 1: S[i, j] *= alpha_i;  acc += S[i, j] * k_i;       u_j = v_j - acc
+//   pass 2: S[i, j] += beta * (k_i * u_j);  o_j += S[i, j] * q_i
+// with q = l2norm(q) * dl^-0.5, k = l2norm(k), alpha_i = exp(-exp(A_log[h]) *
+// softplus(f_i + dt_bias_i)), beta = sigmoid(b[h]).
+// Shapes: y [T, 3C] (post-conv q | k | v), fg [T, 2C] (f at column 0), xin [T, xin_stride]
+// (b at column b_col, [nl]), A_log [nl], dt_bias [C], o [T, C].
+template <int DL>
+__device__ __forceinline__ void kda_recurrent_impl(
+    float* __restrict__ o, const float* __restrict__ y, const float* __restrict__ fg,
+    const float* __restrict__ xin, int xin_stride, int b_col, const float* __restrict__ a_log,
+    const float* __restrict__ dt_bias, float* __restrict__ pool, long long layer_off,
+    long long fpb, int conv_len, int nl, float qscale, const int* __restrict__ row0,
+    const int* __restrict__ len, const int* __restrict__ pos0, const int* __restrict__ snap,
+    const int* __restrict__ state_tables, int max_state) {
+    __shared__ float qs[DL], ks[DL], al[DL];
+    __shared__ float scratch[32];
+    const int h = blockIdx.x, s = blockIdx.y, j = threadIdx.x;
+    const int C = nl * DL;
+    const int* table = state_tables + (size_t)s * max_state;
+    const long long head_off = layer_off + conv_len + (long long)h * DL * DL + j;
+    float st[DL];
+    const float* page0 = pool + (long long)table[0] * fpb + head_off;
+    const bool fresh = pos0[s] == 0;
+#pragma unroll
+    for (int i = 0; i < DL; ++i) st[i] = fresh ? 0.0f : page0[(long long)i * DL];
+    const float neg_a = -expf(a_log[h]);
+    const float dtb = dt_bias[h * DL + j];
+    const int n = len[s];
+    for (int t = 0; t < n; ++t) {
+        const size_t row = (size_t)(row0[s] + t);
+        const float* yr = y + row * 3 * C + h * DL + j;
+        const float qv = yr[0], kv = yr[C], vv = yr[2 * C];
+        const float ssq = block_sum(qv * qv, scratch);
+        const float ssk = block_sum(kv * kv, scratch);
+        qs[j] = qv / sqrtf(ssq + 1e-6f) * qscale;
+        ks[j] = kv / sqrtf(ssk + 1e-6f);
+        al[j] = expf(neg_a * softplus_f(fg[row * 2 * C + h * DL + j] + dtb));
+        const float beta = sigmoid_f(xin[row * xin_stride + b_col + h]);
+        __syncthreads();
+        float acc = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DL; ++i) {
+            st[i] *= al[i];
+            acc += st[i] * ks[i];
+        }
+        const float u = vv - acc;
+        float out = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DL; ++i) {
+            st[i] += beta * (ks[i] * u);
+            out += st[i] * qs[i];
+        }
+        o[row * C + h * DL + j] = out;
+        if (snap[s] && t + 1 < n) {
+            float* pg = pool + (long long)table[t + 1] * fpb + head_off;
+#pragma unroll
+            for (int i = 0; i < DL; ++i) pg[(long long)i * DL] = st[i];
+        }
+        __syncthreads();  // qs / ks / al are rewritten by the next token
+    }
+    float* out0 = pool + (long long)table[0] * fpb + head_off;
+#pragma unroll
+    for (int i = 0; i < DL; ++i) out0[(long long)i * DL] = st[i];
+}
+
+#define KDA_RECURRENT(DL)                                                                   \
+    extern "C" __global__ void kda_recurrent_##DL(                                           \
+        float* o, const float* y, const float* fg, const float* xin, int xin_stride,        \
+        int b_col, const float* a_log, const float* dt_bias, float* pool,                   \
+        long long layer_off, long long fpb, int conv_len, int nl, float qscale,             \
+        const int* row0, const int* len, const int* pos0, const int* snap,                  \
+        const int* state_tables, int max_state) {                                           \
+        kda_recurrent_impl<DL>(o, y, fg, xin, xin_stride, b_col, a_log, dt_bias, pool,      \
+                               layer_off, fpb, conv_len, nl, qscale, row0, len, pos0, snap,  \
+                               state_tables, max_state);                                    \
+    }
+
+// Launch: grid (nl, S), block DL (linear_head_dim: 32, 64 or 128).
+KDA_RECURRENT(32)
+KDA_RECURRENT(64)
+KDA_RECURRENT(128)
+
+// out[t, h, :] = rmsnorm(o[t, h, :], o_norm, eps) * sigmoid(g[t, h, :]) (o_norm shared by heads).
+// Shapes: o [T, nl * dl], fg [T, 2C] (g at column C = nl * dl), o_norm [dl], out [T, nl * dl].
+// One warp per (t, h).  Launch: grid (ceil(T * nl / 4)), block 128.
+extern "C" __global__ void kda_gate_norm(float* __restrict__ out, const float* __restrict__ o,
+                                         const float* __restrict__ fg,
+                                         const float* __restrict__ o_norm, int T, int nl, int dl,
+                                         float eps) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int th = blockIdx.x * 4 + warp;
+    if (th >= T * nl) return;
+    const int t = th / nl, h = th % nl;
+    const int C = nl * dl;
+    const float* orow = o + (size_t)t * C + (size_t)h * dl;
+    float ss = 0.0f;
+    for (int i = lane; i < dl; i += WARP) ss += orow[i] * orow[i];
+    ss = warp_sum(ss);
+    const float inv = 1.0f / sqrtf(ss / (float)dl + eps);
+    const float* g = fg + (size_t)t * 2 * C + C + (size_t)h * dl;
+    float* dst = out + (size_t)t * C + (size_t)h * dl;
+    for (int i = lane; i < dl; i += WARP) dst[i] = orow[i] * inv * o_norm[i] * sigmoid_f(g[i]);
+}

@@ -1,0 +1,149 @@
+// MoE routing on the device: sigmoid router top-k, token sorting per expert, combine.
+//
+// Source: docs/model.md §5 (DeepSeek-V3 `noaux_tc`: s = sigmoid(r); top-k of
+// s + e_score_correction_bias, ties to the lower expert index; weights s[sel] without
+// the bias, / (sum + 1e-20) when norm_topk_prob, * routed_scaling_factor always);
+// vLLM csrc/moe/moe_align_sum_kernels.cu `moe_align_block_size` (tokens sorted per
+// expert, each expert's segment padded to the GEMM tile of 8 rows).  The expert GEMMs
+// are in linear.cu.  The combine adds the routed outputs in ascending expert order from
+// zero, then the shared expert, then into the residual: the CPU engine's order
+// (engine/src/model/moe.rs), so the result does not depend on the sorting order.
+
+#define MOE_TILE 8
+#define TOPK_MAX 8
+#define TOPK_WARPS 4
+#define EXPERTS_MAX 1024
+
+// ids[t, j], wts[t, j] for j < k: the selected experts in descending biased score.
+// Shapes: logits [T, E] f32, bias [E] f32, ids [T, k] i32, wts [T, k] f32;
+// E <= 1024, k <= 8, k <= E (host-checked).  Launch: grid (ceil(T / 4)), block 128.
+extern "C" __global__ void moe_topk(int* __restrict__ ids, float* __restrict__ wts,
+                                    const float* __restrict__ logits,
+                                    const float* __restrict__ bias, int T, int E, int k,
+                                    int norm_topk, float rsf) {
+    __shared__ float biased[TOPK_WARPS][EXPERTS_MAX];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int t = blockIdx.x * TOPK_WARPS + warp;
+    if (t >= T) return;  // uniform per warp
+    const float* lr = logits + (size_t)t * E;
+    float* b = biased[warp];
+    for (int e = lane; e < E; e += WARP) b[e] = sigmoid_f(lr[e]) + bias[e];
+    __syncwarp();
+    int sel[TOPK_MAX];
+    float w[TOPK_MAX];
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < TOPK_MAX; ++j) {
+        sel[j] = 0;
+        w[j] = 0.0f;
+        if (j < k) {
+            float bv = -INFINITY;
+            int bi = 0x7fffffff;
+            for (int e = lane; e < E; e += WARP) argmax_merge(bv, bi, b[e], e);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
+                const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+                argmax_merge(bv, bi, ov, oi);
+            }
+            // Every lane holds the same winner; a taken expert can no longer win.
+            __syncwarp();
+            if (lane == (bi & 31)) b[bi] = -INFINITY;
+            __syncwarp();
+            sel[j] = bi;
+            w[j] = sigmoid_f(lr[bi]);
+            sum += w[j];
+        }
+    }
+    sum += 1e-20f;
+    if (lane == 0) {
+#pragma unroll
+        for (int j = 0; j < TOPK_MAX; ++j) {
+            if (j < k) {
+                float v = norm_topk ? w[j] / sum : w[j];
+                ids[(size_t)t * k + j] = sel[j];
+                wts[(size_t)t * k + j] = v * rsf;
+            }
+        }
+    }
+}
+
+// Sort the P = T * k routed pairs by expert.  sorted[0 .. P_pad) receives the pair ids
+// p = t * k + slot of expert 0, then expert 1, ..., each expert's segment padded with -1
+// to a multiple of 8 and in ascending p; tile_expert[i] = the expert of sorted positions
+// [8 i, 8 i + 8), -1 past the last tile.  P_pad <= p_pad_max = 8 * max_tiles with
+// max_tiles = ceil((P + min(E, P) * 7) / 8) (cuda/src/launch.rs::moe_max_tiles).
+// Shapes: ids [P] i32 (< E), sorted [p_pad_max] i32, tile_expert [max_tiles] i32.
+// Launch: grid (1), block 1024; E <= 1024.
+extern "C" __global__ void __launch_bounds__(1024) moe_align(int* __restrict__ sorted, int* __restrict__ tile_expert,
+                                     const int* __restrict__ ids, int P, int E,
+                                     int max_tiles) {
+    __shared__ int count[EXPERTS_MAX];
+    __shared__ int offset[EXPERTS_MAX + 1];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nwarps = blockDim.x >> 5;
+    for (int i = tid; i < max_tiles * MOE_TILE; i += blockDim.x) sorted[i] = -1;
+    for (int i = tid; i < max_tiles; i += blockDim.x) tile_expert[i] = -1;
+    for (int e = warp; e < E; e += nwarps) {
+        int c = 0;
+        for (int base = 0; base < P; base += WARP) {
+            const int p = base + lane;
+            c += __popc(__ballot_sync(FULL_MASK, p < P && ids[p] == e));
+        }
+        if (lane == 0) count[e] = c;
+    }
+    __syncthreads();  // also orders the -1 fills before the scatter below
+    if (tid == 0) {
+        int acc = 0;
+        for (int e = 0; e < E; ++e) {
+            offset[e] = acc;
+            acc += (count[e] + MOE_TILE - 1) / MOE_TILE * MOE_TILE;
+        }
+        offset[E] = acc;
+    }
+    __syncthreads();
+    for (int e = warp; e < E; e += nwarps) {
+        int run = 0;
+        const int base_pos = offset[e];
+        for (int base = 0; base < P; base += WARP) {
+            const int p = base + lane;
+            const bool m = p < P && ids[p] == e;
+            const u32 mask = __ballot_sync(FULL_MASK, m);
+            if (m) sorted[base_pos + run + __popc(mask & ((1u << lane) - 1u))] = p;
+            run += __popc(mask);
+        }
+        for (int t = offset[e] / MOE_TILE + lane; t < offset[e + 1] / MOE_TILE; t += WARP)
+            tile_expert[t] = e;
+    }
+}
+
+// x[t, n] += (sum over the token's experts in ascending id of y[t*k + slot, n]) + shared[t, n].
+// Shapes: x [T, H], y [T * k, H] (router-weighted expert outputs, linear.cu moe_down_*),
+// shared [T, H], ids [T, k].  Launch: grid (T), block 128.
+extern "C" __global__ void moe_combine(float* __restrict__ x, const float* __restrict__ y,
+                                       const float* __restrict__ shared,
+                                       const int* __restrict__ ids, int T, int H, int k) {
+    __shared__ int order[TOPK_MAX];
+    const int t = blockIdx.x;
+    if (t >= T) return;
+    if (threadIdx.x == 0) {
+        // Insertion sort of the k <= 8 slots by expert id (distinct ids).
+        for (int j = 0; j < k; ++j) order[j] = j;
+        for (int j = 1; j < k; ++j) {
+            const int s = order[j];
+            int i = j - 1;
+            while (i >= 0 && ids[(size_t)t * k + order[i]] > ids[(size_t)t * k + s]) {
+                order[i + 1] = order[i];
+                --i;
+            }
+            order[i + 1] = s;
+        }
+    }
+    __syncthreads();
+    for (int n = threadIdx.x; n < H; n += blockDim.x) {
+        float o = 0.0f;
+        for (int j = 0; j < k; ++j) o += y[((size_t)t * k + order[j]) * H + n];
+        o += shared[(size_t)t * H + n];
+        x[(size_t)t * H + n] += o;
+    }
+}

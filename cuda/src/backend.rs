@@ -1,0 +1,549 @@
+//! [`CudaBackend`]: the target model's forward pass on the GPU, behind the backend seam.
+//!
+//! Source: engine/src/model/forward.rs and mtp.rs (the CPU `ModelRunner`: the same
+//! protocol of `forward` / `mtp_forward` / `commit_state` / `release`, the same
+//! `SeqChunk`, `ForwardOptions`, `ForwardOut`, `MtpChunk`, `MtpOut`), docs/model.md §2
+//! and §6 (the op order). The kernel sequence of a step is in `crate::step`.
+//!
+//! Protocol (identical to the CPU runner, so the CPU stays the oracle): KV and KDA state
+//! live in the device pool addressed by the manager's block ids; a snapshot verify
+//! writes per-position KDA snapshots to state blocks 1..T-1 and must be followed by
+//! [`CudaBackend::commit_state`] before the slot's next chunk.
+//!
+//! Invariants: one stream; inside a step the host uploads the step's metadata (one
+//! copy; plus the MTP hidden rows), launches kernels, and copies outputs out once at
+//! the end; no allocation unless the batch outgrows the workspace. With graphs on,
+//! [`CudaBackend::forward_greedy`] captures the kernel sequence per (tokens, chunks,
+//! logits rows) on first use and replays it afterwards (metadata is uploaded before
+//! the replay; every other kernel argument is fixed per key).
+
+use std::collections::HashMap;
+
+use cudarc::driver::sys::{CUgraphInstantiate_flags_enum, CUstreamCaptureMode_enum};
+use cudarc::driver::CudaGraph;
+use speclab_engine::kv::KvCacheManager;
+use speclab_engine::model::{
+    ForwardOptions, ForwardOut, LogitsRows, ModelConfig, ModelWeights, MtpChunk, MtpOut,
+    RouterTrace, SeqChunk,
+};
+use speclab_engine::ReqSlot;
+
+use crate::buf::DevBuf;
+use crate::device::Gpu;
+use crate::error::{CudaError, Result};
+use crate::kvpool::KvGeometry;
+use crate::meta::{self, ChunkIn, MetaDims, StepMeta};
+use crate::ops;
+use crate::step::{Collect, StepKind};
+use crate::weights::DeviceWeights;
+use crate::workspace::{grow_to, Sizes, Workspace};
+
+/// Options of a [`CudaBackend`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// CUDA device ordinal.
+    pub device: usize,
+    /// Capture / replay `forward_greedy` steps as CUDA graphs.
+    pub use_graphs: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        Self {
+            device: 0,
+            use_graphs: true,
+        }
+    }
+}
+
+/// Key of a captured step graph: (tokens, chunks, last-row logits only, MTP step).
+pub type GraphKey = (usize, usize, bool, bool);
+
+/// The CUDA target backend.
+pub struct CudaBackend {
+    pub(crate) gpu: Gpu,
+    pub(crate) w: DeviceWeights,
+    pub(crate) geo: KvGeometry,
+    /// The KV / state pool. Shape: [num_blocks * floats_per_block] f32.
+    pub(crate) pool: DevBuf<f32>,
+    pub(crate) sizes: Sizes,
+    pub(crate) ws: Workspace,
+    /// The step metadata (crate::meta layout). Shape: [capacity] i32.
+    pub(crate) meta: DevBuf<i32>,
+    pub(crate) dims: MetaDims,
+    /// Slots whose last chunk was a snapshot verify: slot -> chunk length.
+    pending: HashMap<ReqSlot, usize>,
+    graphs: HashMap<GraphKey, CudaGraph>,
+    opts: CudaOptions,
+    /// Per-layer hidden states (collect_hidden). Shape: [(L + 1) * t_cap * H].
+    pub(crate) per_layer: Option<DevBuf<f32>>,
+    /// Router ids / weights per MoE layer (collect_router). Shape: [n_moe * t_cap * k].
+    pub(crate) router: Option<(DevBuf<i32>, DevBuf<f32>)>,
+    /// The first graph capture / replay failure (graphs are off after it).
+    graph_error: Option<String>,
+    /// Host copy of the bf16 embedding for `SharedHead::embed`. Shape: [V, H] bf16 bits.
+    pub(crate) embed_host: Vec<u16>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("gpu", &self.gpu)
+            .field("weight_bytes", &self.w.bytes)
+            .field("kv", &self.geo)
+            .field("graphs", &self.graphs.len())
+            .finish()
+    }
+}
+
+impl CudaBackend {
+    /// Upload `weights` to device 0 and allocate the KV pool for `kv`'s pool and groups.
+    pub fn new(weights: &ModelWeights, kv: &KvCacheManager) -> Result<Self> {
+        Self::with_options(weights, kv, CudaOptions::default())
+    }
+
+    /// [`Self::new`] with options.
+    pub fn with_options(
+        weights: &ModelWeights,
+        kv: &KvCacheManager,
+        opts: CudaOptions,
+    ) -> Result<Self> {
+        let cfg = &weights.cfg;
+        cfg.validate()?;
+        let geo = KvGeometry::new(cfg, kv)?;
+        let gpu = Gpu::new(opts.device)?;
+        let w = DeviceWeights::upload(weights, &gpu.stream)?;
+        let pool = DevBuf::<f32>::zeros(&gpu.stream, geo.total_floats()?, "KV pool")?;
+        let sizes = Sizes::new(cfg);
+        let ws = Workspace::new(&gpu.stream, &sizes, 16, 16)?;
+        let dims = MetaDims {
+            vocab: cfg.vocab_size,
+            block_size: geo.block_size,
+            max_blocks: if geo.block_size == 0 {
+                0
+            } else {
+                cfg.max_position_embeddings.div_ceil(geo.block_size)
+            },
+            max_state: geo.state_blocks,
+            num_blocks: geo.num_blocks,
+            max_pos: cfg.max_position_embeddings,
+            full_group: geo.full_group,
+            state_group: geo.state_group,
+        };
+        let meta = DevBuf::<i32>::zeros(&gpu.stream, 4096, "step metadata")?;
+        gpu.sync()?;
+        Ok(Self {
+            gpu,
+            w,
+            geo,
+            pool,
+            sizes,
+            ws,
+            meta,
+            dims,
+            pending: HashMap::new(),
+            graphs: HashMap::new(),
+            opts,
+            per_layer: None,
+            router: None,
+            graph_error: None,
+            embed_host: crate::repack::to_bf16(&weights.embed, "model.embed_tokens")?,
+        })
+    }
+
+    /// The model config.
+    pub fn config(&self) -> &ModelConfig {
+        &self.w.cfg
+    }
+    /// Device name and NVRTC architecture.
+    pub fn device(&self) -> (&str, &str) {
+        (&self.gpu.name, &self.gpu.arch)
+    }
+    /// Weight bytes on the device.
+    pub fn weight_bytes(&self) -> usize {
+        self.w.bytes
+    }
+    /// Turn graph capture / replay on or off (off drops captured graphs).
+    pub fn set_graphs(&mut self, on: bool) {
+        self.opts.use_graphs = on;
+        if !on {
+            self.graphs.clear();
+        }
+    }
+    /// Kernel launches issued so far (captured launches count once, at capture).
+    pub fn launches(&self) -> u64 {
+        self.gpu.launches.get()
+    }
+
+    /// Device copy bandwidth in GB/s (bytes read + written) of `bytes`-byte copies with
+    /// the engine's own copy kernel: 2 warm-up copies, then 10 timed, host-timed.
+    pub fn copy_bandwidth_gbs(&self, bytes: usize) -> Result<f64> {
+        let n = bytes / 4;
+        let a = DevBuf::<f32>::zeros(&self.gpu.stream, n, "bandwidth src")?;
+        let b = DevBuf::<f32>::zeros(&self.gpu.stream, n, "bandwidth dst")?;
+        for _ in 0..2 {
+            ops::copy(&self.gpu, &b, 0, &a, 0, n)?;
+        }
+        self.gpu.sync()?;
+        let t0 = std::time::Instant::now();
+        for _ in 0..10 {
+            ops::copy(&self.gpu, &b, 0, &a, 0, n)?;
+        }
+        self.gpu.sync()?;
+        Ok((2 * 10 * 4 * n) as f64 / t0.elapsed().as_secs_f64() / 1e9)
+    }
+
+    /// Graphs captured so far.
+    pub fn num_graphs(&self) -> usize {
+        self.graphs.len()
+    }
+
+    /// Forget a request's pending snapshot (call when the request is freed or preempted).
+    pub fn release(&mut self, slot: ReqSlot) {
+        self.pending.remove(&slot);
+    }
+
+    /// Check that `kv` is the manager this backend was built for (same pool and groups).
+    fn check_manager(&self, kv: &KvCacheManager) -> Result<()> {
+        let g = KvGeometry::new(&self.w.cfg, kv)?;
+        if g != self.geo {
+            return Err(CudaError::Input(format!(
+                "this KvCacheManager ({} blocks) is not the one the CudaBackend was built for ({} blocks)",
+                g.num_blocks, self.geo.num_blocks
+            )));
+        }
+        Ok(())
+    }
+
+    /// Grow the workspace / metadata buffer for a step; drops graphs when anything moved.
+    fn ensure(&mut self, m: &StepMeta, collect: Collect) -> Result<()> {
+        let stream = self.gpu.stream.clone();
+        if m.t_total > self.ws.t_cap || m.num_seqs > self.ws.s_cap {
+            let t = grow_to(m.t_total);
+            self.ws = Workspace::new(&stream, &self.sizes, t, grow_to(m.num_seqs).min(t))?;
+            self.per_layer = None;
+            self.router = None;
+            self.graphs.clear();
+        }
+        if m.layout.total > self.meta.len {
+            self.meta = DevBuf::zeros(&stream, grow_to(m.layout.total), "step metadata")?;
+            self.graphs.clear();
+        }
+        let cfg = &self.w.cfg;
+        if collect.hidden && self.per_layer.is_none() {
+            let n = (cfg.num_hidden_layers + 1) * self.ws.t_cap * cfg.hidden_size;
+            self.per_layer = Some(DevBuf::zeros(&stream, n, "per-layer hidden")?);
+        }
+        if collect.router && self.router.is_none() {
+            let n = (cfg.num_hidden_layers + 1) * self.ws.t_cap * cfg.num_experts_per_tok.max(1);
+            self.router = Some((
+                DevBuf::zeros(&stream, n, "router ids")?,
+                DevBuf::zeros(&stream, n, "router weights")?,
+            ));
+        }
+        self.meta.write(&stream, &m.data, "step metadata")
+    }
+
+    fn target_meta(&self, kv: &KvCacheManager, batch: &[SeqChunk<'_>]) -> Result<StepMeta> {
+        self.check_manager(kv)?;
+        let chunks: Vec<ChunkIn<'_>> = batch
+            .iter()
+            .map(|c| ChunkIn {
+                slot: c.slot,
+                tokens: c.tokens,
+                start_pos: c.start_pos,
+                snapshot: c.snapshot,
+            })
+            .collect();
+        meta::build(&self.dims, kv, &chunks, &|s| self.pending.contains_key(&s))
+    }
+
+    fn note_pending(&mut self, batch: &[SeqChunk<'_>]) {
+        for ch in batch {
+            if ch.snapshot {
+                self.pending.insert(ch.slot, ch.tokens.len());
+            } else {
+                self.pending.remove(&ch.slot);
+            }
+        }
+    }
+
+    /// Forward a batch (the CPU `ModelRunner::forward_with` contract): logits rows,
+    /// final hidden of every token, optional per-layer hidden and router traces.
+    pub fn forward(
+        &mut self,
+        kv: &KvCacheManager,
+        batch: &[SeqChunk<'_>],
+        opts: &ForwardOptions,
+    ) -> Result<ForwardOut> {
+        let m = self.target_meta(kv, batch)?;
+        let collect = Collect {
+            hidden: opts.collect_hidden,
+            router: opts.collect_router,
+        };
+        self.ensure(&m, collect)?;
+        let last = opts.logits == LogitsRows::LastPerChunk;
+        let kind = StepKind::Target {
+            last_rows: last,
+            collect,
+            argmax: false,
+        };
+        self.run(&m, kind)?;
+        self.note_pending(batch);
+        self.read_target(&m, last, collect)
+    }
+
+    /// Forward a batch and return the greedy token of each logits row, computed on the
+    /// device (logits and hidden stay there). Uses CUDA graphs when enabled.
+    pub fn forward_greedy(
+        &mut self,
+        kv: &KvCacheManager,
+        batch: &[SeqChunk<'_>],
+        rows: LogitsRows,
+    ) -> Result<Vec<u32>> {
+        let m = self.target_meta(kv, batch)?;
+        self.ensure(&m, Collect::default())?;
+        let last = rows == LogitsRows::LastPerChunk;
+        let kind = StepKind::Target {
+            last_rows: last,
+            collect: Collect::default(),
+            argmax: true,
+        };
+        if self.opts.use_graphs {
+            self.run_graph((m.t_total, m.num_seqs, last, false), &m, kind)?;
+        } else {
+            self.run(&m, kind)?;
+        }
+        self.note_pending(batch);
+        let r = if last { m.num_seqs } else { m.t_total };
+        self.ws.argmax.read(&self.gpu.stream, 0, r, "greedy tokens")
+    }
+
+    /// Replay the graph of `key`, capturing it first if needed. A capture that fails
+    /// turns graphs off for this backend (recorded in [`Self::graph_error`]) and runs the
+    /// step eagerly: nothing ran during the failed capture.
+    fn run_graph(&mut self, key: GraphKey, m: &StepMeta, kind: StepKind) -> Result<()> {
+        match self.replay(key, m, kind) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.graph_error = Some(e.to_string());
+                self.set_graphs(false);
+                self.run(m, kind)
+            }
+        }
+    }
+
+    /// Why graph capture / replay failed, if it did (graphs are then off).
+    pub fn graph_error(&self) -> Option<&str> {
+        self.graph_error.as_deref()
+    }
+
+    fn replay(&mut self, key: GraphKey, m: &StepMeta, kind: StepKind) -> Result<()> {
+        if !self.graphs.contains_key(&key) {
+            let stream = self.gpu.stream.clone();
+            stream
+                .begin_capture(CUstreamCaptureMode_enum::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(|e| CudaError::driver("begin_capture", e))?;
+            let ran = self.run(m, kind);
+            let ended = stream.end_capture(CUgraphInstantiate_flags_enum(0));
+            ran?;
+            let graph = ended
+                .map_err(|e| CudaError::driver("end_capture", e))?
+                .ok_or_else(|| CudaError::driver("end_capture", "no graph was captured"))?;
+            graph
+                .upload()
+                .map_err(|e| CudaError::driver("graph upload", e))?;
+            self.graphs.insert(key, graph);
+        }
+        let g = self
+            .graphs
+            .get(&key)
+            .ok_or_else(|| CudaError::Input("graph vanished (internal)".into()))?;
+        g.launch().map_err(|e| CudaError::driver("graph launch", e))
+    }
+
+    fn read_target(&self, m: &StepMeta, last: bool, collect: Collect) -> Result<ForwardOut> {
+        let cfg = &self.w.cfg;
+        let (h, v, t) = (cfg.hidden_size, cfg.vocab_size, m.t_total);
+        let st = &self.gpu.stream;
+        let r = if last { m.num_seqs } else { t };
+        let logits = self.ws.logits.read(st, 0, r * v, "logits")?;
+        let hidden = self.ws.hidden.read(st, 0, t * h, "hidden")?;
+        let per_layer_hidden = match (&self.per_layer, collect.hidden) {
+            (Some(p), true) => {
+                let cap = self.ws.t_cap * h;
+                let mut out = Vec::with_capacity((cfg.num_hidden_layers + 1) * t * h);
+                for l in 0..=cfg.num_hidden_layers {
+                    out.extend(p.read(st, l * cap, t * h, "per-layer hidden")?);
+                }
+                Some(out)
+            }
+            _ => None,
+        };
+        let router = match (&self.router, collect.router) {
+            (Some(buf), true) => Some(
+                self.read_router(
+                    buf,
+                    t,
+                    (0..cfg.num_hidden_layers)
+                        .filter(|&i| cfg.is_moe_layer(i))
+                        .collect(),
+                )?,
+            ),
+            _ => None,
+        };
+        Ok(ForwardOut {
+            logits,
+            hidden,
+            per_layer_hidden,
+            router,
+            num_tokens: t,
+        })
+    }
+
+    /// Router traces of the MoE layers `layers` (in order) from the collect buffers.
+    fn read_router(
+        &self,
+        buf: &(DevBuf<i32>, DevBuf<f32>),
+        t: usize,
+        layers: Vec<usize>,
+    ) -> Result<Vec<RouterTrace>> {
+        let k = self.w.cfg.num_experts_per_tok;
+        let cap = self.ws.t_cap * k;
+        let st = &self.gpu.stream;
+        layers
+            .into_iter()
+            .enumerate()
+            .map(|(j, layer)| {
+                let ids = buf.0.read(st, j * cap, t * k, "router ids")?;
+                let weights = buf.1.read(st, j * cap, t * k, "router weights")?;
+                Ok(RouterTrace {
+                    layer,
+                    ids: ids.into_iter().map(|x| x as u32).collect(),
+                    weights,
+                })
+            })
+            .collect()
+    }
+
+    /// After a snapshot verify of `T` tokens, keep the first `accepted + 1`: the KDA state
+    /// after token `accepted` becomes the committed one (state block 0), one device copy.
+    pub fn commit_state(
+        &mut self,
+        kv: &KvCacheManager,
+        slot: ReqSlot,
+        accepted: usize,
+    ) -> Result<()> {
+        self.check_manager(kv)?;
+        let len = *self.pending.get(&slot).ok_or_else(|| {
+            CudaError::Input(format!(
+                "request slot {}: commit_state without a pending snapshot verify",
+                slot.0
+            ))
+        })?;
+        if accepted + 1 > len {
+            return Err(CudaError::Input(format!(
+                "request slot {}: accepted = {accepted} but the verified chunk had {len} tokens (at most {} drafts)",
+                slot.0,
+                len - 1
+            )));
+        }
+        if accepted + 1 < len {
+            if let Some(g) = self.geo.state_group {
+                let table = kv.table(g, slot);
+                let ok = |b: u32| {
+                    b != speclab_engine::kv::NULL_BLOCK && (b as usize) < self.geo.num_blocks
+                };
+                if table.len() < len || !ok(table[0]) || !ok(table[accepted + 1]) {
+                    return Err(CudaError::Input(format!(
+                        "request slot {}: state table too short or invalid for commit_state",
+                        slot.0
+                    )));
+                }
+                let (src, dst) = (table[accepted + 1] as usize, table[0] as usize);
+                let fpb = self.geo.floats_per_block;
+                let n = self.geo.n_kda * self.geo.state_page;
+                ops::copy(&self.gpu, &self.pool, dst * fpb, &self.pool, src * fpb, n)?;
+            }
+        }
+        self.pending.remove(&slot);
+        Ok(())
+    }
+
+    /// The MTP layer over (hidden, next token) rows (docs/model.md §6; the CPU
+    /// `ModelRunner::mtp_forward` contract).
+    pub fn mtp_forward(
+        &mut self,
+        kv: &KvCacheManager,
+        batch: &[MtpChunk<'_>],
+        opts: &ForwardOptions,
+    ) -> Result<MtpOut> {
+        self.check_manager(kv)?;
+        let cfg = self.w.cfg.clone();
+        if self.w.mtp.is_none() {
+            return Err(CudaError::Input(
+                "mtp_forward: the model has no MTP layer".into(),
+            ));
+        }
+        let h = cfg.hidden_size;
+        for ch in batch {
+            if ch.hidden.len() != ch.next_tokens.len() * h {
+                return Err(CudaError::Input(format!(
+                    "request slot {}: MTP chunk with {} next tokens and {} hidden values (needs [T, {h}])",
+                    ch.slot.0,
+                    ch.next_tokens.len(),
+                    ch.hidden.len()
+                )));
+            }
+        }
+        let chunks: Vec<ChunkIn<'_>> = batch
+            .iter()
+            .map(|c| ChunkIn {
+                slot: c.slot,
+                tokens: c.next_tokens,
+                start_pos: c.start_pos,
+                snapshot: false,
+            })
+            .collect();
+        let dims = MetaDims {
+            state_group: None,
+            ..self.dims
+        };
+        let m = meta::build(&dims, kv, &chunks, &|_| false)?;
+        let collect = Collect {
+            hidden: false,
+            router: opts.collect_router,
+        };
+        self.ensure(&m, collect)?;
+        let rows: Vec<f32> = batch
+            .iter()
+            .flat_map(|c| c.hidden.iter().copied())
+            .collect();
+        let stream = self.gpu.stream.clone();
+        self.ws.tmp.write(&stream, &rows, "MTP hidden rows")?;
+        let last = opts.logits == LogitsRows::LastPerChunk;
+        self.run(
+            &m,
+            StepKind::Mtp {
+                last_rows: last,
+                collect,
+            },
+        )?;
+        let t = m.t_total;
+        let r = if last { m.num_seqs } else { t };
+        let logits = self
+            .ws
+            .logits
+            .read(&stream, 0, r * cfg.vocab_size, "MTP logits")?;
+        let hidden = self.ws.x.read(&stream, 0, t * h, "MTP hidden")?;
+        let router = match (&self.router, collect.router) {
+            (Some(buf), true) => Some(self.read_router(buf, t, vec![cfg.num_hidden_layers])?),
+            _ => None,
+        };
+        Ok(MtpOut {
+            logits,
+            hidden,
+            router,
+        })
+    }
+}

@@ -1,0 +1,544 @@
+//! The device check: parity of the CUDA engine against the CPU engine (and the PyTorch
+//! goldens) on models/tiny, then decode-step timing. Run by `examples/gpu_check.rs`
+//! (one device call: `recipes/gpu_check.sh`) and, for parity, by `tests/gpu_parity.rs`.
+//!
+//! Source: tests/model_tiny_parity.rs (the golden comparisons, mirrored), docs/model.md
+//! §1.6 (tolerance: `max|a-b| / max|b| < 1e-2`, greedy tokens identical).
+//!
+//! Invariants: the CPU `ModelRunner` and every `CudaBackend` of a check share ONE
+//! `KvCacheManager`, so both engines address their own memory with the same block ids;
+//! every comparison is recorded as a [`CheckLine`] (value, bound, pass), nothing is
+//! asserted here, so one device call reports every failure at once.
+
+use std::path::Path;
+use std::time::Instant;
+
+use serde::Serialize;
+use speclab_engine::kv::manager::AllocArgs;
+use speclab_engine::kv::{AllocOutcome, KvCacheManager};
+use speclab_engine::model::ops::{argmax, rel_err};
+use speclab_engine::model::{
+    Checkpoint, ForwardOptions, LogitsRows, ModelRunner, ModelWeights, MtpChunk, SeqChunk,
+};
+use speclab_engine::{ReqSlot, RequestStatus, RequestView};
+
+use crate::backend::{CudaBackend, CudaOptions};
+use crate::error::{CudaError, Result};
+
+/// The docs/model.md §1.6 bound on `max|a-b| / max|b|`.
+pub const TOLERANCE: f32 = 1e-2;
+
+/// One comparison.
+#[derive(Debug, Clone, Serialize)]
+pub struct CheckLine {
+    pub name: String,
+    /// The measured value (relative error, or mismatch count).
+    pub value: f64,
+    /// The bound it must stay at or below (strictly below for errors).
+    pub bound: f64,
+    pub pass: bool,
+}
+
+fn line(out: &mut Vec<CheckLine>, name: impl Into<String>, value: f64, bound: f64) {
+    let pass = if bound == 0.0 {
+        value == 0.0
+    } else {
+        value < bound
+    };
+    out.push(CheckLine {
+        name: name.into(),
+        value,
+        bound,
+        pass,
+    });
+}
+
+/// Allocate `n` new tokens for `slot` with `computed` already computed (lookahead 0).
+pub fn alloc(kv: &mut KvCacheManager, slot: ReqSlot, computed: u64, n: u64) -> Result<()> {
+    let view = RequestView {
+        slot,
+        num_computed_tokens: computed,
+        num_tokens: computed + n,
+        num_prompt_tokens: computed.max(1),
+        status: if computed == 0 {
+            RequestStatus::Waiting
+        } else {
+            RequestStatus::Running
+        },
+        num_in_flight_tokens: 0,
+    };
+    let args = AllocArgs {
+        num_new_tokens: n,
+        num_lookahead_tokens: 0,
+        full_sequence_must_fit: computed == 0,
+        has_scheduled_reqs: false,
+    };
+    match kv.allocate_slots(&view, args)? {
+        AllocOutcome::Allocated(_) => Ok(()),
+        other => Err(CudaError::Input(format!(
+            "KV allocation for slot {} failed: {other:?}",
+            slot.0
+        ))),
+    }
+}
+
+fn golden_i32(g: &Checkpoint, key: &str) -> Result<Vec<u32>> {
+    Ok(g.i32_any_shape(key)?.0.iter().map(|&t| t as u32).collect())
+}
+
+/// The three golden prompts of models/tiny and their goldens.
+struct Golden {
+    prompts: Vec<Vec<u32>>,
+    logits_tail: Vec<Vec<f32>>,
+    mtp_tail: Vec<Vec<f32>>,
+    greedy: Vec<Vec<u32>>,
+}
+
+fn load_golden(dir: &Path) -> Result<Golden> {
+    let g = Checkpoint::open_file(&dir.join("golden.safetensors"))?;
+    let mut out = Golden {
+        prompts: vec![],
+        logits_tail: vec![],
+        mtp_tail: vec![],
+        greedy: vec![],
+    };
+    for p in 0..3 {
+        out.prompts.push(golden_i32(&g, &format!("p{p}.prompt"))?);
+        out.greedy.push(golden_i32(&g, &format!("p{p}.greedy"))?);
+        out.logits_tail
+            .push(g.f32_any_shape(&format!("p{p}.logits_tail"))?.0);
+        out.mtp_tail
+            .push(g.f32_any_shape(&format!("p{p}.mtp_logits_tail"))?.0);
+    }
+    Ok(out)
+}
+
+fn chunks<'a>(toks: &'a [Vec<u32>], pos: &[usize], snapshot: bool) -> Vec<SeqChunk<'a>> {
+    toks.iter()
+        .enumerate()
+        .map(|(i, t)| SeqChunk {
+            slot: ReqSlot(i as u32),
+            tokens: t,
+            start_pos: pos[i],
+            snapshot,
+        })
+        .collect()
+}
+
+/// The engines of one parity check, sharing one KV manager.
+struct Rig {
+    kv: KvCacheManager,
+    cpu: ModelRunner,
+    /// Eager forward (graphs off).
+    gpu: CudaBackend,
+    /// On-device greedy with graphs on.
+    greedy: CudaBackend,
+    gold: Golden,
+    v: usize,
+    h: usize,
+}
+
+fn tol(out: &mut Vec<CheckLine>, name: impl Into<String>, e: f32) {
+    line(out, name, e as f64, TOLERANCE as f64);
+}
+
+/// Parity of the CUDA engine on `dir` (models/tiny): prefill (logits, hidden, per-layer
+/// hidden, router), the goldens, MTP, 16 greedy decode steps (eager forward and the
+/// on-device greedy with graphs), and a snapshot verify + commit_state rollback.
+pub fn parity(dir: &Path) -> Result<Vec<CheckLine>> {
+    let w = ModelWeights::load(dir)?;
+    let gold = load_golden(dir)?;
+    let (v, h) = (w.cfg.vocab_size, w.cfg.hidden_size);
+    let kv = KvCacheManager::from_layout(&w.cfg.kv_layout(16, 3, 128)?)?;
+    let cpu = ModelRunner::new(w.clone(), &kv)?;
+    let gpu = CudaBackend::with_options(
+        &w,
+        &kv,
+        CudaOptions {
+            use_graphs: false,
+            ..Default::default()
+        },
+    )?;
+    let greedy = CudaBackend::with_options(
+        &w,
+        &kv,
+        CudaOptions {
+            use_graphs: true,
+            ..Default::default()
+        },
+    )?;
+    let mut rig = Rig {
+        kv,
+        cpu,
+        gpu,
+        greedy,
+        gold,
+        v,
+        h,
+    };
+    let mut out = Vec::new();
+    let (hidden, last) = rig.prefill(&mut out)?;
+    rig.mtp(&mut out, &hidden)?;
+    let (next, pos) = rig.decode(&mut out, last)?;
+    rig.verify(&mut out, next, pos)?;
+    rig.shared_head(&mut out, &w, &hidden)?;
+    Ok(out)
+}
+
+impl Rig {
+    /// The seam's SharedHead (what DFlash2 drafts through): embedding rows and lm_head.
+    fn shared_head(
+        &self,
+        out: &mut Vec<CheckLine>,
+        w: &ModelWeights,
+        hidden: &[f32],
+    ) -> Result<()> {
+        use speclab_engine::backend::SharedHead;
+        let toks = &self.gold.prompts[0];
+        let e_gpu = SharedHead::embed(&self.gpu, toks)?;
+        let e_cpu = SharedHead::embed(w, toks)?;
+        tol(out, "SharedHead embed vs CPU", rel_err(&e_gpu, &e_cpu));
+        let rows = 4;
+        let l_gpu = SharedHead::lm_head(&self.gpu, &hidden[..rows * self.h], rows)?;
+        let l_cpu = SharedHead::lm_head(w, &hidden[..rows * self.h], rows)?;
+        tol(out, "SharedHead lm_head vs CPU", rel_err(&l_gpu, &l_cpu));
+        Ok(())
+    }
+
+    fn prompts(&self) -> &[Vec<u32>] {
+        &self.gold.prompts
+    }
+
+    /// Batched prefill of the three prompts; returns the CPU hidden and each prompt's
+    /// greedy first token.
+    fn prefill(&mut self, out: &mut Vec<CheckLine>) -> Result<(Vec<f32>, Vec<u32>)> {
+        let n = self.prompts().len();
+        for i in 0..n {
+            self.kv
+                .allocate_whole(ReqSlot(i as u32), self.gold.prompts[i].len() as u64)?;
+        }
+        let all = ForwardOptions {
+            logits: LogitsRows::All,
+            collect_hidden: true,
+            collect_router: true,
+        };
+        let zeros = vec![0usize; n];
+        let batch = chunks(&self.gold.prompts, &zeros, false);
+        let c = self.cpu.forward_with(&self.kv, &batch, &all)?;
+        let g = self.gpu.forward(&self.kv, &batch, &all)?;
+        let _ = self
+            .greedy
+            .forward(&self.kv, &batch, &ForwardOptions::default())?;
+        tol(out, "prefill logits vs CPU", rel_err(&g.logits, &c.logits));
+        tol(out, "prefill hidden vs CPU", rel_err(&g.hidden, &c.hidden));
+        if let (Some(a), Some(b)) = (&g.per_layer_hidden, &c.per_layer_hidden) {
+            tol(out, "prefill per-layer hidden vs CPU", rel_err(a, b));
+        }
+        if let (Some(a), Some(b)) = (&g.router, &c.router) {
+            let miss: usize = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| x.ids.iter().zip(&y.ids).filter(|(p, q)| p != q).count())
+                .sum();
+            line(
+                out,
+                "prefill router choices differing from CPU",
+                miss as f64,
+                0.0,
+            );
+            let ew = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| rel_err(&x.weights, &y.weights))
+                .fold(0f32, f32::max);
+            tol(out, "prefill router weights vs CPU", ew);
+        }
+        let (v, mut off, mut last) = (self.v, 0, Vec::new());
+        for (i, p) in self.gold.prompts.iter().enumerate() {
+            let t = p.len();
+            let tail = self.gold.logits_tail[i].len() / v;
+            tol(
+                out,
+                format!("p{i} prefill logits tail vs PyTorch golden"),
+                rel_err(
+                    &g.logits[(off + t - tail) * v..(off + t) * v],
+                    &self.gold.logits_tail[i],
+                ),
+            );
+            last.push(argmax(&c.logits[(off + t - 1) * v..(off + t) * v]) as u32);
+            off += t;
+        }
+        Ok((c.hidden, last))
+    }
+
+    /// MTP over each prompt's positions 0..T-1 (next tokens prompt[1..]).
+    fn mtp(&mut self, out: &mut Vec<CheckLine>, hidden: &[f32]) -> Result<()> {
+        let (v, h) = (self.v, self.h);
+        let mut rows = Vec::new();
+        let mut off = 0;
+        for (i, p) in self.gold.prompts.iter().enumerate() {
+            let t = p.len();
+            rows.push(MtpChunk {
+                slot: ReqSlot(i as u32),
+                hidden: &hidden[off * h..(off + t - 1) * h],
+                next_tokens: &p[1..],
+                start_pos: 0,
+            });
+            off += t;
+        }
+        let opts = ForwardOptions::default();
+        let c = self.cpu.mtp_forward(&self.kv, &rows, &opts)?;
+        let g = self.gpu.mtp_forward(&self.kv, &rows, &opts)?;
+        tol(out, "MTP logits vs CPU", rel_err(&g.logits, &c.logits));
+        tol(out, "MTP hidden vs CPU", rel_err(&g.hidden, &c.hidden));
+        let mut end = 0;
+        for (i, p) in self.gold.prompts.iter().enumerate() {
+            end += p.len() - 1;
+            let tail = self.gold.mtp_tail[i].len() / v;
+            tol(
+                out,
+                format!("p{i} MTP logits tail vs PyTorch golden"),
+                rel_err(&g.logits[(end - tail) * v..end * v], &self.gold.mtp_tail[i]),
+            );
+        }
+        Ok(())
+    }
+
+    /// 15 greedy decode steps of the three prompts as one batch, on every engine.
+    fn decode(
+        &mut self,
+        out: &mut Vec<CheckLine>,
+        first: Vec<u32>,
+    ) -> Result<(Vec<u32>, Vec<usize>)> {
+        let v = self.v;
+        let mut pos: Vec<usize> = self.prompts().iter().map(|p| p.len()).collect();
+        let mut next = first;
+        let mut seqs: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+        let (mut worst, mut miss_eager, mut miss_graph) = (0f32, 0usize, 0usize);
+        for _ in 1..self.gold.greedy[0].len() {
+            for (i, &p) in pos.iter().enumerate() {
+                alloc(&mut self.kv, ReqSlot(i as u32), p as u64, 1)?;
+            }
+            let toks: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+            let batch = chunks(&toks, &pos, false);
+            let c = self.cpu.forward(&self.kv, &batch)?;
+            let g = self
+                .gpu
+                .forward(&self.kv, &batch, &ForwardOptions::default())?;
+            let gg = self
+                .greedy
+                .forward_greedy(&self.kv, &batch, LogitsRows::LastPerChunk)?;
+            worst = worst.max(rel_err(&g.logits, &c.logits));
+            for i in 0..next.len() {
+                let want = argmax(&c.logits[i * v..(i + 1) * v]) as u32;
+                miss_eager += usize::from(argmax(&g.logits[i * v..(i + 1) * v]) as u32 != want);
+                miss_graph += usize::from(gg[i] != want);
+                next[i] = want;
+                seqs[i].push(want);
+                pos[i] += 1;
+            }
+        }
+        tol(out, "decode logits vs CPU (worst of 15 steps)", worst);
+        line(
+            out,
+            "decode greedy tokens differing from CPU (eager)",
+            miss_eager as f64,
+            0.0,
+        );
+        line(
+            out,
+            "decode greedy tokens differing from CPU (on-device argmax, CUDA graphs)",
+            miss_graph as f64,
+            0.0,
+        );
+        if let Some(e) = self.greedy.graph_error() {
+            eprintln!("CUDA graph capture failed (greedy ran eagerly): {e}");
+        }
+        let failed = f64::from(u8::from(self.greedy.graph_error().is_some()));
+        line(out, "CUDA graph capture/replay failures", failed, 0.0);
+        let gold_miss: usize = seqs
+            .iter()
+            .zip(&self.gold.greedy)
+            .map(|(a, b)| a.iter().zip(b).filter(|(x, y)| x != y).count())
+            .sum();
+        line(
+            out,
+            "greedy continuation tokens differing from the PyTorch golden",
+            gold_miss as f64,
+            0.0,
+        );
+        Ok((next, pos))
+    }
+
+    /// A snapshot verify of [next, 3 drafts] per slot, commits of 1 / 0 / 3 accepted,
+    /// then one decode step from the rolled-back state.
+    fn verify(
+        &mut self,
+        out: &mut Vec<CheckLine>,
+        next: Vec<u32>,
+        mut pos: Vec<usize>,
+    ) -> Result<()> {
+        let v = self.v;
+        let toks: Vec<Vec<u32>> = next
+            .iter()
+            .map(|&t| vec![t, (t + 1) % 8000, (t + 7) % 8000, (t + 13) % 8000])
+            .collect();
+        for (i, &p) in pos.iter().enumerate() {
+            alloc(&mut self.kv, ReqSlot(i as u32), p as u64, 4)?;
+        }
+        let batch = chunks(&toks, &pos, true);
+        let c = self.cpu.forward(&self.kv, &batch)?;
+        let g = self
+            .gpu
+            .forward(&self.kv, &batch, &ForwardOptions::default())?;
+        let gg = self
+            .greedy
+            .forward_greedy(&self.kv, &batch, LogitsRows::All)?;
+        tol(
+            out,
+            "verify (snapshot) logits vs CPU",
+            rel_err(&g.logits, &c.logits),
+        );
+        let miss = (0..gg.len())
+            .filter(|&r| gg[r] != argmax(&c.logits[r * v..(r + 1) * v]) as u32)
+            .count();
+        line(
+            out,
+            "verify greedy rows differing from CPU (graphs)",
+            miss as f64,
+            0.0,
+        );
+        let accepted = [1usize, 0, 3];
+        let mut after = Vec::new();
+        for i in 0..toks.len() {
+            let (slot, a) = (ReqSlot(i as u32), accepted[i % 3]);
+            self.cpu.commit_state(&self.kv, slot, a)?;
+            self.gpu.commit_state(&self.kv, slot, a)?;
+            self.greedy.commit_state(&self.kv, slot, a)?;
+            pos[i] += a + 1;
+            after.push(vec![
+                argmax(&c.logits[(4 * i + a) * v..(4 * i + a + 1) * v]) as u32,
+            ]);
+            alloc(&mut self.kv, slot, pos[i] as u64, 1)?;
+        }
+        let batch = chunks(&after, &pos, false);
+        let c = self.cpu.forward(&self.kv, &batch)?;
+        let g = self
+            .gpu
+            .forward(&self.kv, &batch, &ForwardOptions::default())?;
+        let gg = self
+            .greedy
+            .forward_greedy(&self.kv, &batch, LogitsRows::LastPerChunk)?;
+        tol(
+            out,
+            "decode after commit_state rollback: logits vs CPU",
+            rel_err(&g.logits, &c.logits),
+        );
+        let miss = (0..gg.len())
+            .filter(|&r| gg[r] != argmax(&c.logits[r * v..(r + 1) * v]) as u32)
+            .count();
+        line(
+            out,
+            "decode after rollback: greedy differing from CPU (graphs)",
+            miss as f64,
+            0.0,
+        );
+        Ok(())
+    }
+}
+
+/// One timing row.
+#[derive(Debug, Clone, Serialize)]
+pub struct TimingRow {
+    pub batch: usize,
+    pub graphs: bool,
+    pub steps: usize,
+    /// Median microseconds per decode step (host-observed, incl. the copy-out).
+    pub us_per_step: f64,
+    pub tok_per_s: f64,
+    pub kernels_per_step: f64,
+}
+
+/// Decode-step timing at each batch size, graphs off then on: `steps` timed greedy
+/// steps after 3 warm-up steps (the first of which captures the graph), from 32-token
+/// prompts.
+pub fn timing(dir: &Path, batches: &[usize], steps: usize) -> Result<(Vec<TimingRow>, f64, usize)> {
+    let w = ModelWeights::load(dir)?;
+    let mut rows = Vec::new();
+    let (mut bw, mut wbytes) = (0.0, 0);
+    for &b in batches {
+        let per_seq = (32 + 2 * (steps + 3)).div_ceil(16) + 1;
+        let mut kv = KvCacheManager::from_layout(&w.cfg.kv_layout(
+            16,
+            0,
+            (b * (per_seq + 1) + 8) as u32,
+        )?)?;
+        let mut gpu = CudaBackend::with_options(
+            &w,
+            &kv,
+            CudaOptions {
+                use_graphs: false,
+                ..Default::default()
+            },
+        )?;
+        if bw == 0.0 {
+            bw = gpu.copy_bandwidth_gbs(1 << 28)?;
+            wbytes = gpu.weight_bytes();
+        }
+        let prompts: Vec<Vec<u32>> = (0..b)
+            .map(|i| {
+                (0..32)
+                    .map(|j| ((i * 131 + j * 17) % 8000) as u32 + 1)
+                    .collect()
+            })
+            .collect();
+        for i in 0..b {
+            kv.allocate_whole(ReqSlot(i as u32), 32)?;
+        }
+        let mut next = gpu.forward_greedy(
+            &kv,
+            &chunks(&prompts, &vec![0; b], false),
+            LogitsRows::LastPerChunk,
+        )?;
+        let mut pos = vec![32usize; b];
+        let mut eager_kernels = 0.0;
+        for graphs in [false, true] {
+            gpu.set_graphs(graphs);
+            let mut times = Vec::new();
+            let mut kernels = 0u64;
+            for s in 0..steps + 3 {
+                for (i, &p) in pos.iter().enumerate() {
+                    alloc(&mut kv, ReqSlot(i as u32), p as u64, 1)?;
+                }
+                let toks: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+                let (k0, t0) = (gpu.launches(), Instant::now());
+                next =
+                    gpu.forward_greedy(&kv, &chunks(&toks, &pos, false), LogitsRows::LastPerChunk)?;
+                let dt = t0.elapsed().as_secs_f64() * 1e6;
+                if s >= 3 {
+                    times.push(dt);
+                    kernels += gpu.launches() - k0;
+                }
+                pos.iter_mut().for_each(|p| *p += 1);
+            }
+            times.sort_by(f64::total_cmp);
+            let med = times[times.len() / 2];
+            // With graphs the launches are recorded once at capture: report the eager count.
+            if !graphs {
+                eager_kernels = kernels as f64 / steps as f64;
+            }
+            if let Some(e) = gpu.graph_error() {
+                eprintln!("batch {b}: CUDA graphs failed, the graphs-on row ran eagerly: {e}");
+            }
+            rows.push(TimingRow {
+                batch: b,
+                graphs: graphs && gpu.graph_error().is_none(),
+                steps,
+                us_per_step: med,
+                tok_per_s: b as f64 / med * 1e6,
+                kernels_per_step: eager_kernels,
+            });
+        }
+    }
+    Ok((rows, bw, wbytes))
+}

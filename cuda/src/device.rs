@@ -1,0 +1,155 @@
+//! Finding the GPU without panicking, and the loaded kernel set of one device.
+//!
+//! Design: cudarc's dynamic loader panics when a library is missing, so every entry
+//! point probes first ([`probe`]): libcuda present, at least one device, a context on
+//! device 0. GPU tests call [`skip_reason`] and print one line when it is `Some`. The
+//! architecture NVRTC targets comes from the device's compute capability ([`arch_for`]:
+//! 9.0 -> `sm_90a`, so Hopper-only instructions stay available to later kernels).
+//!
+//! Invariants: [`Gpu::new`] compiles (or loads from the cache) every source of
+//! [`crate::kernels::SOURCES`] and resolves every entry point once; launches never
+//! look a function up by name afterwards. Event tracking is disabled: the engine uses
+//! one stream, and a step must be capturable as a CUDA graph.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
+
+use crate::error::{CudaError, Result};
+use crate::kernels;
+
+/// Whether libcuda can be loaded.
+pub fn driver_available() -> bool {
+    // SAFETY: only tries to dlopen candidate names and drops what it opened.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Number of CUDA devices (an error when the driver is missing).
+pub fn device_count() -> Result<usize> {
+    if !driver_available() {
+        return Err(CudaError::NoDriver);
+    }
+    let n = CudaContext::device_count().map_err(|e| CudaError::NoDevice(format!("{e:?}")))?;
+    Ok(n.max(0) as usize)
+}
+
+/// `None` when a device is usable, else why not (one line, for "skipping: ..." messages).
+pub fn skip_reason() -> Option<String> {
+    match device_count() {
+        Ok(0) => Some("no CUDA device".into()),
+        Ok(_) if !kernels::nvrtc_available() => {
+            Some("no CUDA device usable: libnvrtc not found".into())
+        }
+        Ok(_) => None,
+        Err(_) => Some("no CUDA device".into()),
+    }
+}
+
+/// NVRTC architecture for a compute capability: `sm_90a` for 9.0 (wgmma/setmaxnreg
+/// need the `a` target), else `sm_XY`.
+pub fn arch_for(major: i32, minor: i32) -> String {
+    if (major, minor) == (9, 0) {
+        "sm_90a".to_string()
+    } else {
+        format!("sm_{major}{minor}")
+    }
+}
+
+/// A device context, its one stream, and every kernel of the engine.
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    /// NVRTC target, e.g. `sm_90a`.
+    pub arch: String,
+    /// Device name.
+    pub name: String,
+    funcs: HashMap<&'static str, CudaFunction>,
+    /// Kernel launches issued so far (kernels per step = difference around a step).
+    pub launches: std::cell::Cell<u64>,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu")
+            .field("name", &self.name)
+            .field("arch", &self.arch)
+            .field("kernels", &self.funcs.len())
+            .finish()
+    }
+}
+
+impl Gpu {
+    /// Open device `ordinal`, compile / load every kernel for its architecture.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        if let Some(why) = skip_reason() {
+            return Err(CudaError::NoDevice(why));
+        }
+        let ctx =
+            CudaContext::new(ordinal).map_err(|e| CudaError::driver("CudaContext::new", e))?;
+        // SAFETY: called before any allocation or stream of this context exists, and the
+        // engine uses one stream only, so no cross-stream ordering is lost.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| CudaError::driver("compute_capability", e))?;
+        let arch = arch_for(major, minor);
+        let name = ctx.name().unwrap_or_else(|_| "unknown".into());
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| CudaError::driver("new_stream", e))?;
+        let dir = kernels::cache_dir();
+        let mut funcs = HashMap::new();
+        for src in kernels::SOURCES {
+            let ptx = kernels::compile(src, &arch, &dir)?;
+            let module = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_src(ptx.ptx))
+                .map_err(|e| CudaError::driver(format!("load_module {}", src.name), e))?;
+            for &entry in src.entries {
+                let f = module
+                    .load_function(entry)
+                    .map_err(|e| CudaError::driver(format!("load_function {entry}"), e))?;
+                funcs.insert(entry, f);
+            }
+        }
+        Ok(Self {
+            ctx,
+            stream,
+            arch,
+            name,
+            funcs,
+            launches: std::cell::Cell::new(0),
+        })
+    }
+
+    /// The kernel `name` (an internal error if it is not in [`kernels::SOURCES`]).
+    pub fn func(&self, name: &str) -> Result<&CudaFunction> {
+        self.funcs
+            .get(name)
+            .ok_or_else(|| CudaError::Input(format!("kernel `{name}` is not loaded (internal)")))
+    }
+
+    /// Block until the stream is idle.
+    pub fn sync(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| CudaError::driver("synchronize", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn arch_mapping() {
+        assert_eq!(arch_for(9, 0), "sm_90a");
+        assert_eq!(arch_for(8, 0), "sm_80");
+        assert_eq!(arch_for(12, 0), "sm_120");
+    }
+    #[test]
+    fn probing_never_panics() {
+        // On a machine without CUDA this is Some(..); with one, None. Never a panic.
+        let _ = skip_reason();
+        let _ = device_count();
+    }
+}

@@ -1,0 +1,317 @@
+//! The kernel sources and their NVRTC compilation, with an on-disk PTX cache.
+//!
+//! Design (shared/DESIGN.md, "The GPU engine"): kernels are `.cu` files under
+//! `cuda/kernels/`, embedded with `include_str!`, compiled at run time by NVRTC for the
+//! device's architecture (sm_90a on the H200; [`DEFAULT_ARCH`] when compiling without a
+//! device, as CI does) and cached on disk under a key that hashes the NVRTC version, the
+//! architecture, the options and the full source ([`cache_key`]). No nvcc at build time.
+//! Every source is prefixed with `kernels/common.cuh` (the prelude: no `#include`, so
+//! NVRTC needs no CUDA headers) and a `#line 1` directive so compile errors name the
+//! `.cu` file and line.
+//!
+//! Invariants: [`SOURCES`] lists every `.cu` file and every `extern "C"` entry point the
+//! engine launches (the CI test compiles all of them and checks each entry appears in
+//! the PTX); the cache key is stable across runs and Rust versions (FNV-1a 64, not
+//! `DefaultHasher`); cache writes are atomic (temp file + rename), a corrupt or
+//! unreadable entry is recompiled, never trusted.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{CudaError, Result};
+
+/// Architecture used when no device tells us (CI's PTX-only compile): the H200's.
+pub const DEFAULT_ARCH: &str = "sm_90a";
+
+/// Environment variable naming the kernel cache directory.
+pub const CACHE_ENV: &str = "SPECLAB_KERNEL_CACHE";
+
+/// The prelude prepended to every source.
+pub const PRELUDE: &str = include_str!("../kernels/common.cuh");
+
+/// One `.cu` file and the kernels the engine launches from it.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelSource {
+    /// File name under `cuda/kernels/` (also the NVRTC program name).
+    pub name: &'static str,
+    /// The file's text.
+    pub source: &'static str,
+    /// `extern "C"` entry points.
+    pub entries: &'static [&'static str],
+}
+
+/// Every kernel source of the engine.
+pub const SOURCES: &[KernelSource] = &[
+    KernelSource {
+        name: "basic.cu",
+        source: include_str!("../kernels/basic.cu"),
+        entries: &[
+            "embed_gather",
+            "rmsnorm",
+            "gather_rows",
+            "argmax_rows",
+            "copy_f32",
+        ],
+    },
+    KernelSource {
+        name: "linear.cu",
+        source: include_str!("../kernels/linear.cu"),
+        entries: &[
+            "linear_bf16",
+            "swiglu_dense_bf16",
+            "moe_gate_up_w4",
+            "moe_gate_up_bf16",
+            "moe_down_w4",
+            "moe_down_bf16",
+        ],
+    },
+    KernelSource {
+        name: "moe.cu",
+        source: include_str!("../kernels/moe.cu"),
+        entries: &["moe_topk", "moe_align", "moe_combine"],
+    },
+    KernelSource {
+        name: "attention.cu",
+        source: include_str!("../kernels/attention.cu"),
+        entries: &["rope_kv_write", "paged_attention"],
+    },
+    KernelSource {
+        name: "kda.cu",
+        source: include_str!("../kernels/kda.cu"),
+        entries: &[
+            "kda_conv",
+            "kda_recurrent_32",
+            "kda_recurrent_64",
+            "kda_recurrent_128",
+            "kda_gate_norm",
+        ],
+    },
+];
+
+/// The text NVRTC compiles for `src`: prelude, then the file from its line 1.
+pub fn full_source(src: &KernelSource) -> String {
+    format!("{PRELUDE}\n#line 1 \"{}\"\n{}", src.name, src.source)
+}
+
+/// NVRTC options for `arch` (e.g. `sm_90a`). No fast math: docs/model.md §1 numerics.
+pub fn compile_options(arch: &str) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_string(),
+        "--device-as-default-execution-space".to_string(),
+    ]
+}
+
+/// FNV-1a 64-bit hash (stable across runs, platforms and Rust versions).
+pub fn fnv1a64(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for &b in *p {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        // Separator so ("ab", "c") and ("a", "bc") differ.
+        h ^= 0xff;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// Cache key of one compilation: hash of NVRTC version, arch, options and the full source.
+pub fn cache_key(nvrtc_version: (i32, i32), arch: &str, options: &[String], source: &str) -> u64 {
+    let ver = format!("{}.{}", nvrtc_version.0, nvrtc_version.1);
+    let opts = options.join("\u{1}");
+    fnv1a64(&[
+        ver.as_bytes(),
+        arch.as_bytes(),
+        opts.as_bytes(),
+        source.as_bytes(),
+    ])
+}
+
+/// The cache directory: `$SPECLAB_KERNEL_CACHE`, else `$HOME/.cache/speclab/kernels`,
+/// else `<temp>/speclab-kernels`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os(CACHE_ENV).filter(|d| !d.is_empty()) {
+        return PathBuf::from(d);
+    }
+    match std::env::var_os("HOME").filter(|h| !h.is_empty()) {
+        Some(h) => PathBuf::from(h).join(".cache/speclab/kernels"),
+        None => std::env::temp_dir().join("speclab-kernels"),
+    }
+}
+
+/// The cache file of a compilation.
+pub fn cache_path(dir: &Path, name: &str, arch: &str, key: u64) -> PathBuf {
+    dir.join(format!("{name}.{arch}.{key:016x}.ptx"))
+}
+
+/// Whether libnvrtc can be loaded (never panics).
+pub fn nvrtc_available() -> bool {
+    // SAFETY: `is_culib_present` only tries `dlopen` on candidate library names and
+    // drops what it opened; it dereferences nothing of ours.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// NVRTC's (major, minor) version.
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    if !nvrtc_available() {
+        return Err(CudaError::NoNvrtc);
+    }
+    let (mut major, mut minor) = (0i32, 0i32);
+    // SAFETY: libnvrtc is present (checked above, so the loader does not panic);
+    // nvrtcVersion writes two ints through the pointers, which point at live locals.
+    let r = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    if r != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(CudaError::Compile {
+            source_name: "<nvrtcVersion>".into(),
+            arch: String::new(),
+            options: Vec::new(),
+            log: format!("{r:?}"),
+        });
+    }
+    Ok((major, minor))
+}
+
+/// Compiled PTX of one source and where it came from.
+#[derive(Debug, Clone)]
+pub struct CompiledPtx {
+    pub name: &'static str,
+    /// PTX text.
+    pub ptx: String,
+    /// Served from the disk cache.
+    pub cached: bool,
+}
+
+/// Compile `src` for `arch` through the cache in `dir` (created if missing; a cache
+/// that cannot be written is not an error, only a recompile next time).
+pub fn compile(src: &KernelSource, arch: &str, dir: &Path) -> Result<CompiledPtx> {
+    let ver = nvrtc_version()?;
+    let options = compile_options(arch);
+    let text = full_source(src);
+    let key = cache_key(ver, arch, &options, &text);
+    let path = cache_path(dir, src.name, arch, key);
+    if let Ok(ptx) = std::fs::read_to_string(&path) {
+        if src.entries.iter().all(|e| ptx_has_entry(&ptx, e)) {
+            return Ok(CompiledPtx {
+                name: src.name,
+                ptx,
+                cached: true,
+            });
+        }
+    }
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: options.clone(),
+        name: Some(src.name.to_string()),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&text, opts).map_err(|e| {
+        let log = match &e {
+            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                log.to_string_lossy().into_owned()
+            }
+            other => format!("{other:?}"),
+        };
+        CudaError::Compile {
+            source_name: src.name.into(),
+            arch: arch.into(),
+            options: options.clone(),
+            log,
+        }
+    })?;
+    let ptx = ptx.to_src();
+    store(dir, &path, &ptx);
+    Ok(CompiledPtx {
+        name: src.name,
+        ptx,
+        cached: false,
+    })
+}
+
+/// Best-effort atomic write of a cache entry.
+fn store(dir: &Path, path: &Path, ptx: &str) {
+    if std::fs::create_dir_all(dir).is_err() {
+        return;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    if std::fs::write(&tmp, ptx).is_ok() && std::fs::rename(&tmp, path).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
+
+/// Whether the PTX defines the entry point `name` (`.entry name(`).
+pub fn ptx_has_entry(ptx: &str, name: &str) -> bool {
+    ptx.contains(&format!(".entry {name}("))
+}
+
+/// Compile every source (the CI check): one [`CompiledPtx`] per file, or the first error.
+pub fn compile_all(arch: &str, dir: &Path) -> Result<Vec<CompiledPtx>> {
+    SOURCES.iter().map(|s| compile(s, arch, dir)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_key_is_stable_and_sensitive() {
+        let opts = compile_options("sm_90a");
+        let k = cache_key((13, 0), "sm_90a", &opts, "src");
+        // Pinned value: a change of the hash function would silently orphan caches.
+        assert_eq!(k, cache_key((13, 0), "sm_90a", &opts, "src"));
+        assert_eq!(fnv1a64(&[b"speclab"]), PINNED_SPECLAB);
+        assert_ne!(k, cache_key((13, 1), "sm_90a", &opts, "src"));
+        assert_ne!(k, cache_key((13, 0), "sm_80", &opts, "src"));
+        assert_ne!(k, cache_key((13, 0), "sm_90a", &opts[..1], "src"));
+        assert_ne!(k, cache_key((13, 0), "sm_90a", &opts, "src "));
+        assert_ne!(fnv1a64(&[b"ab", b"c"]), fnv1a64(&[b"a", b"bc"]));
+    }
+
+    /// `fnv1a64(&[b"speclab"])`, pinned when the cache was introduced.
+    const PINNED_SPECLAB: u64 = 0x820b_bd06_59da_759e;
+
+    #[test]
+    fn sources_list_every_entry_point() {
+        for s in SOURCES {
+            let declared: Vec<&str> = s
+                .source
+                .match_indices("extern \"C\" __global__ void ")
+                .map(|(i, m)| {
+                    let mut rest = &s.source[i + m.len()..];
+                    if let Some(r) = rest.strip_prefix("__launch_bounds__(") {
+                        rest = r[r.find(')').map_or(0, |j| j + 1)..].trim_start();
+                    }
+                    &rest[..rest.find('(').unwrap_or(0)]
+                })
+                .collect();
+            for d in declared.iter().filter(|d| !d.contains('#')) {
+                assert!(s.entries.contains(d), "{}: {d} not in SOURCES", s.name);
+            }
+            // Macro-generated entries (kda_recurrent_N) are listed explicitly.
+            for e in s.entries {
+                assert!(
+                    declared.contains(e) || s.source.contains("KDA_RECURRENT("),
+                    "{}: {e} listed but not declared",
+                    s.name
+                );
+            }
+            assert!(
+                !s.source.contains("#include"),
+                "{}: kernels must not include headers",
+                s.name
+            );
+        }
+        assert!(!PRELUDE.contains("#include"));
+    }
+
+    #[test]
+    fn cache_dir_honours_env_and_paths_are_distinct() {
+        let d = Path::new("/tmp/x");
+        assert_ne!(
+            cache_path(d, "a.cu", "sm_90a", 1),
+            cache_path(d, "a.cu", "sm_90a", 2)
+        );
+        assert!(cache_path(d, "a.cu", "sm_90a", 255)
+            .to_string_lossy()
+            .ends_with("a.cu.sm_90a.00000000000000ff.ptx"));
+    }
+}

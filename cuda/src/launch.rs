@@ -1,0 +1,199 @@
+//! Launch shapes and shape checks of every kernel, and the MoE tile bound (pure host code).
+//!
+//! Source: the `Launch:` line of each kernel in `cuda/kernels/*.cu` (grid, block) and
+//! its stated requirements; vLLM `moe_align_block_size` for the padded-tile bound.
+//!
+//! Invariants: the constants mirror the `#define`s of the kernels (tested against the
+//! sources); a grid is never zero-sized (callers skip empty launches) and never exceeds
+//! the CUDA limits (`grid.y, grid.z <= 65535`), which [`grid_2d`] checks.
+
+use crate::error::{CudaError, Result};
+
+/// Warps (output columns) per block of the GEMM kernels (`LIN_WARPS`).
+pub const LIN_WARPS: u32 = 4;
+/// Rows per GEMM tile (`ROWS_PER_TILE`, `MOE_TILE`).
+pub const ROWS_PER_TILE: u32 = 8;
+/// Largest k of `moe_topk` / `moe_combine` (`TOPK_MAX`).
+pub const TOPK_MAX: usize = 8;
+/// Largest expert count of `moe_topk` / `moe_align` (`EXPERTS_MAX`).
+pub const EXPERTS_MAX: usize = 1024;
+/// Largest head_dim of `paged_attention` (`HEAD_DIM_MAX`).
+pub const HEAD_DIM_MAX: usize = 128;
+/// Largest conv kernel of `kda_conv` (`KC_MAX`).
+pub const KC_MAX: usize = 8;
+
+/// A launch shape: (grid, block, dynamic shared bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+}
+
+impl Shape {
+    /// As cudarc's config.
+    pub fn cfg(self) -> cudarc::driver::LaunchConfig {
+        cudarc::driver::LaunchConfig {
+            grid_dim: self.grid,
+            block_dim: self.block,
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+fn to_u32(v: usize, what: &str) -> Result<u32> {
+    u32::try_from(v).map_err(|_| CudaError::Unsupported(format!("{what} = {v} exceeds u32")))
+}
+
+/// A 2-D grid of `x` by `y` blocks of `block` threads; errors beyond CUDA's limits.
+pub fn grid_2d(x: usize, y: usize, block: u32, what: &str) -> Result<Shape> {
+    if x == 0 || y == 0 {
+        return Err(CudaError::Input(format!(
+            "{what}: empty launch ({x} x {y} blocks)"
+        )));
+    }
+    if x > (1usize << 31) - 1 || y > 65_535 {
+        return Err(CudaError::Unsupported(format!(
+            "{what}: grid {x} x {y} exceeds CUDA's limits (x < 2^31, y <= 65535)"
+        )));
+    }
+    Ok(Shape {
+        grid: (to_u32(x, what)?, to_u32(y, what)?, 1),
+        block: (block, 1, 1),
+    })
+}
+
+/// GEMM kernels (`linear_bf16`, `swiglu_dense_bf16`): grid (ceil(N / 4), ceil(M / 8)), block 128.
+pub fn gemm(m: usize, n: usize, what: &str) -> Result<Shape> {
+    grid_2d(
+        n.div_ceil(LIN_WARPS as usize),
+        m.div_ceil(ROWS_PER_TILE as usize),
+        32 * LIN_WARPS,
+        what,
+    )
+}
+
+/// MoE expert GEMMs: grid (ceil(N / 4), max_tiles), block 128.
+pub fn moe_gemm(n: usize, max_tiles: usize, what: &str) -> Result<Shape> {
+    grid_2d(
+        n.div_ceil(LIN_WARPS as usize),
+        max_tiles,
+        32 * LIN_WARPS,
+        what,
+    )
+}
+
+/// One block of `block` threads per row.
+pub fn per_row(rows: usize, block: u32, what: &str) -> Result<Shape> {
+    grid_2d(rows, 1, block, what)
+}
+
+/// One warp per item, 4 warps a block.
+pub fn per_warp(items: usize, what: &str) -> Result<Shape> {
+    grid_2d(items.div_ceil(4), 1, 128, what)
+}
+
+/// Upper bound of the tiles `moe_align` produces for `p` routed pairs over `e` experts:
+/// each non-empty expert pads its segment by at most 7 rows, and at most min(e, p)
+/// experts are non-empty: ceil((p + min(e, p) * 7) / 8).
+pub fn moe_max_tiles(p: usize, e: usize) -> usize {
+    let t = ROWS_PER_TILE as usize;
+    (p + e.min(p) * (t - 1)).div_ceil(t)
+}
+
+/// The tiles `moe_align` actually uses for per-expert counts `counts` (the host model).
+pub fn moe_tiles_used(counts: &[usize]) -> usize {
+    let t = ROWS_PER_TILE as usize;
+    counts.iter().map(|c| c.div_ceil(t)).sum()
+}
+
+/// Checks of a GEMM's operands: K a multiple of 8 (16-byte bf16 loads, one INT4 word per
+/// lane), the activation stride and column offset multiples of 4 floats (16-byte loads).
+pub fn check_gemm_operands(k: usize, x_stride: usize, x_col: usize, what: &str) -> Result<()> {
+    if k == 0
+        || !k.is_multiple_of(8)
+        || !x_stride.is_multiple_of(4)
+        || !x_col.is_multiple_of(4)
+        || x_stride < x_col + k
+    {
+        return Err(CudaError::Unsupported(format!(
+            "{what}: GEMM with K = {k}, activation stride {x_stride}, column {x_col} (needs K % 8 == 0, stride and column % 4 == 0, column + K <= stride)"
+        )));
+    }
+    Ok(())
+}
+
+/// Round `x` up to a multiple of `m`.
+pub fn round_up(x: usize, m: usize) -> usize {
+    x.div_ceil(m) * m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::SOURCES;
+
+    fn define(name: &str) -> Option<usize> {
+        SOURCES.iter().find_map(|s| {
+            s.source.lines().find_map(|l| {
+                let rest = l.strip_prefix("#define ")?;
+                let mut it = rest.split_whitespace();
+                (it.next()? == name).then(|| it.next()?.parse().ok())?
+            })
+        })
+    }
+
+    #[test]
+    fn constants_mirror_the_kernels() {
+        assert_eq!(define("LIN_WARPS"), Some(LIN_WARPS as usize));
+        assert_eq!(define("ROWS_PER_TILE"), Some(ROWS_PER_TILE as usize));
+        assert_eq!(define("MOE_TILE"), Some(ROWS_PER_TILE as usize));
+        assert_eq!(define("TOPK_MAX"), Some(TOPK_MAX));
+        assert_eq!(define("EXPERTS_MAX"), Some(EXPERTS_MAX));
+        assert_eq!(define("HEAD_DIM_MAX"), Some(HEAD_DIM_MAX));
+        assert_eq!(define("KC_MAX"), Some(KC_MAX));
+    }
+
+    #[test]
+    fn moe_tile_bound_holds_for_every_assignment() {
+        // Exhaustive over small (p, e) with a deterministic spread of assignments.
+        for e in 1..=12usize {
+            for p in 1..=40usize {
+                for seed in 0..50usize {
+                    let mut counts = vec![0usize; e];
+                    for i in 0..p {
+                        counts[(i * 7 + seed * 13 + i * i * seed) % e] += 1;
+                    }
+                    assert!(
+                        moe_tiles_used(&counts) <= moe_max_tiles(p, e),
+                        "p {p} e {e}"
+                    );
+                }
+                // Worst case: as many experts as possible with one pair each.
+                let mut counts = vec![0usize; e];
+                for i in 0..p {
+                    counts[i % e] += 1;
+                }
+                assert!(moe_tiles_used(&counts) <= moe_max_tiles(p, e));
+            }
+        }
+        assert_eq!(moe_max_tiles(1, 288), 1);
+        assert_eq!(moe_max_tiles(8, 288), 8);
+        assert_eq!(moe_max_tiles(64 * 8, 288), (512 + 288 * 7usize).div_ceil(8));
+    }
+
+    #[test]
+    fn shapes_and_checks() {
+        let s = gemm(5, 8200, "lm_head").unwrap();
+        assert_eq!(s.grid, (2050, 1, 1));
+        assert_eq!(s.block, (128, 1, 1));
+        assert_eq!(gemm(17, 256, "x").unwrap().grid, (64, 3, 1));
+        assert!(gemm(0, 4, "x").is_err());
+        assert!(grid_2d(1, 70_000, 128, "x").is_err());
+        assert!(check_gemm_operands(64, 904, 768, "kda f_b").is_ok());
+        assert!(check_gemm_operands(256, 900, 768, "x").is_err());
+        assert!(check_gemm_operands(12, 16, 0, "x").is_err());
+        assert!(check_gemm_operands(64, 258, 192, "x").is_err());
+        assert_eq!(round_up(258, 8), 264);
+        assert_eq!(per_warp(9, "x").unwrap().grid, (3, 1, 1));
+    }
+}

@@ -1,0 +1,44 @@
+//! speclab-cuda: the target model of docs/model.md on an NVIDIA GPU, through cudarc + NVRTC.
+//!
+//! Design: shared/DESIGN.md "The GPU engine" and issue 11. Kernels are `.cu` sources
+//! under `cuda/kernels/`, compiled at run time by NVRTC ([`kernels`]) and cached on
+//! disk; cudarc is loaded dynamically, so this crate builds and its host tests run on a
+//! machine with no CUDA at all. [`backend::CudaBackend`] implements the backend seam of
+//! the CPU `ModelRunner` (forward / mtp_forward / commit_state / release) over the same
+//! `KvCacheManager` block ids, with device pages laid out exactly as
+//! `engine/src/model/kv_store.rs` lays out host pages.
+//!
+//! Modules: [`error`] (the one error type), [`kernels`] (sources, NVRTC, cache),
+//! [`device`] (probing for a driver / device without panicking), [`repack`] (the INT4
+//! layout of routed experts, pure host code), [`launch`] (launch shapes and workspace
+//! sizes, pure), [`meta`] (per-step metadata built on the host), [`weights`] (upload),
+//! [`ops`] (one launch wrapper per kernel), [`buf`] (device buffers, checked pointers),
+//! [`kvpool`] (the device KV pool geometry), [`workspace`] (step buffers), [`step`]
+//! (the kernel sequence of a step), [`backend`] (the public backend), [`check`] (the
+//! device check: parity against the CPU engine and decode timing), [`seam`] (the
+//! engine's `TargetBackend` / `SharedHead` / `BackendFactory` for the CUDA backend).
+//!
+//! Invariants: numerics follow docs/model.md §1 (f32 compute; bf16 weights widened
+//! exactly; INT4 dequantized to exact f32 products); every launch's bounds are checked
+//! on the host before the `unsafe` launch; inside a step the host only uploads the
+//! step's metadata, launches, and copies the outputs out once at the end.
+
+pub mod backend;
+pub mod buf;
+pub mod check;
+pub mod device;
+pub mod error;
+pub mod kernels;
+pub mod kvpool;
+pub mod launch;
+pub mod meta;
+pub mod ops;
+pub mod repack;
+pub mod seam;
+pub mod step;
+pub mod weights;
+pub mod workspace;
+
+pub use backend::{CudaBackend, CudaOptions};
+pub use error::{CudaError, Result};
+pub use seam::CudaFactory;

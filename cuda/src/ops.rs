@@ -1,0 +1,813 @@
+//! One launch wrapper per kernel: shape checks, bounds of every pointer, the launch.
+//!
+//! Source: the signature and `Shapes:` / `Launch:` comments of each kernel in
+//! `cuda/kernels/*.cu`; launch shapes from [`crate::launch`].
+//!
+//! Invariants: a wrapper computes, for every pointer argument, the exact element region
+//! the kernel may touch from the dimensions it passes, and obtains the pointer through
+//! [`DevBuf::span`] (which fails if the region leaves the allocation); only then does
+//! it call [`launch`]. Scalar arguments are passed with the C type of the kernel
+//! parameter (`int` -> i32, `long long` -> i64, `float` -> f32, pointers -> u64).
+//! Index data read *from device memory* (token ids, positions, block ids, expert ids,
+//! sorted pair ids) was validated on the host when it was built (`crate::meta`) or is
+//! produced by an earlier kernel with stated bounds (`moe_topk` ids < E, `moe_align`
+//! pair ids < P).
+
+use cudarc::driver::PushKernelArg;
+
+use crate::buf::DevBuf;
+use crate::device::Gpu;
+use crate::error::{CudaError, Result};
+use crate::launch::{self, Shape};
+
+/// A kernel argument.
+#[derive(Debug, Clone, Copy)]
+pub enum Arg {
+    /// A device pointer.
+    P(u64),
+    /// `int`.
+    I(i32),
+    /// `long long`.
+    L(i64),
+    /// `float`.
+    F(f32),
+}
+
+/// `usize` -> `int` argument.
+pub fn int(v: usize, what: &str) -> Result<Arg> {
+    i32::try_from(v)
+        .map(Arg::I)
+        .map_err(|_| CudaError::Unsupported(format!("{what} = {v} exceeds a kernel int")))
+}
+
+/// `usize` -> `long long` argument.
+pub fn long(v: usize) -> Arg {
+    Arg::L(v as i64)
+}
+
+/// Launch kernel `name` with `args` on the GPU's stream.
+///
+/// # Safety
+/// Every `Arg::P` must point into a live device allocation covering every element the
+/// kernel reads or writes for these scalar arguments, and the argument list must match
+/// the kernel's parameter list in count and C types.
+pub unsafe fn launch(g: &Gpu, name: &str, shape: Shape, args: &[Arg]) -> Result<()> {
+    let f = g.func(name)?;
+    g.launches.set(g.launches.get() + 1);
+    let mut b = g.stream.launch_builder(f);
+    for a in args {
+        match a {
+            Arg::P(v) => b.arg(v),
+            Arg::I(v) => b.arg(v),
+            Arg::L(v) => b.arg(v),
+            Arg::F(v) => b.arg(v),
+        };
+    }
+    // SAFETY: forwarded from this function's contract (pointer regions checked by the
+    // calling wrapper, argument list matching the kernel signature).
+    unsafe { b.launch(shape.cfg()) }
+        .map(|_| ())
+        .map_err(|e| CudaError::driver(format!("launch {name}"), e))
+}
+
+/// A pointer argument after checking `[off, off + n)` lies in `b`.
+pub fn ptr<T: cudarc::driver::DeviceRepr>(
+    b: &DevBuf<T>,
+    off: usize,
+    n: usize,
+    what: &str,
+) -> Result<Arg> {
+    b.span(off, n, what).map(Arg::P)
+}
+
+/// Elements a row-strided matrix of `rows` rows, `cols` used columns spans.
+pub fn strided(rows: usize, stride: usize, cols: usize) -> usize {
+    if rows == 0 {
+        0
+    } else {
+        (rows - 1) * stride + cols
+    }
+}
+
+/// A row-strided f32 operand: buffer, first element, row stride.
+#[derive(Clone, Copy)]
+pub struct Mat<'a> {
+    pub buf: &'a DevBuf<f32>,
+    pub off: usize,
+    pub stride: usize,
+}
+
+impl<'a> Mat<'a> {
+    /// Rows of `stride` floats starting at row 0 of `buf`.
+    pub fn rows(buf: &'a DevBuf<f32>, stride: usize) -> Self {
+        Self {
+            buf,
+            off: 0,
+            stride,
+        }
+    }
+    /// The same rows starting at column `col`.
+    pub fn col(self, col: usize) -> Self {
+        Self {
+            off: self.off + col,
+            ..self
+        }
+    }
+    fn arg(&self, rows: usize, cols: usize, what: &str) -> Result<Arg> {
+        ptr(self.buf, self.off, strided(rows, self.stride, cols), what)
+    }
+}
+
+/// `y (+)= x @ W^T` with bf16 `W [n, k]` (kernel `linear_bf16`).
+pub struct Linear<'a> {
+    pub y: Mat<'a>,
+    pub x: Mat<'a>,
+    pub w: &'a DevBuf<u16>,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub accumulate: bool,
+}
+
+/// Kernel `linear_bf16`.
+pub fn linear(g: &Gpu, a: &Linear<'_>) -> Result<()> {
+    launch::check_gemm_operands(a.k, a.x.stride, a.x.off % a.x.stride.max(1), "linear_bf16")?;
+    let args = [
+        a.y.arg(a.m, a.n, "linear y")?,
+        int(a.y.stride, "y stride")?,
+        a.x.arg(a.m, a.k, "linear x")?,
+        int(a.x.stride, "x stride")?,
+        ptr(a.w, 0, a.n * a.k, "linear W")?,
+        int(a.m, "M")?,
+        int(a.n, "N")?,
+        int(a.k, "K")?,
+        Arg::I(i32::from(a.accumulate)),
+    ];
+    // SAFETY: y spans (M-1)*y_stride + N, x spans (M-1)*x_stride + K, W spans N*K
+    // elements, all checked by `ptr`; the kernel touches y[m*ys + n], x[m*xs + k],
+    // W[n*K + k] for m < M, n < N, k < K (K % 8 == 0 and 16-byte alignment checked).
+    unsafe {
+        launch(
+            g,
+            "linear_bf16",
+            launch::gemm(a.m, a.n, "linear_bf16")?,
+            &args,
+        )
+    }
+}
+
+/// `h = silu(x Wg^T) * (x Wu^T)` with fused bf16 `W13 [n, 2, k]` (kernel `swiglu_dense_bf16`).
+pub struct Swiglu<'a> {
+    pub h: &'a DevBuf<f32>,
+    pub x: Mat<'a>,
+    pub w13: &'a DevBuf<u16>,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+/// Kernel `swiglu_dense_bf16`.
+pub fn swiglu(g: &Gpu, a: &Swiglu<'_>) -> Result<()> {
+    launch::check_gemm_operands(a.k, a.x.stride, a.x.off % a.x.stride.max(1), "swiglu")?;
+    let args = [
+        ptr(a.h, 0, a.m * a.n, "swiglu h")?,
+        a.x.arg(a.m, a.k, "swiglu x")?,
+        int(a.x.stride, "x stride")?,
+        ptr(a.w13, 0, 2 * a.n * a.k, "swiglu W13")?,
+        int(a.m, "M")?,
+        int(a.n, "N")?,
+        int(a.k, "K")?,
+    ];
+    // SAFETY: h [M, N], x (M-1)*stride + K, W13 [N, 2, K], checked by `ptr`; the kernel
+    // touches exactly those for m < M, n < N.
+    unsafe {
+        launch(
+            g,
+            "swiglu_dense_bf16",
+            launch::gemm(a.m, a.n, "swiglu")?,
+            &args,
+        )
+    }
+}
+
+/// Kernel `embed_gather`: `out [t, h]` rows of the bf16 table by token id.
+pub fn embed(
+    g: &Gpu,
+    out: &DevBuf<f32>,
+    table: &DevBuf<u16>,
+    tokens: Arg,
+    t: usize,
+    h: usize,
+    vocab: usize,
+) -> Result<()> {
+    let args = [
+        ptr(out, 0, t * h, "embed out")?,
+        ptr(table, 0, vocab * h, "embed table")?,
+        tokens,
+        int(t, "T")?,
+        int(h, "H")?,
+    ];
+    // SAFETY: out [T, H] and table [V, H] checked; `tokens` is the meta section of T ids,
+    // each < V (checked by meta::build).
+    unsafe { launch(g, "embed_gather", launch::per_row(t, 128, "embed")?, &args) }
+}
+
+/// Kernel `rmsnorm` over `rows` rows of `d`.
+pub fn rmsnorm(
+    g: &Gpu,
+    out: Mat<'_>,
+    x: Mat<'_>,
+    w: &DevBuf<f32>,
+    rows: usize,
+    d: usize,
+    eps: f32,
+) -> Result<()> {
+    let args = [
+        out.arg(rows, d, "rmsnorm out")?,
+        int(out.stride, "out stride")?,
+        x.arg(rows, d, "rmsnorm x")?,
+        int(x.stride, "x stride")?,
+        ptr(w, 0, d, "rmsnorm w")?,
+        int(rows, "R")?,
+        int(d, "D")?,
+        Arg::F(eps),
+    ];
+    // SAFETY: out and x span (R-1)*stride + D, w spans D, all checked.
+    unsafe { launch(g, "rmsnorm", launch::per_row(rows, 128, "rmsnorm")?, &args) }
+}
+
+/// Kernel `gather_rows`: `out [r, d] = x[rows[i]]`; `rows` (meta) indexes `< x_rows`.
+pub fn gather_rows(
+    g: &Gpu,
+    out: &DevBuf<f32>,
+    x: &DevBuf<f32>,
+    x_rows: usize,
+    rows: Arg,
+    r: usize,
+    d: usize,
+) -> Result<()> {
+    let args = [
+        ptr(out, 0, r * d, "gather out")?,
+        ptr(x, 0, x_rows * d, "gather x")?,
+        rows,
+        int(r, "R")?,
+        int(d, "D")?,
+    ];
+    // SAFETY: out [R, D], x [x_rows, D] checked; `rows` holds meta last_rows, each < T =
+    // x_rows (built by meta::build).
+    unsafe {
+        launch(
+            g,
+            "gather_rows",
+            launch::per_row(r, 128, "gather_rows")?,
+            &args,
+        )
+    }
+}
+
+/// Kernel `argmax_rows`.
+pub fn argmax(g: &Gpu, out: &DevBuf<u32>, logits: &DevBuf<f32>, r: usize, v: usize) -> Result<()> {
+    let args = [
+        ptr(out, 0, r, "argmax out")?,
+        ptr(logits, 0, r * v, "argmax logits")?,
+        int(r, "R")?,
+        int(v, "V")?,
+    ];
+    // SAFETY: out [R], logits [R, V] checked.
+    unsafe { launch(g, "argmax_rows", launch::per_row(r, 256, "argmax")?, &args) }
+}
+
+/// Kernel `copy_f32`: `n` floats from `src[s_off..]` to `dst[d_off..]`.
+pub fn copy(
+    g: &Gpu,
+    dst: &DevBuf<f32>,
+    d_off: usize,
+    src: &DevBuf<f32>,
+    s_off: usize,
+    n: usize,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let args = [
+        ptr(dst, d_off, n, "copy dst")?,
+        ptr(src, s_off, n, "copy src")?,
+        long(n),
+    ];
+    // SAFETY: both regions of n floats checked.
+    unsafe {
+        launch(
+            g,
+            "copy_f32",
+            launch::grid_2d(n.div_ceil(256), 1, 256, "copy")?,
+            &args,
+        )
+    }
+}
+
+/// The MoE routing buffers of one step (`T` tokens, top-`k` of `E`).
+pub struct Routing<'a> {
+    /// Shape: [T * k] i32 expert ids.
+    pub ids: &'a DevBuf<i32>,
+    /// Shape: [T * k] f32 router weights.
+    pub wts: &'a DevBuf<f32>,
+    /// Shape: [8 * max_tiles] i32 pair ids by expert, -1 padding.
+    pub sorted: &'a DevBuf<i32>,
+    /// Shape: [max_tiles] i32.
+    pub tile_expert: &'a DevBuf<i32>,
+    pub t: usize,
+    pub k: usize,
+    pub e: usize,
+    pub max_tiles: usize,
+}
+
+impl Routing<'_> {
+    fn check(&self) -> Result<()> {
+        if self.k == 0
+            || self.k > launch::TOPK_MAX
+            || self.k > self.e
+            || self.e > launch::EXPERTS_MAX
+        {
+            return Err(CudaError::Unsupported(format!(
+                "MoE with top-{} of {} experts (kernels: k <= {}, E <= {})",
+                self.k,
+                self.e,
+                launch::TOPK_MAX,
+                launch::EXPERTS_MAX
+            )));
+        }
+        if self.max_tiles < launch::moe_max_tiles(self.t * self.k, self.e) {
+            return Err(CudaError::Input(
+                "MoE tile buffer below the bound (internal)".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Kernels `moe_topk` then `moe_align`: routing from router logits `[T, E]`.
+pub fn moe_route(
+    g: &Gpu,
+    r: &Routing<'_>,
+    logits: &DevBuf<f32>,
+    bias: &DevBuf<f32>,
+    norm_topk: bool,
+    rsf: f32,
+) -> Result<()> {
+    r.check()?;
+    let p = r.t * r.k;
+    let args = [
+        ptr(r.ids, 0, p, "topk ids")?,
+        ptr(r.wts, 0, p, "topk wts")?,
+        ptr(logits, 0, r.t * r.e, "router logits")?,
+        ptr(bias, 0, r.e, "router bias")?,
+        int(r.t, "T")?,
+        int(r.e, "E")?,
+        int(r.k, "k")?,
+        Arg::I(i32::from(norm_topk)),
+        Arg::F(rsf),
+    ];
+    // SAFETY: ids, wts [T*k], logits [T, E], bias [E] checked; k <= 8, E <= 1024 checked
+    // (the kernel's shared arrays).
+    unsafe { launch(g, "moe_topk", launch::per_warp(r.t, "moe_topk")?, &args)? };
+    let args = [
+        ptr(
+            r.sorted,
+            0,
+            launch::ROWS_PER_TILE as usize * r.max_tiles,
+            "sorted",
+        )?,
+        ptr(r.tile_expert, 0, r.max_tiles, "tile_expert")?,
+        ptr(r.ids, 0, p, "ids")?,
+        int(p, "P")?,
+        int(r.e, "E")?,
+        int(r.max_tiles, "max_tiles")?,
+    ];
+    // SAFETY: sorted [8 * max_tiles], tile_expert [max_tiles], ids [P] checked; the
+    // kernel writes at most moe_max_tiles(P, E) <= max_tiles tiles (checked above; the
+    // bound is tested in launch.rs); ids < E (moe_topk's output).
+    unsafe {
+        launch(
+            g,
+            "moe_align",
+            launch::grid_2d(1, 1, 1024, "moe_align")?,
+            &args,
+        )
+    }
+}
+
+/// Routed expert weights of one layer, as kernel pointers.
+pub enum ExpertPtrs<'a> {
+    Int4 {
+        q13: &'a DevBuf<u32>,
+        s13: &'a DevBuf<u16>,
+        qd: &'a DevBuf<u32>,
+        sd: &'a DevBuf<u16>,
+    },
+    Bf16 {
+        w13: &'a DevBuf<u16>,
+        wd: &'a DevBuf<u16>,
+    },
+}
+
+/// The routed experts of one MoE layer: `x [T, H] -> y [P, H]` (router-weighted).
+pub struct Experts<'a> {
+    pub w: ExpertPtrs<'a>,
+    /// Shape: [T, H] post-norm input.
+    pub x: &'a DevBuf<f32>,
+    /// Shape: [P, Im] scratch.
+    pub h: &'a DevBuf<f32>,
+    /// Shape: [P, H] output.
+    pub y: &'a DevBuf<f32>,
+    pub hidden: usize,
+    pub inter: usize,
+}
+
+/// Kernels `moe_gate_up_*` then `moe_down_*`.
+pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
+    r.check()?;
+    let (e, hd, im, p) = (r.e, a.hidden, a.inter, r.t * r.k);
+    launch::check_gemm_operands(hd, hd, 0, "moe gate/up")?;
+    launch::check_gemm_operands(im, im, 0, "moe down")?;
+    let sorted = ptr(
+        r.sorted,
+        0,
+        launch::ROWS_PER_TILE as usize * r.max_tiles,
+        "sorted",
+    )?;
+    let tiles = ptr(r.tile_expert, 0, r.max_tiles, "tile_expert")?;
+    let h = ptr(a.h, 0, p * im, "moe h")?;
+    let x = ptr(a.x, 0, r.t * hd, "moe x")?;
+    let y = ptr(a.y, 0, p * hd, "moe y")?;
+    let wts = ptr(r.wts, 0, p, "moe wts")?;
+    let (gu_name, gu_w, dn_name, dn_w): (&str, Vec<Arg>, &str, Vec<Arg>) = match &a.w {
+        ExpertPtrs::Int4 { q13, s13, qd, sd } => {
+            if hd % 128 != 0 || im % 128 != 0 {
+                return Err(CudaError::Unsupported(format!(
+                    "INT4 experts need H and Im % 128 == 0 (H {hd}, Im {im})"
+                )));
+            }
+            (
+                "moe_gate_up_w4",
+                vec![
+                    ptr(q13, 0, e * im * 2 * hd / 8, "q13")?,
+                    ptr(s13, 0, e * im * 2 * hd / 128, "s13")?,
+                ],
+                "moe_down_w4",
+                vec![
+                    ptr(qd, 0, e * hd * im / 8, "qd")?,
+                    ptr(sd, 0, e * hd * im / 128, "sd")?,
+                ],
+            )
+        }
+        ExpertPtrs::Bf16 { w13, wd } => (
+            "moe_gate_up_bf16",
+            vec![ptr(w13, 0, e * im * 2 * hd, "w13")?],
+            "moe_down_bf16",
+            vec![ptr(wd, 0, e * hd * im, "wd")?],
+        ),
+    };
+    let mut args = vec![h, x];
+    args.extend(gu_w);
+    args.extend([
+        sorted,
+        tiles,
+        int(r.k, "topk")?,
+        int(im, "N")?,
+        int(hd, "K")?,
+    ]);
+    // SAFETY: h [P, Im], x [T, H], the expert weights [E, Im, 2, H] (as words / scales),
+    // sorted [8 max_tiles], tile_expert [max_tiles] checked; pair ids in `sorted` are < P
+    // and tile experts < E (moe_align's output over ids < E).
+    unsafe {
+        launch(
+            g,
+            gu_name,
+            launch::moe_gemm(im, r.max_tiles, gu_name)?,
+            &args,
+        )?
+    };
+    let mut args = vec![y, h];
+    args.extend(dn_w);
+    args.extend([wts, sorted, tiles, int(hd, "N")?, int(im, "K")?]);
+    // SAFETY: y [P, H], h [P, Im], weights [E, H, Im], wts [P] checked; indices as above.
+    unsafe {
+        launch(
+            g,
+            dn_name,
+            launch::moe_gemm(hd, r.max_tiles, dn_name)?,
+            &args,
+        )
+    }
+}
+
+/// Kernel `moe_combine`: `x += routed (ascending expert) + shared`.
+pub fn moe_combine(
+    g: &Gpu,
+    r: &Routing<'_>,
+    x: &DevBuf<f32>,
+    y: &DevBuf<f32>,
+    shared: &DevBuf<f32>,
+    hd: usize,
+) -> Result<()> {
+    r.check()?;
+    let args = [
+        ptr(x, 0, r.t * hd, "combine x")?,
+        ptr(y, 0, r.t * r.k * hd, "combine y")?,
+        ptr(shared, 0, r.t * hd, "combine shared")?,
+        ptr(r.ids, 0, r.t * r.k, "combine ids")?,
+        int(r.t, "T")?,
+        int(hd, "H")?,
+        int(r.k, "k")?,
+    ];
+    // SAFETY: x, shared [T, H], y [T*k, H], ids [T*k] checked; k <= 8 (shared order array).
+    unsafe {
+        launch(
+            g,
+            "moe_combine",
+            launch::per_row(r.t, 128, "moe_combine")?,
+            &args,
+        )
+    }
+}
+
+/// The paged KV pool and the step's attention metadata.
+pub struct Paged<'a> {
+    /// Shape: [num_blocks * fpb] f32.
+    pub pool: &'a DevBuf<f32>,
+    pub fpb: usize,
+    /// Float offset of this layer's page inside a block.
+    pub layer_off: usize,
+    pub block_size: usize,
+    /// Meta sections: pos [T], tok_seq [T], block_tables [S, max_blocks].
+    pub pos: Arg,
+    pub tok_seq: Arg,
+    pub tables: Arg,
+    pub max_blocks: usize,
+}
+
+/// Full attention of one layer on `qkv [T, (nh + 2 nkv) d]` into `o [T, nh d]`.
+pub struct Attention<'a> {
+    pub qkv: &'a DevBuf<f32>,
+    pub o: &'a DevBuf<f32>,
+    pub cos: &'a DevBuf<f32>,
+    pub sin: &'a DevBuf<f32>,
+    /// Rows of the RoPE tables (max_position_embeddings).
+    pub max_pos: usize,
+    pub t: usize,
+    pub nh: usize,
+    pub nkv: usize,
+    pub d: usize,
+}
+
+/// Kernels `rope_kv_write` then `paged_attention`.
+pub fn attention(g: &Gpu, kv: &Paged<'_>, a: &Attention<'_>) -> Result<()> {
+    let (nh, nkv, d) = (a.nh, a.nkv, a.d);
+    if d % 32 != 0 || d > launch::HEAD_DIM_MAX || nkv == 0 || nh % nkv != 0 {
+        return Err(CudaError::Unsupported(format!(
+            "attention nh {nh}, nkv {nkv}, d {d} (needs d % 32 == 0, d <= 128, nkv | nh)"
+        )));
+    }
+    let w = (nh + 2 * nkv) * d;
+    let qkv = ptr(a.qkv, 0, a.t * w, "qkv")?;
+    let pool = ptr(kv.pool, 0, kv.pool.len, "kv pool")?;
+    if kv.layer_off + 2 * kv.block_size * nkv * d > kv.fpb {
+        return Err(CudaError::Input(
+            "attention page outside the block (internal)".into(),
+        ));
+    }
+    let args = [
+        qkv,
+        int(w, "qkv stride")?,
+        ptr(a.cos, 0, a.max_pos * d, "rope cos")?,
+        ptr(a.sin, 0, a.max_pos * d, "rope sin")?,
+        kv.pos,
+        kv.tok_seq,
+        kv.tables,
+        int(kv.max_blocks, "max_blocks")?,
+        pool,
+        long(kv.layer_off),
+        long(kv.fpb),
+        int(kv.block_size, "block size")?,
+        int(nh, "nh")?,
+        int(nkv, "nkv")?,
+        int(d, "d")?,
+        int(a.t, "T")?,
+    ];
+    // SAFETY: qkv [T, W], rope tables [max_pos, d], the whole pool checked; positions
+    // < max_position_embeddings and every block of positions 0..=pos real and < num_blocks
+    // (meta::build), so each K/V write lands in block b's page of this layer, which lies
+    // inside the block (layer_off + page <= fpb checked above).
+    unsafe {
+        launch(
+            g,
+            "rope_kv_write",
+            launch::per_row(a.t, 128, "rope")?,
+            &args,
+        )?
+    };
+    let args = [
+        ptr(a.o, 0, a.t * nh * d, "attn o")?,
+        qkv,
+        int(w, "qkv stride")?,
+        pool,
+        long(kv.layer_off),
+        long(kv.fpb),
+        int(kv.block_size, "block size")?,
+        kv.tables,
+        int(kv.max_blocks, "max_blocks")?,
+        kv.pos,
+        kv.tok_seq,
+        int(nh, "nh")?,
+        int(nkv, "nkv")?,
+        int(d, "d")?,
+        Arg::F((d as f64).powf(-0.5) as f32),
+        int(a.t, "T")?,
+    ];
+    // SAFETY: o [T, nh d], qkv, pool checked as above; reads positions 0..=pos of the
+    // token's own table (meta-validated); d <= 128 (shared accumulators).
+    let shape = launch::Shape {
+        grid: (int_u32(a.t)?, int_u32(nh)?, 1),
+        block: (128, 1, 1),
+    };
+    unsafe { launch(g, "paged_attention", shape, &args) }
+}
+
+fn int_u32(v: usize) -> Result<u32> {
+    u32::try_from(v).map_err(|_| CudaError::Unsupported(format!("grid dimension {v}")))
+}
+
+/// The KDA state pool and the step's chunk metadata.
+pub struct StatePages<'a> {
+    pub pool: &'a DevBuf<f32>,
+    pub fpb: usize,
+    /// Float offset of this KDA layer's page inside a block.
+    pub layer_off: usize,
+    /// Floats of the conv part of a page: 3 (kc - 1) C.
+    pub conv_len: usize,
+    /// Meta sections: row0, len, pos0, snap [S], state_tables [S, max_state].
+    pub row0: Arg,
+    pub len: Arg,
+    pub pos0: Arg,
+    pub snap: Arg,
+    pub tables: Arg,
+    pub max_state: usize,
+    pub num_seqs: usize,
+}
+
+/// The buffers of one KDA layer's core (after the input projections).
+pub struct Kda<'a> {
+    /// Shape: [T, in_width] stacked projections (pre-conv q|k|v at 0, b at `b_col`).
+    pub xin: &'a DevBuf<f32>,
+    pub in_width: usize,
+    pub b_col: usize,
+    /// Shape: [T, 3C] post-conv.
+    pub y: &'a DevBuf<f32>,
+    /// Shape: [T, 2C]: f then g.
+    pub fg: &'a DevBuf<f32>,
+    /// Shape: [T, C] recurrence output.
+    pub o: &'a DevBuf<f32>,
+    /// Shape: [T, C] gated-norm output.
+    pub out: &'a DevBuf<f32>,
+    pub taps: &'a DevBuf<f32>,
+    pub a_log: &'a DevBuf<f32>,
+    pub dt_bias: &'a DevBuf<f32>,
+    pub o_norm: &'a DevBuf<f32>,
+    pub t: usize,
+    pub nl: usize,
+    pub dl: usize,
+    pub kc: usize,
+    pub eps: f32,
+}
+
+/// Kernels `kda_conv`, `kda_recurrent_{dl}`, `kda_gate_norm`.
+pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
+    let (c, dl, nl, t) = (a.nl * a.dl, a.dl, a.nl, a.t);
+    if !(2..=launch::KC_MAX).contains(&a.kc) || ![32, 64, 128].contains(&dl) {
+        return Err(CudaError::Unsupported(format!(
+            "KDA with kc {} and head dim {dl} (kernels: 2 <= kc <= 8, dl in 32/64/128)",
+            a.kc
+        )));
+    }
+    if s.layer_off + s.conv_len + nl * dl * dl > s.fpb
+        || a.b_col + nl > a.in_width
+        || a.in_width < 3 * c
+    {
+        return Err(CudaError::Input(
+            "KDA page or projection layout out of range (internal)".into(),
+        ));
+    }
+    let pool = ptr(s.pool, 0, s.pool.len, "state pool")?;
+    let xin = ptr(a.xin, 0, t * a.in_width, "kda xin")?;
+    let y = ptr(a.y, 0, t * 3 * c, "kda y")?;
+    let fg = ptr(a.fg, 0, t * 2 * c, "kda fg")?;
+    let meta = [
+        s.row0,
+        s.len,
+        s.pos0,
+        s.snap,
+        s.tables,
+        int(s.max_state, "max_state")?,
+    ];
+    let mut args = vec![
+        y,
+        xin,
+        int(a.in_width, "xin stride")?,
+        ptr(a.taps, 0, 3 * c * a.kc, "taps")?,
+        pool,
+        long(s.layer_off),
+        long(s.fpb),
+        int(c, "C")?,
+        int(a.kc, "kc")?,
+    ];
+    args.extend(meta);
+    // SAFETY: y [T, 3C], xin [T, in_width >= 3C], taps [3C, kc], the pool checked; chunk
+    // rows row0 + len <= T and state blocks real and < num_blocks (meta::build); conv
+    // elements lie in the first conv_len floats of this layer's page (inside the block).
+    unsafe {
+        launch(
+            g,
+            "kda_conv",
+            launch::grid_2d((3 * c).div_ceil(128), s.num_seqs, 128, "kda_conv")?,
+            &args,
+        )?
+    };
+    let name = format!("kda_recurrent_{dl}");
+    let mut args = vec![
+        ptr(a.o, 0, t * c, "kda o")?,
+        y,
+        fg,
+        xin,
+        int(a.in_width, "xin stride")?,
+        int(a.b_col, "b col")?,
+        ptr(a.a_log, 0, nl, "A_log")?,
+        ptr(a.dt_bias, 0, c, "dt_bias")?,
+        pool,
+        long(s.layer_off),
+        long(s.fpb),
+        int(s.conv_len, "conv_len")?,
+        int(nl, "nl")?,
+        Arg::F((dl as f64).powf(-0.5) as f32),
+    ];
+    args.extend(meta);
+    let shape = launch::Shape {
+        grid: (int_u32(nl)?, int_u32(s.num_seqs)?, 1),
+        block: (int_u32(dl)?, 1, 1),
+    };
+    // SAFETY: o [T, C], y, fg [T, 2C], xin (b at b_col + nl <= in_width), A_log [nl],
+    // dt_bias [C], pool checked; S elements of head h lie at conv_len + h dl^2 + i dl + j
+    // < conv_len + nl dl^2 (inside the page, checked above); block = dl threads.
+    unsafe { launch(g, &name, shape, &args)? };
+    let args = [
+        ptr(a.out, 0, t * c, "kda out")?,
+        ptr(a.o, 0, t * c, "kda o")?,
+        fg,
+        ptr(a.o_norm, 0, dl, "o_norm")?,
+        int(t, "T")?,
+        int(nl, "nl")?,
+        int(dl, "dl")?,
+        Arg::F(a.eps),
+    ];
+    // SAFETY: out, o [T, C], fg [T, 2C], o_norm [dl] checked.
+    unsafe {
+        launch(
+            g,
+            "kda_gate_norm",
+            launch::per_warp(t * nl, "kda_gate_norm")?,
+            &args,
+        )
+    }
+}
+
+/// Kernel `copy_f32` on 4-byte words of any type (e.g. i32 expert ids): `n` words.
+pub fn copy_words<A: cudarc::driver::DeviceRepr, B: cudarc::driver::DeviceRepr>(
+    g: &Gpu,
+    dst: &DevBuf<A>,
+    d_off: usize,
+    src: &DevBuf<B>,
+    s_off: usize,
+    n: usize,
+) -> Result<()> {
+    if std::mem::size_of::<A>() != 4 || std::mem::size_of::<B>() != 4 {
+        return Err(CudaError::Input(
+            "copy_words on non-4-byte elements (internal)".into(),
+        ));
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let args = [
+        ptr(dst, d_off, n, "copy dst")?,
+        ptr(src, s_off, n, "copy src")?,
+        long(n),
+    ];
+    // SAFETY: both regions of n 4-byte words checked; the kernel moves bits only.
+    unsafe {
+        launch(
+            g,
+            "copy_f32",
+            launch::grid_2d(n.div_ceil(256), 1, 256, "copy")?,
+            &args,
+        )
+    }
+}

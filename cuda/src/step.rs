@@ -1,0 +1,509 @@
+//! The kernel sequence of one step (target forward or MTP), launches only.
+//!
+//! Source: docs/model.md §2 (embedding, pre-norm decoder layers with residual adds,
+//! final norm, lm_head), §3 (attention), §4 (KDA), §5 (dense MLP, MoE + shared expert),
+//! §6 (MTP: enorm / hnorm / eh_proj, one decoder layer, shared_head.norm, lm_head);
+//! engine/src/model/forward.rs `decoder_layer` (the same op order: x += mixer(norm(x)),
+//! x += ffn(norm(x))).
+//!
+//! Invariants: nothing here allocates, synchronizes or copies to the host, so the whole
+//! sequence can be captured into a CUDA graph; every scalar argument is a function of
+//! (T, S, the model), and everything that varies between steps of the same shape is
+//! read from the metadata buffer. The residual adds are fused into the o_proj / down
+//! GEMMs (`accumulate`) and the MoE combine, each a single `x + f` as on the CPU.
+
+use speclab_engine::model::LayerKind;
+
+use crate::backend::CudaBackend;
+use crate::error::{CudaError, Result};
+use crate::meta::StepMeta;
+use crate::ops::{self, Arg, Mat};
+use crate::weights::{DevExperts, DevFfn, DevLayer, DevMixer, DevMlp, DevMoe};
+
+/// What to record besides the outputs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Collect {
+    /// The residual stream after the embedding and each layer.
+    pub hidden: bool,
+    /// Each MoE layer's selected experts and weights.
+    pub router: bool,
+}
+
+/// Which step to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepKind {
+    /// The target model; `argmax` adds the on-device greedy pick of each logits row.
+    Target {
+        last_rows: bool,
+        collect: Collect,
+        argmax: bool,
+    },
+    /// The MTP layer (its hidden rows are in `Workspace::tmp`).
+    Mtp { last_rows: bool, collect: Collect },
+}
+
+/// Pointers to the metadata sections of a step.
+#[derive(Clone, Copy)]
+pub(crate) struct MetaArgs {
+    tokens: Arg,
+    pos: Arg,
+    tok_seq: Arg,
+    tables: Arg,
+    row0: Arg,
+    len: Arg,
+    pos0: Arg,
+    snap: Arg,
+    state_tables: Arg,
+    last_rows: Arg,
+}
+
+/// Where a layer's cache lives.
+#[derive(Clone, Copy)]
+enum Cache {
+    Attn(usize),
+    Kda(usize),
+}
+
+/// Per-step values every layer needs.
+struct Ctx<'m> {
+    m: &'m StepMeta,
+    ma: MetaArgs,
+    t: usize,
+    collect: Collect,
+}
+
+impl CudaBackend {
+    fn meta_args(&self, m: &StepMeta) -> Result<MetaArgs> {
+        let l = &m.layout;
+        let p = |s: crate::meta::Section, what: &str| ops::ptr(&self.meta, s.off, s.len, what);
+        Ok(MetaArgs {
+            tokens: p(l.tokens, "meta tokens")?,
+            pos: p(l.pos, "meta pos")?,
+            tok_seq: p(l.tok_seq, "meta tok_seq")?,
+            tables: p(l.block_tables, "meta block tables")?,
+            row0: p(l.row0, "meta row0")?,
+            len: p(l.len, "meta len")?,
+            pos0: p(l.pos0, "meta pos0")?,
+            snap: p(l.snap, "meta snap")?,
+            state_tables: p(l.state_tables, "meta state tables")?,
+            last_rows: p(l.last_rows, "meta last rows")?,
+        })
+    }
+
+    /// Launch the kernels of one step (no host synchronization).
+    pub(crate) fn run(&self, m: &StepMeta, kind: StepKind) -> Result<()> {
+        let cfg = &self.w.cfg;
+        let (h, t) = (cfg.hidden_size, m.t_total);
+        let collect = match kind {
+            StepKind::Target { collect, .. } | StepKind::Mtp { collect, .. } => collect,
+        };
+        let cx = Ctx {
+            m,
+            ma: self.meta_args(m)?,
+            t,
+            collect,
+        };
+        let g = &self.gpu;
+        let ws = &self.ws;
+        match kind {
+            StepKind::Target {
+                last_rows, argmax, ..
+            } => {
+                ops::embed(g, &ws.x, &self.w.embed, cx.ma.tokens, t, h, cfg.vocab_size)?;
+                self.snap_hidden(&cx, 0)?;
+                let (mut ai, mut ki, mut moe) = (0, 0, 0);
+                for (i, layer) in self.w.layers.iter().enumerate() {
+                    let cache = match cfg.layer_kind(i) {
+                        LayerKind::FullAttention => {
+                            ai += 1;
+                            Cache::Attn(ai - 1)
+                        }
+                        LayerKind::Kda => {
+                            ki += 1;
+                            Cache::Kda(ki - 1)
+                        }
+                    };
+                    self.layer(&cx, layer, cache, &mut moe)?;
+                    self.snap_hidden(&cx, i + 1)?;
+                }
+                ops::rmsnorm(
+                    g,
+                    Mat::rows(&ws.hidden, h),
+                    Mat::rows(&ws.x, h),
+                    &self.w.norm,
+                    t,
+                    h,
+                    cfg.rms_norm_eps as f32,
+                )?;
+                self.head(&cx, last_rows, argmax)
+            }
+            StepKind::Mtp { last_rows, .. } => self.mtp(&cx, last_rows),
+        }
+    }
+
+    /// Copy the residual stream into slot `l` of the per-layer buffer (collect_hidden).
+    fn snap_hidden(&self, cx: &Ctx<'_>, l: usize) -> Result<()> {
+        match (&self.per_layer, cx.collect.hidden) {
+            (Some(p), true) => {
+                let h = self.w.cfg.hidden_size;
+                ops::copy(&self.gpu, p, l * self.ws.t_cap * h, &self.ws.x, 0, cx.t * h)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// lm_head over every row of `ws.hidden`, or over each chunk's last row; then argmax.
+    fn head(&self, cx: &Ctx<'_>, last_rows: bool, argmax: bool) -> Result<()> {
+        let (h, v) = (self.w.cfg.hidden_size, self.w.cfg.vocab_size);
+        let (g, ws) = (&self.gpu, &self.ws);
+        let (src, rows) = if last_rows {
+            ops::gather_rows(
+                g,
+                &ws.tmp,
+                &ws.hidden,
+                cx.t,
+                cx.ma.last_rows,
+                cx.m.num_seqs,
+                h,
+            )?;
+            (&ws.tmp, cx.m.num_seqs)
+        } else {
+            (&ws.hidden, cx.t)
+        };
+        ops::linear(
+            g,
+            &ops::Linear {
+                y: Mat::rows(&ws.logits, v),
+                x: Mat::rows(src, h),
+                w: &self.w.lm_head,
+                m: rows,
+                n: v,
+                k: h,
+                accumulate: false,
+            },
+        )?;
+        if argmax {
+            ops::argmax(g, &ws.argmax, &ws.logits, rows, v)?;
+        }
+        Ok(())
+    }
+
+    /// The MTP step: x = eh_proj([enorm(embed(next)), hnorm(h)]), one decoder layer, head.
+    fn mtp(&self, cx: &Ctx<'_>, last_rows: bool) -> Result<()> {
+        let cfg = &self.w.cfg;
+        let (h, t, eps) = (cfg.hidden_size, cx.t, cfg.rms_norm_eps as f32);
+        let mtp = self
+            .w
+            .mtp
+            .as_ref()
+            .ok_or_else(|| CudaError::Input("no MTP layer".into()))?;
+        let (g, ws) = (&self.gpu, &self.ws);
+        ops::embed(g, &ws.a, &self.w.embed, cx.ma.tokens, t, h, cfg.vocab_size)?;
+        let cat = Mat::rows(&ws.proj, 2 * h);
+        ops::rmsnorm(g, cat, Mat::rows(&ws.a, h), &mtp.enorm, t, h, eps)?;
+        ops::rmsnorm(g, cat.col(h), Mat::rows(&ws.tmp, h), &mtp.hnorm, t, h, eps)?;
+        ops::linear(
+            g,
+            &ops::Linear {
+                y: Mat::rows(&ws.x, h),
+                x: cat,
+                w: &mtp.eh_proj,
+                m: t,
+                n: h,
+                k: 2 * h,
+                accumulate: false,
+            },
+        )?;
+        let mut moe = 0;
+        self.layer(cx, &mtp.layer, Cache::Attn(cfg.num_full_layers()), &mut moe)?;
+        ops::rmsnorm(
+            g,
+            Mat::rows(&ws.hidden, h),
+            Mat::rows(&ws.x, h),
+            &mtp.head_norm,
+            t,
+            h,
+            eps,
+        )?;
+        self.head(cx, last_rows, false)
+    }
+
+    /// One decoder layer in place on `ws.x` (docs/model.md §2 body).
+    fn layer(&self, cx: &Ctx<'_>, layer: &DevLayer, cache: Cache, moe: &mut usize) -> Result<()> {
+        let cfg = &self.w.cfg;
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps as f32);
+        let (g, ws) = (&self.gpu, &self.ws);
+        ops::rmsnorm(
+            g,
+            Mat::rows(&ws.a, h),
+            Mat::rows(&ws.x, h),
+            &layer.input_norm,
+            cx.t,
+            h,
+            eps,
+        )?;
+        match (&layer.mixer, cache) {
+            (DevMixer::Full(w), Cache::Attn(a)) => {
+                let qkv_w = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim;
+                let o_w = cfg.num_attention_heads * cfg.head_dim;
+                ops::linear(
+                    g,
+                    &ops::Linear {
+                        y: Mat::rows(&ws.proj, qkv_w),
+                        x: Mat::rows(&ws.a, h),
+                        w: &w.wqkv,
+                        m: cx.t,
+                        n: qkv_w,
+                        k: h,
+                        accumulate: false,
+                    },
+                )?;
+                let paged = ops::Paged {
+                    pool: &self.pool,
+                    fpb: self.geo.floats_per_block,
+                    layer_off: self.geo.attn_off(a),
+                    block_size: self.geo.block_size,
+                    pos: cx.ma.pos,
+                    tok_seq: cx.ma.tok_seq,
+                    tables: cx.ma.tables,
+                    max_blocks: self.dims.max_blocks,
+                };
+                let att = ops::Attention {
+                    qkv: &ws.proj,
+                    o: &ws.mix,
+                    cos: &self.w.rope_cos,
+                    sin: &self.w.rope_sin,
+                    max_pos: cfg.max_position_embeddings,
+                    t: cx.t,
+                    nh: cfg.num_attention_heads,
+                    nkv: cfg.num_key_value_heads,
+                    d: cfg.head_dim,
+                };
+                ops::attention(g, &paged, &att)?;
+                ops::linear(
+                    g,
+                    &ops::Linear {
+                        y: Mat::rows(&ws.x, h),
+                        x: Mat::rows(&ws.mix, o_w),
+                        w: &w.wo,
+                        m: cx.t,
+                        n: h,
+                        k: o_w,
+                        accumulate: true,
+                    },
+                )?;
+            }
+            (DevMixer::Kda(w), Cache::Kda(l)) => self.kda_mixer(cx, w, l)?,
+            _ => {
+                return Err(CudaError::Input(
+                    "mixer and cache kind disagree (internal)".into(),
+                ))
+            }
+        }
+        ops::rmsnorm(
+            g,
+            Mat::rows(&ws.a, h),
+            Mat::rows(&ws.x, h),
+            &layer.post_norm,
+            cx.t,
+            h,
+            eps,
+        )?;
+        match &layer.ffn {
+            DevFfn::Dense(m) => self.dense_mlp(cx.t, m, &ws.x, true),
+            DevFfn::Moe(m) => {
+                self.moe(cx, m, *moe)?;
+                *moe += 1;
+                Ok(())
+            }
+        }
+    }
+
+    /// KDA mixer: stacked input GEMM, f / g low-rank GEMMs, conv, recurrence, gated norm, o_proj.
+    fn kda_mixer(&self, cx: &Ctx<'_>, w: &crate::weights::DevKda, l: usize) -> Result<()> {
+        let cfg = &self.w.cfg;
+        let (h, t) = (cfg.hidden_size, cx.t);
+        let (nl, dl) = (cfg.linear_num_heads, cfg.linear_head_dim);
+        let c = nl * dl;
+        let (g, ws) = (&self.gpu, &self.ws);
+        let xin = Mat::rows(&ws.proj, w.in_width);
+        ops::linear(
+            g,
+            &ops::Linear {
+                y: xin,
+                x: Mat::rows(&ws.a, h),
+                w: &w.w_in,
+                m: t,
+                n: w.in_width,
+                k: h,
+                accumulate: false,
+            },
+        )?;
+        let fg = Mat::rows(&ws.fg, 2 * c);
+        ops::linear(
+            g,
+            &ops::Linear {
+                y: fg,
+                x: xin.col(3 * c),
+                w: &w.w_fb,
+                m: t,
+                n: c,
+                k: dl,
+                accumulate: false,
+            },
+        )?;
+        ops::linear(
+            g,
+            &ops::Linear {
+                y: fg.col(c),
+                x: xin.col(3 * c + dl),
+                w: &w.w_gb,
+                m: t,
+                n: c,
+                k: dl,
+                accumulate: false,
+            },
+        )?;
+        let pages = ops::StatePages {
+            pool: &self.pool,
+            fpb: self.geo.floats_per_block,
+            layer_off: self.geo.state_off(l),
+            conv_len: self.geo.conv_len,
+            row0: cx.ma.row0,
+            len: cx.ma.len,
+            pos0: cx.ma.pos0,
+            snap: cx.ma.snap,
+            tables: cx.ma.state_tables,
+            max_state: self.dims.max_state,
+            num_seqs: cx.m.num_seqs,
+        };
+        let k = ops::Kda {
+            xin: &ws.proj,
+            in_width: w.in_width,
+            b_col: 3 * c + 2 * dl,
+            y: &ws.conv_y,
+            fg: &ws.fg,
+            o: &ws.mix,
+            out: &ws.kda_out,
+            taps: &w.taps,
+            a_log: &w.a_log,
+            dt_bias: &w.dt_bias,
+            o_norm: &w.o_norm,
+            t,
+            nl,
+            dl,
+            kc: cfg.linear_conv_kernel_dim,
+            eps: cfg.rms_norm_eps as f32,
+        };
+        ops::kda(g, &pages, &k)?;
+        ops::linear(
+            g,
+            &ops::Linear {
+                y: Mat::rows(&ws.x, h),
+                x: Mat::rows(&ws.kda_out, c),
+                w: &w.wo,
+                m: t,
+                n: h,
+                k: c,
+                accumulate: true,
+            },
+        )
+    }
+
+    /// Dense SwiGLU of `ws.a` into `out` (`accumulate`: out += mlp, else out = mlp).
+    fn dense_mlp(
+        &self,
+        t: usize,
+        m: &DevMlp,
+        out: &crate::buf::DevBuf<f32>,
+        accumulate: bool,
+    ) -> Result<()> {
+        let h = self.w.cfg.hidden_size;
+        let (g, ws) = (&self.gpu, &self.ws);
+        ops::swiglu(
+            g,
+            &ops::Swiglu {
+                h: &ws.h_dense,
+                x: Mat::rows(&ws.a, h),
+                w13: &m.w13,
+                m: t,
+                n: m.inter,
+                k: h,
+            },
+        )?;
+        ops::linear(
+            g,
+            &ops::Linear {
+                y: Mat::rows(out, h),
+                x: Mat::rows(&ws.h_dense, m.inter),
+                w: &m.wd,
+                m: t,
+                n: h,
+                k: m.inter,
+                accumulate,
+            },
+        )
+    }
+
+    /// MoE of `ws.a` added into `ws.x`: route, experts, shared expert, combine.
+    fn moe(&self, cx: &Ctx<'_>, m: &DevMoe, j: usize) -> Result<()> {
+        let cfg = &self.w.cfg;
+        let (h, e, k, t) = (
+            cfg.hidden_size,
+            cfg.n_routed_experts,
+            cfg.num_experts_per_tok,
+            cx.t,
+        );
+        let (g, ws) = (&self.gpu, &self.ws);
+        ops::linear(
+            g,
+            &ops::Linear {
+                y: Mat::rows(&ws.router_logits, e),
+                x: Mat::rows(&ws.a, h),
+                w: &m.router,
+                m: t,
+                n: e,
+                k: h,
+                accumulate: false,
+            },
+        )?;
+        let r = ops::Routing {
+            ids: &ws.ids,
+            wts: &ws.wts,
+            sorted: &ws.sorted,
+            tile_expert: &ws.tile_expert,
+            t,
+            k,
+            e,
+            max_tiles: crate::launch::moe_max_tiles(t * k, e),
+        };
+        ops::moe_route(
+            g,
+            &r,
+            &ws.router_logits,
+            &m.bias,
+            cfg.norm_topk_prob,
+            cfg.routed_scaling_factor as f32,
+        )?;
+        if let (Some((ids, wts)), true) = (&self.router, cx.collect.router) {
+            let off = j * ws.t_cap * k;
+            ops::copy_words(g, ids, off, &ws.ids, 0, t * k)?;
+            ops::copy(g, wts, off, &ws.wts, 0, t * k)?;
+        }
+        let w = match &m.experts {
+            DevExperts::Int4 { q13, s13, qd, sd } => ops::ExpertPtrs::Int4 { q13, s13, qd, sd },
+            DevExperts::Bf16 { w13, wd } => ops::ExpertPtrs::Bf16 { w13, wd },
+        };
+        let ex = ops::Experts {
+            w,
+            x: &ws.a,
+            h: &ws.h_moe,
+            y: &ws.y_pairs,
+            hidden: h,
+            inter: cfg.moe_intermediate_size,
+        };
+        ops::moe_experts(g, &r, &ex)?;
+        self.dense_mlp(t, &m.shared, &ws.shared_out, false)?;
+        ops::moe_combine(g, &r, &ws.x, &ws.y_pairs, &ws.shared_out, h)
+    }
+}
