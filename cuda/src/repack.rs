@@ -236,7 +236,7 @@ pub fn unpack_experts(x: &Int4Experts, e: usize, m: usize) -> (Vec<u32>, Vec<f32
 #[cfg(test)]
 mod tests {
     use super::*;
-    use speclab_engine::model::linear::{quantize_rtn, unpack_nibble};
+    use speclab_engine::model::w4a16::{quantize_rtn, unpack_nibble};
 
     #[test]
     fn word_repack_is_a_bijection_with_marlin_order() {
@@ -278,8 +278,7 @@ mod tests {
             let w: Vec<f32> = (0..n * k)
                 .map(|i| half_bf16((((i * 31 + seed * 17) % 97) as f32 - 48.0) / 40.0))
                 .collect();
-            let (p, s) = quantize_rtn(&w, n, k).unwrap();
-            Linear::w4a16(n, k, p, s).unwrap()
+            quantize_rtn(&w, n, k).unwrap().to_linear().unwrap()
         };
         let ls: Vec<Linear> = (0..6).map(mk).collect();
         let mats: Vec<Vec<&Linear>> = vec![
