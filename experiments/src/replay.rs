@@ -662,10 +662,7 @@ impl Replayer {
             return Ok(None);
         };
         // One lookup: `reqs` and `kv` are disjoint fields.
-        let st = self
-            .reqs
-            .get_mut(req)
-            .ok_or_else(|| unknown(req))?;
+        let st = self.reqs.get_mut(req).ok_or_else(|| unknown(req))?;
         if *num_new_tokens == 0 {
             return Err(EngineError::ZeroTokenAllocation {
                 req: format!("{req:?}"),

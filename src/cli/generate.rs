@@ -419,9 +419,42 @@ pub fn verify(a: VerifyLosslessArgs) -> anyhow::Result<ExitCode> {
     }
     let target = ModelWeights::load(&e.model)?;
     let tok = tokenizer(&e.model)?;
-    let prompts: Vec<Vec<u32>> = match (&a.prompts, &a.random_prompts) {
+    let prompts = verify_prompts(&a, &target, tok.as_ref())?;
+    if prompts.is_empty() {
+        bail!("no prompts");
+    }
+    let spec = drafter_spec(e, &target)?;
+    let n_spec = speclab_engine::exec::DrafterFactory::num_speculative_tokens(&spec);
+    let reqs: Vec<EngineRequest> = prompts
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| EngineRequest {
+            id: i as u64,
+            prompt: p,
+            max_tokens: e.max_tokens,
+        })
+        .collect();
+    let opts = options(e, &target, &reqs, &spec, SamplingParams::GREEDY, false);
+    let mut make = fcfs(e);
+    let report = verify_lossless(&target, &spec, &reqs, &opts, &mut make)?;
+    print_lossless(&report, spec.kind.name(), n_spec, e.json);
+    Ok(if report.is_lossless() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// The prompts of `verify-lossless` (`--prompt`, `--prompts`, or seeded `--random-prompts`).
+fn verify_prompts(
+    a: &VerifyLosslessArgs,
+    target: &ModelWeights,
+    tok: Option<&Tokenizer>,
+) -> anyhow::Result<Vec<Vec<u32>>> {
+    let e = &a.engine;
+    Ok(match (&a.prompts, &a.random_prompts) {
         _ if a.prompt.is_some() => {
-            let t = tok.as_ref().with_context(|| {
+            let t = tok.with_context(|| {
                 format!(
                     "--prompt TEXT needs {}; give --prompts FILE with token ids instead",
                     e.model.join("tokenizer.json").display()
@@ -429,7 +462,7 @@ pub fn verify(a: VerifyLosslessArgs) -> anyhow::Result<ExitCode> {
             })?;
             vec![t.encode(a.prompt.as_deref().unwrap_or_default(), true)?]
         }
-        (Some(p), None) => read_prompts(p, tok.as_ref())?,
+        (Some(p), None) => read_prompts(p, tok)?,
         (None, Some(spec)) => {
             let (k, len) = spec
                 .split_once(':')
@@ -448,29 +481,21 @@ pub fn verify(a: VerifyLosslessArgs) -> anyhow::Result<ExitCode> {
                 .collect()
         }
         _ => bail!("give --prompt TEXT, --prompts FILE or --random-prompts K:LEN"),
-    };
-    if prompts.is_empty() {
-        bail!("no prompts");
-    }
-    let spec = drafter_spec(e, &target)?;
-    let n_spec = speclab_engine::exec::DrafterFactory::num_speculative_tokens(&spec);
-    let reqs: Vec<EngineRequest> = prompts
-        .into_iter()
-        .enumerate()
-        .map(|(i, p)| EngineRequest {
-            id: i as u64,
-            prompt: p,
-            max_tokens: e.max_tokens,
-        })
-        .collect();
-    let opts = options(e, &target, &reqs, &spec, SamplingParams::GREEDY, false);
-    let mut make = fcfs(e);
-    let report = verify_lossless(&target, &spec, &reqs, &opts, &mut make)?;
-    if e.json {
+    })
+}
+
+/// Print a lossless report (JSON with `--json`).
+fn print_lossless(
+    report: &speclab_engine::exec::LosslessReport,
+    drafter: &str,
+    n_spec: usize,
+    json: bool,
+) {
+    if json {
         println!(
             "{}",
             serde_json::json!({
-                "drafter": spec.kind.name(), "num_spec": n_spec, "lossless": report.is_lossless(),
+                "drafter": drafter, "num_spec": n_spec, "lossless": report.is_lossless(),
                 "num_requests": report.num_requests, "num_tokens_compared": report.num_tokens_compared,
                 "mismatches": report.mismatches,
                 "reference": {"tokens_per_s": report.reference.tokens_per_s, "steps": report.reference.num_steps},
@@ -481,7 +506,7 @@ pub fn verify(a: VerifyLosslessArgs) -> anyhow::Result<ExitCode> {
     } else {
         println!(
             "drafter {} (N = {n_spec}): {} requests, {} tokens compared: {}",
-            spec.kind.name(),
+            drafter,
             report.num_requests,
             report.num_tokens_compared,
             if report.is_lossless() {
@@ -504,9 +529,4 @@ pub fn verify(a: VerifyLosslessArgs) -> anyhow::Result<ExitCode> {
         println!("reference: {}", summary_line(&report.reference));
         println!("drafter:   {}", summary_line(&report.candidate));
     }
-    Ok(if report.is_lossless() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    })
 }
