@@ -479,6 +479,36 @@ impl Manifest {
             return real.validate(path);
         }
         crate::manifest_check::check_sizes(self, path)?;
+        self.check_sim_values(path)?;
+        crate::plan::check(self).map_err(|e| match e {
+            ExperimentError::Invalid { field, msg, .. } => bad(&field, msg),
+            other => other,
+        })?;
+        if self.kv.max_in_flight_tokens == Some(0) {
+            return Err(bad("kv.max_in_flight_tokens", "must be > 0".into()));
+        }
+        if self.sweep.max_num_seqs.contains(&0) {
+            return Err(bad("sweep.max_num_seqs", "values must be > 0".into()));
+        }
+        if self.sweep.max_in_flight_tokens.contains(&0) {
+            return Err(bad(
+                "sweep.max_in_flight_tokens",
+                "values must be > 0".into(),
+            ));
+        }
+        let legs = self.legs().map_err(|e| match e {
+            ExperimentError::Engine { context, error } => bad(&context, error.to_string()),
+            // Plan errors are raised without the file; name it here.
+            ExperimentError::Invalid { field, msg, .. } => bad(&field, msg),
+            other => other,
+        })?;
+        crate::manifest_check::check_fields(self, path, &legs)
+    }
+
+    /// The simulated sections' values: scheduler budgets, acceptance rates, drafter N,
+    /// workload prompts and generator, sweep block sizes.
+    fn check_sim_values(&self, path: &Path) -> Result<()> {
+        let bad = |f: &str, m: String| Self::invalid(path, f, m);
         if self.scheduler.max_num_seqs == 0 {
             return Err(bad("scheduler.max_num_seqs", "must be > 0".into()));
         }
@@ -547,29 +577,7 @@ impl Manifest {
                 return Err(bad("sweep.block_sizes", "block sizes must be > 0".into()));
             }
         }
-        crate::plan::check(self).map_err(|e| match e {
-            ExperimentError::Invalid { field, msg, .. } => bad(&field, msg),
-            other => other,
-        })?;
-        if self.kv.max_in_flight_tokens == Some(0) {
-            return Err(bad("kv.max_in_flight_tokens", "must be > 0".into()));
-        }
-        if self.sweep.max_num_seqs.contains(&0) {
-            return Err(bad("sweep.max_num_seqs", "values must be > 0".into()));
-        }
-        if self.sweep.max_in_flight_tokens.contains(&0) {
-            return Err(bad(
-                "sweep.max_in_flight_tokens",
-                "values must be > 0".into(),
-            ));
-        }
-        let legs = self.legs().map_err(|e| match e {
-            ExperimentError::Engine { context, error } => bad(&context, error.to_string()),
-            // Plan errors are raised without the file; name it here.
-            ExperimentError::Invalid { field, msg, .. } => bad(&field, msg),
-            other => other,
-        })?;
-        crate::manifest_check::check_fields(self, path, &legs)
+        Ok(())
     }
 
     /// A manifest with `real` must leave the simulated sections out (they would be ignored).
