@@ -147,12 +147,23 @@ impl Sim {
 
     fn step(&mut self) {
         let mut budget = BUDGET;
-        // (index into running, scheduled tokens, was a decode step)
+        // (request id, scheduled tokens, was a decode step)
         let mut scheduled: Vec<(String, u64, bool)> = Vec::new();
+        self.step_running(&mut budget, &mut scheduled);
+        self.step_waiting(&mut budget, &mut scheduled);
+        // Model step done: settle computed / outputs, finish requests.
+        for (id, n, decode) in scheduled {
+            self.settle(id, n, decode);
+        }
+        self.arrivals();
+    }
+
+    /// Running requests first, preempting from the back until each fits.
+    fn step_running(&mut self, budget: &mut u64, scheduled: &mut Vec<(String, u64, bool)>) {
         let mut i = 0;
-        while i < self.running.len() && budget > 0 {
+        while i < self.running.len() && *budget > 0 {
             let q = self.running[i].clone();
-            let Some((n, la)) = self.plan(&q, budget) else {
+            let Some((n, la)) = self.plan(&q, *budget) else {
                 break;
             };
             loop {
@@ -165,7 +176,7 @@ impl Sim {
                 });
                 if Self::allocated(&res) {
                     scheduled.push((q.id.clone(), n, la > 0));
-                    budget -= n;
+                    *budget -= n;
                     i += 1;
                     break;
                 }
@@ -184,12 +195,15 @@ impl Sim {
                 }
             }
         }
-        // Admit waiting / preempted requests (must-fit admission gate).
-        while budget > 0 && self.running.len() < MAX_RUNNING {
+    }
+
+    /// Admit waiting / preempted requests (must-fit admission gate).
+    fn step_waiting(&mut self, budget: &mut u64, scheduled: &mut Vec<(String, u64, bool)>) {
+        while *budget > 0 && self.running.len() < MAX_RUNNING {
             let Some(q) = self.waiting.front().cloned() else {
                 break;
             };
-            let Some((n, la)) = self.plan(&q, budget) else {
+            let Some((n, la)) = self.plan(&q, *budget) else {
                 break;
             };
             let must_fit = !self.rng.chance(0.1);
@@ -207,52 +221,56 @@ impl Sim {
             self.waiting.pop_front();
             self.running.push(q.clone());
             scheduled.push((q.id, n, la > 0));
-            budget -= n;
+            *budget -= n;
         }
-        // Model step done: settle computed / outputs, finish requests.
-        for (id, n, decode) in scheduled {
-            let Some(pos) = self.running.iter().position(|q| q.id == id) else {
-                continue;
-            };
-            self.emit(Op::Computed {
-                req: id.clone(),
-                n: n as i64,
-            });
-            let mut q = self.running[pos].clone();
-            q.computed += n;
-            let new_tokens = if decode {
-                let accepted = self.rng.range(0, K);
-                let rejected = K - accepted;
-                if rejected > 0 {
-                    self.emit(Op::Computed {
-                        req: id.clone(),
-                        n: -(rejected as i64),
-                    });
-                    q.computed -= rejected;
-                }
-                accepted + 1
-            } else if q.computed >= q.num_tokens {
-                1
-            } else {
-                0
-            };
-            let new_tokens = new_tokens.min(self.mml.saturating_sub(q.num_tokens));
-            if new_tokens > 0 {
-                self.emit(Op::Append {
+    }
+
+    /// Settle one scheduled request after the model step (computed, outputs, finish).
+    fn settle(&mut self, id: String, n: u64, decode: bool) {
+        let Some(pos) = self.running.iter().position(|q| q.id == id) else {
+            return;
+        };
+        self.emit(Op::Computed {
+            req: id.clone(),
+            n: n as i64,
+        });
+        let mut q = self.running[pos].clone();
+        q.computed += n;
+        let new_tokens = if decode {
+            let accepted = self.rng.range(0, K);
+            let rejected = K - accepted;
+            if rejected > 0 {
+                self.emit(Op::Computed {
                     req: id.clone(),
-                    n: new_tokens,
+                    n: -(rejected as i64),
                 });
-                q.num_tokens += new_tokens;
-                q.outputs += new_tokens;
+                q.computed -= rejected;
             }
-            if q.outputs >= q.max_outputs || q.num_tokens >= self.mml {
-                self.emit(Op::Free { req: id });
-                self.running.remove(pos);
-            } else {
-                self.running[pos] = q;
-            }
+            accepted + 1
+        } else if q.computed >= q.num_tokens {
+            1
+        } else {
+            0
+        };
+        let new_tokens = new_tokens.min(self.mml.saturating_sub(q.num_tokens));
+        if new_tokens > 0 {
+            self.emit(Op::Append {
+                req: id.clone(),
+                n: new_tokens,
+            });
+            q.num_tokens += new_tokens;
+            q.outputs += new_tokens;
         }
-        // Arrivals and the odd abort of a waiting request.
+        if q.outputs >= q.max_outputs || q.num_tokens >= self.mml {
+            self.emit(Op::Free { req: id });
+            self.running.remove(pos);
+        } else {
+            self.running[pos] = q;
+        }
+    }
+
+    /// Arrivals and the odd abort of a waiting request.
+    fn arrivals(&mut self) {
         let live = self.running.len() + self.waiting.len();
         if live < MAX_LIVE && (live < 24 || self.rng.chance(0.95)) {
             self.arrive();
