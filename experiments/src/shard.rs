@@ -371,7 +371,7 @@ pub fn merge_into(paths: &[PathBuf], out: &Path) -> Result<RunRecord> {
 mod tests {
     use super::*;
 
-    fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + '_ {
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
         move |k| {
             vars.iter()
                 .find(|(n, _)| *n == k)
