@@ -266,10 +266,13 @@ fn shard_from_slurm_and_kubernetes_variables_and_the_flag_wins() {
     std::fs::remove_dir_all(&d).ok();
 }
 
+/// Environment variables, extra `run` arguments, and the expected error text.
+type Case<'a> = (&'a [(&'a str, &'a str)], &'a [&'a str], &'a str);
+
 #[test]
 fn bad_shard_input_names_the_flag_or_variable_and_the_value() {
     let m = fixture("small.ron");
-    let cases: [(&[(&str, &str)], &[&str], &str); 6] = [
+    let cases: [Case<'_>; 6] = [
         (
             &[],
             &["--shard", "3/3"],
