@@ -373,79 +373,7 @@ impl QuantizationConfig {
             return Err(invalid(k("config_groups"), "must have at least one group"));
         }
         for (gname, g) in &self.config_groups {
-            let gk = |s: &str| format!("quantization_config.config_groups.{gname}.{s}");
-            if g.targets != ["Linear"] {
-                return Err(invalid(
-                    gk("targets"),
-                    format!("got {:?}, allowed: [\"Linear\"]", g.targets),
-                ));
-            }
-            if let Some(f) = &g.format {
-                must_equal(&gk("format"), &f.as_str(), &"pack-quantized")?;
-            }
-            for (name, v) in [
-                ("input_activations", &g.input_activations),
-                ("output_activations", &g.output_activations),
-            ] {
-                if v.as_ref().is_some_and(|v| !v.is_null()) {
-                    return Err(invalid(
-                        gk(name),
-                        "activation quantization is not supported (W4A16); allowed: null",
-                    ));
-                }
-            }
-            let w = g
-                .weights
-                .as_ref()
-                .ok_or_else(|| invalid(gk("weights"), "required (W4A16 quantizes weights)"))?;
-            must_equal(&gk("weights.num_bits"), &w.num_bits, &4)?;
-            must_equal(&gk("weights.type"), &w.kind.as_str(), &"int")?;
-            if !w.symmetric {
-                return Err(invalid(
-                    gk("weights.symmetric"),
-                    "asymmetric quantization (zero points) is not supported; allowed: true",
-                ));
-            }
-            must_equal(
-                &gk("weights.strategy"),
-                &w.strategy.as_deref().unwrap_or("null"),
-                &"group",
-            )?;
-            must_equal(
-                &gk("weights.group_size"),
-                &w.group_size
-                    .map_or("null".to_string(), |g| g.to_string())
-                    .as_str(),
-                &"128",
-            )?;
-            // "weight" / "static" only change GPTQ's calibration order (groups stay
-            // contiguous, nothing extra is stored); "group" / "dynamic" / true need g_idx.
-            let no_g_idx = match &w.actorder {
-                None | Some(Value::Null) | Some(Value::Bool(false)) => true,
-                Some(Value::String(a)) => a == "weight" || a == "static",
-                _ => false,
-            };
-            if !no_g_idx {
-                return Err(invalid(
-                    gk("weights.actorder"),
-                    format!(
-                        "got {}; activation ordering with g_idx is not supported; allowed: null, false, \"weight\", \"static\"",
-                        w.actorder.as_ref().map_or("null".to_string(), |v| v.to_string())
-                    ),
-                ));
-            }
-            if !matches!(w.dynamic, Value::Null | Value::Bool(false)) {
-                return Err(invalid(
-                    gk("weights.dynamic"),
-                    format!("got {}, allowed: false", w.dynamic),
-                ));
-            }
-            if w.block_structure.as_ref().is_some_and(|v| !v.is_null()) {
-                return Err(invalid(
-                    gk("weights.block_structure"),
-                    "not supported; allowed: null",
-                ));
-            }
+            check_group(gname, g)?;
         }
         self.ignore_matcher()?;
         Ok(())
@@ -455,6 +383,84 @@ impl QuantizationConfig {
     pub fn ignore_matcher(&self) -> Result<IgnoreList> {
         IgnoreList::new(&self.ignore)
     }
+}
+
+/// One `config_groups` entry: Linear targets, weights-only symmetric INT4 group 128.
+fn check_group(gname: &str, g: &QuantGroup) -> Result<()> {
+    let gk = |s: &str| format!("quantization_config.config_groups.{gname}.{s}");
+    if g.targets != ["Linear"] {
+        return Err(invalid(
+            gk("targets"),
+            format!("got {:?}, allowed: [\"Linear\"]", g.targets),
+        ));
+    }
+    if let Some(f) = &g.format {
+        must_equal(&gk("format"), &f.as_str(), &"pack-quantized")?;
+    }
+    for (name, v) in [
+        ("input_activations", &g.input_activations),
+        ("output_activations", &g.output_activations),
+    ] {
+        if v.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(invalid(
+                gk(name),
+                "activation quantization is not supported (W4A16); allowed: null",
+            ));
+        }
+    }
+    let w = g
+        .weights
+        .as_ref()
+        .ok_or_else(|| invalid(gk("weights"), "required (W4A16 quantizes weights)"))?;
+    must_equal(&gk("weights.num_bits"), &w.num_bits, &4)?;
+    must_equal(&gk("weights.type"), &w.kind.as_str(), &"int")?;
+    if !w.symmetric {
+        return Err(invalid(
+            gk("weights.symmetric"),
+            "asymmetric quantization (zero points) is not supported; allowed: true",
+        ));
+    }
+    must_equal(
+        &gk("weights.strategy"),
+        &w.strategy.as_deref().unwrap_or("null"),
+        &"group",
+    )?;
+    must_equal(
+        &gk("weights.group_size"),
+        &w.group_size
+            .map_or("null".to_string(), |g| g.to_string())
+            .as_str(),
+        &"128",
+    )?;
+    // "weight" / "static" only change GPTQ's calibration order (groups stay
+    // contiguous, nothing extra is stored); "group" / "dynamic" / true need g_idx.
+    let no_g_idx = match &w.actorder {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => true,
+        Some(Value::String(a)) => a == "weight" || a == "static",
+        _ => false,
+    };
+    if !no_g_idx {
+        return Err(invalid(
+                gk("weights.actorder"),
+                format!(
+                    "got {}; activation ordering with g_idx is not supported; allowed: null, false, \"weight\", \"static\"",
+                    w.actorder.as_ref().map_or("null".to_string(), |v| v.to_string())
+                ),
+            ));
+    }
+    if !matches!(w.dynamic, Value::Null | Value::Bool(false)) {
+        return Err(invalid(
+            gk("weights.dynamic"),
+            format!("got {}, allowed: false", w.dynamic),
+        ));
+    }
+    if w.block_structure.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err(invalid(
+            gk("weights.block_structure"),
+            "not supported; allowed: null",
+        ));
+    }
+    Ok(())
 }
 
 /// compressed-tensors `ignore` semantics: an entry matches a module name if it equals
@@ -721,6 +727,29 @@ impl ModelConfig {
                 format!("got {:?}, allowed: [{ARCHITECTURE:?}]", self.architectures),
             ));
         }
+        self.check_sizes()?;
+        self.check_fixed()?;
+        if let Some(q) = &self.quantization_config {
+            q.validate()?;
+            // Every quantized Linear must have in_features % 128 == 0: gate/up of routed
+            // experts take hidden_size, down takes moe_intermediate_size.
+            for (k, v) in [
+                ("hidden_size", self.hidden_size),
+                ("moe_intermediate_size", self.moe_intermediate_size),
+            ] {
+                if !v.is_multiple_of(GROUP_SIZE) {
+                    return Err(invalid(
+                        k,
+                        format!("must be a multiple of {GROUP_SIZE} for INT4 group-{GROUP_SIZE} routed experts, got {v}"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sizes, the layer mix, GQA, RoPE and MoE shape rules.
+    fn check_sizes(&self) -> Result<()> {
         for (k, v) in [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
@@ -788,6 +817,12 @@ impl ModelConfig {
                 format!("must be <= n_routed_experts = {}", self.n_routed_experts),
             ));
         }
+        Ok(())
+    }
+
+    /// Values the format fixes (router, activation, biases, dtype, MTP layers), norm and RoPE
+    /// constants, special token ids.
+    fn check_fixed(&self) -> Result<()> {
         must_equal("scoring_func", &self.scoring_func.as_str(), &"sigmoid")?;
         must_equal("topk_method", &self.topk_method.as_str(), &"noaux_tc")?;
         must_equal("n_group", &self.n_group, &1)?;
@@ -838,22 +873,6 @@ impl ModelConfig {
                     k,
                     format!("{v} is not below vocab_size = {}", self.vocab_size),
                 ));
-            }
-        }
-        if let Some(q) = &self.quantization_config {
-            q.validate()?;
-            // Every quantized Linear must have in_features % 128 == 0: gate/up of routed
-            // experts take hidden_size, down takes moe_intermediate_size.
-            for (k, v) in [
-                ("hidden_size", self.hidden_size),
-                ("moe_intermediate_size", self.moe_intermediate_size),
-            ] {
-                if !v.is_multiple_of(GROUP_SIZE) {
-                    return Err(invalid(
-                        k,
-                        format!("must be a multiple of {GROUP_SIZE} for INT4 group-{GROUP_SIZE} routed experts, got {v}"),
-                    ));
-                }
             }
         }
         Ok(())

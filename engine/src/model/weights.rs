@@ -544,25 +544,7 @@ fn build_layer(cfg: &ModelConfig, src: &mut dyn TensorSource, i: usize) -> Resul
 /// Checks done before reading any tensor, so that a config describing another model
 /// fails with the config key rather than a generic missing tensor.
 fn precheck(cfg: &ModelConfig, ck: &Checkpoint) -> Result<()> {
-    let file = |n: &str| ck.file_of(n);
-    // Layers present: max index of `model.layers.{i}.`
-    let mut max_layer: Option<usize> = None;
-    let mut max_expert: Option<(usize, String)> = None;
-    for name in ck.names() {
-        if let Some(rest) = name.strip_prefix("model.layers.") {
-            if let Some(i) = rest.split('.').next().and_then(|s| s.parse::<usize>().ok()) {
-                max_layer = Some(max_layer.map_or(i, |m| m.max(i)));
-            }
-            if let Some(pos) = rest.find(".mlp.experts.") {
-                let tail = &rest[pos + ".mlp.experts.".len()..];
-                if let Some(j) = tail.split('.').next().and_then(|s| s.parse::<usize>().ok()) {
-                    if max_expert.as_ref().is_none_or(|(m, _)| j > *m) {
-                        max_expert = Some((j, name.to_string()));
-                    }
-                }
-            }
-        }
-    }
+    let (max_layer, max_expert) = highest_indices(ck);
     let n_total = cfg.num_hidden_layers + cfg.num_nextn_predict_layers;
     if let Some(m) = max_layer {
         if m + 1 > n_total {
@@ -596,58 +578,89 @@ fn precheck(cfg: &ModelConfig, ck: &Checkpoint) -> Result<()> {
         }
     }
     for i in 0..n_total {
-        let p = format!("model.layers.{i}");
-        let full = ck.contains(&format!("{p}.self_attn.q_proj.weight"));
-        let kda = ck.contains(&format!("{p}.linear_attn.q_proj.weight"));
-        let want_full = cfg.layer_kind(i) == LayerKind::FullAttention;
-        let key = if i < cfg.num_hidden_layers {
-            format!("layer_types[{i}]")
-        } else {
-            "num_nextn_predict_layers".into()
-        };
-        if want_full && kda && !full {
-            return Err(EngineError::ConfigMismatch {
-                key,
-                tensor: format!("{p}.linear_attn.q_proj.weight"),
-                reason: format!(
-                    "layer {i} is full_attention in the config but {} stores a linear_attn (KDA) layer",
-                    file(&format!("{p}.linear_attn.q_proj.weight"))
-                ),
-            });
-        }
-        if !want_full && full && !kda {
-            return Err(EngineError::ConfigMismatch {
-                key,
-                tensor: format!("{p}.self_attn.q_proj.weight"),
-                reason: format!(
-                    "layer {i} is linear_attention in the config but {} stores a self_attn layer",
-                    file(&format!("{p}.self_attn.q_proj.weight"))
-                ),
-            });
-        }
-        let router = format!("{p}.mlp.gate.weight");
-        if cfg.is_moe_layer(i) != ck.contains(&router)
-            && (ck.contains(&format!("{p}.mlp.gate_proj.weight")) || ck.contains(&router))
-        {
-            return Err(EngineError::ConfigMismatch {
-                key: "first_k_dense_replace".into(),
-                tensor: if ck.contains(&router) {
-                    router
-                } else {
-                    format!("{p}.mlp.gate_proj.weight")
-                },
-                reason: format!(
-                    "first_k_dense_replace = {} makes layer {i} {}, but the checkpoint stores {}",
-                    cfg.first_k_dense_replace,
-                    if cfg.is_moe_layer(i) { "MoE" } else { "dense" },
-                    if cfg.is_moe_layer(i) {
-                        "a dense MLP"
-                    } else {
-                        "an MoE router"
+        precheck_layer(cfg, ck, i)?;
+    }
+    Ok(())
+}
+
+/// The highest `model.layers.{i}` index and the highest routed expert index (with a
+/// tensor that has it) the checkpoint stores.
+fn highest_indices(ck: &Checkpoint) -> (Option<usize>, Option<(usize, String)>) {
+    // Layers present: max index of `model.layers.{i}.`
+    let mut max_layer: Option<usize> = None;
+    let mut max_expert: Option<(usize, String)> = None;
+    for name in ck.names() {
+        if let Some(rest) = name.strip_prefix("model.layers.") {
+            if let Some(i) = rest.split('.').next().and_then(|s| s.parse::<usize>().ok()) {
+                max_layer = Some(max_layer.map_or(i, |m| m.max(i)));
+            }
+            if let Some(pos) = rest.find(".mlp.experts.") {
+                let tail = &rest[pos + ".mlp.experts.".len()..];
+                if let Some(j) = tail.split('.').next().and_then(|s| s.parse::<usize>().ok()) {
+                    if max_expert.as_ref().is_none_or(|(m, _)| j > *m) {
+                        max_expert = Some((j, name.to_string()));
                     }
-                ),
-            });
+                }
+            }
         }
+    }
+    (max_layer, max_expert)
+}
+
+/// Layer `i`'s mixer and FFN kind against the config (`layer_types`, `first_k_dense_replace`).
+fn precheck_layer(cfg: &ModelConfig, ck: &Checkpoint, i: usize) -> Result<()> {
+    let file = |n: &str| ck.file_of(n);
+    let p = format!("model.layers.{i}");
+    let full = ck.contains(&format!("{p}.self_attn.q_proj.weight"));
+    let kda = ck.contains(&format!("{p}.linear_attn.q_proj.weight"));
+    let want_full = cfg.layer_kind(i) == LayerKind::FullAttention;
+    let key = if i < cfg.num_hidden_layers {
+        format!("layer_types[{i}]")
+    } else {
+        "num_nextn_predict_layers".into()
+    };
+    if want_full && kda && !full {
+        return Err(EngineError::ConfigMismatch {
+            key,
+            tensor: format!("{p}.linear_attn.q_proj.weight"),
+            reason: format!(
+                "layer {i} is full_attention in the config but {} stores a linear_attn (KDA) layer",
+                file(&format!("{p}.linear_attn.q_proj.weight"))
+            ),
+        });
+    }
+    if !want_full && full && !kda {
+        return Err(EngineError::ConfigMismatch {
+            key,
+            tensor: format!("{p}.self_attn.q_proj.weight"),
+            reason: format!(
+                "layer {i} is linear_attention in the config but {} stores a self_attn layer",
+                file(&format!("{p}.self_attn.q_proj.weight"))
+            ),
+        });
+    }
+    let router = format!("{p}.mlp.gate.weight");
+    if cfg.is_moe_layer(i) != ck.contains(&router)
+        && (ck.contains(&format!("{p}.mlp.gate_proj.weight")) || ck.contains(&router))
+    {
+        return Err(EngineError::ConfigMismatch {
+            key: "first_k_dense_replace".into(),
+            tensor: if ck.contains(&router) {
+                router
+            } else {
+                format!("{p}.mlp.gate_proj.weight")
+            },
+            reason: format!(
+                "first_k_dense_replace = {} makes layer {i} {}, but the checkpoint stores {}",
+                cfg.first_k_dense_replace,
+                if cfg.is_moe_layer(i) { "MoE" } else { "dense" },
+                if cfg.is_moe_layer(i) {
+                    "a dense MLP"
+                } else {
+                    "an MoE router"
+                }
+            ),
+        });
     }
     Ok(())
 }
@@ -816,6 +829,44 @@ fn export_mlp(out: &mut Vec<NamedTensor>, pre: &str, x: &Mlp) {
     export_linear(out, &format!("{pre}.down_proj"), &x.down);
 }
 
+/// A KDA mixer's tensors under `{p}.linear_attn`.
+fn export_kda(out: &mut Vec<NamedTensor>, cfg: &ModelConfig, p: &str, k: &KdaWeights) {
+    let a = format!("{p}.linear_attn");
+    let c = cfg.kda_channels();
+    let kc = cfg.linear_conv_kernel_dim;
+    for (n, x) in [("q_proj", &k.q), ("k_proj", &k.k), ("v_proj", &k.v)] {
+        export_linear(out, &format!("{a}.{n}"), x);
+    }
+    for (n, x) in ["q", "k", "v"].iter().zip(&k.conv) {
+        out.push(NamedTensor::bf16(
+            &format!("{a}.{n}_conv1d.weight"),
+            vec![c, 1, kc],
+            x,
+        ));
+    }
+    export_linear(out, &format!("{a}.f_a_proj"), &k.f_a);
+    export_linear(out, &format!("{a}.f_b_proj"), &k.f_b);
+    export_linear(out, &format!("{a}.b_proj"), &k.b);
+    out.push(NamedTensor::f32(
+        &format!("{a}.A_log"),
+        vec![cfg.linear_num_heads],
+        &k.a_log,
+    ));
+    out.push(NamedTensor::f32(
+        &format!("{a}.dt_bias"),
+        vec![c],
+        &k.dt_bias,
+    ));
+    export_linear(out, &format!("{a}.g_a_proj"), &k.g_a);
+    export_linear(out, &format!("{a}.g_b_proj"), &k.g_b);
+    out.push(NamedTensor::bf16(
+        &format!("{a}.o_norm.weight"),
+        vec![cfg.linear_head_dim],
+        &k.o_norm,
+    ));
+    export_linear(out, &format!("{a}.o_proj"), &k.o);
+}
+
 fn export_layer(
     out: &mut Vec<NamedTensor>,
     cfg: &ModelConfig,
@@ -854,42 +905,7 @@ fn export_layer(
                 export_linear(out, &format!("{p}.self_attn.{n}"), x);
             }
         }
-        Mixer::Kda(k) => {
-            let a = format!("{p}.linear_attn");
-            let c = cfg.kda_channels();
-            let kc = cfg.linear_conv_kernel_dim;
-            for (n, x) in [("q_proj", &k.q), ("k_proj", &k.k), ("v_proj", &k.v)] {
-                export_linear(out, &format!("{a}.{n}"), x);
-            }
-            for (n, x) in ["q", "k", "v"].iter().zip(&k.conv) {
-                out.push(NamedTensor::bf16(
-                    &format!("{a}.{n}_conv1d.weight"),
-                    vec![c, 1, kc],
-                    x,
-                ));
-            }
-            export_linear(out, &format!("{a}.f_a_proj"), &k.f_a);
-            export_linear(out, &format!("{a}.f_b_proj"), &k.f_b);
-            export_linear(out, &format!("{a}.b_proj"), &k.b);
-            out.push(NamedTensor::f32(
-                &format!("{a}.A_log"),
-                vec![cfg.linear_num_heads],
-                &k.a_log,
-            ));
-            out.push(NamedTensor::f32(
-                &format!("{a}.dt_bias"),
-                vec![c],
-                &k.dt_bias,
-            ));
-            export_linear(out, &format!("{a}.g_a_proj"), &k.g_a);
-            export_linear(out, &format!("{a}.g_b_proj"), &k.g_b);
-            out.push(NamedTensor::bf16(
-                &format!("{a}.o_norm.weight"),
-                vec![cfg.linear_head_dim],
-                &k.o_norm,
-            ));
-            export_linear(out, &format!("{a}.o_proj"), &k.o);
-        }
+        Mixer::Kda(k) => export_kda(out, cfg, &p, k),
     }
     out.push(NamedTensor::bf16(
         &format!("{p}.post_attention_layernorm.weight"),
