@@ -563,105 +563,9 @@ impl Replayer {
 
     fn step(&mut self, op: &Op) -> std::result::Result<Option<AllocOutcome>, EngineError> {
         match op {
-            Op::Add { req, prompt_len } => {
-                if self.reqs.contains_key(req) {
-                    return Err(EngineError::DuplicateRequest {
-                        req: format!("{req:?}"),
-                    });
-                }
-                let mml = self.kv.max_model_len();
-                if *prompt_len > mml {
-                    return Err(EngineError::PromptTooLong {
-                        req: format!("{req:?}"),
-                        prompt_len: *prompt_len,
-                        max_model_len: mml,
-                    });
-                }
-                if *prompt_len == 0 {
-                    return Err(EngineError::BadTokenCount {
-                        req: format!("{req:?}"),
-                        reason: "prompt_len must be > 0".into(),
-                    });
-                }
-                let slot = match self.free_slots.pop() {
-                    Some(s) => s,
-                    None => {
-                        let s = ReqSlot(self.next_slot);
-                        self.next_slot = self.next_slot.checked_add(1).ok_or_else(|| {
-                            EngineError::Unsupported("more than 2^32 live requests".into())
-                        })?;
-                        s
-                    }
-                };
-                let st = ReqState {
-                    slot,
-                    num_computed_tokens: 0,
-                    num_tokens: *prompt_len,
-                    num_prompt_tokens: *prompt_len,
-                    status: RequestStatus::Waiting,
-                    allocated_slots: 0,
-                };
-                self.reqs.insert(req.clone(), st);
-                Ok(None)
-            }
-            Op::Allocate {
-                req,
-                num_new_tokens,
-                lookahead,
-                must_fit,
-                has_scheduled_reqs,
-            } => {
-                // One lookup: `reqs` and `kv` are disjoint fields.
-                let st = self
-                    .reqs
-                    .get_mut(req.as_str())
-                    .ok_or_else(|| unknown(req))?;
-                if *num_new_tokens == 0 {
-                    return Err(EngineError::ZeroTokenAllocation {
-                        req: format!("{req:?}"),
-                    });
-                }
-                let args = AllocArgs {
-                    num_new_tokens: *num_new_tokens,
-                    num_lookahead_tokens: *lookahead,
-                    full_sequence_must_fit: *must_fit,
-                    has_scheduled_reqs: *has_scheduled_reqs,
-                };
-                let out = self.kv.allocate_slots(&st.view(), args)?;
-                if matches!(out, AllocOutcome::Allocated(_)) {
-                    // allocate_slots refused any overflow of this sum above.
-                    st.allocated_slots = st
-                        .num_computed_tokens
-                        .saturating_add(*num_new_tokens)
-                        .saturating_add(*lookahead);
-                    if matches!(st.status, RequestStatus::Waiting | RequestStatus::Preempted) {
-                        st.status = RequestStatus::Running;
-                    }
-                }
-                Ok(Some(out))
-            }
-            Op::Computed { req, n } => {
-                let s = self.get_mut(req)?;
-                let new = i128::from(s.num_computed_tokens) + i128::from(*n);
-                let new = u64::try_from(new).map_err(|_| EngineError::BadTokenCount {
-                    req: format!("{req:?}"),
-                    reason: format!(
-                        "num_computed_tokens {} + {n} is out of range (would go below 0)",
-                        s.num_computed_tokens
-                    ),
-                })?;
-                if new > s.allocated_slots {
-                    return Err(EngineError::BadTokenCount {
-                        req: format!("{req:?}"),
-                        reason: format!(
-                            "num_computed_tokens {} + {n} = {new} is beyond the {} token slots the last allocate gave the request (num_tokens {}): computed tokens need KV slots, allocate them first",
-                            s.num_computed_tokens, s.allocated_slots, s.num_tokens
-                        ),
-                    });
-                }
-                s.num_computed_tokens = new;
-                Ok(None)
-            }
+            Op::Add { req, prompt_len } => self.op_add(req, *prompt_len),
+            Op::Allocate { req, .. } => self.op_allocate(req, op),
+            Op::Computed { req, n } => self.op_computed(req, *n),
             Op::Append { req, n } => {
                 let s = self.get_mut(req)?;
                 s.num_tokens =
@@ -691,6 +595,129 @@ impl Replayer {
                 Ok(None)
             }
         }
+    }
+
+    /// `add`: a new waiting request.
+    fn op_add(
+        &mut self,
+        req: &str,
+        prompt_len: u64,
+    ) -> std::result::Result<Option<AllocOutcome>, EngineError> {
+        let prompt_len = &prompt_len;
+        if self.reqs.contains_key(req) {
+            return Err(EngineError::DuplicateRequest {
+                req: format!("{req:?}"),
+            });
+        }
+        let mml = self.kv.max_model_len();
+        if *prompt_len > mml {
+            return Err(EngineError::PromptTooLong {
+                req: format!("{req:?}"),
+                prompt_len: *prompt_len,
+                max_model_len: mml,
+            });
+        }
+        if *prompt_len == 0 {
+            return Err(EngineError::BadTokenCount {
+                req: format!("{req:?}"),
+                reason: "prompt_len must be > 0".into(),
+            });
+        }
+        let slot = match self.free_slots.pop() {
+            Some(s) => s,
+            None => {
+                let s = ReqSlot(self.next_slot);
+                self.next_slot = self.next_slot.checked_add(1).ok_or_else(|| {
+                    EngineError::Unsupported("more than 2^32 live requests".into())
+                })?;
+                s
+            }
+        };
+        let st = ReqState {
+            slot,
+            num_computed_tokens: 0,
+            num_tokens: *prompt_len,
+            num_prompt_tokens: *prompt_len,
+            status: RequestStatus::Waiting,
+            allocated_slots: 0,
+        };
+        self.reqs.insert(req.to_string(), st);
+        Ok(None)
+    }
+
+    /// `allocate`: one `allocate_slots` call.
+    fn op_allocate(
+        &mut self,
+        req: &str,
+        op: &Op,
+    ) -> std::result::Result<Option<AllocOutcome>, EngineError> {
+        let Op::Allocate {
+            num_new_tokens,
+            lookahead,
+            must_fit,
+            has_scheduled_reqs,
+            ..
+        } = op
+        else {
+            return Ok(None);
+        };
+        // One lookup: `reqs` and `kv` are disjoint fields.
+        let st = self
+            .reqs
+            .get_mut(req)
+            .ok_or_else(|| unknown(req))?;
+        if *num_new_tokens == 0 {
+            return Err(EngineError::ZeroTokenAllocation {
+                req: format!("{req:?}"),
+            });
+        }
+        let args = AllocArgs {
+            num_new_tokens: *num_new_tokens,
+            num_lookahead_tokens: *lookahead,
+            full_sequence_must_fit: *must_fit,
+            has_scheduled_reqs: *has_scheduled_reqs,
+        };
+        let out = self.kv.allocate_slots(&st.view(), args)?;
+        if matches!(out, AllocOutcome::Allocated(_)) {
+            // allocate_slots refused any overflow of this sum above.
+            st.allocated_slots = st
+                .num_computed_tokens
+                .saturating_add(*num_new_tokens)
+                .saturating_add(*lookahead);
+            if matches!(st.status, RequestStatus::Waiting | RequestStatus::Preempted) {
+                st.status = RequestStatus::Running;
+            }
+        }
+        Ok(Some(out))
+    }
+
+    /// `computed`: advance (or roll back) the computed tokens within the allocated slots.
+    fn op_computed(
+        &mut self,
+        req: &str,
+        n: i64,
+    ) -> std::result::Result<Option<AllocOutcome>, EngineError> {
+        let n = &n;
+        let s = self.get_mut(req)?;
+        let new = i128::from(s.num_computed_tokens) + i128::from(*n);
+        let new = u64::try_from(new).map_err(|_| EngineError::BadTokenCount {
+            req: format!("{req:?}"),
+            reason: format!(
+                "num_computed_tokens {} + {n} is out of range (would go below 0)",
+                s.num_computed_tokens
+            ),
+        })?;
+        if new > s.allocated_slots {
+            return Err(EngineError::BadTokenCount {
+                req: format!("{req:?}"),
+                reason: format!(
+                    "num_computed_tokens {} + {n} = {new} is beyond the {} token slots the last allocate gave the request (num_tokens {}): computed tokens need KV slots, allocate them first",
+                    s.num_computed_tokens, s.allocated_slots, s.num_tokens
+                ),
+            });
+        }
+        s.num_computed_tokens = new;
+        Ok(None)
     }
 }
 
