@@ -30,6 +30,9 @@ pub enum ExperimentError {
         field: String,
         msg: String,
     },
+    /// A command-line flag or environment variable (`what`) has an unusable value.
+    #[error("{what}: {msg}")]
+    Config { what: String, msg: String },
     /// The engine refused an operation.
     // Not marked as `#[source]`: the message already includes it, and a
     // source would print twice in anyhow's `{:#}` chains.

@@ -20,6 +20,7 @@ pub mod real_run;
 pub mod record;
 pub mod replay;
 pub mod runner;
+pub mod shard;
 
 pub use error::ExperimentError;
 

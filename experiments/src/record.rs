@@ -203,6 +203,10 @@ pub struct RunRecord {
     /// vLLM 0.33.0 pool plans of the legs (manifests with `kv.plan`), in leg order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub plans: Vec<crate::plan::LegPlan>,
+    /// The shard of a sharded run (`speclab run --shard I/N`): the record holds only the
+    /// legs this shard owns. Absent in unsharded and merged records (old records load).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<crate::shard::Shard>,
 }
 
 impl RunRecord {

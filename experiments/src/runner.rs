@@ -20,6 +20,10 @@
 //! ([`crate::real_run`]): the target, prompts and drafter checkpoints are loaded once,
 //! only when some leg is left to run; the record bookkeeping is the same.
 //!
+//! A sharded run ([`RunCtx::shard`], [`crate::shard`]) runs only the legs its shard
+//! owns into its own record, which says so (`shard`); the same bookkeeping applies to
+//! it, and a record of another shard (or an unsharded one) at its path is refused.
+//!
 //! Invariant: the record on disk is always whole; a killed run never shrinks it.
 
 use std::path::Path;
@@ -61,6 +65,8 @@ pub struct RunCtx<'a> {
     pub record_path: &'a Path,
     /// Skip legs already recorded for the same manifest text.
     pub resume: bool,
+    /// Run only the legs of this shard (None: every leg).
+    pub shard: Option<crate::shard::Shard>,
 }
 
 /// Run (or resume) every leg of a manifest, saving the record after each leg.
@@ -141,13 +147,18 @@ fn run_legs(
     let kept = rec.legs.len();
     rec.notes = notes;
     rec.plans = plans;
-    let total = ids.len();
-    for (i, id) in ids.iter().enumerate() {
+    let owned: Vec<(usize, &String)> = ids
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| ctx.shard.is_none_or(|s| s.owns(*i)))
+        .collect();
+    let total = owned.len();
+    for (k, &(i, id)) in owned.iter().enumerate() {
         if rec.leg(id).is_some() {
-            progress.leg_start(i, total, id, true);
+            progress.leg_start(k, total, id, true);
             continue;
         }
-        progress.leg_start(i, total, id, false);
+        progress.leg_start(k, total, id, false);
         let lr = run_one(i, progress)?;
         progress.leg_done(&lr);
         rec.legs.push(lr);
@@ -157,7 +168,7 @@ fn run_legs(
     // Keep manifest order even after a resume.
     rec.legs
         .sort_by_key(|l| ids.iter().position(|x| *x == l.id).unwrap_or(usize::MAX));
-    rec.complete = ids.iter().all(|id| rec.leg(id).is_some());
+    rec.complete = owned.iter().all(|(_, id)| rec.leg(id).is_some());
     let timings_path = record::timings_path(ctx.record_path);
     record::TimingsRecord::of(ctx.record_path, &rec.legs).save(&timings_path)?;
     let verdict = match committed {
@@ -206,6 +217,17 @@ fn start_record(ctx: &RunCtx<'_>, partial: &Path) -> Result<(RunRecord, Option<R
                 msg: "the record was made from a different manifest text; pass --fresh to overwrite or --out for a new record".into(),
             });
         }
+        if r.shard != ctx.shard {
+            return Err(ExperimentError::Invalid {
+                path: ctx.record_path.to_path_buf(),
+                field: "shard".into(),
+                msg: format!(
+                    "the record is {} but this run is {}; pass --fresh to overwrite or --out for a new record",
+                    shard_name(r.shard),
+                    shard_name(ctx.shard)
+                ),
+            });
+        }
         Some(r)
     } else {
         None
@@ -213,7 +235,9 @@ fn start_record(ctx: &RunCtx<'_>, partial: &Path) -> Result<(RunRecord, Option<R
     let committed = existing.clone().filter(|r| r.complete);
     if partial.exists() {
         match RunRecord::load(partial) {
-            Ok(p) if p.manifest_text == ctx.manifest_text => return Ok((p, committed)),
+            Ok(p) if p.manifest_text == ctx.manifest_text && p.shard == ctx.shard => {
+                return Ok((p, committed))
+            }
             // A stale or unreadable sidecar of an interrupted run: start over.
             _ => {
                 std::fs::remove_file(partial).ok();
@@ -224,6 +248,10 @@ fn start_record(ctx: &RunCtx<'_>, partial: &Path) -> Result<(RunRecord, Option<R
         Some(r) if !r.complete => Ok((r, None)),
         _ => Ok((new_record(ctx), committed)),
     }
+}
+
+fn shard_name(s: Option<crate::shard::Shard>) -> String {
+    s.map_or_else(|| "unsharded".into(), |s| format!("shard {s}"))
 }
 
 fn new_record(ctx: &RunCtx<'_>) -> RunRecord {
@@ -239,6 +267,7 @@ fn new_record(ctx: &RunCtx<'_>) -> RunRecord {
         complete: false,
         notes: vec![],
         plans: vec![],
+        shard: ctx.shard,
     }
 }
 
@@ -474,6 +503,7 @@ mod tests {
             manifest_text: MANIFEST,
             record_path: &rec,
             resume: true,
+            shard: None,
         };
         run_manifest(&ctx, &mut Quiet).unwrap();
         let complete = std::fs::read(&rec).unwrap();

@@ -33,6 +33,8 @@ pub enum Command {
     },
     /// Run an experiment manifest and record it (default: the embedded df2w-wedge, then the quality spot-suite on models/tiny).
     Run(run::RunArgs),
+    /// Merge the shard records of a sharded run (`run --shard I/N`) into one record.
+    Merge(run::MergeArgs),
     /// Bisect the largest admissible prompt for each layout of a manifest.
     Bounds(run::BoundsArgs),
     /// Render run records into markdown findings.
@@ -59,6 +61,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Kv { command } => kv::run(command),
         Command::Run(a) => run::run(a),
+        Command::Merge(a) => run::merge(a),
         Command::Bounds(a) => run::bounds(a),
         Command::Findings(a) => run::findings(a),
         Command::Bench { command } => bench::run(command),

@@ -7,6 +7,10 @@
 //! manifest. `findings` renders records to `findings/<name>.md` (and `<name>-tau.svg` for
 //! a real sweep over N). `verify_manifest` is `speclab verify-lossless <manifest>`: the
 //! lossless check of every drafter x N x concurrency of a real manifest.
+//! `run --shard I/N` (or the Slurm / Kubernetes index variables, see
+//! `speclab_experiments::shard`) runs only that shard's legs into
+//! `runs/<name>.shard-I-of-N.json`; `merge` combines the shard records into the
+//! unsharded record after checking they are the shards of one manifest.
 //! Invariant: with `--json`, stdout carries only JSON.
 
 use std::path::{Path, PathBuf};
@@ -21,6 +25,7 @@ use speclab_experiments::manifest::{cap_name, Manifest};
 use speclab_experiments::real_run;
 use speclab_experiments::record::{LegRecord, RunRecord};
 use speclab_experiments::runner::{self, Progress, RunCtx, Verdict};
+use speclab_experiments::shard::{self, Shard, ShardArgs};
 
 /// The manifest `speclab run` uses first when none is given (simulated, no weights).
 pub const EMBEDDED_MANIFEST: &str = include_str!("../../experiments/df2w-wedge.ron");
@@ -47,6 +52,31 @@ pub struct RunArgs {
     /// Validate the manifest and list its legs (and what is already recorded) without running.
     #[arg(long)]
     pub dry_run: bool,
+    /// Run only shard I of N (0-based): the legs whose manifest index i has i % N == I,
+    /// into runs/<name>.shard-I-of-N.json. Wins over SLURM_ARRAY_TASK_ID /
+    /// SLURM_ARRAY_TASK_COUNT and JOB_COMPLETION_INDEX, which are read otherwise.
+    #[arg(long, value_name = "I/N")]
+    pub shard: Option<String>,
+    /// The shard count N for a Kubernetes Indexed Job (JOB_COMPLETION_INDEX gives only
+    /// the index; SPECLAB_SHARD_COUNT is read when this is absent).
+    #[arg(long, value_name = "N")]
+    pub shard_count: Option<usize>,
+    /// Ignore the Slurm / Kubernetes shard variables: run every leg.
+    #[arg(long, conflicts_with_all = ["shard", "shard_count"])]
+    pub no_shard: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct MergeArgs {
+    /// The shard records (`speclab run --shard I/N`), one per shard, in any order.
+    #[arg(required = true)]
+    pub records: Vec<PathBuf>,
+    /// Merged record path (default: the first record's path without `.shard-I-of-N`).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Print the merged record as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -138,33 +168,50 @@ fn bar(enabled: bool) -> Bar {
 /// DFlash2 wedge experiment (simulated), then, when `models/tiny` is present, the
 /// quality spot-suite on the trained checkpoint (real engine).
 pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
-    if a.manifest.is_some() {
-        let (m, mpath, text) = load_manifest(a.manifest.as_deref())?;
-        return run_one(&a, m, mpath, text);
+    let sa = ShardArgs {
+        shard: a.shard.as_deref(),
+        count: a.shard_count,
+        no_shard: a.no_shard,
+    };
+    let sh = shard::resolve(&sa, &|k| std::env::var(k).ok())?;
+    let a = &RunOpts {
+        args: &a,
+        shard: sh,
+    };
+    if a.args.manifest.is_some() {
+        let (m, mpath, text) = load_manifest(a.args.manifest.as_deref())?;
+        return run_one(a, m, mpath, text);
     }
-    if a.out.is_some() {
+    if a.args.out.is_some() {
         anyhow::bail!("--out needs a manifest (the default run writes one record per embedded manifest under runs/)");
     }
     let (m, mpath, text) = load_manifest(None)?;
-    run_one(&a, m, mpath, text)?;
+    run_one(a, m, mpath, text)?;
     if Path::new("models/tiny/config.json").exists() {
         let p = Path::new(EMBEDDED_REAL_PATH);
         let m: Manifest = speclab_experiments::manifest::parse_ron(p, EMBEDDED_REAL)?;
         m.validate(p)?;
-        run_one(&a, m, p.to_path_buf(), EMBEDDED_REAL.to_string())?;
-    } else if !a.json {
+        run_one(a, m, p.to_path_buf(), EMBEDDED_REAL.to_string())?;
+    } else if !a.args.json {
         outln!("(models/tiny not found here: skipped the quality spot-suite on the trained checkpoint; run from the repository root)");
     }
     Ok(ExitCode::SUCCESS)
 }
 
-fn run_one(a: &RunArgs, m: Manifest, mpath: PathBuf, text: String) -> anyhow::Result<ExitCode> {
-    let out = a
-        .out
-        .clone()
-        .unwrap_or_else(|| PathBuf::from("runs").join(format!("{}.json", m.name)));
+/// The `run` flags with the resolved shard.
+struct RunOpts<'a> {
+    args: &'a RunArgs,
+    shard: Option<Shard>,
+}
+
+fn run_one(o: &RunOpts<'_>, m: Manifest, mpath: PathBuf, text: String) -> anyhow::Result<ExitCode> {
+    let a = o.args;
+    let out = a.out.clone().unwrap_or_else(|| match o.shard {
+        Some(s) => s.record_path(&m.name),
+        None => PathBuf::from("runs").join(format!("{}.json", m.name)),
+    });
     if a.dry_run {
-        return dry_run(&m, &mpath, &text, &out, a.fresh, a.json);
+        return dry_run(&m, &mpath, &text, &out, o);
     }
     let ctx = RunCtx {
         manifest: &m,
@@ -172,6 +219,7 @@ fn run_one(a: &RunArgs, m: Manifest, mpath: PathBuf, text: String) -> anyhow::Re
         manifest_text: &text,
         record_path: &out,
         resume: !a.fresh,
+        shard: o.shard,
     };
     let mut progress = bar(!a.json && std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let outcome = runner::run_manifest(&ctx, &mut progress)?;
@@ -225,16 +273,24 @@ fn dry_run(
     mpath: &Path,
     text: &str,
     out: &Path,
-    fresh: bool,
-    json: bool,
+    o: &RunOpts<'_>,
 ) -> anyhow::Result<ExitCode> {
-    let (ids, notes): (Vec<String>, Vec<String>) = match &m.real {
+    let (fresh, json) = (o.args.fresh, o.args.json);
+    let (mut ids, notes): (Vec<String>, Vec<String>) = match &m.real {
         Some(r) => (
             r.legs().into_iter().map(|l| l.id).collect(),
             r.skipped_drafters().into_iter().map(|(_, n)| n).collect(),
         ),
         None => (m.legs()?.into_iter().map(|l| l.id).collect(), vec![]),
     };
+    if let Some(s) = o.shard {
+        ids = ids
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| s.owns(*i))
+            .map(|(_, id)| id)
+            .collect();
+    }
     // Refuse what a real run would refuse: an unreadable record, or one of another manifest.
     let recorded: Vec<String> = match (fresh, out.exists()) {
         (false, true) => {
@@ -249,7 +305,7 @@ fn dry_run(
     if json {
         outln!(
             "{}",
-            serde_json::json!({"manifest": mpath.display().to_string(), "name": m.name, "real": m.is_real(), "record": out.display().to_string(), "legs": ids, "recorded": recorded, "notes": notes})
+            serde_json::json!({"manifest": mpath.display().to_string(), "name": m.name, "real": m.is_real(), "record": out.display().to_string(), "shard": o.shard, "legs": ids, "recorded": recorded, "notes": notes})
         );
     } else {
         outln!(
@@ -297,6 +353,34 @@ fn print_run(rec: &RunRecord, out: &Path) {
     for n in &rec.notes {
         outln!("note: {n}");
     }
+}
+
+/// `speclab merge`: the shard records into one record (checks in `speclab_experiments::shard`).
+pub fn merge(a: MergeArgs) -> anyhow::Result<ExitCode> {
+    let out = match (
+        &a.out,
+        a.records.first().and_then(|p| shard::merged_path(p)),
+    ) {
+        (Some(o), _) => o.clone(),
+        (None, Some(p)) => p,
+        (None, None) => anyhow::bail!(
+            "{}: not named <name>.shard-I-of-N.json; pass --out for the merged record",
+            a.records[0].display()
+        ),
+    };
+    let rec = shard::merge_into(&a.records, &out)?;
+    if a.json {
+        outln!("{}", serde_json::to_string(&rec)?);
+    } else {
+        print_run(&rec, &out);
+        outln!(
+            "merged {} shard records into {} ({} legs)",
+            a.records.len(),
+            out.display(),
+            rec.legs.len()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// `speclab bounds`.
