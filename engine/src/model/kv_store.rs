@@ -57,8 +57,35 @@ fn bad(reason: String) -> EngineError {
     }
 }
 
-impl KvStore {
-    /// Allocate the store for the pool and groups of `kv` (built from [`ModelConfig::kv_layout`]).
+/// Sizes and group indices of the target's KV memory for one [`KvCacheManager`]: the
+/// rules the host store and a device pool share (same block ids, same page layout).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvGeometry {
+    pub num_blocks: usize,
+    /// Index of the `full` group in the manager's groups.
+    pub full_group: Option<usize>,
+    /// Index of the `kda_state` group.
+    pub state_group: Option<usize>,
+    /// Tokens per block of the `full` group (0 without one).
+    pub block_size: usize,
+    /// Attention layers with K/V (full-attention layers + MTP).
+    pub n_attn: usize,
+    pub n_kda: usize,
+    /// f32 of one attention layer's page: 2 bs nkv d.
+    pub full_page: usize,
+    /// f32 of one KDA layer's page: 3 (kc-1) C + nl dl^2.
+    pub state_page: usize,
+    /// f32 of the conv part of a state page: 3 (kc-1) C.
+    pub conv_len: usize,
+    pub floats_per_block: usize,
+    /// Blocks of the `kda_state` group a request holds: 1 + num_speculative_tokens.
+    pub state_blocks: usize,
+}
+
+impl KvGeometry {
+    /// The geometry of `kv` for `cfg`: its `full` / `kda_state` groups must be of the
+    /// right kind, present when the model has such layers, and their `memory` must equal
+    /// the model's page sizes.
     pub fn new(cfg: &ModelConfig, kv: &KvCacheManager) -> Result<Self> {
         let groups = kv.groups();
         let find = |name: &str, kind: GroupKind| -> Result<Option<usize>> {
@@ -106,11 +133,46 @@ impl KvStore {
                 }
             }
         }
-        let floats_per_block = (n_attn * full_page).max(n_kda * state_page).max(1);
-        let num_blocks = kv.pool().num_blocks() as usize;
-        let total = num_blocks
-            .checked_mul(floats_per_block)
-            .ok_or_else(|| bad("KV store size overflows".into()))?;
+        let state_blocks = state_group.map_or(1, |g| 1 + groups[g].num_speculative_blocks as usize);
+        Ok(Self {
+            num_blocks: kv.pool().num_blocks() as usize,
+            full_group,
+            state_group,
+            block_size,
+            n_attn,
+            n_kda,
+            full_page,
+            state_page,
+            conv_len: 3 * (cfg.linear_conv_kernel_dim - 1) * cfg.kda_channels(),
+            floats_per_block: (n_attn * full_page).max(n_kda * state_page).max(1),
+            state_blocks,
+        })
+    }
+
+    /// f32 values of the whole pool.
+    pub fn total_floats(&self) -> Result<usize> {
+        self.num_blocks
+            .checked_mul(self.floats_per_block)
+            .ok_or_else(|| bad("KV store size overflows".into()))
+    }
+
+    /// Float offset of attention layer `a`'s page within a block.
+    pub fn attn_off(&self, a: usize) -> usize {
+        a * self.full_page
+    }
+
+    /// Float offset of KDA layer `l`'s page within a block.
+    pub fn state_off(&self, l: usize) -> usize {
+        l * self.state_page
+    }
+}
+
+impl KvStore {
+    /// Allocate the store for the pool and groups of `kv` (built from [`ModelConfig::kv_layout`]).
+    pub fn new(cfg: &ModelConfig, kv: &KvCacheManager) -> Result<Self> {
+        let geo = KvGeometry::new(cfg, kv)?;
+        let (num_blocks, floats_per_block) = (geo.num_blocks, geo.floats_per_block);
+        let total = geo.total_floats()?;
         let mut data = Vec::new();
         data.try_reserve_exact(total).map_err(|_| {
             EngineError::InsufficientKvMemory(format!(
@@ -122,15 +184,15 @@ impl KvStore {
         data.resize(total, 0.0);
         Ok(Self {
             num_blocks,
-            full_group,
-            state_group,
-            block_size,
+            full_group: geo.full_group,
+            state_group: geo.state_group,
+            block_size: geo.block_size,
             kv_row: cfg.num_key_value_heads * cfg.head_dim,
-            n_attn,
-            n_kda,
-            full_page,
-            conv_len: 3 * (cfg.linear_conv_kernel_dim - 1) * cfg.kda_channels(),
-            state_page,
+            n_attn: geo.n_attn,
+            n_kda: geo.n_kda,
+            full_page: geo.full_page,
+            conv_len: geo.conv_len,
+            state_page: geo.state_page,
             floats_per_block,
             data,
         })
