@@ -55,17 +55,30 @@ fn assert_same(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn check_case(
+/// One proptest case: target, prompt lengths, output budget, N, step budget, batch size,
+/// drafter window cap, EOS handling.
+struct Case {
     target_seed: u64,
-    lens: &[usize],
+    lens: Vec<usize>,
     max_tokens: u64,
     n: usize,
     budget: u64,
     seqs: usize,
     cap: CapPolicy,
     ignore_eos: bool,
-) {
+}
+
+fn check_case(c: Case) {
+    let Case {
+        target_seed,
+        ref lens,
+        max_tokens,
+        n,
+        budget,
+        seqs,
+        cap,
+        ignore_eos,
+    } = c;
     let target = micro_target(target_seed);
     let ps = prompts(target_seed ^ 0xabc, lens, target.cfg.vocab_size);
     let reqs = requests(&ps, max_tokens);
@@ -144,7 +157,7 @@ proptest! {
         cap in prop_oneof![Just(CapPolicy::None), Just(CapPolicy::Upstream), Just(CapPolicy::WindowPlusTwo)],
         ignore_eos in any::<bool>(),
     ) {
-        check_case(target_seed, &lens, max_tokens, n, budget, seqs, cap, ignore_eos);
+        check_case(Case { target_seed, lens, max_tokens, n, budget, seqs, cap, ignore_eos });
     }
 }
 

@@ -45,22 +45,30 @@ fn shape_err(what: String) -> EngineError {
     EngineError::ModelInput(what)
 }
 
-/// `y[m, n] = sum_k x[m, k] * w[n, k]` with x `[m, k]`, w `[n, k]` (rows of w strided by `w_rs`),
-/// writing into `y` at column offset `col0` of rows of length `y_rs`.
-///
-/// Callers guarantee the slices hold the indexed elements (asserted: an internal invariant).
-#[allow(clippy::too_many_arguments)] // a BLAS-style signature
-fn gemm_xwt(
+/// The shape of one [`gemm_xwt`]: `m` rows of x, `n` rows of w, inner size `k`; rows of w
+/// strided by `w_rs`; y written at column offset `col0` of rows of length `y_rs`.
+#[derive(Clone, Copy)]
+struct GemmShape {
     m: usize,
     n: usize,
     k: usize,
-    x: &[f32],
-    w: &[f32],
     w_rs: usize,
-    y: &mut [f32],
     y_rs: usize,
     col0: usize,
-) {
+}
+
+/// `y[m, n] = sum_k x[m, k] * w[n, k]` with x `[m, k]`, w `[n, k]` ([`GemmShape`]).
+///
+/// Callers guarantee the slices hold the indexed elements (asserted: an internal invariant).
+fn gemm_xwt(sh: GemmShape, x: &[f32], w: &[f32], y: &mut [f32]) {
+    let GemmShape {
+        m,
+        n,
+        k,
+        w_rs,
+        y_rs,
+        col0,
+    } = sh;
     if m == 0 || n == 0 {
         return;
     }
@@ -195,7 +203,17 @@ impl Linear {
             )));
         }
         match self {
-            Self::Dense { w, .. } => gemm_xwt(t, n, k, x, w, k, y, n, 0),
+            Self::Dense { w, .. } => {
+                let sh = GemmShape {
+                    m: t,
+                    n,
+                    k,
+                    w_rs: k,
+                    y_rs: n,
+                    col0: 0,
+                };
+                gemm_xwt(sh, x, w, y)
+            }
             Self::W4A16 { packed, scale, .. } => {
                 let rows = W4A16_TILE_ROWS.min(n);
                 let mut tile = vec![0.0f32; rows * k];
@@ -203,7 +221,15 @@ impl Linear {
                 while r0 < n {
                     let nb = rows.min(n - r0);
                     dequant_rows(packed, scale, k, r0, nb, &mut tile);
-                    gemm_xwt(t, nb, k, x, &tile, k, y, n, r0);
+                    let sh = GemmShape {
+                        m: t,
+                        n: nb,
+                        k,
+                        w_rs: k,
+                        y_rs: n,
+                        col0: r0,
+                    };
+                    gemm_xwt(sh, x, &tile, y);
                     r0 += nb;
                 }
             }
