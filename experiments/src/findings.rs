@@ -461,6 +461,8 @@ pub fn render_files(
         }
     }
     if !hazards.is_empty() {
+        // Rows in name order, whatever order the records were given in.
+        hazards.sort_by(|a: &crate::atlas::Entry, b| a.name.cmp(&b.name));
         let out = out_dir.join("atlas.md");
         crate::record::write_atomic(&out, crate::atlas::render(&hazards).as_bytes())?;
         written.push(out);
