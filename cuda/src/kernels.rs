@@ -50,6 +50,7 @@ pub const SOURCES: &[KernelSource] = &[
             "gather_rows",
             "argmax_rows",
             "copy_f32",
+            "copy_f32x4",
         ],
     },
     KernelSource {

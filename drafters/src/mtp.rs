@@ -99,8 +99,10 @@ impl Drafter for Mtp {
             ))
         })?;
         let want = self.num_speculative_tokens.min(ctx.max_draft);
+        // Drafts are greedy: a device backend may answer with argmax ids only.
         let opts = ForwardOptions {
             logits: LogitsRows::LastPerChunk,
+            greedy_ids: true,
             ..ForwardOptions::default()
         };
         let out = t.backend.mtp_forward(
@@ -116,7 +118,7 @@ impl Drafter for Mtp {
         if want == 0 {
             return Ok(Proposal::default());
         }
-        let mut d = argmax(&out.logits) as u32;
+        let mut d = greedy_id(&out);
         let mut tokens = Vec::with_capacity(want);
         tokens.push(d);
         let mut prev = out.hidden[(len - 1) * h..len * h].to_vec();
@@ -132,7 +134,7 @@ impl Drafter for Mtp {
                 }],
                 &opts,
             )?;
-            d = argmax(&o.logits) as u32;
+            d = greedy_id(&o);
             tokens.push(d);
             prev = o.hidden;
         }
@@ -144,5 +146,14 @@ impl Drafter for Mtp {
 
     fn lookahead_slots(&self) -> usize {
         crate::DrafterKind::Mtp.lookahead(self.num_speculative_tokens)
+    }
+}
+
+/// The draft token of an MTP output with one logits row: the backend's argmax id when
+/// it gave one, else the argmax of the logits (the same first maximum).
+fn greedy_id(out: &speclab_engine::model::MtpOut) -> u32 {
+    match out.argmax.as_deref() {
+        Some([id, ..]) => *id,
+        _ => argmax(&out.logits) as u32,
     }
 }

@@ -36,7 +36,7 @@ use crate::backend::TargetBackend;
 use crate::kv::KvCacheManager;
 use crate::model::{ForwardOptions, ForwardOut, LogitsRows, SeqChunk};
 use crate::request::ReqSlot;
-use crate::spec::{seeded_rng, SamplingParams, SpecRng, VerifyCtx};
+use crate::spec::{seeded_rng, SamplingParams, SpecRng, Verified, VerifyCtx};
 use crate::traits::{
     Drafter, Executor, Proposal, ProposeCtx, RequestId, ScheduledRequest, StepCtx, StepOutput,
     StepPerf, StepResult, TargetStep,
@@ -285,6 +285,7 @@ impl ModelExecutor {
             },
             collect_hidden: self.drafter.wants_layer_hidden(),
             collect_router: self.cfg.collect_router,
+            greedy_ids: self.cfg.sampling.is_greedy(),
         };
         let chunks: Vec<SeqChunk<'_>> = plan
             .iter()
@@ -315,15 +316,29 @@ impl ModelExecutor {
             .ok_or(EngineError::UnknownRequest {
                 req: p.id.to_string(),
             })?;
+        let all_rows = match &fwd.argmax {
+            Some(ids) => ids.len() == fwd.num_tokens,
+            None => fwd.logits.len() == fwd.num_tokens * vocab,
+        };
         let (row, rows) = if p.num_draft > 0 {
             (p.offset, n)
-        } else if fwd.logits.len() == fwd.num_tokens * vocab {
+        } else if all_rows {
             (p.offset + n - 1, 1)
         } else {
             (chunk_index, 1)
         };
-        let logits = &fwd.logits[row * vocab..(row + rows) * vocab];
         let q = st.q.take();
+        if let (Some(ids), true) = (&fwd.argmax, self.cfg.sampling.is_greedy()) {
+            let ids = ids.get(row..row + rows).ok_or_else(|| {
+                bad_batch(p.id, "the forward returned too few argmax rows".into())
+            })?;
+            let v = crate::spec::verify_greedy_ids(ids, &p.tokens[1..rows.max(1)])?;
+            return self.finish_verify(kv, p, v);
+        }
+        let logits = fwd
+            .logits
+            .get(row * vocab..(row + rows) * vocab)
+            .ok_or_else(|| bad_batch(p.id, "the forward returned too few logits rows".into()))?;
         let proposal = if p.num_draft == 0 {
             Proposal::default()
         } else {
@@ -343,6 +358,11 @@ impl ModelExecutor {
             }
         };
         let v = VerifyCtx::new(self.cfg.sampling, &mut st.rng).verify(logits, vocab, &proposal)?;
+        self.finish_verify(kv, p, v)
+    }
+
+    /// Roll the KDA state back to the accepted prefix of a verified chunk.
+    fn finish_verify(&mut self, kv: &KvCacheManager, p: &Planned, v: Verified) -> Result<Sampled> {
         if p.num_draft > 0 {
             self.backend.commit_state(kv, p.slot, v.accepted)?;
         }
