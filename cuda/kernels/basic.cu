@@ -86,3 +86,12 @@ extern "C" __global__ void copy_f32x4(float4* __restrict__ dst, const float4* __
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += stride)
         dst[i] = src[i];
 }
+
+// Busy-wait `cycles` SM clock cycles (one thread). The profiler launches it first so the
+// host enqueues a whole step behind it and the events between kernels time the GPU
+// alone, not the host's launch gaps. Launch: grid 1, block 1.
+extern "C" __global__ void spin_wait(long long cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) {
+    }
+}

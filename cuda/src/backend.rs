@@ -365,6 +365,30 @@ impl CudaBackend {
         Ok(f64::from(ms) * 1e3 / n.max(1) as f64)
     }
 
+    /// One eager greedy step with an event after every kernel, the step's metadata
+    /// uploaded before the profiler's spin kernel (a pageable upload would wait for it):
+    /// GPU µs per kernel name, launches per name (module `device`, `profile_stop`).
+    pub fn profile_step(
+        &mut self,
+        kv: &KvCacheManager,
+        batch: &[SeqChunk<'_>],
+    ) -> Result<Vec<(String, usize, f64)>> {
+        let m = self.target_meta(kv, batch)?;
+        self.ensure(&m, Collect::default())?;
+        let kind = StepKind::Target {
+            last_rows: true,
+            collect: Collect::default(),
+            argmax: true,
+        };
+        self.gpu.sync()?;
+        self.gpu.profile_start()?;
+        let ran = self.run(&m, kind);
+        let prof = self.gpu.profile_stop();
+        ran?;
+        self.note_pending(batch);
+        prof
+    }
+
     /// Run one step: replayed as a CUDA graph when graphs are on, else eagerly.
     fn launch_step(&mut self, m: &StepMeta, kind: StepKind) -> Result<()> {
         if self.opts.use_graphs {

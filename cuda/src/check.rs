@@ -561,10 +561,7 @@ pub fn timing(dir: &Path, batches: &[usize], steps: usize) -> Result<Timing> {
             alloc(&mut kv, ReqSlot(i as u32), p as u64, 1)?;
         }
         let toks: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
-        gpu.set_graphs(false);
-        gpu.gpu.profile_start()?;
-        gpu.forward_greedy(&kv, &chunks(&toks, &pos, false), LogitsRows::LastPerChunk)?;
-        for (kernel, launches, us) in gpu.gpu.profile_stop()? {
+        for (kernel, launches, us) in gpu.profile_step(&kv, &chunks(&toks, &pos, false))? {
             prof.push(ProfileRow {
                 batch: b,
                 kernel,
@@ -572,7 +569,6 @@ pub fn timing(dir: &Path, batches: &[usize], steps: usize) -> Result<Timing> {
                 us,
             });
         }
-        gpu.set_graphs(true);
         let us = gpu.replay_us(&kv, &chunks(&toks, &pos, false), 100)?;
         if let Some(r) = rows.last_mut() {
             r.gpu_us_per_step = Some(us);

@@ -128,6 +128,14 @@ impl Gpu {
     /// Start recording an event after every launch (eager steps only: events cannot be
     /// recorded inside a graph capture). The first entry is the start mark.
     pub fn profile_start(&self) -> Result<()> {
+        // ~5 ms at the H200's ~2 GHz: longer than the host takes to enqueue a step.
+        let args = [crate::ops::Arg::L(10_000_000)];
+        // SAFETY: spin_wait takes one `long long` and touches no memory.
+        let one = crate::launch::Shape {
+            grid: (1, 1, 1),
+            block: (1, 1, 1),
+        };
+        unsafe { crate::ops::launch(self, "spin_wait", one, &args)? };
         let e = self.timing_event()?;
         *self.profile.borrow_mut() = Some(vec![("start", e)]);
         Ok(())

@@ -51,6 +51,7 @@ pub const SOURCES: &[KernelSource] = &[
             "argmax_rows",
             "copy_f32",
             "copy_f32x4",
+            "spin_wait",
         ],
     },
     KernelSource {
