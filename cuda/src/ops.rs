@@ -476,29 +476,28 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
         int(im, "N")?,
         int(hd, "K")?,
     ]);
+    let int4 = matches!(a.w, ExpertPtrs::Int4 { .. });
+    let gu_shape = if int4 {
+        launch::moe_w4(im, hd, 2, r.max_tiles, gu_name)?
+    } else {
+        launch::moe_gemm(im, r.max_tiles, gu_name)?
+    };
+    let dn_shape = if int4 {
+        launch::moe_w4(hd, im, 1, r.max_tiles, dn_name)?
+    } else {
+        launch::moe_gemm(hd, r.max_tiles, dn_name)?
+    };
     // SAFETY: h [P, Im], x [T, H], the expert weights [E, Im, 2, H] (as words / scales),
     // sorted [8 max_tiles], tile_expert [max_tiles] checked; pair ids in `sorted` are < P
-    // and tile experts < E (moe_align's output over ids < E).
-    unsafe {
-        launch(
-            g,
-            gu_name,
-            launch::moe_gemm(im, r.max_tiles, gu_name)?,
-            &args,
-        )?
-    };
+    // and tile experts < E (moe_align's output over ids < E). The INT4 kernels touch
+    // rows of columns < N only (N % 8 == 0, checked by moe_w4: a lane group past N reads
+    // column 0 and writes nothing; launch.rs tests the column cover).
+    unsafe { launch(g, gu_name, gu_shape, &args)? };
     let mut args = vec![y, h];
     args.extend(dn_w);
     args.extend([wts, sorted, tiles, int(hd, "N")?, int(im, "K")?]);
     // SAFETY: y [P, H], h [P, Im], weights [E, H, Im], wts [P] checked; indices as above.
-    unsafe {
-        launch(
-            g,
-            dn_name,
-            launch::moe_gemm(hd, r.max_tiles, dn_name)?,
-            &args,
-        )
-    }
+    unsafe { launch(g, dn_name, dn_shape, &args) }
 }
 
 /// Kernel `moe_combine`: `x += routed (ascending expert) + shared`.
