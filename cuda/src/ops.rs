@@ -354,6 +354,19 @@ pub fn moe_route(
     norm_topk: bool,
     rsf: f32,
 ) -> Result<()> {
+    moe_topk(g, r, logits, bias, norm_topk, rsf)?;
+    moe_align(g, r)
+}
+
+/// Kernel `moe_topk`: `r.ids` / `r.wts` from router logits `[T, E]` and the bias `[E]`.
+pub fn moe_topk(
+    g: &Gpu,
+    r: &Routing<'_>,
+    logits: &DevBuf<f32>,
+    bias: &DevBuf<f32>,
+    norm_topk: bool,
+    rsf: f32,
+) -> Result<()> {
     r.check()?;
     let p = r.t * r.k;
     let args = [
@@ -369,7 +382,13 @@ pub fn moe_route(
     ];
     // SAFETY: ids, wts [T*k], logits [T, E], bias [E] checked; k <= 8, E <= 1024 checked
     // (the kernel's shared arrays).
-    unsafe { launch(g, "moe_topk", launch::per_warp(r.t, "moe_topk")?, &args)? };
+    unsafe { launch(g, "moe_topk", launch::per_warp(r.t, "moe_topk")?, &args) }
+}
+
+/// Kernel `moe_align`: the pairs of `r.ids` (each `< E`) sorted per expert into tiles.
+pub fn moe_align(g: &Gpu, r: &Routing<'_>) -> Result<()> {
+    r.check()?;
+    let p = r.t * r.k;
     let args = [
         ptr(
             r.sorted,
@@ -384,8 +403,9 @@ pub fn moe_route(
         int(r.max_tiles, "max_tiles")?,
     ];
     // SAFETY: sorted [8 * max_tiles], tile_expert [max_tiles], ids [P] checked; the
-    // kernel writes at most moe_max_tiles(P, E) <= max_tiles tiles (checked above; the
-    // bound is tested in launch.rs); ids < E (moe_topk's output).
+    // kernel writes at most moe_max_tiles(P, E) <= max_tiles tiles (checked by
+    // `r.check`; the bound is tested in launch.rs); ids < E (moe_topk's output, or
+    // host-built ids checked by their builder, crate::moebench).
     unsafe {
         launch(
             g,
