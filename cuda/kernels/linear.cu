@@ -220,8 +220,10 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 //   lane works at every shape.
 // - Lane g of a group reads 16-byte chunks c = g, g + L, ... of each of its 4 rows (one
 //   uint4 = 4 words = 32 weights, all of one 128-group, so one scale), L consecutive
-//   lanes reading 16 L contiguous bytes of a row; the next chunk's 4 uint4 are loaded
-//   before the current one is consumed (two chunks = 128 B per lane in flight).
+//   lanes reading 16 L contiguous bytes of a row, through a W4_STAGES-deep cp.async
+//   pipeline in shared memory (3 chunks = 192 B per lane in flight, no registers held:
+//   at ~3 blocks an SM that is ~70 KB in flight per SM, ~2.5x the ~25 KB Little's law
+//   asks for at 4.2 TB/s and ~0.8 us loaded latency).
 // - Dequantization: common.cuh dequant8 (1 LOP3 + 1 FFMA per weight, exact q * scale).
 // - Each activation float4 (L1 / L2) is reused for 4 weight rows; the token rows of the
 //   tile (up to 8, moe.cu moe_align) accumulate in registers, acc[4][8]; the group's
@@ -231,6 +233,7 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 
 #define W4_ROWS 4
 #define W4_WARPS 4
+#define W4_STAGES 4
 
 // Lanes per group for a row of K weights (mirrored by cuda/src/launch.rs w4_lanes).
 __device__ __forceinline__ int w4_lanes(int K) {
@@ -240,23 +243,58 @@ __device__ __forceinline__ int w4_lanes(int K) {
     return l;
 }
 
-// The 4 uint4 chunks and their scales of weight rows row0 .. row0 + 3 at chunk c.
-__device__ __forceinline__ void w4_load(uint4 q[W4_ROWS], float sc[W4_ROWS],
-                                        const u32* __restrict__ qw,
-                                        const bf16_bits* __restrict__ s, size_t row0, int K,
-                                        int c) {
+// Asynchronous 16- / 4-byte copies global -> shared (sm_80+ cp.async, as Marlin's
+// multi-stage pipeline: vLLM csrc/quantization/gptq_marlin/marlin.cuh cp_async4).
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(smem)), "l"(gmem)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(smem)), "l"(gmem)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+// Wait until at most W4_STAGES - 1 committed groups are pending.
+__device__ __forceinline__ void cp_async_wait_stages() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(W4_STAGES - 1) : "memory");
+}
+
+// Per-thread pipeline stages: the 4 chunks (uint4) of the thread's weight rows and the
+// 32-bit word holding each chunk's bf16 scale.  Each thread reads back only what it copied
+// itself, so cp.async.wait_group is the only synchronization.  40 KB a block.
+struct W4Smem {
+    uint4 q[W4_STAGES][W4_ROWS][128];
+    u32 s[W4_STAGES][W4_ROWS][128];
+};
+
+// Issue the copies of chunk c of rows row0 .. row0 + 3 into stage `st`.  The scale word is
+// the aligned pair holding scale (row, c / 4); scale buffers have an even length (N % 8
+// == 0), so the pair never leaves the buffer.
+__device__ __forceinline__ void w4_issue(W4Smem& sm, int st, const u32* __restrict__ qw,
+                                         const bf16_bits* __restrict__ s, size_t row0, int K,
+                                         int c) {
+    const int t = threadIdx.x;
 #pragma unroll
     for (int i = 0; i < W4_ROWS; ++i) {
         const size_t row = row0 + i;
-        q[i] = *reinterpret_cast<const uint4*>(qw + row * (size_t)(K / 8) + (size_t)c * 4);
-        sc[i] = bf16_to_f32(s[row * (size_t)(K / 128) + (c >> 2)]);
+        cp_async16(&sm.q[st][i][t], qw + row * (size_t)(K / 8) + (size_t)c * 4);
+        const size_t si = row * (size_t)(K / 128) + (c >> 2);
+        cp_async4(&sm.s[st][i][t], s + (si & ~(size_t)1));
     }
 }
 
 // acc[i][r] = sum_k x[in_row[r], k] * W[row0 + i, k] over this lane's chunks (partial: the
 // caller reduces over the group's L lanes).  Rows with in_row[r] < 0 are skipped
-// (uniform per tile).  x: [rows, K] f32.
-__device__ __forceinline__ void w4_dot(float acc[W4_ROWS][ROWS_PER_TILE],
+// (uniform per tile).  x: [rows, K] f32.  The lane's chunks c = g, g + L, ... stream
+// through W4_STAGES shared-memory stages, W4_STAGES - 1 chunks in flight.
+__device__ __forceinline__ void w4_dot(W4Smem& sm, float acc[W4_ROWS][ROWS_PER_TILE],
                                        const u32* __restrict__ qw,
                                        const bf16_bits* __restrict__ s, size_t row0, int K,
                                        const float* __restrict__ x,
@@ -265,16 +303,28 @@ __device__ __forceinline__ void w4_dot(float acc[W4_ROWS][ROWS_PER_TILE],
     for (int i = 0; i < W4_ROWS; ++i)
 #pragma unroll
         for (int r = 0; r < ROWS_PER_TILE; ++r) acc[i][r] = 0.0f;
-    const int chunks = K / 32;
-    uint4 nq[W4_ROWS];
-    float ns[W4_ROWS];
-    if (g < chunks) w4_load(nq, ns, qw, s, row0, K, g);
-    for (int c = g; c < chunks; c += L) {
+    const int t = threadIdx.x;
+    const int mine = (K / 32 - g + L - 1) / L;  // chunks of this lane (>= 1: g < L <= K / 32)
+#pragma unroll
+    for (int st = 0; st < W4_STAGES - 1; ++st) {
+        if (st < mine) w4_issue(sm, st, qw, s, row0, K, g + st * L);
+        cp_async_commit();
+    }
+    for (int it = 0; it < mine; ++it) {
+        const int nx = it + W4_STAGES - 1;
+        if (nx < mine) w4_issue(sm, nx % W4_STAGES, qw, s, row0, K, g + nx * L);
+        cp_async_commit();
+        cp_async_wait_stages();  // chunk `it` has landed
+        const int st = it % W4_STAGES, c = g + it * L;
         uint4 q[W4_ROWS];
         W4Scale sp[W4_ROWS];
 #pragma unroll
-        for (int i = 0; i < W4_ROWS; ++i) { q[i] = nq[i]; sp[i] = w4_scale(ns[i]); }
-        if (c + L < chunks) w4_load(nq, ns, qw, s, row0, K, c + L);
+        for (int i = 0; i < W4_ROWS; ++i) {
+            q[i] = sm.q[st][i][t];
+            const size_t si = (row0 + i) * (size_t)(K / 128) + (c >> 2);
+            const u32 pair = sm.s[st][i][t];
+            sp[i] = w4_scale(bf16_to_f32((bf16_bits)(si & 1 ? pair >> 16 : pair & 0xffffu)));
+        }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             float w[W4_ROWS][8];
@@ -291,7 +341,7 @@ __device__ __forceinline__ void w4_dot(float acc[W4_ROWS][ROWS_PER_TILE],
 #pragma unroll
                     for (int i = 0; i < W4_ROWS; ++i)
 #pragma unroll
-                        for (int t = 0; t < 8; ++t) acc[i][r] += xv[t] * w[i][t];
+                        for (int u = 0; u < 8; ++u) acc[i][r] += xv[u] * w[i][u];
                 }
             }
         }
@@ -316,7 +366,7 @@ __device__ __forceinline__ int w4_col0(int L, int cols_per_group) {
 // Shapes: x [T, K] f32 (post-norm), q13 [E, N, 2, K/8] u32, s13 [E, N, 2, K/128] bf16,
 // h [P, N] f32 (N = moe_intermediate_size).
 // Launch: grid (ceil(N / (2 * W4_WARPS * 32 / L)), max_tiles), block 128 (launch.rs moe_w4).
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_w4(
+extern "C" __global__ void __launch_bounds__(128, 4) moe_gate_up_w4(
     float* __restrict__ h, const float* __restrict__ x, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
     const int* __restrict__ tile_expert, int topk, int N, int K) {
@@ -326,12 +376,17 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_w4(
     const int L = w4_lanes(K);
     const int n0 = w4_col0(L, 2);
     const bool real = n0 < N;  // uniform per group; N % 8 == 0, so both columns are real
-    int in_row[ROWS_PER_TILE], out_row[ROWS_PER_TILE];
-    tile_rows(sorted, tile, topk, in_row, out_row);
+    int in_row[ROWS_PER_TILE];
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_TILE; ++r) {
+        const int p = sorted[tile * ROWS_PER_TILE + r];
+        in_row[r] = p >= 0 ? p / topk : -1;
+    }
+    __shared__ W4Smem sm;
     float acc[W4_ROWS][ROWS_PER_TILE];
     // A group past N reads column 0 (valid memory) and writes nothing: every lane of the
     // warp must take part in the shuffles.
-    w4_dot(acc, q13, s13, ((size_t)e * N + (real ? n0 : 0)) * 2, K, x, in_row,
+    w4_dot(sm, acc, q13, s13, ((size_t)e * N + (real ? n0 : 0)) * 2, K, x, in_row,
            (threadIdx.x & 31) % L, L);
 #pragma unroll
     for (int r = 0; r < ROWS_PER_TILE; ++r) {
@@ -341,7 +396,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_w4(
             const float gv = group_sum(acc[2 * c][r], L);
             const float uv = group_sum(acc[2 * c + 1][r], L);
             if (real && (threadIdx.x & 31) % L == 0)
-                h[(size_t)out_row[r] * N + n0 + c] = silu_f(gv) * uv;
+                h[(size_t)sorted[tile * ROWS_PER_TILE + r] * N + n0 + c] = silu_f(gv) * uv;
         }
     }
 }
@@ -350,7 +405,7 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_w4(
 // (h[p] . Wd[e, n]).  Shapes: h [P, K] (K = moe_intermediate_size), qd [E, N, K/8] u32,
 // sd [E, N, K/128] bf16, topk_w [P], y [P, N] (N = hidden).
 // Launch: grid (ceil(N / (4 * W4_WARPS * 32 / L)), max_tiles), block 128 (launch.rs moe_w4).
-extern "C" __global__ void __launch_bounds__(128) moe_down_w4(
+extern "C" __global__ void __launch_bounds__(128, 4) moe_down_w4(
     float* __restrict__ y, const float* __restrict__ h, const u32* __restrict__ qd,
     const bf16_bits* __restrict__ sd, const float* __restrict__ topk_w,
     const int* __restrict__ sorted, const int* __restrict__ tile_expert, int N, int K) {
@@ -363,8 +418,9 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_w4(
     int rows[ROWS_PER_TILE];
 #pragma unroll
     for (int r = 0; r < ROWS_PER_TILE; ++r) rows[r] = sorted[tile * ROWS_PER_TILE + r];
+    __shared__ W4Smem sm;
     float acc[W4_ROWS][ROWS_PER_TILE];
-    w4_dot(acc, qd, sd, (size_t)e * N + (real ? n0 : 0), K, h, rows, (threadIdx.x & 31) % L, L);
+    w4_dot(sm, acc, qd, sd, (size_t)e * N + (real ? n0 : 0), K, h, rows, (threadIdx.x & 31) % L, L);
 #pragma unroll
     for (int r = 0; r < ROWS_PER_TILE; ++r) {
         if (rows[r] < 0) continue;
