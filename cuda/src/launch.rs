@@ -108,7 +108,11 @@ pub fn w4_cols_per_block(k: usize, nmat: usize) -> usize {
 /// (ceil(N / cols_per_block), max_tiles), block 128. Needs K % 128 == 0 (one scale per
 /// 16-byte chunk) and N % 8 == 0 (a lane group's columns are all real or all past N).
 pub fn moe_w4(n: usize, k: usize, nmat: usize, max_tiles: usize, what: &str) -> Result<Shape> {
-    if k == 0 || !k.is_multiple_of(128) || n == 0 || !n.is_multiple_of(8) || !(1..=2).contains(&nmat)
+    if k == 0
+        || !k.is_multiple_of(128)
+        || n == 0
+        || !n.is_multiple_of(8)
+        || !(1..=2).contains(&nmat)
     {
         return Err(CudaError::Unsupported(format!(
             "{what}: INT4 expert GEMM with N = {n}, K = {k} (needs K % 128 == 0, N % 8 == 0)"

@@ -519,7 +519,14 @@ impl Scratch {
     }
 }
 
-fn experts_call(g: &Gpu, s: &MoeShape, m: usize, c: &LayerCopy, d: &DevDraw, sc: &Scratch) -> Result<()> {
+fn experts_call(
+    g: &Gpu,
+    s: &MoeShape,
+    m: usize,
+    c: &LayerCopy,
+    d: &DevDraw,
+    sc: &Scratch,
+) -> Result<()> {
     let ex = ops::Experts {
         w: c.experts(),
         x: &d.x,
@@ -532,7 +539,14 @@ fn experts_call(g: &Gpu, s: &MoeShape, m: usize, c: &LayerCopy, d: &DevDraw, sc:
 }
 
 /// The MoE layer as step.rs runs it, on the injected routing of `d`.
-fn layer_call(g: &Gpu, s: &MoeShape, m: usize, c: &LayerCopy, d: &DevDraw, sc: &Scratch) -> Result<()> {
+fn layer_call(
+    g: &Gpu,
+    s: &MoeShape,
+    m: usize,
+    c: &LayerCopy,
+    d: &DevDraw,
+    sc: &Scratch,
+) -> Result<()> {
     let (h, e) = (s.hidden, s.experts);
     ops::linear(
         g,
@@ -631,7 +645,14 @@ pub fn copy_bandwidth(g: &Gpu, bytes: usize) -> Result<f64> {
 }
 
 /// The f64 reference of the routed outputs of `pairs` (kernels/bench.cu): `[npairs, H]`.
-fn reference(g: &Gpu, s: &MoeShape, m: usize, c: &LayerCopy, d: &DevDraw, pairs: &[i32]) -> Result<Vec<f32>> {
+fn reference(
+    g: &Gpu,
+    s: &MoeShape,
+    m: usize,
+    c: &LayerCopy,
+    d: &DevDraw,
+    pairs: &[i32],
+) -> Result<Vec<f32>> {
     let (st, np, p) = (&g.stream, pairs.len(), m * s.topk);
     let (w13, wd) = s.words();
     let pb = DevBuf::upload(st, pairs, "check pairs")?;
@@ -683,7 +704,14 @@ fn reference(g: &Gpu, s: &MoeShape, m: usize, c: &LayerCopy, d: &DevDraw, pairs:
 }
 
 /// Routed outputs of the engine's kernels against the reference: (pairs, max abs, max rel).
-fn check_row(g: &Gpu, cfg: &MoeBenchConfig, m: usize, c: &LayerCopy, d: &DevDraw, sc: &Scratch) -> Result<(usize, f64, f64)> {
+fn check_row(
+    g: &Gpu,
+    cfg: &MoeBenchConfig,
+    m: usize,
+    c: &LayerCopy,
+    d: &DevDraw,
+    sc: &Scratch,
+) -> Result<(usize, f64, f64)> {
     let s = &cfg.shape;
     experts_call(g, s, m, c, d, sc)?;
     let y = sc.y.read(&g.stream, 0, m * s.topk * s.hidden, "y")?;
@@ -718,7 +746,14 @@ fn upload_draw(g: &Gpu, s: &MoeShape, m: usize, draw: Draw, seed: u32) -> Result
 }
 
 /// One (M, routing) row: draws, timings, the check.
-fn run_row(g: &Gpu, cfg: &MoeBenchConfig, copies: &[LayerCopy], m: usize, mode: RoutingMode, copy_gb_s: f64) -> Result<MoeRow> {
+fn run_row(
+    g: &Gpu,
+    cfg: &MoeBenchConfig,
+    copies: &[LayerCopy],
+    m: usize,
+    mode: RoutingMode,
+    copy_gb_s: f64,
+) -> Result<MoeRow> {
     let s = &cfg.shape;
     let draws: Vec<DevDraw> = (0..copies.len())
         .map(|d| {
@@ -729,8 +764,12 @@ fn run_row(g: &Gpu, cfg: &MoeBenchConfig, copies: &[LayerCopy], m: usize, mode: 
         .collect::<Result<_>>()?;
     let sc = Scratch::new(g, s, m)?;
     let n = copies.len();
-    let ex = time_calls(g, cfg.iters, |i| experts_call(g, s, m, &copies[i % n], &draws[i % n], &sc))?;
-    let ly = time_calls(g, cfg.iters, |i| layer_call(g, s, m, &copies[i % n], &draws[i % n], &sc))?;
+    let ex = time_calls(g, cfg.iters, |i| {
+        experts_call(g, s, m, &copies[i % n], &draws[i % n], &sc)
+    })?;
+    let ly = time_calls(g, cfg.iters, |i| {
+        layer_call(g, s, m, &copies[i % n], &draws[i % n], &sc)
+    })?;
     let (pairs, abs, rel) = check_row(g, cfg, m, &copies[0], &draws[0], &sc)?;
     let mean = |f: &dyn Fn(&Draw) -> f64| draws.iter().map(|d| f(&d.draw)).sum::<f64>() / n as f64;
     let distinct = mean(&|d| d.distinct() as f64);

@@ -40,7 +40,11 @@ pub enum BenchCommand {
 #[derive(Debug, Args)]
 pub struct MoeArgs {
     /// Token counts M, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64,128,256")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1,2,4,8,16,32,64,128,256"
+    )]
     pub m: Vec<usize>,
     /// Routings, comma-separated (uniform, zipf, sequence).
     #[arg(long, value_delimiter = ',', default_value = "uniform,zipf,sequence")]
@@ -266,7 +270,16 @@ fn print_moe(r: &speclab_cuda::moebench::MoeBenchReport, out: &std::path::Path) 
     );
     outln!(
         "{:>8} {:>4} {:>7} {:>10} {:>10} {:>8} {:>6} {:>10} {:>9} {}",
-        "routing", "M", "experts", "experts_us", "floor_us", "GB/s", "%copy", "layer_us", "rel_err", ""
+        "routing",
+        "M",
+        "experts",
+        "experts_us",
+        "floor_us",
+        "GB/s",
+        "%copy",
+        "layer_us",
+        "rel_err",
+        ""
     );
     for w in &r.rows {
         outln!(
