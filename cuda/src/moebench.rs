@@ -98,9 +98,9 @@ impl MoeShape {
         4 * (m * self.hidden + 2 * p * self.inter + p * self.hidden)
     }
     fn check(&self) -> Result<()> {
-        if self.hidden % 128 != 0
-            || self.inter % 128 != 0
-            || self.shared_inter % 8 != 0
+        if !self.hidden.is_multiple_of(128)
+            || !self.inter.is_multiple_of(128)
+            || !self.shared_inter.is_multiple_of(8)
             || self.topk == 0
             || self.topk > launch::TOPK_MAX
             || self.topk > self.experts
@@ -168,7 +168,7 @@ impl Draw {
     }
     /// The invariant `moe_align` relies on: every id `< e`, `k` distinct per token.
     pub fn validate(&self, e: usize, k: usize) -> Result<()> {
-        if self.ids.len() != self.wts.len() || self.ids.len() % k != 0 {
+        if self.ids.len() != self.wts.len() || k == 0 || !self.ids.len().is_multiple_of(k) {
             return Err(CudaError::Input("routing draw lengths".into()));
         }
         for tok in self.ids.chunks(k) {
