@@ -33,6 +33,8 @@ use speclab_experiments::replay::{self, Replayer};
 pub enum BenchCommand {
     /// Replay a long KV trace through speclab and through vLLM (Python) and print the ratio.
     KvReplay(KvReplayArgs),
+    /// Decode tok/s of the real engine per drafter and concurrency, graphs on/off (CUDA).
+    E2e(super::bench_e2e::E2eArgs),
     /// One GLM-5.3-Flash W4A16 MoE layer on the GPU: µs, GB/s, % of copy bandwidth per M and routing.
     Moe(MoeArgs),
 }
@@ -211,6 +213,7 @@ fn file_digest(p: &std::path::Path) -> anyhow::Result<String> {
 pub fn run(c: BenchCommand) -> anyhow::Result<ExitCode> {
     match c {
         BenchCommand::KvReplay(a) => kv_replay(a),
+        BenchCommand::E2e(a) => super::bench_e2e::e2e(a),
         BenchCommand::Moe(a) => moe(a),
     }
 }
