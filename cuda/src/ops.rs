@@ -309,11 +309,12 @@ pub fn copy(
     let args = [
         ptr(dst, d_off, n, "copy dst")?,
         ptr(src, s_off, n, "copy src")?,
-        long(if n % 4 == 0 { n / 4 } else { n }),
+        long(if n.is_multiple_of(4) { n / 4 } else { n }),
     ];
     // Device allocations are 256-byte aligned, so offsets in whole float4s keep the
     // 16-byte alignment copy_f32x4 needs.
-    let (name, shape) = if n % 4 == 0 && d_off % 4 == 0 && s_off % 4 == 0 {
+    let (name, shape) = if n.is_multiple_of(4) && d_off.is_multiple_of(4) && s_off.is_multiple_of(4)
+    {
         let blocks = (n / 4).div_ceil(256).min(132 * 8);
         ("copy_f32x4", launch::grid_2d(blocks, 1, 256, "copy")?)
     } else {

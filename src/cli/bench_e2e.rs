@@ -344,9 +344,12 @@ fn mismatches(a: &[Vec<u32>], b: &[Vec<u32>]) -> usize {
     a.iter().zip(b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len())
 }
 
+/// Anchor tok/s by concurrency: (eager, CUDA graph).
+type Anchors = BTreeMap<usize, (Option<f64>, Option<f64>)>;
+
 /// The PyTorch anchors by concurrency: (eager tok/s, graph tok/s).
-fn load_anchors(paths: &[PathBuf]) -> anyhow::Result<BTreeMap<usize, (Option<f64>, Option<f64>)>> {
-    let mut m: BTreeMap<usize, (Option<f64>, Option<f64>)> = BTreeMap::new();
+fn load_anchors(paths: &[PathBuf]) -> anyhow::Result<Anchors> {
+    let mut m: Anchors = BTreeMap::new();
     for p in paths {
         let text =
             std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
