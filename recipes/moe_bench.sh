@@ -64,7 +64,8 @@ except Exception as e:
     a = {"moe_bf16": []}; print("no anchors:", e)
 anc = {r["M"]: r for r in a.get("moe_bf16", [])}
 print(f"\n{b['device']}: copy {b['copy_gb_s']:.0f} GB/s (end {b['copy_gb_s_end']:.0f}); "
-      f"torch copy {a.get('copy_GBps', float('nan')):.0f} GB/s, torch {a.get('torch', '?')}")
+      f"torch copy {a.get('copy_GBps', float('nan')):.0f} GB/s, torch {a.get('torch', '?')}; "
+      f"INT4 GEMM resident blocks/SM (gate_up, down): {b.get('w4_blocks_per_sm')}")
 print("experts_us = moe_gate_up_w4 + moe_down_w4 (CUDA events, median); layer_us = router + topk + align + experts + bf16 shared + combine")
 print("x gmm = torch bf16 grouped_mm us / experts_us (anchor routing: softmax top-8 of randn logits, ~uniform)")
 hdr = f"{'routing':>8} {'M':>4} {'experts':>7} {'experts_us':>10} {'floor_us':>9} {'GB/s':>6} {'%copy':>6} {'layer_us':>9} {'gmm_us':>8} {'x gmm':>6} {'loop_us':>8} {'check':>6}"

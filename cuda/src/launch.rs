@@ -270,6 +270,72 @@ mod tests {
         assert_eq!(moe_w4(4096, 2048, 1, 8, "t").unwrap().grid, (256, 8, 1));
     }
 
+    /// Host model of the INT4 kernels' walk over one weight row (linear.cu `w4_dot`): lane
+    /// g of a group of L takes chunks g, g + L, ... of `k / 32`; chunk c's scale is half of
+    /// the aligned 32-bit pair holding scale `row * k/128 + c/4`; words dequantized by the
+    /// kernel's bit trick. Returns the row's dot product with `x`, summed as the group does.
+    fn w4_row_dot_model(q: &[u32], s: &[u16], row: usize, k: usize, x: &[f32]) -> f64 {
+        let l = w4_lanes(k);
+        let mut total = 0.0f64;
+        for g in 0..l {
+            let mine = (k / 32 - g).div_ceil(l);
+            for it in 0..mine {
+                let c = g + it * l;
+                let si = row * (k / 128) + c / 4;
+                let pair = u32::from(s[si & !1]) | (u32::from(s[(si & !1) + 1]) << 16);
+                let half = if si & 1 == 1 {
+                    pair >> 16
+                } else {
+                    pair & 0xffff
+                };
+                let sc = f32::from_bits(half << 16);
+                for j in 0..4 {
+                    let w = crate::repack::dequant8_model(q[row * (k / 8) + c * 4 + j], sc);
+                    for (t, wt) in w.iter().enumerate() {
+                        total += f64::from(x[c * 32 + j * 8 + t]) * f64::from(*wt);
+                    }
+                }
+            }
+        }
+        total
+    }
+
+    #[test]
+    fn w4_chunk_walk_covers_every_weight_once_with_its_scale() {
+        use speclab_engine::model::w4a16::unpack_nibble;
+        for k in [128usize, 256, 384, 1152, 2048, 4096] {
+            // 8 rows: scale buffers hold N % 8 == 0 rows, so the aligned pair never leaves them.
+            let rows = 8;
+            let words: Vec<u32> = (0..rows * k / 8)
+                .map(|i| (i as u32).wrapping_mul(0x9e37_79b9) ^ 0x5bd1_e995)
+                .collect();
+            let q: Vec<u32> = words
+                .iter()
+                .map(|&w| crate::repack::repack_word(w))
+                .collect();
+            // Distinct power-of-two-ish scales per group, so a wrong group shows.
+            let s: Vec<u16> = (0..rows * k / 128)
+                .map(|i| 0x3b80u16 + (i % 13) as u16 * 0x10)
+                .collect();
+            let x: Vec<f32> = (0..k)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
+                .collect();
+            for row in 0..rows {
+                let mut want = 0.0f64;
+                for kk in 0..k {
+                    let sc = f32::from_bits(u32::from(s[row * (k / 128) + kk / 128]) << 16);
+                    let wv = unpack_nibble(words[row * (k / 8) + kk / 8], kk % 8) as f32 * sc;
+                    want += f64::from(x[kk]) * f64::from(wv);
+                }
+                let got = w4_row_dot_model(&q, &s, row, k, &x);
+                assert!(
+                    (got - want).abs() <= 1e-9 * want.abs().max(1.0),
+                    "k {k} row {row}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn shapes_and_checks() {
         let s = gemm(5, 8200, "lm_head").unwrap();

@@ -357,6 +357,8 @@ pub struct MoeBenchReport {
     pub copy_gb_s_end: f64,
     pub expert_bytes_each: usize,
     pub layer_copy_bytes: usize,
+    /// Resident blocks an SM of moe_gate_up_w4 / moe_down_w4 (the occupancy API).
+    pub w4_blocks_per_sm: [u32; 2],
     pub timing: &'static str,
     pub rows: Vec<MoeRow>,
     pub all_pass: bool,
@@ -810,7 +812,14 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         ));
     }
     let g = Gpu::new(0)?;
-    log(&format!("device {} ({}), kernels loaded", g.name, g.arch));
+    let occ = [
+        g.blocks_per_sm(crate::device::W4_KERNELS[0], 128)?,
+        g.blocks_per_sm(crate::device::W4_KERNELS[1], 128)?,
+    ];
+    log(&format!(
+        "device {} ({}), kernels loaded; INT4 GEMMs resident blocks an SM: gate/up {}, down {}",
+        g.name, g.arch, occ[0], occ[1]
+    ));
     let copy_gb_s = copy_bandwidth(&g, cfg.copy_bytes)?;
     log(&format!("copy bandwidth {copy_gb_s:.0} GB/s"));
     let t0 = std::time::Instant::now();
@@ -857,6 +866,7 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         copy_gb_s_end,
         expert_bytes_each: cfg.shape.expert_bytes(),
         layer_copy_bytes: cfg.shape.layer_bytes(),
+        w4_blocks_per_sm: occ,
         timing: "CUDA events around single calls, median of iters; experts = moe_gate_up_w4 + moe_down_w4 on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",
         all_pass: rows.iter().all(|r| r.pass),
         rows,

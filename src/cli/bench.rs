@@ -234,6 +234,9 @@ fn moe(a: MoeArgs) -> anyhow::Result<ExitCode> {
         check_pairs: a.check_pairs,
         ..Default::default()
     };
+    if cfg.iters == 0 || cfg.copies == 0 || cfg.ms.is_empty() || cfg.ms.contains(&0) {
+        bail!("bench moe: --iters, --copies and every --m must be at least 1");
+    }
     if let Some(why) = speclab_cuda::device::skip_reason() {
         bail!("no CUDA device: {why} (bench moe needs a GPU; recipes/moe_bench.sh runs it on the device machine)");
     }
