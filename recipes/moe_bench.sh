@@ -9,8 +9,8 @@
 #   device:  run(command="bash recipes/moe_bench.sh", carry=["target/moe-bench"], timeout_s=600)
 #
 # Writes $OUT/bench_moe.json (the record; commit it as runs/bench-moe.json), $OUT/bench_moe.log,
-# $OUT/gpu_anchors.json, $OUT/anchors.log; the table is printed last. Exit: speclab's (1 = a row failed
-# its reference check, every row still printed; or an error such as no CUDA device, see
+# $OUT/gpu_anchors.json, $OUT/anchors.log; the table is printed last. Exit: speclab's (1 = a row
+# failed its reference check, every row still printed; 2 = an error such as no CUDA device, see
 # bench_moe.log); 3 = the binary was not built and carried.
 # MOE_ARGS overrides the bench arguments (default: all M, all routings, 50 iterations).
 set -euo pipefail

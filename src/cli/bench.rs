@@ -238,7 +238,7 @@ fn moe(a: MoeArgs) -> anyhow::Result<ExitCode> {
         bail!("bench moe: --iters, --copies and every --m must be at least 1");
     }
     if let Some(why) = speclab_cuda::device::skip_reason() {
-        bail!("no CUDA device: {why} (bench moe needs a GPU; recipes/moe_bench.sh runs it on the device machine)");
+        bail!("{why}: bench moe needs a GPU (recipes/moe_bench.sh runs it on the device machine)");
     }
     // Lock the record first: an unwritable --out fails before any work.
     let mut lock = speclab_experiments::record::RecordLock::open(&a.out)?;
