@@ -522,7 +522,7 @@ pub fn moe_route_fused(
         launch(
             g,
             "moe_router_topk",
-            launch::per_warp(r.t, "moe_router_topk")?,
+            launch::per_row(r.t, 512, "moe_router_topk")?,
             &args,
         )?
     };
@@ -791,7 +791,8 @@ pub fn attention(g: &Gpu, kv: &Paged<'_>, a: &Attention<'_>) -> Result<()> {
     // token's own table (meta-validated); d <= 128 (shared accumulators).
     let shape = launch::Shape {
         grid: (int_u32(a.t)?, int_u32(nh)?, 1),
-        block: (128, 1, 1),
+        // 32 * ATT_WARPS (attention.cu).
+        block: (512, 1, 1),
     };
     unsafe { launch(g, "paged_attention", shape, &args) }
 }
