@@ -15,7 +15,7 @@
 # MOE_ARGS overrides the bench arguments (default: all M, all routings, 50 iterations).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN=target/moe-bench/speclab
+BIN=${MOE_BIN:-target/moe-bench/speclab}
 
 if [ "${1:-}" = "--build" ]; then
   CARGO_PROFILE_RELEASE_DEBUG=0 cargo build --release --locked -p speclab --bin speclab
