@@ -104,6 +104,10 @@ pub struct LegRecord {
     /// What a real-engine leg measured (absent in simulated legs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub real: Option<RealLegRecord>,
+    /// Requests scheduled per step and output tokens per step (manifests with
+    /// `measure.concurrency`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<ConcurrencyRecord>,
 }
 
 /// One real-engine leg's measurements (vLLM's spec-decode definitions).
@@ -436,6 +440,22 @@ fn short(v: &serde_json::Value) -> String {
     } else {
         s
     }
+}
+
+/// Concurrency of a simulated leg, from the step loop's per-step counts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConcurrencyRecord {
+    /// Most requests scheduled in one step (prefill chunks and decodes: vLLM's
+    /// "Running" at that step).
+    pub peak_running: u64,
+    /// Steps that scheduled `peak_running` requests.
+    pub steps_at_peak: u64,
+    /// Requests scheduled per step, averaged over the leg's steps.
+    pub mean_running: Option<f64>,
+    /// Output tokens committed over the leg.
+    pub output_tokens: u64,
+    /// Output tokens per step (the throughput proxy without a cost model).
+    pub tokens_per_step: Option<f64>,
 }
 
 /// The timings of one run over a record (the `.timings.json` file).
