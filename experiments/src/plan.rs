@@ -408,3 +408,68 @@ mod n_axis_tests {
         assert_eq!(ok.drafter_for(&legs[0]).lookahead(), 2);
     }
 }
+
+#[cfg(test)]
+mod hazard_manifests {
+    use std::path::Path;
+
+    use crate::manifest::{parse_ron, Manifest};
+    use crate::record::LegStatus;
+    use crate::runner::{run_leg, Quiet};
+
+    fn load(name: &str, text: &str) -> Manifest {
+        let p = Path::new(name);
+        let m: Manifest = parse_ron(p, text).unwrap();
+        m.validate(p).unwrap();
+        m
+    }
+
+    /// Stock planning boots the Spark config at every N and the bound shrinks as N grows.
+    #[test]
+    fn spark_plans_every_n_and_n_tightens_the_bound() {
+        let m = load(
+            "hazard-spark-dflash2.ron",
+            include_str!("../hazard-spark-dflash2.ron"),
+        );
+        let legs = m.legs().unwrap();
+        assert_eq!(legs.len(), 2 * 7 * 2);
+        let leg = |id: &str| legs.iter().find(|l| l.id == id).unwrap();
+        let n1 = leg("drafter_bs=vllm n=1 bs=2304 cap=none prompt=310000");
+        let n7 = leg("drafter_bs=vllm n=7 bs=2304 cap=none prompt=310000");
+        assert!(n1.plan.as_ref().unwrap().plan.starts && n7.plan.as_ref().unwrap().plan.starts);
+        let mut sim = m.clone();
+        sim.measure.simulate = false;
+        let b = |l| {
+            run_leg(&sim, l, &mut Quiet)
+                .unwrap()
+                .bound
+                .unwrap()
+                .largest_admissible
+                .unwrap()
+        };
+        let (b1, b7) = (b(n1), b(n7));
+        assert!(b1 > b7 && b7 > 320_000, "{b1} {b7}");
+    }
+
+    #[test]
+    fn impossible_head_blocks_fcfs_and_is_rejected_by_the_fix() {
+        let fcfs = load(
+            "hazard-hol-deadlock.ron",
+            include_str!("../hazard-hol-deadlock.ron"),
+        );
+        let fix = load(
+            "hazard-hol-deadlock-reject.ron",
+            include_str!("../hazard-hol-deadlock-reject.ron"),
+        );
+        let first = |m: &Manifest| {
+            let legs = m.legs().unwrap();
+            run_leg(m, &legs[0], &mut Quiet).unwrap()
+        };
+        let wedged = first(&fcfs);
+        assert_eq!(wedged.status, LegStatus::Wedged);
+        assert_eq!(wedged.finished, 0);
+        let fixed = first(&fix);
+        assert_eq!(fixed.status, LegStatus::Rejected);
+        assert_eq!(fixed.finished, 3);
+    }
+}
