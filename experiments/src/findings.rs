@@ -382,6 +382,8 @@ fn render_comparison(md: &mut String, rec: &RunRecord, m: &Manifest) {
             format!("bound ~{}", thousands(b))
         } else if let Some((lo, hi)) = e.no_wedge_in {
             format!("no wedge across {}-{}", thousands(lo), thousands(hi))
+        } else if let Some(n) = e.peak_running {
+            format!("{n} running per step at most")
         } else {
             e.status.clone().unwrap_or_default()
         };
