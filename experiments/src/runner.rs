@@ -30,7 +30,6 @@ use std::path::Path;
 use std::time::Instant;
 
 use speclab_engine::kv::{planning, KvCacheManager};
-use speclab_engine::run::StepStats;
 use speclab_engine::sim::{run_sim_stats, AcceptanceModel, SimExecutor, SimLimits, SimRun};
 use speclab_schedulers::{AdmissionPolicy, FcfsScheduler, RequestSpec, SchedulerConfig};
 
@@ -400,7 +399,7 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
             per_position: m.acceptance.iter().copied().take(n).collect(),
         };
         let mut exec = SimExecutor::new(m.seed, acc);
-        let mut conc = ConcurrencyCounter::default();
+        let mut conc = record::ConcurrencyCounter::default();
         let run = run_sim_stats(
             &mut kv,
             &mut sched,
@@ -421,44 +420,6 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
     }
     lr.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
     Ok(lr)
-}
-
-/// Requests scheduled per step and output tokens, counted over a simulated run.
-#[derive(Default)]
-struct ConcurrencyCounter {
-    steps: u64,
-    peak: u64,
-    sum: u64,
-    steps_at_peak: u64,
-    output_tokens: u64,
-}
-
-impl ConcurrencyCounter {
-    fn observe(&mut self, s: &StepStats) {
-        let n = s.num_reqs as u64;
-        self.steps += 1;
-        self.sum += n;
-        self.output_tokens += s.output_tokens;
-        match n.cmp(&self.peak) {
-            std::cmp::Ordering::Greater => {
-                self.peak = n;
-                self.steps_at_peak = 1;
-            }
-            std::cmp::Ordering::Equal => self.steps_at_peak += 1,
-            std::cmp::Ordering::Less => {}
-        }
-    }
-
-    fn record(&self) -> record::ConcurrencyRecord {
-        let per_step = |x: u64| (self.steps > 0).then(|| x as f64 / self.steps as f64);
-        record::ConcurrencyRecord {
-            peak_running: self.peak,
-            steps_at_peak: self.steps_at_peak,
-            mean_running: per_step(self.sum),
-            output_tokens: self.output_tokens,
-            tokens_per_step: per_step(self.output_tokens),
-        }
-    }
 }
 
 /// vLLM's FULL-cudagraph check for models with state (vllm/config/compilation.py,
