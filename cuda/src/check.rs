@@ -221,6 +221,7 @@ impl Rig {
             logits: LogitsRows::All,
             collect_hidden: true,
             collect_router: true,
+            greedy_ids: false,
         };
         let zeros = vec![0usize; n];
         let batch = chunks(&self.gold.prompts, &zeros, false);
@@ -457,14 +458,29 @@ pub struct TimingRow {
     pub us_per_step: f64,
     pub tok_per_s: f64,
     pub kernels_per_step: f64,
+    /// Graphs-on rows: GPU µs per replay of the step's graph (events, no host work).
+    pub gpu_us_per_step: Option<f64>,
 }
+
+/// GPU time of one kernel name over one eager decode step (events between launches).
+#[derive(Debug, Clone, Serialize)]
+pub struct ProfileRow {
+    pub batch: usize,
+    pub kernel: String,
+    pub launches: usize,
+    pub us: f64,
+}
+
+/// Timing rows, copy bandwidth (GB/s), weight bytes, and the per-kernel profile.
+pub type Timing = (Vec<TimingRow>, f64, usize, Vec<ProfileRow>);
 
 /// Decode-step timing at each batch size, graphs off then on: `steps` timed greedy
 /// steps after 3 warm-up steps (the first of which captures the graph), from 32-token
 /// prompts.
-pub fn timing(dir: &Path, batches: &[usize], steps: usize) -> Result<(Vec<TimingRow>, f64, usize)> {
+pub fn timing(dir: &Path, batches: &[usize], steps: usize) -> Result<Timing> {
     let w = ModelWeights::load(dir)?;
     let mut rows = Vec::new();
+    let mut prof = Vec::new();
     let (mut bw, mut wbytes) = (0.0, 0);
     for &b in batches {
         let per_seq = (32 + 2 * (steps + 3)).div_ceil(16) + 1;
@@ -537,8 +553,26 @@ pub fn timing(dir: &Path, batches: &[usize], steps: usize) -> Result<(Vec<Timing
                 us_per_step: med,
                 tok_per_s: b as f64 / med * 1e6,
                 kernels_per_step: eager_kernels,
+                gpu_us_per_step: None,
             });
         }
+        // One eager step with an event after every launch, then the graph replayed alone.
+        for (i, &p) in pos.iter().enumerate() {
+            alloc(&mut kv, ReqSlot(i as u32), p as u64, 1)?;
+        }
+        let toks: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+        for (kernel, launches, us) in gpu.profile_step(&kv, &chunks(&toks, &pos, false))? {
+            prof.push(ProfileRow {
+                batch: b,
+                kernel,
+                launches,
+                us,
+            });
+        }
+        let us = gpu.replay_us(&kv, &chunks(&toks, &pos, false), 100)?;
+        if let Some(r) = rows.last_mut() {
+            r.gpu_us_per_step = Some(us);
+        }
     }
-    Ok((rows, bw, wbytes))
+    Ok((rows, bw, wbytes, prof))
 }

@@ -50,6 +50,8 @@ pub const SOURCES: &[KernelSource] = &[
             "gather_rows",
             "argmax_rows",
             "copy_f32",
+            "copy_f32x4",
+            "spin_wait",
         ],
     },
     KernelSource {

@@ -13,6 +13,8 @@
 //! produced by an earlier kernel with stated bounds (`moe_topk` ids < E, `moe_align`
 //! pair ids < P).
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use cudarc::driver::PushKernelArg;
 
 use crate::buf::DevBuf;
@@ -45,6 +47,15 @@ pub fn long(v: usize) -> Arg {
     Arg::L(v as i64)
 }
 
+/// Kernels executed by this process: eager launches, plus each replayed graph's kernels
+/// (a capture's launches are taken back: captured kernels run only when replayed).
+pub static KERNELS: AtomicU64 = AtomicU64::new(0);
+
+/// [`KERNELS`] now.
+pub fn kernels_executed() -> u64 {
+    KERNELS.load(Ordering::Relaxed)
+}
+
 /// Launch kernel `name` with `args` on the GPU's stream.
 ///
 /// # Safety
@@ -54,6 +65,7 @@ pub fn long(v: usize) -> Arg {
 pub unsafe fn launch(g: &Gpu, name: &str, shape: Shape, args: &[Arg]) -> Result<()> {
     let f = g.func(name)?;
     g.launches.set(g.launches.get() + 1);
+    KERNELS.fetch_add(1, Ordering::Relaxed);
     let mut b = g.stream.launch_builder(f);
     for a in args {
         match a {
@@ -67,7 +79,12 @@ pub unsafe fn launch(g: &Gpu, name: &str, shape: Shape, args: &[Arg]) -> Result<
     // calling wrapper, argument list matching the kernel signature).
     unsafe { b.launch(shape.cfg()) }
         .map(|_| ())
-        .map_err(|e| CudaError::driver(format!("launch {name}"), e))
+        .map_err(|e| CudaError::driver(format!("launch {name}"), e))?;
+    if let Some(p) = g.profile.borrow_mut().as_mut() {
+        let key = g.func_name(name);
+        p.push((key, g.timing_event()?));
+    }
+    Ok(())
 }
 
 /// A pointer argument after checking `[off, off + n)` lies in `b`.
@@ -292,17 +309,22 @@ pub fn copy(
     let args = [
         ptr(dst, d_off, n, "copy dst")?,
         ptr(src, s_off, n, "copy src")?,
-        long(n),
+        long(if n % 4 == 0 { n / 4 } else { n }),
     ];
-    // SAFETY: both regions of n floats checked.
-    unsafe {
-        launch(
-            g,
+    // Device allocations are 256-byte aligned, so offsets in whole float4s keep the
+    // 16-byte alignment copy_f32x4 needs.
+    let (name, shape) = if n % 4 == 0 && d_off % 4 == 0 && s_off % 4 == 0 {
+        let blocks = (n / 4).div_ceil(256).min(132 * 8);
+        ("copy_f32x4", launch::grid_2d(blocks, 1, 256, "copy")?)
+    } else {
+        (
             "copy_f32",
             launch::grid_2d(n.div_ceil(256), 1, 256, "copy")?,
-            &args,
         )
-    }
+    };
+    // SAFETY: both regions of n floats checked; copy_f32x4 touches the same n floats as
+    // n / 4 aligned float4s.
+    unsafe { launch(g, name, shape, &args) }
 }
 
 /// The MoE routing buffers of one step (`T` tokens, top-`k` of `E`).

@@ -21,7 +21,7 @@ use crate::ops::{self, Arg, Mat};
 use crate::weights::{DevExperts, DevFfn, DevLayer, DevMixer, DevMlp, DevMoe};
 
 /// What to record besides the outputs.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct Collect {
     /// The residual stream after the embedding and each layer.
     pub hidden: bool,
@@ -30,7 +30,7 @@ pub struct Collect {
 }
 
 /// Which step to run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum StepKind {
     /// The target model; `argmax` adds the on-device greedy pick of each logits row.
     Target {
@@ -38,8 +38,12 @@ pub enum StepKind {
         collect: Collect,
         argmax: bool,
     },
-    /// The MTP layer (its hidden rows are in `Workspace::tmp`).
-    Mtp { last_rows: bool, collect: Collect },
+    /// The MTP layer (its hidden rows are in `Workspace::tmp`); `argmax` as for `Target`.
+    Mtp {
+        last_rows: bool,
+        collect: Collect,
+        argmax: bool,
+    },
 }
 
 /// Pointers to the metadata sections of a step.
@@ -137,7 +141,9 @@ impl CudaBackend {
                 )?;
                 self.head(&cx, last_rows, argmax)
             }
-            StepKind::Mtp { last_rows, .. } => self.mtp(&cx, last_rows),
+            StepKind::Mtp {
+                last_rows, argmax, ..
+            } => self.mtp(&cx, last_rows, argmax),
         }
     }
 
@@ -189,7 +195,7 @@ impl CudaBackend {
     }
 
     /// The MTP step: x = eh_proj([enorm(embed(next)), hnorm(h)]), one decoder layer, head.
-    fn mtp(&self, cx: &Ctx<'_>, last_rows: bool) -> Result<()> {
+    fn mtp(&self, cx: &Ctx<'_>, last_rows: bool, argmax: bool) -> Result<()> {
         let cfg = &self.w.cfg;
         let (h, t, eps) = (cfg.hidden_size, cx.t, cfg.rms_norm_eps as f32);
         let mtp = self
@@ -225,7 +231,7 @@ impl CudaBackend {
             h,
             eps,
         )?;
-        self.head(cx, last_rows, false)
+        self.head(cx, last_rows, argmax)
     }
 
     /// One decoder layer in place on `ws.x` (docs/model.md §2 body).
