@@ -62,6 +62,21 @@ impl Default for CudaOptions {
 /// drops every graph).
 pub type GraphKey = (usize, usize, StepKind);
 
+/// Host seconds of `forward_greedy` by phase, summed over calls (the device check's
+/// breakdown of where a step's time goes besides the GPU).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct HostTimes {
+    /// Building the step metadata from the KV manager's tables.
+    pub meta_s: f64,
+    /// Uploading the metadata (and growing buffers).
+    pub upload_s: f64,
+    /// Launching the step (graph launch, or every kernel eagerly).
+    pub launch_s: f64,
+    /// Reading the greedy ids back: the wait for the GPU plus the copy.
+    pub read_s: f64,
+    pub calls: u64,
+}
+
 /// Longest chunk of a step that is captured as a graph: decode and verify chunks
 /// (1 + N tokens) are; a prefill chunk's shape rarely repeats, so it runs eagerly.
 pub const GRAPH_MAX_CHUNK: usize = 16;
@@ -96,6 +111,8 @@ pub struct CudaBackend {
     graph_error: Option<String>,
     /// Host copy of the bf16 embedding for `SharedHead::embed`. Shape: [V, H] bf16 bits.
     pub(crate) embed_host: Vec<u16>,
+    /// Phase times of `forward_greedy` calls (reset by the caller).
+    pub host_times: HostTimes,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -160,6 +177,7 @@ impl CudaBackend {
             per_layer: None,
             router: None,
             graph_error: None,
+            host_times: HostTimes::default(),
             embed_host: crate::repack::to_bf16(&weights.embed, "model.embed_tokens")?,
         })
     }
@@ -309,7 +327,7 @@ impl CudaBackend {
             self.run(&m, kind)?;
         }
         self.note_pending(batch);
-        self.read_target(&m, last, collect, opts.greedy_ids)
+        self.read_target(&m, last, collect, opts)
     }
 
     /// Forward a batch and return the greedy token of each logits row, computed on the
@@ -320,8 +338,11 @@ impl CudaBackend {
         batch: &[SeqChunk<'_>],
         rows: LogitsRows,
     ) -> Result<Vec<u32>> {
+        let t0 = std::time::Instant::now();
         let m = self.target_meta(kv, batch)?;
+        let t1 = std::time::Instant::now();
         self.ensure(&m, Collect::default())?;
+        let t2 = std::time::Instant::now();
         let last = rows == LogitsRows::LastPerChunk;
         let kind = StepKind::Target {
             last_rows: last,
@@ -329,9 +350,20 @@ impl CudaBackend {
             argmax: true,
         };
         self.launch_step(&m, kind)?;
+        let t3 = std::time::Instant::now();
         self.note_pending(batch);
         let r = if last { m.num_seqs } else { m.t_total };
-        self.ws.argmax.read(&self.gpu.stream, 0, r, "greedy tokens")
+        let ids = self
+            .ws
+            .argmax
+            .read(&self.gpu.stream, 0, r, "greedy tokens")?;
+        let h = &mut self.host_times;
+        h.meta_s += (t1 - t0).as_secs_f64();
+        h.upload_s += (t2 - t1).as_secs_f64();
+        h.launch_s += (t3 - t2).as_secs_f64();
+        h.read_s += t3.elapsed().as_secs_f64();
+        h.calls += 1;
+        Ok(ids)
     }
 
     /// GPU µs per replay of this greedy decode step's graph (captured first if needed),
@@ -492,8 +524,9 @@ impl CudaBackend {
         m: &StepMeta,
         last: bool,
         collect: Collect,
-        greedy: bool,
+        opts: &ForwardOptions,
     ) -> Result<ForwardOut> {
+        let greedy = opts.greedy_ids;
         let cfg = &self.w.cfg;
         let (h, v, t) = (cfg.hidden_size, cfg.vocab_size, m.t_total);
         let st = &self.gpu.stream;
@@ -506,7 +539,11 @@ impl CudaBackend {
         } else {
             (self.ws.logits.read(st, 0, r * v, "logits")?, None)
         };
-        let hidden = self.ws.hidden.read(st, 0, t * h, "hidden")?;
+        let hidden = if opts.skip_hidden {
+            Vec::new()
+        } else {
+            self.ws.hidden.read(st, 0, t * h, "hidden")?
+        };
         let per_layer_hidden = match (&self.per_layer, collect.hidden) {
             (Some(p), true) => {
                 let cap = self.ws.t_cap * h;

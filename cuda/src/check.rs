@@ -222,6 +222,7 @@ impl Rig {
             collect_hidden: true,
             collect_router: true,
             greedy_ids: false,
+            skip_hidden: false,
         };
         let zeros = vec![0usize; n];
         let batch = chunks(&self.gold.prompts, &zeros, false);
@@ -460,6 +461,9 @@ pub struct TimingRow {
     pub kernels_per_step: f64,
     /// Graphs-on rows: GPU µs per replay of the step's graph (events, no host work).
     pub gpu_us_per_step: Option<f64>,
+    /// Host µs per step by phase (`CudaBackend::host_times`): metadata build, upload,
+    /// launch, and the read-back (which waits for the GPU).
+    pub host_us: [f64; 4],
 }
 
 /// GPU time of one kernel name over one eager decode step (events between launches).
@@ -523,6 +527,9 @@ pub fn timing(dir: &Path, batches: &[usize], steps: usize) -> Result<Timing> {
             let mut times = Vec::new();
             let mut kernels = 0u64;
             for s in 0..steps + 3 {
+                if s == 3 {
+                    gpu.host_times = Default::default();
+                }
                 for (i, &p) in pos.iter().enumerate() {
                     alloc(&mut kv, ReqSlot(i as u32), p as u64, 1)?;
                 }
@@ -554,6 +561,16 @@ pub fn timing(dir: &Path, batches: &[usize], steps: usize) -> Result<Timing> {
                 tok_per_s: b as f64 / med * 1e6,
                 kernels_per_step: eager_kernels,
                 gpu_us_per_step: None,
+                host_us: {
+                    let h = gpu.host_times;
+                    let per = |x: f64| x * 1e6 / h.calls.max(1) as f64;
+                    [
+                        per(h.meta_s),
+                        per(h.upload_s),
+                        per(h.launch_s),
+                        per(h.read_s),
+                    ]
+                },
             });
         }
         // One eager step with an event after every launch, then the graph replayed alone.

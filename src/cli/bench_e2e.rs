@@ -344,9 +344,12 @@ fn mismatches(a: &[Vec<u32>], b: &[Vec<u32>]) -> usize {
     a.iter().zip(b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len())
 }
 
-/// The PyTorch anchors by concurrency: (eager tok/s, graph tok/s).
-fn load_anchors(paths: &[PathBuf]) -> anyhow::Result<BTreeMap<usize, (Option<f64>, Option<f64>)>> {
-    let mut m: BTreeMap<usize, (Option<f64>, Option<f64>)> = BTreeMap::new();
+/// The PyTorch anchors by concurrency: (eager tok/s, CUDA-graph tok/s).
+type Anchors = BTreeMap<usize, (Option<f64>, Option<f64>)>;
+
+/// Read the anchor JSONs (rows with `batch` and `decode_tok_s` or `graph_tok_s`).
+fn load_anchors(paths: &[PathBuf]) -> anyhow::Result<Anchors> {
+    let mut m = Anchors::new();
     for p in paths {
         let text =
             std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;

@@ -286,6 +286,7 @@ impl ModelExecutor {
             collect_hidden: self.drafter.wants_layer_hidden(),
             collect_router: self.cfg.collect_router,
             greedy_ids: self.cfg.sampling.is_greedy(),
+            skip_hidden: self.cfg.num_speculative_tokens == 0,
         };
         let chunks: Vec<SeqChunk<'_>> = plan
             .iter()

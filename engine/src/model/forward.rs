@@ -74,6 +74,9 @@ pub struct ForwardOptions {
     /// logits row). A device backend may then leave `logits` empty and keep the
     /// logits on the device; the CPU reference fills both.
     pub greedy_ids: bool,
+    /// The caller needs no [`ForwardOut::hidden`] (no drafter reads it): a device
+    /// backend may leave it empty instead of copying it out; the CPU fills it anyway.
+    pub skip_hidden: bool,
 }
 
 /// Output of [`ModelRunner::forward`].
