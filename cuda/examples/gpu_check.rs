@@ -102,17 +102,21 @@ fn main() {
         println!("timing ERROR: {e}");
     }
     print_profile(&report.profile);
-    println!("\n| batch | graphs | us/step | GPU us/step (graph replay) | tok/s | kernels/step |");
-    println!("|---|---|---|---|---|---|");
+    println!("\n| batch | graphs | us/step | GPU us/step (graph replay) | host meta / upload / launch / read-back us | tok/s | kernels/step |");
+    println!("|---|---|---|---|---|---|---|");
     for r in &report.timing {
+        let h = r.host_us;
+        let gpu = r.gpu_us_per_step.map(|x| format!("{x:.1}"));
         println!(
-            "| {} | {} | {:.1} | {} | {:.0} | {:.0} |",
+            "| {} | {} | {:.1} | {} | {:.1} / {:.1} / {:.1} / {:.1} | {:.0} | {:.0} |",
             r.batch,
             if r.graphs { "on" } else { "off" },
             r.us_per_step,
-            r.gpu_us_per_step
-                .map(|x| format!("{x:.1}"))
-                .unwrap_or("-".into()),
+            gpu.unwrap_or("-".into()),
+            h[0],
+            h[1],
+            h[2],
+            h[3],
             r.tok_per_s,
             r.kernels_per_step
         );

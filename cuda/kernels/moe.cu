@@ -79,25 +79,26 @@ extern "C" __global__ void moe_topk(int* __restrict__ ids, float* __restrict__ w
 
 #define ROUTER_E_MAX 256
 
-// The router GEMM fused with moe_topk for small routers (E <= 256): warp t computes
-// logits[t, e] = x[t] . W[e] for every e in linear_bf16's summation order (lane-strided
-// 8-wide words, then the xor warp sum), so the logits are bit-identical to the unfused
-// path's, then picks as moe_topk. Shapes: x [T, x_stride] f32 (first K used), W [E, K]
-// bf16, bias [E], logits [T, E] (written), ids / wts [T, k]; K % 8 == 0.
-// Launch: grid (ceil(T / 4)), block 128.
+// The router GEMM fused with moe_topk for small routers (E <= 256): block t, warp w
+// computes logits[t, e] = x[t] . W[e] for e = w, w + 16, ... in linear_bf16's summation
+// order (lane-strided 8-wide words, then the xor warp sum), so the logits are
+// bit-identical to the unfused path's; then warp 0 picks as moe_topk. Shapes: x
+// [T, x_stride] f32 (first K used), W [E, K] bf16, bias [E], logits [T, E] (written),
+// ids / wts [T, k]; K % 8 == 0.  Launch: grid (T), block 512.
 extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restrict__ wts,
                                            float* __restrict__ logits,
                                            const float* __restrict__ x, int x_stride,
                                            const bf16_bits* __restrict__ W,
                                            const float* __restrict__ bias, int T, int E, int K,
                                            int k, int norm_topk, float rsf) {
-    __shared__ float lg[TOPK_WARPS][ROUTER_E_MAX];
-    __shared__ float biased[TOPK_WARPS][ROUTER_E_MAX];
+    __shared__ float lg[ROUTER_E_MAX];
+    __shared__ float biased[ROUTER_E_MAX];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int t = blockIdx.x * TOPK_WARPS + warp;
-    if (t >= T) return;  // uniform per warp
+    const int nwarps = blockDim.x >> 5;
+    const int t = blockIdx.x;
+    if (t >= T) return;  // uniform per block
     const float* xr = x + (size_t)t * x_stride;
-    for (int e = 0; e < E; ++e) {
+    for (int e = warp; e < E; e += nwarps) {
         float acc = 0.0f;
         for (int kw = lane; kw < K / 8; kw += WARP) {
             float w[8], xv[8];
@@ -108,14 +109,13 @@ extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restr
         }
         const float s = warp_sum(acc);
         if (lane == 0) {
-            lg[warp][e] = s;
+            lg[e] = s;
+            biased[e] = sigmoid_f(s) + bias[e];
             logits[(size_t)t * E + e] = s;
         }
     }
-    __syncwarp();
-    for (int e = lane; e < E; e += WARP) biased[warp][e] = sigmoid_f(lg[warp][e]) + bias[e];
-    __syncwarp();
-    topk_pick(ids, wts, t, lg[warp], biased[warp], E, k, norm_topk, rsf);
+    __syncthreads();
+    if (warp == 0) topk_pick(ids, wts, t, lg, biased, E, k, norm_topk, rsf);
 }
 
 // Sort the P = T * k routed pairs by expert.  sorted[0 .. P_pad) receives the pair ids
