@@ -186,7 +186,9 @@ impl Mtp {
         let more = reqs
             .iter()
             .any(|r| !r.rows.is_empty() && self.num_speculative_tokens.min(r.max_draft) > 1);
-        let o = step.backend.mtp_forward(step.kv, &chunks, &draft_opts(!more))?;
+        let o = step
+            .backend
+            .mtp_forward(step.kv, &chunks, &draft_opts(!more))?;
         let mut live = Vec::new();
         let mut end = 0usize;
         for (c, &i) in which.iter().enumerate() {

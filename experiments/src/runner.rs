@@ -30,7 +30,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use speclab_engine::kv::{planning, KvCacheManager};
-use speclab_engine::sim::{run_sim, AcceptanceModel, SimExecutor, SimLimits, SimRun};
+use speclab_engine::sim::{run_sim_stats, AcceptanceModel, SimExecutor, SimLimits, SimRun};
 use speclab_schedulers::{AdmissionPolicy, FcfsScheduler, RequestSpec, SchedulerConfig};
 
 use crate::bounds::{self, ProbeCtx};
@@ -332,8 +332,10 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
         note: None,
         wall_ms: 0.0,
         real: None,
+        concurrency: None,
     };
-    let lookahead = m.drafter.lookahead();
+    let drafter = m.drafter_for(leg);
+    let lookahead = drafter.lookahead();
     let mnbt = u64::from(m.scheduler.max_num_batched_tokens);
     let pc = ProbeCtx {
         layout: &leg.layout,
@@ -369,7 +371,7 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
         let cfg = SchedulerConfig {
             max_num_seqs,
             max_num_batched_tokens: mnbt,
-            num_speculative_tokens: m.drafter.drafts_per_step(),
+            num_speculative_tokens: drafter.drafts_per_step(),
             lookahead,
             policy: policy(m.scheduler.policy),
             max_steps_without_progress: 1000,
@@ -391,21 +393,30 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
                     msg: e.to_string(),
                 })?;
         }
+        // A swept N uses the first N acceptance rates (positions beyond N are never drafted).
+        let n = drafter.drafts_per_step() as usize;
         let acc = AcceptanceModel {
-            per_position: m.acceptance.clone(),
+            per_position: m.acceptance.iter().copied().take(n).collect(),
         };
         let mut exec = SimExecutor::new(m.seed, acc);
-        let run = run_sim(
+        let mut conc = record::ConcurrencyCounter::default();
+        let run = run_sim_stats(
             &mut kv,
             &mut sched,
             &mut exec,
             SimLimits {
                 max_steps: m.max_steps,
             },
-            &mut |s| progress.step(s),
+            &mut |s| {
+                conc.observe(s);
+                progress.step(s.step + 1)
+            },
         )
         .map_err(|e| ExperimentError::engine(ctxs.clone(), e))?;
         fill_from_sim(&mut lr, leg, &run, &group_names);
+        if m.measure.concurrency {
+            lr.concurrency = Some(conc.record());
+        }
     }
     lr.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
     Ok(lr)
