@@ -67,3 +67,25 @@ fn verify_lossless_device_cuda_without_a_gpu_is_a_clean_error() {
     assert!(err.contains("CUDA device unavailable"), "stderr: {err}");
     assert!(!err.contains("panicked"), "stderr: {err}");
 }
+
+#[test]
+fn a_cuda_manifest_without_a_gpu_is_a_clean_error() {
+    if speclab_cuda::device::skip_reason().is_none() {
+        eprintln!("skipping: a CUDA device is present (covered by recipes/real_cuda.sh)");
+        return;
+    }
+    let out_dir = std::env::temp_dir().join(format!("speclab-cli-cuda-{}", std::process::id()));
+    std::fs::create_dir_all(&out_dir).unwrap();
+    let rec = out_dir.join("r.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_speclab"))
+        .args(["run", "experiments/df2w-real-below-none-cuda.ron", "--out"])
+        .arg(&rec)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run speclab");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "stderr: {err}");
+    assert!(err.contains("CUDA device unavailable"), "stderr: {err}");
+    assert!(!err.contains("panicked"), "stderr: {err}");
+    assert!(!rec.exists(), "no record for a run that never started");
+}

@@ -145,6 +145,26 @@ pub struct RealSpec {
     /// (`LegRecord::concurrency`, the finding's "Concurrency" table).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub record_concurrency: bool,
+    /// Where the target runs: `cpu` (the reference engine, default) or `cuda` (the
+    /// speclab-cuda engine; needs a GPU, libcuda and libnvrtc).
+    #[serde(default, skip_serializing_if = "RealDevice::is_cpu")]
+    pub device: RealDevice,
+}
+
+/// The target backend of a real manifest (`real.device`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RealDevice {
+    #[default]
+    Cpu,
+    Cuda,
+}
+
+impl RealDevice {
+    /// The default (kept out of serialized specs, so existing records stay identical).
+    pub fn is_cpu(&self) -> bool {
+        *self == RealDevice::Cpu
+    }
 }
 
 fn default_max_tokens() -> u64 {

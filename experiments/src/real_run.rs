@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use speclab_drafters::{DFlash2Weights, DraftMode, DrafterSpec};
 use speclab_engine::exec::{
-    generate, verify_lossless, EngineOptions, EngineRequest, EngineRun, LosslessReport,
+    generate_on, verify_lossless_on, EngineOptions, EngineRequest, EngineRun, LosslessReport,
 };
 use speclab_engine::model::ModelWeights;
 use speclab_engine::spec::SamplingParams;
@@ -174,6 +174,14 @@ impl<'a> RealRunner<'a> {
             * c.n_routed_experts) as u64
     }
 
+    /// The target backend `real.device` names.
+    fn backend(&self) -> Box<dyn speclab_engine::backend::BackendFactory> {
+        match self.spec.device {
+            crate::real::RealDevice::Cpu => Box::new(speclab_engine::backend::CpuBackend),
+            crate::real::RealDevice::Cuda => Box::new(speclab_cuda::CudaFactory::default()),
+        }
+    }
+
     /// Run one leg and record it.
     pub fn run_leg(&self, leg: &RealLeg) -> Result<LegRecord> {
         let t0 = Instant::now();
@@ -185,7 +193,16 @@ impl<'a> RealRunner<'a> {
         let reqs = self.requests();
         let opts = self.options(&reqs, &spec, leg.temperature, self.spec.collect_router);
         let mut make = fcfs_factory(leg.concurrency, self.spec.max_num_batched_tokens);
-        let run = generate(&self.target, &spec, &reqs, &opts, &mut make).map_err(eng)?;
+        let backend = self.backend();
+        let run = generate_on(
+            backend.as_ref(),
+            &self.target,
+            &spec,
+            &reqs,
+            &opts,
+            &mut make,
+        )
+        .map_err(eng)?;
         let real = self.real_record(leg, &reqs, &opts, &run);
         let status = if run.wedged.is_some() {
             LegStatus::Wedged
@@ -332,7 +349,16 @@ impl<'a> RealRunner<'a> {
         let reqs = self.requests();
         let opts = self.options(&reqs, &spec, 0.0, false);
         let mut make = fcfs_factory(c, self.spec.max_num_batched_tokens);
-        let report = verify_lossless(&self.target, &spec, &reqs, &opts, &mut make).map_err(eng)?;
+        let backend = self.backend();
+        let report = verify_lossless_on(
+            backend.as_ref(),
+            &self.target,
+            &spec,
+            &reqs,
+            &opts,
+            &mut make,
+        )
+        .map_err(eng)?;
         let leg = LosslessLeg {
             id,
             drafter: d.name().into(),

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 11's real-manifest proof on the GPU, in one device call: the df2w-real-* wedge
+# manifests and the 24-prompt quality spot-suite with `real.device: cuda`
+# (experiments/*-cuda.ron), records into $OUT, then `verify-lossless` of the spot-suite on
+# the GPU. Compare the records with the CPU ones here:
+#   python3 recipes/compare_real.py runs/quality-spot.json runs/quality-spot-cuda.json ...
+#
+#   here:    bash recipes/gpu_check.sh --build
+#   device:  run(command="bash recipes/real_cuda.sh", carry=["target/gpu-check"], timeout_s=600)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+FINAL="${OUT:-/tmp/real-cuda-out}"
+mkdir -p "$FINAL"
+# Records bring lock and timing files: everything goes to one archive (8 files come back).
+OUT=$(mktemp -d)
+for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu; do
+  [ -d "$d" ] && ls "$d"/libcuda.so* >/dev/null 2>&1 && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && break
+done
+NVRTC=$(find /usr/local/cuda/lib64 /usr/local/cuda*/lib64 /usr/local/cuda*/targets -name 'libnvrtc.so*' \
+  -not -name '*builtins*' -not -name '*alt*' 2>/dev/null | head -1 || true)
+[ -n "$NVRTC" ] && export LD_LIBRARY_PATH="$(dirname "$NVRTC"):$LD_LIBRARY_PATH"
+export SPECLAB_KERNEL_CACHE=/tmp/speclab-kernel-cache
+BIN=target/gpu-check/speclab
+rc=0
+for m in df2w-real-above-fixed df2w-real-above-none df2w-real-below-none quality-spot; do
+  timeout 200 $BIN run experiments/$m-cuda.ron --out "$OUT/$m-cuda.json" > "$OUT/$m.log" 2>&1 || { rc=1; echo "$m failed: $(tail -2 "$OUT/$m.log")"; }
+  tail -1 "$OUT/$m.log"
+done
+timeout 200 $BIN verify-lossless experiments/quality-spot-cuda.ron > "$OUT/verify-lossless.log" 2>&1 || rc=1
+tail -6 "$OUT/verify-lossless.log"
+tar czf "$FINAL/real-cuda.tgz" -C "$OUT" .
+exit $rc
