@@ -139,6 +139,8 @@ pub struct SimTime {
     /// Decode/verify rows and decode requests summed over the decode-only steps.
     pub decode_rows: u64,
     pub decode_reqs: u64,
+    /// Per-term microseconds summed over the decode-only steps.
+    pub decode_terms: StepCost,
 }
 
 /// The step shape of a scheduled batch ([`StepShape`]): prefill chunks and verify
@@ -228,6 +230,7 @@ impl SimExecutor {
             t.decode_tokens += results.iter().map(|r| r.accepted + 1).sum::<u64>();
             t.decode_rows += shape.decode_rows;
             t.decode_reqs += shape.decode_reqs;
+            t.decode_terms.add(&c);
         }
     }
 

@@ -8,6 +8,7 @@
 
 pub mod atlas;
 pub mod bounds;
+pub mod cost_fit;
 pub mod error;
 pub mod findings;
 pub mod findings_plan;

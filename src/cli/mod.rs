@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand};
 pub mod out;
 
 pub mod bench;
+pub mod cost;
 pub mod generate;
 pub mod kv;
 pub mod model;
@@ -49,6 +50,11 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// Check that greedy output with a drafter equals the output without it, token for token.
     VerifyLossless(generate::VerifyLosslessArgs),
+    /// The step-cost model: fit it to GPU bench records, expert overlap.
+    Cost {
+        #[command(subcommand)]
+        command: cost::CostCommand,
+    },
     /// Side-by-side benchmarks against the reference implementations.
     Bench {
         #[command(subcommand)]
@@ -65,6 +71,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bounds(a) => run::bounds(a),
         Command::Findings(a) => run::findings(a),
         Command::Bench { command } => bench::run(command),
+        Command::Cost { command } => cost::run(command),
         Command::Generate(a) => generate::generate(a),
         Command::VerifyLossless(a) => generate::verify(a),
         Command::InitModel(a) => model::init_model(a),
