@@ -592,13 +592,24 @@ mod tests {
         let mut runs = Vec::new();
         for priced in [false, true] {
             let mut kv = KvCacheManager::from_layout(&layout).unwrap();
-            let mut s = OneShot { computed: 0, tokens: 4, decodes: 10, live: true };
+            let mut s = OneShot {
+                computed: 0,
+                tokens: 4,
+                decodes: 10,
+                live: true,
+            };
             let mut e = SimExecutor::new(3, acc.clone());
             if priced {
                 e = e.with_cost(model.clone(), 2).unwrap();
             }
-            let run = run_sim(&mut kv, &mut s, &mut e, SimLimits { max_steps: 100 }, &mut |_| {})
-                .unwrap();
+            let run = run_sim(
+                &mut kv,
+                &mut s,
+                &mut e,
+                SimLimits { max_steps: 100 },
+                &mut |_| {},
+            )
+            .unwrap();
             runs.push((run.spec.clone(), run.steps, e.sim_time().cloned()));
         }
         assert_eq!(runs[0].0, runs[1].0);

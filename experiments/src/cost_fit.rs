@@ -167,7 +167,9 @@ fn parse_err(path: &Path, field: String, e: serde_json::Error) -> ExperimentErro
     ExperimentError::Invalid {
         path: path.to_path_buf(),
         field,
-        msg: format!("{e} (expected the field names of the record kind, see speclab cost fit --help)"),
+        msg: format!(
+            "{e} (expected the field names of the record kind, see speclab cost fit --help)"
+        ),
     }
 }
 
@@ -245,11 +247,7 @@ impl RowCtx<'_> {
 
     fn moe(&self, r: &MoeRow) -> FitRow {
         FitRow {
-            label: format!(
-                "moe m={} {}",
-                r.m,
-                r.routing.clone().unwrap_or_default()
-            ),
+            label: format!("moe m={} {}", r.m, r.routing.clone().unwrap_or_default()),
             source: self.path.display().to_string(),
             batch: r.m,
             measured_us: r.us,
@@ -300,10 +298,12 @@ pub fn load_rows(path: &Path, shape: Option<FitShape>) -> Result<(Vec<FitRow>, F
     for (i, v) in rec.rows.iter().enumerate() {
         let field = format!("rows[{i}]");
         if rec.kind == "bench-moe" {
-            let r: MoeRow = serde_json::from_value(v.clone()).map_err(|e| parse_err(path, field, e))?;
+            let r: MoeRow =
+                serde_json::from_value(v.clone()).map_err(|e| parse_err(path, field, e))?;
             out.push(ctx.moe(&r));
         } else {
-            let r: E2eRow = serde_json::from_value(v.clone()).map_err(|e| parse_err(path, field, e))?;
+            let r: E2eRow =
+                serde_json::from_value(v.clone()).map_err(|e| parse_err(path, field, e))?;
             out.push(ctx.e2e(&r));
         }
     }
@@ -359,7 +359,12 @@ pub struct FitReport {
 
 /// Fit on every row, and predict held-out rows: the batches in `hold_out`, or (empty)
 /// each distinct batch value from a fit on the others.
-pub fn fit_report(inputs: &[PathBuf], rows: &[FitRow], shape: FitShape, hold_out: &[u64]) -> Result<FitReport> {
+pub fn fit_report(
+    inputs: &[PathBuf],
+    rows: &[FitRow],
+    shape: FitShape,
+    hold_out: &[u64],
+) -> Result<FitReport> {
     let all: Vec<&FitRow> = rows.iter().collect();
     let theta = fit(&all)?;
     let mut batches: Vec<u64> = rows.iter().map(|r| r.batch).collect();
@@ -424,7 +429,9 @@ fn row_report(r: &FitRow, theta: &[f64], held: Option<f64>) -> RowReport {
         held_out_error: held.map(|h| (h - r.measured_us) / r.measured_us),
         measured_tok_s: r.measured_tok_s,
         // Same tokens per step: tok/s scales with measured / predicted step time.
-        held_out_tok_s: held.zip(r.measured_tok_s).map(|(h, t)| t * r.measured_us / h),
+        held_out_tok_s: held
+            .zip(r.measured_tok_s)
+            .map(|(h, t)| t * r.measured_us / h),
     }
 }
 
@@ -455,8 +462,8 @@ pub fn overlap_rows(rec: &crate::record::RunRecord, experts: u32, top_k: u32) ->
         };
         let layers = (r.expert_slots / u64::from(experts.max(1))) as u32;
         let c = r.concurrency as f64;
-        let uniform = f64::from(layers)
-            * Routing::UNIFORM.expected_distinct_sr(experts, top_k, c, w);
+        let uniform =
+            f64::from(layers) * Routing::UNIFORM.expected_distinct_sr(experts, top_k, c, w);
         let fitted_reuse = (r.concurrency == 1)
             .then(|| speclab_engine::cost::overlap::fit_reuse(experts, top_k, layers, w, m))
             .flatten();
@@ -496,20 +503,41 @@ mod tests {
         let s = shape();
         let bw = 2600.0;
         let mut rows = Vec::new();
-        for (c, n, drafter) in [(1u64, 0u64, "none"), (8, 0, "none"), (32, 0, "none"), (1, 2, "mtp"), (8, 2, "mtp"), (128, 0, "none")] {
+        for (c, n, drafter) in [
+            (1u64, 0u64, "none"),
+            (8, 0, "none"),
+            (32, 0, "none"),
+            (1, 2, "mtp"),
+            (8, 2, "mtp"),
+            (128, 0, "none"),
+        ] {
             for graphs in [true, false] {
                 let kernels = 129.0 + 40.0 * n as f64;
                 let verify = (c * (1 + n)) as f64;
                 let experts = Routing::UNIFORM.expected_distinct_sr(16, 2, c as f64, verify);
-                let row = RowCtx { path: &p, shape: &s, bw }.step_row(
-                    String::new(), c, 0.0, experts,
-                    [kernels, f64::from(u8::from(graphs)), verify + if n > 0 { (c * n) as f64 } else { 0.0 }],
+                let row = RowCtx {
+                    path: &p,
+                    shape: &s,
+                    bw,
+                }
+                .step_row(
+                    String::new(),
+                    c,
+                    0.0,
+                    experts,
+                    [
+                        kernels,
+                        f64::from(u8::from(graphs)),
+                        verify + if n > 0 { (c * n) as f64 } else { 0.0 },
+                    ],
                 );
                 let us = predict(&row, &truth);
-                rows.push(serde_json::json!({"drafter": drafter, "num_spec": n, "concurrency": c,
+                rows.push(
+                    serde_json::json!({"drafter": drafter, "num_spec": n, "concurrency": c,
                     "graphs": graphs, "decode_tok_s": 1.0e6 * c as f64 / us, "us_per_step": us,
                     "kernels_per_step": kernels, "verify_rows_per_step": verify,
-                    "experts_touched_mean": experts, "speedup_vs_none": null, "extra": 1}));
+                    "experts_touched_mean": experts, "speedup_vs_none": null, "extra": 1}),
+                );
             }
         }
         let rec = serde_json::json!({"kind": "bench-e2e", "copy_gb_s": bw, "weight_bytes": 1.0, "rows": rows});
@@ -521,7 +549,11 @@ mod tests {
         }
         let err = rep.max_abs_held_out_error.unwrap();
         assert!(err < 0.01, "held-out error {err}");
-        let held: Vec<&RowReport> = rep.rows.iter().filter(|r| r.held_out_us.is_some()).collect();
+        let held: Vec<&RowReport> = rep
+            .rows
+            .iter()
+            .filter(|r| r.held_out_us.is_some())
+            .collect();
         assert_eq!(held.len(), 4);
         assert!(held.iter().all(|r| r.batch == 8));
     }
@@ -530,7 +562,11 @@ mod tests {
     fn malformed_rows_name_the_file_and_field() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("bad.json");
-        std::fs::write(&p, r#"{"kind": "bench-e2e", "copy_gb_s": 100, "rows": [{"drafter": "none"}]}"#).unwrap();
+        std::fs::write(
+            &p,
+            r#"{"kind": "bench-e2e", "copy_gb_s": 100, "rows": [{"drafter": "none"}]}"#,
+        )
+        .unwrap();
         let e = load_rows(&p, Some(shape())).unwrap_err().to_string();
         assert!(e.contains("bad.json") && e.contains("rows[0]"), "{e}");
         std::fs::write(&p, r#"{"kind": "gpu-check", "timing": []}"#).unwrap();

@@ -45,6 +45,14 @@ pub struct Manifest {
     /// Per-position acceptance rates (vLLM's unconditional definition).
     #[serde(default)]
     pub acceptance: Vec<f64>,
+    /// The rates from a profile instead ([`crate::manifest_cost::AcceptanceProfile`]:
+    /// stated, geometric from a draft acceptance rate, or a leg of a real record).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub acceptance_profile: Option<crate::manifest_cost::AcceptanceProfile>,
+    /// Step-cost model of simulated legs (hardware profile, target and drafter shapes,
+    /// routing; [`speclab_engine::cost`]): legs then record simulated time and tok/s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<speclab_engine::cost::CostModel>,
     #[serde(default)]
     pub workload: Workload,
     #[serde(default)]
@@ -198,6 +206,9 @@ pub struct Expectation {
     /// The reference says: "GPU KV cache size: N tokens", within `tolerance` (needs `kv.plan`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_cache_tokens_about: Option<u64>,
+    /// The reference says: simulated output tok/s is `about` x the baseline leg's (needs `cost`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub speedup: Option<crate::manifest_cost::SpeedupExpectation>,
     /// The reference says: vLLM starts with this config (true) or refuses it (false).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub starts: Option<bool>,
@@ -298,6 +309,11 @@ pub struct Workload {
     /// prompts arrive together in one leg.
     #[serde(default = "yes")]
     pub each_prompt_alone: bool,
+    /// With `each_prompt_alone: false`: a leg runs this many requests per sequence slot
+    /// (`requests_per_seq x max_num_seqs` requests, the prompts repeated in order), so
+    /// a concurrency sweep keeps every slot busy (a serving benchmark at concurrency c).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests_per_seq: Option<u32>,
 }
 
 impl Default for Workload {
@@ -307,6 +323,7 @@ impl Default for Workload {
             generate: None,
             output_len: default_output_len(),
             each_prompt_alone: true,
+            requests_per_seq: None,
         }
     }
 }
@@ -353,6 +370,9 @@ pub struct Sweep {
     /// `scheduler.max_num_seqs` values (ids gain `seqs=N`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub max_num_seqs: Vec<usize>,
+    /// `drafter.num_speculative_tokens` values (ids gain `n=N`; N = 0 runs without the drafter).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub num_speculative_tokens: Vec<u32>,
 }
 
 /// What to measure per leg.
@@ -399,6 +419,9 @@ pub struct Leg {
     /// `max_num_seqs` of this leg when swept (else `scheduler.max_num_seqs`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_num_seqs: Option<usize>,
+    /// N of this leg when swept (else `drafter.num_speculative_tokens`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_speculative_tokens: Option<u32>,
 }
 
 /// The preset's name.
@@ -480,6 +503,7 @@ impl Manifest {
         }
         crate::manifest_check::check_sizes(self, path)?;
         self.check_sim_values(path)?;
+        crate::manifest_cost::check(self, path)?;
         crate::plan::check(self).map_err(|e| match e {
             ExperimentError::Invalid { field, msg, .. } => bad(&field, msg),
             other => other,
@@ -587,6 +611,8 @@ impl Manifest {
             ("scheduler", self.scheduler != SchedulerSpec::default()),
             ("drafter", self.drafter != DrafterSpec::default()),
             ("acceptance", !self.acceptance.is_empty()),
+            ("acceptance_profile", self.acceptance_profile.is_some()),
+            ("cost", self.cost.is_some()),
             ("workload", self.workload != Workload::default()),
             ("sweep", self.sweep != Sweep::default()),
             ("measure", self.measure != Measure::default()),
@@ -618,6 +644,31 @@ impl Manifest {
             }
         }
         v
+    }
+
+    /// A leg's requests: `prompts`, or with `workload.requests_per_seq` that many per
+    /// sequence slot (the prompts repeated in order).
+    fn requests_for(&self, prompts: &[u64], seqs: Option<usize>) -> Vec<u64> {
+        match self.workload.requests_per_seq {
+            Some(r) if !prompts.is_empty() => {
+                let n = r as usize * seqs.unwrap_or(self.scheduler.max_num_seqs);
+                prompts.iter().copied().cycle().take(n).collect()
+            }
+            _ => prompts.to_vec(),
+        }
+    }
+
+    /// The drafter of a leg: `drafter` with the leg's N when swept.
+    pub fn drafter_for(&self, leg: &Leg) -> DrafterSpec {
+        let mut d = self.drafter.clone();
+        if let Some(n) = leg.num_speculative_tokens {
+            d.num_speculative_tokens = n;
+            if n == 0 {
+                // N = 0: the leg runs without the drafter (no drafts, no lookahead).
+                d.kind = DrafterKind::None;
+            }
+        }
+        d
     }
 
     /// Build the KV layout for a block size / cap / pool.
@@ -795,17 +846,37 @@ impl Manifest {
         } else {
             self.sweep.max_num_seqs.iter().map(|&n| Some(n)).collect()
         };
+        let n_axis: Vec<Option<u32>> = if self.sweep.num_speculative_tokens.is_empty() {
+            vec![None]
+        } else {
+            self.sweep
+                .num_speculative_tokens
+                .iter()
+                .map(|&n| Some(n))
+                .collect()
+        };
+        let ng = groups.len();
+        let combos: Vec<(Option<u32>, Option<usize>, usize)> = n_axis
+            .iter()
+            .flat_map(|&n| {
+                seqs_axis
+                    .iter()
+                    .flat_map(move |&s| (0..ng).map(move |g| (n, s, g)))
+            })
+            .collect();
         let mut legs = Vec::new();
         for v in crate::plan::variants(self) {
             for &bs in &bss {
                 for &cap in &caps {
                     for &pool in &pools {
                         let (layout, num_blocks, plan) = self.leg_layout(&v, bs, cap, pool)?;
-                        for (seqs, ps) in seqs_axis
-                            .iter()
-                            .flat_map(|s| groups.iter().map(move |g| (*s, g)))
+                        for (nspec, seqs, ps) in combos.iter().map(|&(n, s, g)| (n, s, &groups[g]))
                         {
+                            let ps = &self.requests_for(ps, seqs);
                             let mut id = v.id.clone();
+                            if let Some(n) = nspec {
+                                id.push(format!("n={n}"));
+                            }
                             if let Some(n) = seqs {
                                 id.push(format!("seqs={n}"));
                             }
@@ -835,6 +906,7 @@ impl Manifest {
                                 prompts: ps.clone(),
                                 plan,
                                 max_num_seqs: seqs,
+                                num_speculative_tokens: nspec,
                             });
                         }
                     }

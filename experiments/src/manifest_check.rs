@@ -225,8 +225,9 @@ fn check_sim(m: &Manifest, path: &Path) -> Result<()> {
                 "drafter.kind none drafts nothing, so acceptance rates are unused",
             ));
         }
-        if m.acceptance.len() as u64 > u64::from(d.num_speculative_tokens) {
-            return Err(bad(path, "acceptance", format!("{} rates for drafter.num_speculative_tokens {}: positions beyond N are never drafted", m.acceptance.len(), d.num_speculative_tokens)));
+        let n = crate::manifest_cost::max_num_speculative(m);
+        if m.acceptance.len() as u64 > u64::from(n) {
+            return Err(bad(path, "acceptance", format!("{} rates for drafter.num_speculative_tokens {n} (the largest N of the legs): positions beyond N are never drafted", m.acceptance.len())));
         }
         if !m.measure.simulate {
             return Err(bad(
@@ -274,11 +275,12 @@ fn check_expectations(m: &Manifest, path: &Path, leg_ids: &[String]) -> Result<(
             && e.max_concurrency_about.is_none()
             && e.kv_cache_tokens_about.is_none()
             && e.starts.is_none()
+            && e.speedup.is_none()
         {
             return Err(bad(
                 path,
                 &format!("expectations[{i}]"),
-                "states nothing to compare: give bound_about, no_wedge_in, status, peak_at_most, max_concurrency_about, kv_cache_tokens_about or starts",
+                "states nothing to compare: give bound_about, no_wedge_in, status, peak_at_most, max_concurrency_about, kv_cache_tokens_about, starts or speedup",
             ));
         }
         if e.tolerance.is_some() && e.bound_about.is_none() && e.kv_cache_tokens_about.is_none() {

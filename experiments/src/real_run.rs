@@ -234,6 +234,7 @@ impl<'a> RealRunner<'a> {
             note: (!notes.is_empty()).then(|| notes.join("; ")),
             wall_ms: t0.elapsed().as_secs_f64() * 1e3,
             real: Some(real),
+            sim_time: None,
         })
     }
 

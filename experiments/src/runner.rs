@@ -35,8 +35,11 @@ use speclab_schedulers::{AdmissionPolicy, FcfsScheduler, RequestSpec, SchedulerC
 
 use crate::bounds::{self, ProbeCtx};
 use crate::manifest::{cap_name, Leg, Manifest, PolicyName};
+use crate::manifest_cost::acceptance_rates;
 use crate::real_run::RealRunner;
-use crate::record::{self, AdmissionRecord, LegRecord, LegStatus, RunRecord, SpecRecord};
+use crate::record::{
+    self, AdmissionRecord, LegRecord, LegStatus, RunRecord, SimTimeRecord, SpecRecord,
+};
 use crate::{ExperimentError, Result};
 
 /// Progress events for a UI.
@@ -332,8 +335,10 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
         note: None,
         wall_ms: 0.0,
         real: None,
+        sim_time: None,
     };
-    let lookahead = m.drafter.lookahead();
+    let drafter = m.drafter_for(leg);
+    let lookahead = drafter.lookahead();
     let mnbt = u64::from(m.scheduler.max_num_batched_tokens);
     let pc = ProbeCtx {
         layout: &leg.layout,
@@ -369,7 +374,7 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
         let cfg = SchedulerConfig {
             max_num_seqs,
             max_num_batched_tokens: mnbt,
-            num_speculative_tokens: m.drafter.drafts_per_step(),
+            num_speculative_tokens: drafter.drafts_per_step(),
             lookahead,
             policy: policy(m.scheduler.policy),
             max_steps_without_progress: 1000,
@@ -392,9 +397,14 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
                 })?;
         }
         let acc = AcceptanceModel {
-            per_position: m.acceptance.clone(),
+            per_position: acceptance_rates(m, Path::new(&format!("manifest {}", m.name)))?,
         };
         let mut exec = SimExecutor::new(m.seed, acc);
+        if let Some(c) = &m.cost {
+            exec = exec
+                .with_cost(c.clone(), drafter.drafts_per_step())
+                .map_err(|e| ExperimentError::engine(format!("{ctxs}: cost"), e))?;
+        }
         let run = run_sim(
             &mut kv,
             &mut sched,
@@ -406,6 +416,9 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
         )
         .map_err(|e| ExperimentError::engine(ctxs.clone(), e))?;
         fill_from_sim(&mut lr, leg, &run, &group_names);
+        lr.sim_time = exec
+            .sim_time()
+            .map(|t| SimTimeRecord::of(t, drafter.num_speculative_tokens, run.output_tokens));
     }
     lr.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
     Ok(lr)

@@ -112,12 +112,28 @@ fn opt(x: Option<f64>, f: impl Fn(f64) -> String) -> String {
 }
 
 fn print_fit(rep: &FitReport, out: Option<&Path>) {
-    outln!("cost fit of {} ({} rows), held out: {}", rep.inputs.join(", "), rep.rows.len(), rep.held_out);
-    let params: Vec<String> = rep.params.iter().map(|(k, v)| format!("{k} = {v:.4}")).collect();
+    outln!(
+        "cost fit of {} ({} rows), held out: {}",
+        rep.inputs.join(", "),
+        rep.rows.len(),
+        rep.held_out
+    );
+    let params: Vec<String> = rep
+        .params
+        .iter()
+        .map(|(k, v)| format!("{k} = {v:.4}"))
+        .collect();
     outln!("parameters (fit on every row): {}", params.join(", "));
     outln!(
         "{:<34} {:>10} {:>10} {:>8} {:>10} {:>8} {:>11} {:>11}",
-        "row", "meas. us", "fit us", "resid.", "held us", "error", "meas. tok/s", "pred. tok/s"
+        "row",
+        "meas. us",
+        "fit us",
+        "resid.",
+        "held us",
+        "error",
+        "meas. tok/s",
+        "pred. tok/s"
     );
     for r in &rep.rows {
         outln!(
@@ -151,7 +167,10 @@ fn parse_batch(s: &str) -> anyhow::Result<Vec<u64>> {
 }
 
 fn overlap(a: OverlapArgs) -> anyhow::Result<ExitCode> {
-    let routing = Routing { zipf: a.zipf, reuse: a.reuse };
+    let routing = Routing {
+        zipf: a.zipf,
+        reuse: a.reuse,
+    };
     routing.validate()?;
     anyhow::ensure!(
         a.top_k >= 1 && a.top_k <= a.experts,
@@ -161,7 +180,8 @@ fn overlap(a: OverlapArgs) -> anyhow::Result<ExitCode> {
     );
     let mut model = Vec::new();
     for b in &a.rows {
-        let seqs = parse_batch(b).with_context(|| format!("--rows entry {b:?}: expected ROWS or SEQSxROWS"))?;
+        let seqs = parse_batch(b)
+            .with_context(|| format!("--rows entry {b:?}: expected ROWS or SEQSxROWS"))?;
         let d = routing.expected_distinct(a.experts, a.top_k, &seqs);
         model.push(serde_json::json!({"batch": b, "rows": seqs.iter().sum::<u64>(), "expected_distinct": d}));
     }
@@ -175,9 +195,20 @@ fn overlap(a: OverlapArgs) -> anyhow::Result<ExitCode> {
         outln!("{}", serde_json::to_string_pretty(&doc)?);
         return Ok(ExitCode::SUCCESS);
     }
-    outln!("E[distinct experts] of one layer, {} experts top-{}, zipf {}, reuse {}:", a.experts, a.top_k, a.zipf, a.reuse);
+    outln!(
+        "E[distinct experts] of one layer, {} experts top-{}, zipf {}, reuse {}:",
+        a.experts,
+        a.top_k,
+        a.zipf,
+        a.reuse
+    );
     for m in &model {
-        outln!("  {:>8} ({} rows): {:.1}", m["batch"].as_str().unwrap_or(""), m["rows"], m["expected_distinct"].as_f64().unwrap_or(0.0));
+        outln!(
+            "  {:>8} ({} rows): {:.1}",
+            m["batch"].as_str().unwrap_or(""),
+            m["rows"],
+            m["expected_distinct"].as_f64().unwrap_or(0.0)
+        );
     }
     if let Some(m) = &measured {
         print_measured(m);
@@ -191,11 +222,18 @@ fn measured_overlap(p: &Path) -> anyhow::Result<serde_json::Value> {
         .manifest
         .pointer("/real/model")
         .and_then(|v| v.as_str())
-        .with_context(|| format!("{}: not a real-engine record (no manifest.real.model)", p.display()))?;
+        .with_context(|| {
+            format!(
+                "{}: not a real-engine record (no manifest.real.model)",
+                p.display()
+            )
+        })?;
     let shape = FitShape::from_config(Path::new(model), 0.0)?;
     let rows = cost_fit::overlap_rows(&rec, shape.experts, shape.top_k);
-    Ok(serde_json::json!({"record": p.display().to_string(), "model": model,
-        "experts": shape.experts, "top_k": shape.top_k, "moe_layers": shape.moe_layers, "legs": rows}))
+    Ok(
+        serde_json::json!({"record": p.display().to_string(), "model": model,
+        "experts": shape.experts, "top_k": shape.top_k, "moe_layers": shape.moe_layers, "legs": rows}),
+    )
 }
 
 fn print_measured(m: &serde_json::Value) {
@@ -207,7 +245,14 @@ fn print_measured(m: &serde_json::Value) {
         m["top_k"],
         m["moe_layers"]
     );
-    outln!("  {:<28} {:>6} {:>9} {:>8} {:>6}", "leg", "rows", "measured", "uniform", "reuse");
+    outln!(
+        "  {:<28} {:>6} {:>9} {:>8} {:>6}",
+        "leg",
+        "rows",
+        "measured",
+        "uniform",
+        "reuse"
+    );
     for l in m["legs"].as_array().into_iter().flatten() {
         let f = |k: &str| l[k].as_f64().unwrap_or(f64::NAN);
         outln!(
@@ -216,7 +261,9 @@ fn print_measured(m: &serde_json::Value) {
             f("mean_verify_width"),
             f("measured"),
             f("uniform"),
-            l["fitted_reuse"].as_f64().map_or_else(|| "-".into(), |r| format!("{r:.3}"))
+            l["fitted_reuse"]
+                .as_f64()
+                .map_or_else(|| "-".into(), |r| format!("{r:.3}"))
         );
     }
 }

@@ -78,7 +78,12 @@ pub fn nnls(x: &[Vec<f64>], y: &[f64]) -> Result<Vec<f64>> {
     if x.iter().flatten().chain(y).any(|v| !v.is_finite()) {
         return Err(bad("a feature or target is not finite".into()));
     }
-    let scale: f64 = x.iter().flatten().map(|v| v.abs()).fold(0.0, f64::max).max(1.0);
+    let scale: f64 = x
+        .iter()
+        .flatten()
+        .map(|v| v.abs())
+        .fold(0.0, f64::max)
+        .max(1.0);
     let tol = 1e-10 * scale * scale * y.iter().map(|v| v.abs()).fold(1.0, f64::max);
     let mut theta = vec![0.0; n];
     let mut passive: Vec<usize> = Vec::new();

@@ -12,9 +12,9 @@
 //! | `experts` | `moe_layers x D x (expert_bytes / bw + expert_us)`, `D` = distinct experts a rank touches ([`overlap`]) | DESIGN.md "Speculation on MoE targets"; Marlin MoE reads only routed experts |
 //! | `kv` | `context_tokens x kv_bytes_per_token / bw` | decode attention reads each request's KV once per step, for all its verify rows |
 //! | `state` | `decode_reqs x state_bytes x (2 + N) / bw` | KDA state read once, written per speculative position (vLLM state groups of 1 + N blocks) |
-//! | `compute` | `rows x (flops_per_token / flop_rate + row_us)` | 2 x active parameters per token; `row_us` a fitted per-row overhead |
+//! | `compute` | `max(0, rows x flops_per_token / flop_rate - dense_bytes / bw) + rows x row_us` | 2 x active parameters per token; roofline (a GEMM takes max(bytes, flops), the weights term already holds the bytes); `row_us` a fitted per-row overhead |
 //! | `allreduce` | `allreduces x allreduce_us` when `tp > 1` | one all-reduce after attention and one after the MoE per layer (Megatron TP) |
-//! | `drafter` | the same terms for the drafter's forwards (N sequential for MTP, one for a block drafter) | vLLM's MTP proposer runs its one layer N times |
+//! | `drafter` | the same terms for the drafter's forwards (N sequential for MTP, one for a block drafter), + `overhead_us` a forward | vLLM's MTP proposer runs its one layer N times |
 //!
 //! `bw` is [`HardwareProfile::hbm_gb_s`] (GB/s = 1e3 bytes per us). Every term is
 //! linear in one hardware parameter, so the parameters can be fitted by least squares
@@ -110,6 +110,10 @@ pub struct DrafterShape {
     pub forward: ForwardShape,
     /// True: N sequential forwards per step (MTP, EAGLE); false: one forward (DFlash).
     pub sequential: bool,
+    /// Fixed microseconds per drafter forward beyond its kernels and bytes (host-side
+    /// proposal work, an ungraphed launch path; default 0).
+    #[serde(default)]
+    pub overhead_us: f64,
 }
 
 /// A step as the cost model sees it.
@@ -223,10 +227,7 @@ fn check_forward(at: &str, f: &ForwardShape, ep: u32) -> Result<()> {
         if m.experts == 0 || m.top_k == 0 || m.top_k > m.experts {
             return Err(bad(
                 &format!("{at}.moe"),
-                format!(
-                    "top_k {} must be in 1..=experts ({})",
-                    m.top_k, m.experts
-                ),
+                format!("top_k {} must be in 1..=experts ({})", m.top_k, m.experts),
             ));
         }
         if m.experts % ep != 0 {
@@ -251,7 +252,10 @@ impl CostModel {
         ] {
             check_nonneg(&format!("hardware.{k}"), v)?;
         }
-        for (k, v) in [("hbm_gb_s", h.hbm_gb_s), ("compute_tflops", h.compute_tflops)] {
+        for (k, v) in [
+            ("hbm_gb_s", h.hbm_gb_s),
+            ("compute_tflops", h.compute_tflops),
+        ] {
             if !(v.is_finite() && v > 0.0) {
                 return Err(bad(&format!("hardware.{k}"), format!("{v} must be > 0")));
             }
@@ -262,6 +266,7 @@ impl CostModel {
         check_forward("target", &self.target, h.ep)?;
         if let Some(d) = &self.drafter {
             check_forward("drafter.forward", &d.forward, h.ep)?;
+            check_nonneg("drafter.overhead_us", d.overhead_us)?;
         }
         self.routing.validate()
     }
@@ -288,8 +293,7 @@ impl CostModel {
         let h = &self.hardware;
         let bw = h.hbm_gb_s * 1e3;
         let experts = f.moe.map_or(0.0, |m| {
-            let d = self.routing.expected_distinct(m.experts, m.top_k, seq_rows)
-                / f64::from(h.ep);
+            let d = self.routing.expected_distinct(m.experts, m.top_k, seq_rows) / f64::from(h.ep);
             f64::from(m.layers) * d * (m.expert_bytes / bw + h.expert_us)
         });
         let flop_rate = h.compute_tflops * 1e6; // FLOP per us
@@ -297,7 +301,10 @@ impl CostModel {
             launch: h.launch_us * f.kernels,
             weights: f.dense_bytes / bw,
             experts,
-            compute: rows as f64 * (f.flops_per_token / flop_rate + h.row_us),
+            // Roofline: a GEMM takes max(bytes, flops); the dense weights are already
+            // counted, so only the excess of compute time over them is added.
+            compute: (rows as f64 * f.flops_per_token / flop_rate - f.dense_bytes / bw).max(0.0)
+                + rows as f64 * h.row_us,
             allreduce: if h.tp > 1 {
                 f.allreduces * h.allreduce_us
             } else {
@@ -317,12 +324,12 @@ impl CostModel {
             return 0.0;
         }
         let singles = vec![1u64; s.sampling_reqs as usize];
-        let one_row = self.forward(&d.forward, &singles, s.sampling_reqs).total();
+        let one_row = self.forward(&d.forward, &singles, s.sampling_reqs).total() + d.overhead_us;
         if !d.sequential {
             return one_row;
         }
         let rows = s.prefill_tokens + s.decode_rows;
-        let first = self.forward(&d.forward, &s.seq_rows, rows).total();
+        let first = self.forward(&d.forward, &s.seq_rows, rows).total() + d.overhead_us;
         first + one_row * (s.num_speculative - 1) as f64
     }
 }
@@ -381,7 +388,8 @@ mod tests {
         assert!((c.experts - 4.0 * d * (0.1 + 1.0)).abs() < 1e-9);
         assert!((c.kv - 0.1).abs() < 1e-9);
         assert!((c.state - 4.0 * 1e4 / 1e6).abs() < 1e-12);
-        assert!((c.compute - 3.0 * (1.0 + 0.5)).abs() < 1e-9);
+        // 3 rows x 1 us of FLOPs, less the 1 us of dense weights, + 3 x 0.5 us.
+        assert!((c.compute - (3.0 - 1.0 + 1.5)).abs() < 1e-9);
         assert!((c.allreduce - 80.0).abs() < 1e-9);
         assert_eq!(c.drafter, 0.0);
         assert_eq!(m.step(&StepShape::default()).total(), 0.0);
@@ -396,6 +404,7 @@ mod tests {
                 ..m.target
             },
             sequential: true,
+            overhead_us: 0.0,
         });
         let s = |n| StepShape {
             decode_rows: 1 + n,

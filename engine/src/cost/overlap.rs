@@ -224,7 +224,10 @@ mod tests {
             let d = u.expected_distinct(288, 8, &seqs);
             assert!((d - about).abs() < 1.0, "{rows} rows: {d}");
             let mc = monte_carlo(&u, 288, 8, &seqs, 4000, 7);
-            assert!((mc - d).abs() < 0.01 * d + 0.3, "{rows} rows: mc {mc} vs {d}");
+            assert!(
+                (mc - d).abs() < 0.01 * d + 0.3,
+                "{rows} rows: mc {mc} vs {d}"
+            );
         }
         assert_eq!(u.expected_distinct(288, 8, &[]), 0.0);
     }
@@ -236,20 +239,38 @@ mod tests {
             for seqs in [vec![6u64], vec![3, 3, 3, 3], vec![1, 8, 2]] {
                 let d = r.expected_distinct(64, 4, &seqs);
                 let mc = monte_carlo(&r, 64, 4, &seqs, 6000, 11);
-                assert!((mc - d).abs() < 0.01 * d + 0.2, "{reuse} {seqs:?}: mc {mc} vs {d}");
+                assert!(
+                    (mc - d).abs() < 0.01 * d + 0.2,
+                    "{reuse} {seqs:?}: mc {mc} vs {d}"
+                );
             }
         }
         // More reuse, fewer experts; reuse 1 = one draw per sequence.
-        let a = Routing { zipf: 0.0, reuse: 0.2 }.expected_distinct(288, 8, &[6]);
-        let b = Routing { zipf: 0.0, reuse: 0.8 }.expected_distinct(288, 8, &[6]);
+        let a = Routing {
+            zipf: 0.0,
+            reuse: 0.2,
+        }
+        .expected_distinct(288, 8, &[6]);
+        let b = Routing {
+            zipf: 0.0,
+            reuse: 0.8,
+        }
+        .expected_distinct(288, 8, &[6]);
         assert!(a > b);
-        let one = Routing { zipf: 0.0, reuse: 1.0 }.expected_distinct(288, 8, &[6]);
+        let one = Routing {
+            zipf: 0.0,
+            reuse: 1.0,
+        }
+        .expected_distinct(288, 8, &[6]);
         assert!((one - 8.0).abs() < 1e-9);
     }
 
     #[test]
     fn zipf_approximation_is_close_to_monte_carlo() {
-        let z = Routing { zipf: 1.0, reuse: 0.0 };
+        let z = Routing {
+            zipf: 1.0,
+            reuse: 0.0,
+        };
         let incl = z.inclusion(64, 4);
         assert!((incl.iter().sum::<f64>() - 4.0).abs() < 1e-6);
         assert!(incl[0] > incl[63]);
@@ -266,7 +287,10 @@ mod tests {
 
     #[test]
     fn fit_reuse_inverts_the_closed_form() {
-        let truth = Routing { zipf: 0.0, reuse: 0.4 };
+        let truth = Routing {
+            zipf: 0.0,
+            reuse: 0.4,
+        };
         let measured = 7.0 * truth.expected_distinct(16, 2, &[5]);
         let got = fit_reuse(16, 2, 7, 5.0, measured).unwrap();
         assert!((got - 0.4).abs() < 1e-6, "{got}");
