@@ -543,7 +543,7 @@ mod tests {
         let rec = serde_json::json!({"kind": "bench-e2e", "copy_gb_s": bw, "weight_bytes": 1.0, "rows": rows});
         std::fs::write(&p, rec.to_string()).unwrap();
         let (fr, _) = load_rows(&p, Some(s)).unwrap();
-        let rep = fit_report(&[p.clone()], &fr, s, &[8]).unwrap();
+        let rep = fit_report(std::slice::from_ref(&p), &fr, s, &[8]).unwrap();
         for ((_, got), want) in rep.params.iter().zip(truth) {
             assert!((got - want).abs() < 1e-6, "{:?}", rep.params);
         }

@@ -27,10 +27,11 @@ fn solve(mut a: Vec<Vec<f64>>, mut b: Vec<f64>) -> Option<Vec<f64>> {
         }
         a.swap(c, p);
         b.swap(c, p);
+        let pivot = a[c].clone();
         for r in c + 1..n {
-            let f = a[r][c] / a[c][c];
-            for k in c..n {
-                a[r][k] -= f * a[c][k];
+            let f = a[r][c] / pivot[c];
+            for (x, p) in a[r][c..].iter_mut().zip(&pivot[c..]) {
+                *x -= f * p;
             }
             b[r] -= f * b[c];
         }
@@ -116,13 +117,13 @@ pub fn nnls(x: &[Vec<f64>], y: &[f64]) -> Result<Vec<f64>> {
                 .filter(|&&c| z[c] <= 0.0)
                 .map(|&c| theta[c] / (theta[c] - z[c]))
                 .fold(1.0, f64::min);
-            for c in 0..n {
-                theta[c] += alpha * (z[c] - theta[c]);
+            for (t, zc) in theta.iter_mut().zip(&z) {
+                *t += alpha * (zc - *t);
             }
             passive.retain(|&c| theta[c] > 1e-15);
-            for c in 0..n {
+            for (c, t) in theta.iter_mut().enumerate() {
                 if !passive.contains(&c) {
-                    theta[c] = 0.0;
+                    *t = 0.0;
                 }
             }
         }
