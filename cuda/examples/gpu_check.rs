@@ -11,7 +11,7 @@
 use std::path::PathBuf;
 
 use serde::Serialize;
-use speclab_cuda::check::{self, CheckLine, TimingRow};
+use speclab_cuda::check::{self, CheckLine, ProfileRow, TimingRow};
 
 #[derive(Serialize)]
 struct Report {
@@ -24,6 +24,7 @@ struct Report {
     timing_error: Option<String>,
     copy_gb_s: f64,
     weight_bytes: usize,
+    profile: Vec<ProfileRow>,
 }
 
 fn arg(name: &str) -> Option<String> {
@@ -65,13 +66,11 @@ fn main() {
     let all_pass = parity_error.is_none() && parity.iter().all(|l| l.pass);
     let batches: &[usize] = if parity_only { &[] } else { &[1, 8, 32, 128] };
     let caught = std::panic::catch_unwind(|| check::timing(&model, batches, steps));
-    let (timing, copy_gb_s, weight_bytes, timing_error) = match caught {
-        Ok(Ok((r, bw, wb))) => (r, bw, wb, None),
-        Ok(Err(e)) => (Vec::new(), 0.0, 0, Some(e.to_string())),
+    let ((timing, copy_gb_s, weight_bytes, profile), timing_error) = match caught {
+        Ok(Ok(t)) => (t, None),
+        Ok(Err(e)) => ((Vec::new(), 0.0, 0, Vec::new()), Some(e.to_string())),
         Err(_) => (
-            Vec::new(),
-            0.0,
-            0,
+            (Vec::new(), 0.0, 0, Vec::new()),
             Some("timing panicked (see stderr)".to_string()),
         ),
     };
@@ -87,6 +86,7 @@ fn main() {
         timing_error: timing_error.clone(),
         copy_gb_s,
         weight_bytes,
+        profile,
     };
     match serde_json::to_string_pretty(&report) {
         Ok(s) => {
@@ -101,14 +101,22 @@ fn main() {
     if let Some(e) = timing_error {
         println!("timing ERROR: {e}");
     }
-    println!("\n| batch | graphs | us/step | tok/s | kernels/step |");
-    println!("|---|---|---|---|---|");
+    print_profile(&report.profile);
+    println!("\n| batch | graphs | us/step | GPU us/step (graph replay) | host meta / upload / launch / read-back us | tok/s | kernels/step |");
+    println!("|---|---|---|---|---|---|---|");
     for r in &report.timing {
+        let h = r.host_us;
+        let gpu = r.gpu_us_per_step.map(|x| format!("{x:.1}"));
         println!(
-            "| {} | {} | {:.1} | {:.0} | {:.0} |",
+            "| {} | {} | {:.1} | {} | {:.1} / {:.1} / {:.1} / {:.1} | {:.0} | {:.0} |",
             r.batch,
             if r.graphs { "on" } else { "off" },
             r.us_per_step,
+            gpu.unwrap_or("-".into()),
+            h[0],
+            h[1],
+            h[2],
+            h[3],
             r.tok_per_s,
             r.kernels_per_step
         );
@@ -116,5 +124,25 @@ fn main() {
     println!("\nparity: {}", if all_pass { "PASS" } else { "FAIL" });
     if !all_pass {
         std::process::exit(1);
+    }
+}
+
+/// The per-kernel GPU time of one eager decode step, per batch (top 10 names).
+fn print_profile(rows: &[ProfileRow]) {
+    let mut batches: Vec<usize> = rows.iter().map(|r| r.batch).collect();
+    batches.dedup();
+    for b in batches {
+        let of: Vec<&ProfileRow> = rows.iter().filter(|r| r.batch == b).collect();
+        let total: f64 = of.iter().map(|r| r.us).sum();
+        let n: usize = of.iter().map(|r| r.launches).sum();
+        let top: Vec<String> = of
+            .iter()
+            .take(10)
+            .map(|r| format!("{} x{} {:.1}", r.kernel, r.launches, r.us))
+            .collect();
+        println!(
+            "profile batch {b}: {n} launches, {total:.1} us eager GPU time: {}",
+            top.join("; ")
+        );
     }
 }

@@ -14,7 +14,7 @@
 // (the chunk of each token), block_tables [S, max_blocks] (the `full` group's tables,
 // checked on the host to cover positions 0 ..= pos with real blocks).
 
-#define ATT_WARPS 4
+#define ATT_WARPS 16
 #define HEAD_DIM_MAX 128
 
 // Rotate q in place and write rotated k and v into the cache.
@@ -62,8 +62,9 @@ extern "C" __global__ void rope_kv_write(float* __restrict__ qkv, int qkv_stride
 // o[t, h, :] = softmax_j((q[t,h] . K[j, h/G]) * scale) V[j, h/G] over j = 0 ..= pos[t].
 // Shapes: q rows of qkv [T, qkv_stride] (columns [nh, d] at 0), o [T, nh * d].
 // d % 32 == 0, d <= 128 (host-checked).  Online softmax per warp over positions
-// j = warp, warp + 4, ..., merged across the 4 warps at the end.
-// Launch: grid (T, nh), block 128.
+// j = warp, warp + 16, ..., merged across the 16 warps at the end (16 warps: a decode
+// row walks its context in 16 interleaved strands, each a serial chain of loads).
+// Launch: grid (T, nh), block 512 (ATT_WARPS warps).
 extern "C" __global__ void paged_attention(float* __restrict__ o, const float* __restrict__ qkv,
                                            int qkv_stride, const float* __restrict__ kv,
                                            long long layer_off, long long fpb, int bs,

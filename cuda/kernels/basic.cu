@@ -77,3 +77,21 @@ extern "C" __global__ void copy_f32(float* __restrict__ dst, const float* __rest
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) dst[i] = src[i];
 }
+
+// The same copy in 16-byte words (`n4` float4s; both pointers 16-byte aligned), grid-stride
+// so a bounded grid streams any size at full bandwidth. Launch: grid (<= 4 * SMs), block 256.
+extern "C" __global__ void copy_f32x4(float4* __restrict__ dst, const float4* __restrict__ src,
+                                      long long n4) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += stride)
+        dst[i] = src[i];
+}
+
+// Busy-wait `cycles` SM clock cycles (one thread). The profiler launches it first so the
+// host enqueues a whole step behind it and the events between kernels time the GPU
+// alone, not the host's launch gaps. Launch: grid 1, block 1.
+extern "C" __global__ void spin_wait(long long cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) {
+    }
+}

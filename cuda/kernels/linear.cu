@@ -38,6 +38,57 @@ struct LoadInt4 {
     }
 };
 
+// Body of linear_bf16 / linear_norm_bf16. With NORM, each x row is rmsnorm'ed on the fly
+// (docs/model.md §1: x / sqrt(mean(x^2) + eps) * g): the warp accumulates (x * g) . W and
+// x . x in the same pass over K, then scales by 1 / sqrt(x.x / K + eps). Called by whole
+// warps, one output column n per warp, ROWS_PER_TILE rows per block row.
+template <bool NORM>
+__device__ __forceinline__ void linear_body(float* __restrict__ y, int y_stride,
+                                            const float* __restrict__ x, int x_stride,
+                                            const bf16_bits* __restrict__ W, int M, int N,
+                                            int K, int accumulate, const float* __restrict__ g,
+                                            float eps) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n = blockIdx.x * LIN_WARPS + warp;
+    const int m0 = blockIdx.y * ROWS_PER_TILE;
+    if (n >= N) return;  // uniform per warp
+    const int rows = min(ROWS_PER_TILE, M - m0);
+    const LoadBf16 ld{W, K};
+    float acc[ROWS_PER_TILE], ss[ROWS_PER_TILE];
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_TILE; ++r) { acc[r] = 0.0f; ss[r] = 0.0f; }
+    for (int kw = lane; kw < K / 8; kw += WARP) {
+        float w[8], gv[8];
+        ld.load(n, kw, w);
+        if (NORM) load8(g + (size_t)kw * 8, gv);
+#pragma unroll
+        for (int r = 0; r < ROWS_PER_TILE; ++r) {
+            if (r < rows) {
+                float xv[8];
+                load8(x + (size_t)(m0 + r) * x_stride + (size_t)kw * 8, xv);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    if (NORM) {
+                        ss[r] += xv[j] * xv[j];
+                        acc[r] += xv[j] * gv[j] * w[j];
+                    } else {
+                        acc[r] += xv[j] * w[j];
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_TILE; ++r) {
+        float s = warp_sum(acc[r]);
+        if (NORM) s *= 1.0f / sqrtf(warp_sum(ss[r]) / (float)K + eps);
+        if (lane == 0 && r < rows) {
+            float* dst = y + (size_t)(m0 + r) * y_stride + n;
+            *dst = accumulate ? *dst + s : s;
+        }
+    }
+}
+
 // y[m, n] (+)= sum_k x[m, k] * W[n, k].  Shapes: x [M, x_stride] (first K used),
 // W [N, K] bf16, y [M, y_stride] (first N used).  `accumulate` != 0 adds into y (the
 // residual add of docs/model.md §2, done as x + (a @ W^T) like the CPU).
@@ -46,36 +97,33 @@ extern "C" __global__ void linear_bf16(float* __restrict__ y, int y_stride,
                                        const float* __restrict__ x, int x_stride,
                                        const bf16_bits* __restrict__ W, int M, int N, int K,
                                        int accumulate) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n = blockIdx.x * LIN_WARPS + warp;
-    const int m0 = blockIdx.y * ROWS_PER_TILE;
-    if (n >= N) return;  // uniform per warp
-    const int rows = min(ROWS_PER_TILE, M - m0);
-    const LoadBf16 ld{W, K};
-    float acc[ROWS_PER_TILE];
-#pragma unroll
-    for (int r = 0; r < ROWS_PER_TILE; ++r) acc[r] = 0.0f;
-    for (int kw = lane; kw < K / 8; kw += WARP) {
-        float w[8];
-        ld.load(n, kw, w);
-#pragma unroll
-        for (int r = 0; r < ROWS_PER_TILE; ++r) {
-            if (r < rows) {
-                float xv[8];
-                load8(x + (size_t)(m0 + r) * x_stride + (size_t)kw * 8, xv);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[r] += xv[j] * w[j];
-            }
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < ROWS_PER_TILE; ++r) {
-        const float s = warp_sum(acc[r]);
-        if (lane == 0 && r < rows) {
-            float* dst = y + (size_t)(m0 + r) * y_stride + n;
-            *dst = accumulate ? *dst + s : s;
-        }
-    }
+    linear_body<false>(y, y_stride, x, x_stride, W, M, N, K, accumulate, nullptr, 0.0f);
+}
+
+// y = rmsnorm(x, g, eps) @ W^T (the decoder layer's input norm fused into the mixer's
+// first projection, whose only consumer it is).  Shapes as linear_bf16, g [K] f32.
+// Launch: as linear_bf16.
+extern "C" __global__ void linear_norm_bf16(float* __restrict__ y, int y_stride,
+                                            const float* __restrict__ x, int x_stride,
+                                            const bf16_bits* __restrict__ W, int M, int N,
+                                            int K, int accumulate, const float* __restrict__ g,
+                                            float eps) {
+    linear_body<true>(y, y_stride, x, x_stride, W, M, N, K, accumulate, g, eps);
+}
+
+// Two GEMMs of the same shape in one launch (blockIdx.z picks the pair): the KDA
+// layer's f / g low-rank projections.  Shapes as linear_bf16 for each (y_z, x_z, W_z),
+// with shared strides; no accumulate.  Launch: grid (ceil(N / 4), ceil(M / 8), 2), block 128.
+extern "C" __global__ void linear_pair_bf16(float* __restrict__ y0, float* __restrict__ y1,
+                                            int y_stride, const float* __restrict__ x0,
+                                            const float* __restrict__ x1, int x_stride,
+                                            const bf16_bits* __restrict__ W0,
+                                            const bf16_bits* __restrict__ W1, int M, int N,
+                                            int K) {
+    if (blockIdx.z == 0)
+        linear_body<false>(y0, y_stride, x0, x_stride, W0, M, N, K, 0, nullptr, 0.0f);
+    else
+        linear_body<false>(y1, y_stride, x1, x_stride, W1, M, N, K, 0, nullptr, 0.0f);
 }
 
 // Shared body of the gate/up GEMMs: for tile rows r with in_row[r] >= 0,

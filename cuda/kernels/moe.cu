@@ -14,21 +14,12 @@
 #define TOPK_WARPS 4
 #define EXPERTS_MAX 1024
 
-// ids[t, j], wts[t, j] for j < k: the selected experts in descending biased score.
-// Shapes: logits [T, E] f32, bias [E] f32, ids [T, k] i32, wts [T, k] f32;
-// E <= 1024, k <= 8, k <= E (host-checked).  Launch: grid (ceil(T / 4)), block 128.
-extern "C" __global__ void moe_topk(int* __restrict__ ids, float* __restrict__ wts,
-                                    const float* __restrict__ logits,
-                                    const float* __restrict__ bias, int T, int E, int k,
-                                    int norm_topk, float rsf) {
-    __shared__ float biased[TOPK_WARPS][EXPERTS_MAX];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int t = blockIdx.x * TOPK_WARPS + warp;
-    if (t >= T) return;  // uniform per warp
-    const float* lr = logits + (size_t)t * E;
-    float* b = biased[warp];
-    for (int e = lane; e < E; e += WARP) b[e] = sigmoid_f(lr[e]) + bias[e];
-    __syncwarp();
+// The top-k pick of one token by one warp: b [E] holds sigmoid(logit) + bias (taken
+// entries are overwritten), lr [E] the logits. Writes ids[t, :k], wts[t, :k].
+__device__ __forceinline__ void topk_pick(int* __restrict__ ids, float* __restrict__ wts,
+                                          int t, const float* lr, float* b, int E, int k,
+                                          int norm_topk, float rsf) {
+    const int lane = threadIdx.x & 31;
     int sel[TOPK_MAX];
     float w[TOPK_MAX];
     float sum = 0.0f;
@@ -66,6 +57,65 @@ extern "C" __global__ void moe_topk(int* __restrict__ ids, float* __restrict__ w
             }
         }
     }
+}
+
+// ids[t, j], wts[t, j] for j < k: the selected experts in descending biased score.
+// Shapes: logits [T, E] f32, bias [E] f32, ids [T, k] i32, wts [T, k] f32;
+// E <= 1024, k <= 8, k <= E (host-checked).  Launch: grid (ceil(T / 4)), block 128.
+extern "C" __global__ void moe_topk(int* __restrict__ ids, float* __restrict__ wts,
+                                    const float* __restrict__ logits,
+                                    const float* __restrict__ bias, int T, int E, int k,
+                                    int norm_topk, float rsf) {
+    __shared__ float biased[TOPK_WARPS][EXPERTS_MAX];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int t = blockIdx.x * TOPK_WARPS + warp;
+    if (t >= T) return;  // uniform per warp
+    const float* lr = logits + (size_t)t * E;
+    float* b = biased[warp];
+    for (int e = lane; e < E; e += WARP) b[e] = sigmoid_f(lr[e]) + bias[e];
+    __syncwarp();
+    topk_pick(ids, wts, t, lr, b, E, k, norm_topk, rsf);
+}
+
+#define ROUTER_E_MAX 256
+
+// The router GEMM fused with moe_topk for small routers (E <= 256): block t, warp w
+// computes logits[t, e] = x[t] . W[e] for e = w, w + 16, ... in linear_bf16's summation
+// order (lane-strided 8-wide words, then the xor warp sum), so the logits are
+// bit-identical to the unfused path's; then warp 0 picks as moe_topk. Shapes: x
+// [T, x_stride] f32 (first K used), W [E, K] bf16, bias [E], logits [T, E] (written),
+// ids / wts [T, k]; K % 8 == 0.  Launch: grid (T), block 512.
+extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restrict__ wts,
+                                           float* __restrict__ logits,
+                                           const float* __restrict__ x, int x_stride,
+                                           const bf16_bits* __restrict__ W,
+                                           const float* __restrict__ bias, int T, int E, int K,
+                                           int k, int norm_topk, float rsf) {
+    __shared__ float lg[ROUTER_E_MAX];
+    __shared__ float biased[ROUTER_E_MAX];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int nwarps = blockDim.x >> 5;
+    const int t = blockIdx.x;
+    if (t >= T) return;  // uniform per block
+    const float* xr = x + (size_t)t * x_stride;
+    for (int e = warp; e < E; e += nwarps) {
+        float acc = 0.0f;
+        for (int kw = lane; kw < K / 8; kw += WARP) {
+            float w[8], xv[8];
+            widen8(*reinterpret_cast<const uint4*>(W + (size_t)e * K + (size_t)kw * 8), w);
+            load8(xr + (size_t)kw * 8, xv);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc += xv[j] * w[j];
+        }
+        const float s = warp_sum(acc);
+        if (lane == 0) {
+            lg[e] = s;
+            biased[e] = sigmoid_f(s) + bias[e];
+            logits[(size_t)t * E + e] = s;
+        }
+    }
+    __syncthreads();
+    if (warp == 0) topk_pick(ids, wts, t, lg, biased, E, k, norm_topk, rsf);
 }
 
 // Sort the P = T * k routed pairs by expert.  sorted[0 .. P_pad) receives the pair ids

@@ -56,8 +56,35 @@ impl Default for CudaOptions {
     }
 }
 
-/// Key of a captured step graph: (tokens, chunks, last-row logits only, MTP step).
-pub type GraphKey = (usize, usize, bool, bool);
+/// Key of a captured step graph: (tokens, chunks, the step's kind). Everything else a
+/// step reads (token ids, positions, block tables, hidden rows) is in device buffers
+/// written before the replay, at addresses fixed until the workspace grows (which
+/// drops every graph).
+pub type GraphKey = (usize, usize, StepKind);
+
+/// Host seconds of `forward_greedy` by phase, summed over calls (the device check's
+/// breakdown of where a step's time goes besides the GPU).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct HostTimes {
+    /// Building the step metadata from the KV manager's tables.
+    pub meta_s: f64,
+    /// Uploading the metadata (and growing buffers).
+    pub upload_s: f64,
+    /// Launching the step (graph launch, or every kernel eagerly).
+    pub launch_s: f64,
+    /// Reading the greedy ids back: the wait for the GPU plus the copy.
+    pub read_s: f64,
+    pub calls: u64,
+}
+
+/// Longest chunk of a step that is captured as a graph: decode and verify chunks
+/// (1 + N tokens) are; a prefill chunk's shape rarely repeats, so it runs eagerly.
+pub const GRAPH_MAX_CHUNK: usize = 16;
+
+/// Whether a step of chunks of these lengths is replayed from a graph.
+fn graph_sized(mut lens: impl Iterator<Item = usize>) -> bool {
+    lens.all(|n| n <= GRAPH_MAX_CHUNK)
+}
 
 /// The CUDA target backend.
 pub struct CudaBackend {
@@ -73,7 +100,8 @@ pub struct CudaBackend {
     pub(crate) dims: MetaDims,
     /// Slots whose last chunk was a snapshot verify: slot -> chunk length.
     pending: HashMap<ReqSlot, usize>,
-    graphs: HashMap<GraphKey, CudaGraph>,
+    /// Captured steps and the kernels each holds.
+    graphs: HashMap<GraphKey, (CudaGraph, u64)>,
     opts: CudaOptions,
     /// Per-layer hidden states (collect_hidden). Shape: [(L + 1) * t_cap * H].
     pub(crate) per_layer: Option<DevBuf<f32>>,
@@ -83,6 +111,8 @@ pub struct CudaBackend {
     graph_error: Option<String>,
     /// Host copy of the bf16 embedding for `SharedHead::embed`. Shape: [V, H] bf16 bits.
     pub(crate) embed_host: Vec<u16>,
+    /// Phase times of `forward_greedy` calls (reset by the caller).
+    pub host_times: HostTimes,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -147,6 +177,7 @@ impl CudaBackend {
             per_layer: None,
             router: None,
             graph_error: None,
+            host_times: HostTimes::default(),
             embed_host: crate::repack::to_bf16(&weights.embed, "model.embed_tokens")?,
         })
     }
@@ -286,11 +317,17 @@ impl CudaBackend {
         let kind = StepKind::Target {
             last_rows: last,
             collect,
-            argmax: false,
+            argmax: opts.greedy_ids,
         };
-        self.run(&m, kind)?;
+        // Graphs for greedy decode / verify steps (their outputs are the argmax ids and the
+        // hidden rows); steps that return logits, and prefill chunks, run eagerly.
+        if opts.greedy_ids && graph_sized(batch.iter().map(|c| c.tokens.len())) {
+            self.launch_step(&m, kind)?;
+        } else {
+            self.run(&m, kind)?;
+        }
         self.note_pending(batch);
-        self.read_target(&m, last, collect)
+        self.read_target(&m, last, collect, opts)
     }
 
     /// Forward a batch and return the greedy token of each logits row, computed on the
@@ -301,22 +338,96 @@ impl CudaBackend {
         batch: &[SeqChunk<'_>],
         rows: LogitsRows,
     ) -> Result<Vec<u32>> {
+        let t0 = std::time::Instant::now();
         let m = self.target_meta(kv, batch)?;
+        let t1 = std::time::Instant::now();
         self.ensure(&m, Collect::default())?;
+        let t2 = std::time::Instant::now();
         let last = rows == LogitsRows::LastPerChunk;
         let kind = StepKind::Target {
             last_rows: last,
             collect: Collect::default(),
             argmax: true,
         };
-        if self.opts.use_graphs {
-            self.run_graph((m.t_total, m.num_seqs, last, false), &m, kind)?;
-        } else {
-            self.run(&m, kind)?;
-        }
+        self.launch_step(&m, kind)?;
+        let t3 = std::time::Instant::now();
         self.note_pending(batch);
         let r = if last { m.num_seqs } else { m.t_total };
-        self.ws.argmax.read(&self.gpu.stream, 0, r, "greedy tokens")
+        let ids = self
+            .ws
+            .argmax
+            .read(&self.gpu.stream, 0, r, "greedy tokens")?;
+        let h = &mut self.host_times;
+        h.meta_s += (t1 - t0).as_secs_f64();
+        h.upload_s += (t2 - t1).as_secs_f64();
+        h.launch_s += (t3 - t2).as_secs_f64();
+        h.read_s += t3.elapsed().as_secs_f64();
+        h.calls += 1;
+        Ok(ids)
+    }
+
+    /// GPU µs per replay of this greedy decode step's graph (captured first if needed),
+    /// timed with events over `n` back-to-back replays of the same inputs. The replays
+    /// advance the KDA state and rewrite the same KV rows: only for the end of a
+    /// measurement.
+    pub fn replay_us(
+        &mut self,
+        kv: &KvCacheManager,
+        batch: &[SeqChunk<'_>],
+        n: usize,
+    ) -> Result<f64> {
+        let m = self.target_meta(kv, batch)?;
+        self.ensure(&m, Collect::default())?;
+        let kind = StepKind::Target {
+            last_rows: true,
+            collect: Collect::default(),
+            argmax: true,
+        };
+        let key = (m.t_total, m.num_seqs, kind);
+        self.replay(key, &m, kind)?;
+        self.gpu.sync()?;
+        let e0 = self.gpu.timing_event()?;
+        for _ in 0..n.max(1) {
+            self.replay(key, &m, kind)?;
+        }
+        let e1 = self.gpu.timing_event()?;
+        let ms = e0
+            .elapsed_ms(&e1)
+            .map_err(|e| CudaError::driver("event elapsed", e))?;
+        Ok(f64::from(ms) * 1e3 / n.max(1) as f64)
+    }
+
+    /// One eager greedy step with an event after every kernel, the step's metadata
+    /// uploaded before the profiler's spin kernel (a pageable upload would wait for it):
+    /// GPU µs per kernel name, launches per name (module `device`, `profile_stop`).
+    pub fn profile_step(
+        &mut self,
+        kv: &KvCacheManager,
+        batch: &[SeqChunk<'_>],
+    ) -> Result<Vec<(String, usize, f64)>> {
+        let m = self.target_meta(kv, batch)?;
+        self.ensure(&m, Collect::default())?;
+        let kind = StepKind::Target {
+            last_rows: true,
+            collect: Collect::default(),
+            argmax: true,
+        };
+        self.gpu.sync()?;
+        self.gpu.profile_start()?;
+        let ran = self.run(&m, kind);
+        let prof = self.gpu.profile_stop();
+        ran?;
+        self.note_pending(batch);
+        prof
+    }
+
+    /// Run one step: replayed as a CUDA graph when graphs are on, else eagerly.
+    fn launch_step(&mut self, m: &StepMeta, kind: StepKind) -> Result<()> {
+        if self.opts.use_graphs {
+            self.run_graph((m.t_total, m.num_seqs, kind), m, kind)
+        } else {
+            self.run(m, kind)
+        }
     }
 
     /// Replay the graph of `key`, capturing it first if needed. A capture that fails
@@ -341,11 +452,15 @@ impl CudaBackend {
     fn replay(&mut self, key: GraphKey, m: &StepMeta, kind: StepKind) -> Result<()> {
         if !self.graphs.contains_key(&key) {
             let stream = self.gpu.stream.clone();
+            let k0 = ops::kernels_executed();
             stream
                 .begin_capture(CUstreamCaptureMode_enum::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .map_err(|e| CudaError::driver("begin_capture", e))?;
             let ran = self.run(m, kind);
             let ended = stream.end_capture(CUgraphInstantiate_flags_enum(0));
+            // Captured launches did not execute: count them when the graph is replayed.
+            let captured = ops::kernels_executed() - k0;
+            ops::KERNELS.fetch_sub(captured, std::sync::atomic::Ordering::Relaxed);
             ran?;
             let graph = ended
                 .map_err(|e| CudaError::driver("end_capture", e))?
@@ -353,22 +468,82 @@ impl CudaBackend {
             graph
                 .upload()
                 .map_err(|e| CudaError::driver("graph upload", e))?;
-            self.graphs.insert(key, graph);
+            self.graphs.insert(key, (graph, captured));
         }
-        let g = self
+        let (g, n) = self
             .graphs
             .get(&key)
             .ok_or_else(|| CudaError::Input("graph vanished (internal)".into()))?;
+        ops::KERNELS.fetch_add(*n, std::sync::atomic::Ordering::Relaxed);
         g.launch().map_err(|e| CudaError::driver("graph launch", e))
     }
 
-    fn read_target(&self, m: &StepMeta, last: bool, collect: Collect) -> Result<ForwardOut> {
+    /// Launch cost in µs per kernel of the engine's smallest kernel (a 4-float copy):
+    /// (issued eagerly back to back, replayed from one CUDA graph of 200). Host-timed
+    /// over 2,000 launches after a warm-up.
+    pub fn launch_cost_us(&self) -> Result<(f64, f64)> {
+        let st = self.gpu.stream.clone();
+        let a = DevBuf::<f32>::zeros(&st, 4, "launch-cost src")?;
+        let b = DevBuf::<f32>::zeros(&st, 4, "launch-cost dst")?;
+        let burst = |n: usize| -> Result<()> {
+            for _ in 0..n {
+                ops::copy(&self.gpu, &b, 0, &a, 0, 4)?;
+            }
+            Ok(())
+        };
+        burst(100)?;
+        self.gpu.sync()?;
+        let t0 = std::time::Instant::now();
+        burst(2000)?;
+        self.gpu.sync()?;
+        let eager = t0.elapsed().as_secs_f64() * 1e6 / 2000.0;
+        st.begin_capture(CUstreamCaptureMode_enum::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| CudaError::driver("begin_capture", e))?;
+        let ran = burst(200);
+        let ended = st.end_capture(CUgraphInstantiate_flags_enum(0));
+        ops::KERNELS.fetch_sub(200, std::sync::atomic::Ordering::Relaxed);
+        ran?;
+        let g = ended
+            .map_err(|e| CudaError::driver("end_capture", e))?
+            .ok_or_else(|| CudaError::driver("end_capture", "no graph was captured"))?;
+        g.launch()
+            .map_err(|e| CudaError::driver("graph launch", e))?;
+        self.gpu.sync()?;
+        let t0 = std::time::Instant::now();
+        for _ in 0..10 {
+            g.launch()
+                .map_err(|e| CudaError::driver("graph launch", e))?;
+        }
+        self.gpu.sync()?;
+        let graph = t0.elapsed().as_secs_f64() * 1e6 / 2000.0;
+        Ok((eager, graph))
+    }
+
+    fn read_target(
+        &self,
+        m: &StepMeta,
+        last: bool,
+        collect: Collect,
+        opts: &ForwardOptions,
+    ) -> Result<ForwardOut> {
+        let greedy = opts.greedy_ids;
         let cfg = &self.w.cfg;
         let (h, v, t) = (cfg.hidden_size, cfg.vocab_size, m.t_total);
         let st = &self.gpu.stream;
         let r = if last { m.num_seqs } else { t };
-        let logits = self.ws.logits.read(st, 0, r * v, "logits")?;
-        let hidden = self.ws.hidden.read(st, 0, t * h, "hidden")?;
+        let (logits, argmax) = if greedy {
+            (
+                Vec::new(),
+                Some(self.ws.argmax.read(st, 0, r, "greedy tokens")?),
+            )
+        } else {
+            (self.ws.logits.read(st, 0, r * v, "logits")?, None)
+        };
+        let hidden = if opts.skip_hidden {
+            Vec::new()
+        } else {
+            self.ws.hidden.read(st, 0, t * h, "hidden")?
+        };
         let per_layer_hidden = match (&self.per_layer, collect.hidden) {
             (Some(p), true) => {
                 let cap = self.ws.t_cap * h;
@@ -398,6 +573,7 @@ impl CudaBackend {
             per_layer_hidden,
             router,
             num_tokens: t,
+            argmax,
         })
     }
 
@@ -522,19 +698,28 @@ impl CudaBackend {
         let stream = self.gpu.stream.clone();
         self.ws.tmp.write(&stream, &rows, "MTP hidden rows")?;
         let last = opts.logits == LogitsRows::LastPerChunk;
-        self.run(
-            &m,
-            StepKind::Mtp {
-                last_rows: last,
-                collect,
-            },
-        )?;
+        let kind = StepKind::Mtp {
+            last_rows: last,
+            collect,
+            argmax: opts.greedy_ids,
+        };
+        if opts.greedy_ids && graph_sized(batch.iter().map(|c| c.next_tokens.len())) {
+            self.launch_step(&m, kind)?;
+        } else {
+            self.run(&m, kind)?;
+        }
         let t = m.t_total;
         let r = if last { m.num_seqs } else { t };
-        let logits = self
-            .ws
-            .logits
-            .read(&stream, 0, r * cfg.vocab_size, "MTP logits")?;
+        let (logits, argmax) = if opts.greedy_ids {
+            let ids = self.ws.argmax.read(&stream, 0, r, "MTP greedy tokens")?;
+            (Vec::new(), Some(ids))
+        } else {
+            let l = self
+                .ws
+                .logits
+                .read(&stream, 0, r * cfg.vocab_size, "MTP logits")?;
+            (l, None)
+        };
         let hidden = self.ws.x.read(&stream, 0, t * h, "MTP hidden")?;
         let router = match (&self.router, collect.router) {
             (Some(buf), true) => Some(self.read_router(buf, t, vec![cfg.num_hidden_layers])?),
@@ -544,6 +729,7 @@ impl CudaBackend {
             logits,
             hidden,
             router,
+            argmax,
         })
     }
 }

@@ -221,6 +221,8 @@ impl Rig {
             logits: LogitsRows::All,
             collect_hidden: true,
             collect_router: true,
+            greedy_ids: false,
+            skip_hidden: false,
         };
         let zeros = vec![0usize; n];
         let batch = chunks(&self.gold.prompts, &zeros, false);
@@ -457,14 +459,32 @@ pub struct TimingRow {
     pub us_per_step: f64,
     pub tok_per_s: f64,
     pub kernels_per_step: f64,
+    /// Graphs-on rows: GPU µs per replay of the step's graph (events, no host work).
+    pub gpu_us_per_step: Option<f64>,
+    /// Host µs per step by phase (`CudaBackend::host_times`): metadata build, upload,
+    /// launch, and the read-back (which waits for the GPU).
+    pub host_us: [f64; 4],
 }
+
+/// GPU time of one kernel name over one eager decode step (events between launches).
+#[derive(Debug, Clone, Serialize)]
+pub struct ProfileRow {
+    pub batch: usize,
+    pub kernel: String,
+    pub launches: usize,
+    pub us: f64,
+}
+
+/// Timing rows, copy bandwidth (GB/s), weight bytes, and the per-kernel profile.
+pub type Timing = (Vec<TimingRow>, f64, usize, Vec<ProfileRow>);
 
 /// Decode-step timing at each batch size, graphs off then on: `steps` timed greedy
 /// steps after 3 warm-up steps (the first of which captures the graph), from 32-token
 /// prompts.
-pub fn timing(dir: &Path, batches: &[usize], steps: usize) -> Result<(Vec<TimingRow>, f64, usize)> {
+pub fn timing(dir: &Path, batches: &[usize], steps: usize) -> Result<Timing> {
     let w = ModelWeights::load(dir)?;
     let mut rows = Vec::new();
+    let mut prof = Vec::new();
     let (mut bw, mut wbytes) = (0.0, 0);
     for &b in batches {
         let per_seq = (32 + 2 * (steps + 3)).div_ceil(16) + 1;
@@ -507,6 +527,9 @@ pub fn timing(dir: &Path, batches: &[usize], steps: usize) -> Result<(Vec<Timing
             let mut times = Vec::new();
             let mut kernels = 0u64;
             for s in 0..steps + 3 {
+                if s == 3 {
+                    gpu.host_times = Default::default();
+                }
                 for (i, &p) in pos.iter().enumerate() {
                     alloc(&mut kv, ReqSlot(i as u32), p as u64, 1)?;
                 }
@@ -537,8 +560,36 @@ pub fn timing(dir: &Path, batches: &[usize], steps: usize) -> Result<(Vec<Timing
                 us_per_step: med,
                 tok_per_s: b as f64 / med * 1e6,
                 kernels_per_step: eager_kernels,
+                gpu_us_per_step: None,
+                host_us: {
+                    let h = gpu.host_times;
+                    let per = |x: f64| x * 1e6 / h.calls.max(1) as f64;
+                    [
+                        per(h.meta_s),
+                        per(h.upload_s),
+                        per(h.launch_s),
+                        per(h.read_s),
+                    ]
+                },
             });
         }
+        // One eager step with an event after every launch, then the graph replayed alone.
+        for (i, &p) in pos.iter().enumerate() {
+            alloc(&mut kv, ReqSlot(i as u32), p as u64, 1)?;
+        }
+        let toks: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+        for (kernel, launches, us) in gpu.profile_step(&kv, &chunks(&toks, &pos, false))? {
+            prof.push(ProfileRow {
+                batch: b,
+                kernel,
+                launches,
+                us,
+            });
+        }
+        let us = gpu.replay_us(&kv, &chunks(&toks, &pos, false), 100)?;
+        if let Some(r) = rows.last_mut() {
+            r.gpu_us_per_step = Some(us);
+        }
     }
-    Ok((rows, bw, wbytes))
+    Ok((rows, bw, wbytes, prof))
 }

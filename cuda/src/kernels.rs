@@ -50,6 +50,8 @@ pub const SOURCES: &[KernelSource] = &[
             "gather_rows",
             "argmax_rows",
             "copy_f32",
+            "copy_f32x4",
+            "spin_wait",
         ],
     },
     KernelSource {
@@ -57,6 +59,8 @@ pub const SOURCES: &[KernelSource] = &[
         source: include_str!("../kernels/linear.cu"),
         entries: &[
             "linear_bf16",
+            "linear_norm_bf16",
+            "linear_pair_bf16",
             "swiglu_dense_bf16",
             "moe_gate_up_w4",
             "moe_gate_up_bf16",
@@ -67,7 +71,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "moe.cu",
         source: include_str!("../kernels/moe.cu"),
-        entries: &["moe_topk", "moe_align", "moe_combine"],
+        entries: &["moe_topk", "moe_router_topk", "moe_align", "moe_combine"],
     },
     KernelSource {
         name: "attention.cu",

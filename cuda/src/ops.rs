@@ -13,6 +13,8 @@
 //! produced by an earlier kernel with stated bounds (`moe_topk` ids < E, `moe_align`
 //! pair ids < P).
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use cudarc::driver::PushKernelArg;
 
 use crate::buf::DevBuf;
@@ -45,6 +47,15 @@ pub fn long(v: usize) -> Arg {
     Arg::L(v as i64)
 }
 
+/// Kernels executed by this process: eager launches, plus each replayed graph's kernels
+/// (a capture's launches are taken back: captured kernels run only when replayed).
+pub static KERNELS: AtomicU64 = AtomicU64::new(0);
+
+/// [`KERNELS`] now.
+pub fn kernels_executed() -> u64 {
+    KERNELS.load(Ordering::Relaxed)
+}
+
 /// Launch kernel `name` with `args` on the GPU's stream.
 ///
 /// # Safety
@@ -54,6 +65,7 @@ pub fn long(v: usize) -> Arg {
 pub unsafe fn launch(g: &Gpu, name: &str, shape: Shape, args: &[Arg]) -> Result<()> {
     let f = g.func(name)?;
     g.launches.set(g.launches.get() + 1);
+    KERNELS.fetch_add(1, Ordering::Relaxed);
     let mut b = g.stream.launch_builder(f);
     for a in args {
         match a {
@@ -67,7 +79,12 @@ pub unsafe fn launch(g: &Gpu, name: &str, shape: Shape, args: &[Arg]) -> Result<
     // calling wrapper, argument list matching the kernel signature).
     unsafe { b.launch(shape.cfg()) }
         .map(|_| ())
-        .map_err(|e| CudaError::driver(format!("launch {name}"), e))
+        .map_err(|e| CudaError::driver(format!("launch {name}"), e))?;
+    if let Some(p) = g.profile.borrow_mut().as_mut() {
+        let key = g.func_name(name);
+        p.push((key, g.timing_event()?));
+    }
+    Ok(())
 }
 
 /// A pointer argument after checking `[off, off + n)` lies in `b`.
@@ -154,6 +171,65 @@ pub fn linear(g: &Gpu, a: &Linear<'_>) -> Result<()> {
             &args,
         )
     }
+}
+
+/// `y (+)= rmsnorm(x, norm, eps) @ W^T` in one kernel (`linear_norm_bf16`): the input
+/// norm fused into the projection that is its only consumer. `norm`: Shape [k] f32.
+pub fn linear_norm(g: &Gpu, a: &Linear<'_>, norm: &DevBuf<f32>, eps: f32) -> Result<()> {
+    launch::check_gemm_operands(a.k, a.x.stride, a.x.off % a.x.stride.max(1), "linear_norm")?;
+    let args = [
+        a.y.arg(a.m, a.n, "linear y")?,
+        int(a.y.stride, "y stride")?,
+        a.x.arg(a.m, a.k, "linear x")?,
+        int(a.x.stride, "x stride")?,
+        ptr(a.w, 0, a.n * a.k, "linear W")?,
+        int(a.m, "M")?,
+        int(a.n, "N")?,
+        int(a.k, "K")?,
+        Arg::I(i32::from(a.accumulate)),
+        ptr(norm, 0, a.k, "linear norm weight")?,
+        Arg::F(eps),
+    ];
+    // SAFETY: as `linear`, plus g [K] checked; the kernel reads g[k] for k < K.
+    unsafe {
+        launch(
+            g,
+            "linear_norm_bf16",
+            launch::gemm(a.m, a.n, "linear_norm_bf16")?,
+            &args,
+        )
+    }
+}
+
+/// Two `linear`s of one shape (same m, n, k and strides, no accumulate) in one launch
+/// (kernel `linear_pair_bf16`).
+pub fn linear_pair(g: &Gpu, a: &Linear<'_>, b: &Linear<'_>) -> Result<()> {
+    let same = (a.m, a.n, a.k, a.y.stride, a.x.stride) == (b.m, b.n, b.k, b.y.stride, b.x.stride);
+    if !same || a.accumulate || b.accumulate {
+        return Err(CudaError::Input(
+            "linear_pair: the two GEMMs differ in shape or accumulate (internal)".into(),
+        ));
+    }
+    for l in [a, b] {
+        launch::check_gemm_operands(l.k, l.x.stride, l.x.off % l.x.stride.max(1), "linear_pair")?;
+    }
+    let args = [
+        a.y.arg(a.m, a.n, "pair y0")?,
+        b.y.arg(b.m, b.n, "pair y1")?,
+        int(a.y.stride, "y stride")?,
+        a.x.arg(a.m, a.k, "pair x0")?,
+        b.x.arg(b.m, b.k, "pair x1")?,
+        int(a.x.stride, "x stride")?,
+        ptr(a.w, 0, a.n * a.k, "pair W0")?,
+        ptr(b.w, 0, b.n * b.k, "pair W1")?,
+        int(a.m, "M")?,
+        int(a.n, "N")?,
+        int(a.k, "K")?,
+    ];
+    let mut shape = launch::gemm(a.m, a.n, "linear_pair_bf16")?;
+    shape.grid.2 = 2;
+    // SAFETY: each (y_z, x_z, W_z) checked as in `linear`; block z touches only its own.
+    unsafe { launch(g, "linear_pair_bf16", shape, &args) }
 }
 
 /// `h = silu(x Wg^T) * (x Wu^T)` with fused bf16 `W13 [n, 2, k]` (kernel `swiglu_dense_bf16`).
@@ -289,20 +365,26 @@ pub fn copy(
     if n == 0 {
         return Ok(());
     }
+    // Device allocations are 256-byte aligned, so offsets in whole float4s keep the
+    // 16-byte alignment copy_f32x4 needs.
+    let vec4 = n.is_multiple_of(4) && d_off.is_multiple_of(4) && s_off.is_multiple_of(4);
     let args = [
         ptr(dst, d_off, n, "copy dst")?,
         ptr(src, s_off, n, "copy src")?,
-        long(n),
+        long(if vec4 { n / 4 } else { n }),
     ];
-    // SAFETY: both regions of n floats checked.
-    unsafe {
-        launch(
-            g,
+    let (name, shape) = if vec4 {
+        let blocks = (n / 4).div_ceil(256).min(132 * 8);
+        ("copy_f32x4", launch::grid_2d(blocks, 1, 256, "copy")?)
+    } else {
+        (
             "copy_f32",
             launch::grid_2d(n.div_ceil(256), 1, 256, "copy")?,
-            &args,
         )
-    }
+    };
+    // SAFETY: both regions of n floats checked; copy_f32x4 touches the same n floats as
+    // n / 4 aligned float4s.
+    unsafe { launch(g, name, shape, &args) }
 }
 
 /// The MoE routing buffers of one step (`T` tokens, top-`k` of `E`).
@@ -370,6 +452,74 @@ pub fn moe_route(
     // SAFETY: ids, wts [T*k], logits [T, E], bias [E] checked; k <= 8, E <= 1024 checked
     // (the kernel's shared arrays).
     unsafe { launch(g, "moe_topk", launch::per_warp(r.t, "moe_topk")?, &args)? };
+    moe_align(g, r)
+}
+
+/// The router GEMM's operands for [`moe_route_fused`].
+pub struct Router<'a> {
+    /// Shape: [T, K] post-norm input.
+    pub x: &'a DevBuf<f32>,
+    /// Shape: [E, K] bf16.
+    pub w: &'a DevBuf<u16>,
+    pub k_dim: usize,
+    /// Shape: [T, E] router logits (written).
+    pub logits: &'a DevBuf<f32>,
+    /// Shape: [E].
+    pub bias: &'a DevBuf<f32>,
+}
+
+/// Largest router the fused kernel takes (its shared arrays).
+pub const ROUTER_FUSED_E_MAX: usize = 256;
+
+/// Kernels `moe_router_topk` (router GEMM + top-k, logits bit-identical to `linear` +
+/// `moe_topk`) then `moe_align`; routers with E <= [`ROUTER_FUSED_E_MAX`].
+pub fn moe_route_fused(
+    g: &Gpu,
+    r: &Routing<'_>,
+    rt: &Router<'_>,
+    norm_topk: bool,
+    rsf: f32,
+) -> Result<()> {
+    r.check()?;
+    if r.e > ROUTER_FUSED_E_MAX {
+        return Err(CudaError::Unsupported(format!(
+            "fused router with {} experts (at most {ROUTER_FUSED_E_MAX})",
+            r.e
+        )));
+    }
+    launch::check_gemm_operands(rt.k_dim, rt.k_dim, 0, "moe_router_topk")?;
+    let p = r.t * r.k;
+    let args = [
+        ptr(r.ids, 0, p, "topk ids")?,
+        ptr(r.wts, 0, p, "topk wts")?,
+        ptr(rt.logits, 0, r.t * r.e, "router logits")?,
+        ptr(rt.x, 0, r.t * rt.k_dim, "router input")?,
+        int(rt.k_dim, "x stride")?,
+        ptr(rt.w, 0, r.e * rt.k_dim, "router weight")?,
+        ptr(rt.bias, 0, r.e, "router bias")?,
+        int(r.t, "T")?,
+        int(r.e, "E")?,
+        int(rt.k_dim, "K")?,
+        int(r.k, "k")?,
+        Arg::I(i32::from(norm_topk)),
+        Arg::F(rsf),
+    ];
+    // SAFETY: ids, wts [T*k], logits [T, E], x [T, K], W [E, K], bias [E] checked;
+    // k <= 8 and E <= 256 checked (the kernel's shared arrays), K % 8 == 0 checked.
+    unsafe {
+        launch(
+            g,
+            "moe_router_topk",
+            launch::per_row(r.t, 512, "moe_router_topk")?,
+            &args,
+        )?
+    };
+    moe_align(g, r)
+}
+
+/// Kernel `moe_align`: the routed pairs sorted per expert into GEMM tiles.
+fn moe_align(g: &Gpu, r: &Routing<'_>) -> Result<()> {
+    let p = r.t * r.k;
     let args = [
         ptr(
             r.sorted,
@@ -628,7 +778,8 @@ pub fn attention(g: &Gpu, kv: &Paged<'_>, a: &Attention<'_>) -> Result<()> {
     // token's own table (meta-validated); d <= 128 (shared accumulators).
     let shape = launch::Shape {
         grid: (int_u32(a.t)?, int_u32(nh)?, 1),
-        block: (128, 1, 1),
+        // 32 * ATT_WARPS (attention.cu).
+        block: (512, 1, 1),
     };
     unsafe { launch(g, "paged_attention", shape, &args) }
 }

@@ -21,7 +21,7 @@ use crate::ops::{self, Arg, Mat};
 use crate::weights::{DevExperts, DevFfn, DevLayer, DevMixer, DevMlp, DevMoe};
 
 /// What to record besides the outputs.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct Collect {
     /// The residual stream after the embedding and each layer.
     pub hidden: bool,
@@ -30,7 +30,7 @@ pub struct Collect {
 }
 
 /// Which step to run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum StepKind {
     /// The target model; `argmax` adds the on-device greedy pick of each logits row.
     Target {
@@ -38,8 +38,12 @@ pub enum StepKind {
         collect: Collect,
         argmax: bool,
     },
-    /// The MTP layer (its hidden rows are in `Workspace::tmp`).
-    Mtp { last_rows: bool, collect: Collect },
+    /// The MTP layer (its hidden rows are in `Workspace::tmp`); `argmax` as for `Target`.
+    Mtp {
+        last_rows: bool,
+        collect: Collect,
+        argmax: bool,
+    },
 }
 
 /// Pointers to the metadata sections of a step.
@@ -137,7 +141,9 @@ impl CudaBackend {
                 )?;
                 self.head(&cx, last_rows, argmax)
             }
-            StepKind::Mtp { last_rows, .. } => self.mtp(&cx, last_rows),
+            StepKind::Mtp {
+                last_rows, argmax, ..
+            } => self.mtp(&cx, last_rows, argmax),
         }
     }
 
@@ -189,7 +195,7 @@ impl CudaBackend {
     }
 
     /// The MTP step: x = eh_proj([enorm(embed(next)), hnorm(h)]), one decoder layer, head.
-    fn mtp(&self, cx: &Ctx<'_>, last_rows: bool) -> Result<()> {
+    fn mtp(&self, cx: &Ctx<'_>, last_rows: bool, argmax: bool) -> Result<()> {
         let cfg = &self.w.cfg;
         let (h, t, eps) = (cfg.hidden_size, cx.t, cfg.rms_norm_eps as f32);
         let mtp = self
@@ -225,7 +231,7 @@ impl CudaBackend {
             h,
             eps,
         )?;
-        self.head(cx, last_rows, false)
+        self.head(cx, last_rows, argmax)
     }
 
     /// One decoder layer in place on `ws.x` (docs/model.md §2 body).
@@ -233,30 +239,24 @@ impl CudaBackend {
         let cfg = &self.w.cfg;
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps as f32);
         let (g, ws) = (&self.gpu, &self.ws);
-        ops::rmsnorm(
-            g,
-            Mat::rows(&ws.a, h),
-            Mat::rows(&ws.x, h),
-            &layer.input_norm,
-            cx.t,
-            h,
-            eps,
-        )?;
+        // The input norm is fused into the mixer's first projection (its only consumer).
         match (&layer.mixer, cache) {
             (DevMixer::Full(w), Cache::Attn(a)) => {
                 let qkv_w = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim;
                 let o_w = cfg.num_attention_heads * cfg.head_dim;
-                ops::linear(
+                ops::linear_norm(
                     g,
                     &ops::Linear {
                         y: Mat::rows(&ws.proj, qkv_w),
-                        x: Mat::rows(&ws.a, h),
+                        x: Mat::rows(&ws.x, h),
                         w: &w.wqkv,
                         m: cx.t,
                         n: qkv_w,
                         k: h,
                         accumulate: false,
                     },
+                    &layer.input_norm,
+                    eps,
                 )?;
                 let paged = ops::Paged {
                     pool: &self.pool,
@@ -293,7 +293,7 @@ impl CudaBackend {
                     },
                 )?;
             }
-            (DevMixer::Kda(w), Cache::Kda(l)) => self.kda_mixer(cx, w, l)?,
+            (DevMixer::Kda(w), Cache::Kda(l)) => self.kda_mixer(cx, w, l, &layer.input_norm)?,
             _ => {
                 return Err(CudaError::Input(
                     "mixer and cache kind disagree (internal)".into(),
@@ -320,27 +320,35 @@ impl CudaBackend {
     }
 
     /// KDA mixer: stacked input GEMM, f / g low-rank GEMMs, conv, recurrence, gated norm, o_proj.
-    fn kda_mixer(&self, cx: &Ctx<'_>, w: &crate::weights::DevKda, l: usize) -> Result<()> {
+    fn kda_mixer(
+        &self,
+        cx: &Ctx<'_>,
+        w: &crate::weights::DevKda,
+        l: usize,
+        input_norm: &crate::buf::DevBuf<f32>,
+    ) -> Result<()> {
         let cfg = &self.w.cfg;
         let (h, t) = (cfg.hidden_size, cx.t);
         let (nl, dl) = (cfg.linear_num_heads, cfg.linear_head_dim);
         let c = nl * dl;
         let (g, ws) = (&self.gpu, &self.ws);
         let xin = Mat::rows(&ws.proj, w.in_width);
-        ops::linear(
+        ops::linear_norm(
             g,
             &ops::Linear {
                 y: xin,
-                x: Mat::rows(&ws.a, h),
+                x: Mat::rows(&ws.x, h),
                 w: &w.w_in,
                 m: t,
                 n: w.in_width,
                 k: h,
                 accumulate: false,
             },
+            input_norm,
+            cfg.rms_norm_eps as f32,
         )?;
         let fg = Mat::rows(&ws.fg, 2 * c);
-        ops::linear(
+        ops::linear_pair(
             g,
             &ops::Linear {
                 y: fg,
@@ -351,9 +359,6 @@ impl CudaBackend {
                 k: dl,
                 accumulate: false,
             },
-        )?;
-        ops::linear(
-            g,
             &ops::Linear {
                 y: fg.col(c),
                 x: xin.col(3 * c + dl),
@@ -455,18 +460,6 @@ impl CudaBackend {
             cx.t,
         );
         let (g, ws) = (&self.gpu, &self.ws);
-        ops::linear(
-            g,
-            &ops::Linear {
-                y: Mat::rows(&ws.router_logits, e),
-                x: Mat::rows(&ws.a, h),
-                w: &m.router,
-                m: t,
-                n: e,
-                k: h,
-                accumulate: false,
-            },
-        )?;
         let r = ops::Routing {
             ids: &ws.ids,
             wts: &ws.wts,
@@ -477,14 +470,31 @@ impl CudaBackend {
             e,
             max_tiles: crate::launch::moe_max_tiles(t * k, e),
         };
-        ops::moe_route(
-            g,
-            &r,
-            &ws.router_logits,
-            &m.bias,
-            cfg.norm_topk_prob,
-            cfg.routed_scaling_factor as f32,
-        )?;
+        let (norm, rsf) = (cfg.norm_topk_prob, cfg.routed_scaling_factor as f32);
+        if e <= ops::ROUTER_FUSED_E_MAX {
+            let rt = ops::Router {
+                x: &ws.a,
+                w: &m.router,
+                k_dim: h,
+                logits: &ws.router_logits,
+                bias: &m.bias,
+            };
+            ops::moe_route_fused(g, &r, &rt, norm, rsf)?;
+        } else {
+            ops::linear(
+                g,
+                &ops::Linear {
+                    y: Mat::rows(&ws.router_logits, e),
+                    x: Mat::rows(&ws.a, h),
+                    w: &m.router,
+                    m: t,
+                    n: e,
+                    k: h,
+                    accumulate: false,
+                },
+            )?;
+            ops::moe_route(g, &r, &ws.router_logits, &m.bias, norm, rsf)?;
+        }
         if let (Some((ids, wts)), true) = (&self.router, cx.collect.router) {
             let off = j * ws.t_cap * k;
             ops::copy_words(g, ids, off, &ws.ids, 0, t * k)?;

@@ -26,8 +26,8 @@
 //! per-request state (everything is in the KV manager's blocks), so `release` is a no-op.
 
 use speclab_engine::model::ops::argmax;
-use speclab_engine::model::{ForwardOptions, LogitsRows, ModelConfig, MtpChunk};
-use speclab_engine::{Drafter, EngineError, Proposal, ProposeCtx, Result};
+use speclab_engine::model::{ForwardOptions, ForwardOut, LogitsRows, ModelConfig, MtpChunk};
+use speclab_engine::{DraftReq, DraftStep, Drafter, EngineError, Proposal, ProposeCtx, Result};
 
 /// The MTP drafter (vLLM `method = "mtp"` / `deepseek_mtp`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,81 +68,179 @@ impl Mtp {
 
 impl Drafter for Mtp {
     fn propose(&mut self, ctx: &mut ProposeCtx<'_>) -> Result<Proposal> {
-        let slot = ctx.slot;
         let t = ctx
             .target
             .as_mut()
             .ok_or_else(|| bad("the MTP drafter needs the target pass (ProposeCtx::target); it cannot draft from tokens alone".into()))?;
-        let h = t.backend.head_dims().0;
-        let rows = t.rows.clone();
-        let len = rows.len();
-        if len == 0 {
-            return Ok(Proposal::default());
-        }
-        let hidden = t
-            .forward
-            .hidden
-            .get(rows.start * h..rows.end * h)
-            .ok_or_else(|| {
-                bad(format!(
-                    "target rows {rows:?} are outside the forward's {} rows",
-                    t.forward.num_tokens
-                ))
-            })?;
-        // Position t takes the token after it: tokens[start + 1 ..= start + len].
-        let next = ctx.tokens.get(t.start_pos + 1..t.start_pos + len + 1).ok_or_else(|| {
-            bad(format!(
-                "rows at positions {}..{} need the tokens that follow them, but the request holds {} tokens",
-                t.start_pos,
-                t.start_pos + len,
-                ctx.tokens.len()
-            ))
-        })?;
-        let want = self.num_speculative_tokens.min(ctx.max_draft);
-        let opts = ForwardOptions {
-            logits: LogitsRows::LastPerChunk,
-            ..ForwardOptions::default()
+        let mut step = DraftStep {
+            backend: &mut *t.backend,
+            kv: t.kv,
+            forward: t.forward,
+            sampling: ctx.sampling,
         };
-        let out = t.backend.mtp_forward(
-            t.kv,
-            &[MtpChunk {
-                slot,
-                hidden,
-                next_tokens: next,
-                start_pos: t.start_pos,
-            }],
-            &opts,
-        )?;
-        if want == 0 {
-            return Ok(Proposal::default());
+        let mut req = [DraftReq {
+            request: ctx.request,
+            slot: ctx.slot,
+            tokens: ctx.tokens,
+            max_draft: ctx.max_draft,
+            rng: None,
+            rows: t.rows.clone(),
+            start_pos: t.start_pos,
+        }];
+        let mut out = self.propose_batch(&mut step, &mut req)?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    /// One MTP pass over every request's committed rows (draft 1 of each), then one
+    /// pass per further draft position over the requests still drafting: N MTP calls a
+    /// step whatever the batch size. Each request's rows and positions are exactly
+    /// those of a per-request pass (the layer's attention is per sequence).
+    fn propose_batch(
+        &mut self,
+        step: &mut DraftStep<'_>,
+        reqs: &mut [DraftReq<'_>],
+    ) -> Result<Vec<Proposal>> {
+        let mut out = vec![Proposal::default(); reqs.len()];
+        let mut live = self.first_pass(step, reqs, &mut out)?;
+        let (h, v) = step.backend.head_dims();
+        let opts = draft_opts();
+        while !live.is_empty() {
+            let o = {
+                let chunks: Vec<MtpChunk<'_>> = live
+                    .iter()
+                    .map(|l| MtpChunk {
+                        slot: reqs[l.req].slot,
+                        hidden: &l.prev,
+                        next_tokens: std::slice::from_ref(&l.draft),
+                        start_pos: l.pos,
+                    })
+                    .collect();
+                step.backend.mtp_forward(step.kv, &chunks, &opts)?
+            };
+            for (c, l) in live.iter_mut().enumerate() {
+                l.draft = greedy_row(&o, c, v);
+                out[l.req].tokens.push(l.draft);
+                l.prev = o.hidden[c * h..(c + 1) * h].to_vec();
+                l.pos += 1;
+            }
+            live.retain(|l| out[l.req].tokens.len() < l.want);
         }
-        let mut d = argmax(&out.logits) as u32;
-        let mut tokens = Vec::with_capacity(want);
-        tokens.push(d);
-        let mut prev = out.hidden[(len - 1) * h..len * h].to_vec();
-        // Step i runs at the position after the last committed row's.
-        for pos in t.start_pos + len..t.start_pos + len + want - 1 {
-            let o = t.backend.mtp_forward(
-                t.kv,
-                &[MtpChunk {
-                    slot,
-                    hidden: &prev,
-                    next_tokens: &[d],
-                    start_pos: pos,
-                }],
-                &opts,
-            )?;
-            d = argmax(&o.logits) as u32;
-            tokens.push(d);
-            prev = o.hidden;
-        }
-        Ok(Proposal {
-            tokens,
-            probs: None,
-        })
+        Ok(out)
     }
 
     fn lookahead_slots(&self) -> usize {
         crate::DrafterKind::Mtp.lookahead(self.num_speculative_tokens)
+    }
+}
+
+/// A request still drafting after the first pass.
+struct Live {
+    req: usize,
+    want: usize,
+    /// The last draft (the next pass's input token).
+    draft: u32,
+    /// The MTP layer's pre-norm hidden of the last pass. Shape: [H].
+    prev: Vec<f32>,
+    /// Position of the next pass's row.
+    pos: usize,
+}
+
+fn draft_opts() -> ForwardOptions {
+    // Drafts are greedy: a device backend may answer with argmax ids only.
+    ForwardOptions {
+        logits: LogitsRows::LastPerChunk,
+        greedy_ids: true,
+        ..ForwardOptions::default()
+    }
+}
+
+impl Mtp {
+    /// The pass over every request's committed rows: writes the MTP layer's K/V there
+    /// and gives draft 1; returns the requests that want more drafts.
+    fn first_pass(
+        &self,
+        step: &mut DraftStep<'_>,
+        reqs: &[DraftReq<'_>],
+        out: &mut [Proposal],
+    ) -> Result<Vec<Live>> {
+        let (h, v) = step.backend.head_dims();
+        let forward = step.forward;
+        let mut chunks = Vec::with_capacity(reqs.len());
+        let mut which = Vec::with_capacity(reqs.len());
+        for (i, r) in reqs.iter().enumerate() {
+            if r.rows.is_empty() {
+                continue;
+            }
+            chunks.push(committed_chunk(forward, r, h)?);
+            which.push(i);
+        }
+        if chunks.is_empty() {
+            return Ok(Vec::new());
+        }
+        let o = step.backend.mtp_forward(step.kv, &chunks, &draft_opts())?;
+        let mut live = Vec::new();
+        let mut end = 0usize;
+        for (c, &i) in which.iter().enumerate() {
+            let r = &reqs[i];
+            end += r.rows.len();
+            let want = self.num_speculative_tokens.min(r.max_draft);
+            if want == 0 {
+                continue;
+            }
+            let draft = greedy_row(&o, c, v);
+            out[i].tokens.push(draft);
+            if want > 1 {
+                live.push(Live {
+                    req: i,
+                    want,
+                    draft,
+                    prev: o.hidden[(end - 1) * h..end * h].to_vec(),
+                    pos: r.start_pos + r.rows.len(),
+                });
+            }
+        }
+        Ok(live)
+    }
+}
+
+/// The MTP chunk of a request's committed rows: position `t` takes the target's hidden
+/// `h_t` and the token that follows it (`tokens[t + 1]`).
+fn committed_chunk<'f>(
+    forward: &'f ForwardOut,
+    r: &'f DraftReq<'_>,
+    h: usize,
+) -> Result<MtpChunk<'f>> {
+    let (rows, len) = (r.rows.clone(), r.rows.len());
+    let hidden = forward
+        .hidden
+        .get(rows.start * h..rows.end * h)
+        .ok_or_else(|| {
+            bad(format!(
+                "target rows {rows:?} are outside the forward's {} rows",
+                forward.num_tokens
+            ))
+        })?;
+    let next = r.tokens.get(r.start_pos + 1..r.start_pos + len + 1).ok_or_else(|| {
+        bad(format!(
+            "rows at positions {}..{} need the tokens that follow them, but the request holds {} tokens",
+            r.start_pos,
+            r.start_pos + len,
+            r.tokens.len()
+        ))
+    })?;
+    Ok(MtpChunk {
+        slot: r.slot,
+        hidden,
+        next_tokens: next,
+        start_pos: r.start_pos,
+    })
+}
+
+/// The greedy token of logits row `row` of an MTP output: the backend's argmax id when
+/// it gave them, else the argmax of that row's logits (the same first maximum).
+fn greedy_row(out: &speclab_engine::model::MtpOut, row: usize, vocab: usize) -> u32 {
+    match out.argmax.as_deref() {
+        Some(ids) if row < ids.len() => ids[row],
+        _ => argmax(&out.logits[row * vocab..(row + 1) * vocab]) as u32,
     }
 }

@@ -72,6 +72,8 @@ pub struct StepStats {
     pub forward_s: f64,
     pub draft_s: f64,
     pub step_s: f64,
+    /// Seconds of the whole loop iteration: `schedule`, `execute` and `update`.
+    pub loop_s: f64,
 }
 
 /// What the run saw of one request.
@@ -353,6 +355,7 @@ pub fn run(
             break;
         }
         let step = t.report.steps;
+        let t_loop = Instant::now();
         let out = sched.schedule(kv)?;
         t.note_schedule(step, &out, kv);
         if let Some(w) = &out.wedged {
@@ -369,7 +372,8 @@ pub fn run(
         let step_s = t_step.elapsed().as_secs_f64();
         let pairs = pair_results(&out, &exec_out.results)?;
         let upd = sched.update(kv, &out, &exec_out.results)?;
-        let stats = t.note_step(step, &pairs, &exec_out, &upd, step_s);
+        let mut stats = t.note_step(step, &pairs, &exec_out, &upd, step_s);
+        stats.loop_s = t_loop.elapsed().as_secs_f64();
         t.report.steps += 1;
         observer.on_step(&stats);
     }

@@ -132,6 +132,61 @@ pub trait Drafter {
     /// Forget a request's state (it finished or was preempted; its KV blocks belong
     /// to the KV manager and are freed there).
     fn release(&mut self, _slot: ReqSlot) {}
+    /// Every request of a step at once (vLLM's proposers draft the whole batch: one
+    /// drafter forward per draft position, not per request). Returns one proposal per
+    /// entry of `reqs`, in order. The default calls [`Drafter::propose`] per request,
+    /// so a drafter that batches gives the same proposals, only fewer device calls.
+    fn propose_batch(
+        &mut self,
+        step: &mut DraftStep<'_>,
+        reqs: &mut [DraftReq<'_>],
+    ) -> Result<Vec<Proposal>> {
+        let mut out = Vec::with_capacity(reqs.len());
+        for r in reqs.iter_mut() {
+            let mut ctx = ProposeCtx {
+                request: r.request,
+                slot: r.slot,
+                tokens: r.tokens,
+                max_draft: r.max_draft,
+                sampling: step.sampling,
+                rng: match r.rng.as_mut() {
+                    Some(g) => Some(&mut **g),
+                    None => None,
+                },
+                target: Some(TargetStep {
+                    backend: &mut *step.backend,
+                    kv: step.kv,
+                    forward: step.forward,
+                    rows: r.rows.clone(),
+                    start_pos: r.start_pos,
+                }),
+            };
+            out.push(self.propose(&mut ctx)?);
+        }
+        Ok(out)
+    }
+}
+
+/// A step's target pass as a batched drafter sees it ([`Drafter::propose_batch`]).
+pub struct DraftStep<'a> {
+    pub backend: &'a mut dyn TargetBackend,
+    pub kv: &'a KvCacheManager,
+    pub forward: &'a ForwardOut,
+    pub sampling: SamplingParams,
+}
+
+/// One request of a batched proposal: what [`ProposeCtx`] and [`TargetStep`] hold for it.
+pub struct DraftReq<'a> {
+    pub request: RequestId,
+    pub slot: ReqSlot,
+    /// Committed tokens plus the ones just sampled. Shape: [num_tokens].
+    pub tokens: &'a [u32],
+    pub max_draft: usize,
+    pub rng: Option<&'a mut dyn RngCore>,
+    /// This request's committed rows of the step's forward.
+    pub rows: Range<usize>,
+    /// Absolute position of row `rows.start`.
+    pub start_pos: usize,
 }
 
 /// One request's share of a step (vLLM `SchedulerOutput.num_scheduled_tokens` +

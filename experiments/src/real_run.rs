@@ -161,6 +161,7 @@ impl<'a> RealRunner<'a> {
             ignore_eos: s.ignore_eos,
             collect_router,
             max_steps: s.max_steps,
+            check_allocator: true,
         }
     }
 

@@ -26,6 +26,8 @@ use speclab_experiments::replay::{self, Replayer};
 pub enum BenchCommand {
     /// Replay a long KV trace through speclab and through vLLM (Python) and print the ratio.
     KvReplay(KvReplayArgs),
+    /// Decode tok/s of the real engine per drafter and concurrency, graphs on/off (CUDA).
+    E2e(super::bench_e2e::E2eArgs),
 }
 
 #[derive(Debug, Args)]
@@ -171,6 +173,7 @@ fn file_digest(p: &std::path::Path) -> anyhow::Result<String> {
 pub fn run(c: BenchCommand) -> anyhow::Result<ExitCode> {
     match c {
         BenchCommand::KvReplay(a) => kv_replay(a),
+        BenchCommand::E2e(a) => super::bench_e2e::e2e(a),
     }
 }
 

@@ -172,7 +172,7 @@ fn tokenizer(model: &Path) -> anyhow::Result<Option<Tokenizer>> {
     }
 }
 
-fn drafter_spec(a: &EngineArgs, target: &ModelWeights) -> anyhow::Result<DrafterSpec> {
+pub(crate) fn drafter_spec(a: &EngineArgs, target: &ModelWeights) -> anyhow::Result<DrafterSpec> {
     if a.ngram_max < a.ngram_min {
         bail!(
             "--ngram-max {} is below --ngram-min {}",
@@ -213,7 +213,7 @@ fn drafter_spec(a: &EngineArgs, target: &ModelWeights) -> anyhow::Result<Drafter
     })
 }
 
-fn options(
+pub(crate) fn options(
     a: &EngineArgs,
     target: &ModelWeights,
     reqs: &[EngineRequest],
@@ -235,10 +235,11 @@ fn options(
         ignore_eos: a.ignore_eos,
         collect_router,
         max_steps: a.max_steps,
+        check_allocator: true,
     }
 }
 
-fn fcfs(
+pub(crate) fn fcfs(
     a: &EngineArgs,
 ) -> impl FnMut(
     &KvCacheManager,

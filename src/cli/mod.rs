@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand};
 pub mod out;
 
 pub mod bench;
+pub mod bench_e2e;
 pub mod cost;
 pub mod generate;
 pub mod kv;

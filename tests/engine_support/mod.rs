@@ -92,7 +92,7 @@ use std::rc::Rc;
 
 use speclab_engine::exec::DrafterFactory;
 use speclab_engine::kv::GroupSpec;
-use speclab_engine::{Drafter, Proposal, ProposeCtx, ReqSlot, RequestId};
+use speclab_engine::{DraftReq, DraftStep, Drafter, Proposal, ProposeCtx, ReqSlot, RequestId};
 
 /// One recorded proposal: (request, committed tokens when proposing, drafts).
 pub type Record = (RequestId, Vec<u32>, Vec<u32>);
@@ -126,6 +126,21 @@ impl Drafter for RecordingDrafter {
     }
     fn release(&mut self, slot: ReqSlot) {
         self.inner.release(slot)
+    }
+    /// Delegates the batch (so a batching drafter's batched path is what is recorded).
+    fn propose_batch(
+        &mut self,
+        step: &mut DraftStep<'_>,
+        reqs: &mut [DraftReq<'_>],
+    ) -> speclab_engine::Result<Vec<Proposal>> {
+        let props = self.inner.propose_batch(step, reqs)?;
+        let mut log = self.log.borrow_mut();
+        for (r, p) in reqs.iter().zip(&props) {
+            if r.max_draft > 0 {
+                log.push((r.request, r.tokens.to_vec(), p.tokens.clone()));
+            }
+        }
+        Ok(props)
     }
 }
 

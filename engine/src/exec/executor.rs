@@ -36,10 +36,10 @@ use crate::backend::TargetBackend;
 use crate::kv::KvCacheManager;
 use crate::model::{ForwardOptions, ForwardOut, LogitsRows, SeqChunk};
 use crate::request::ReqSlot;
-use crate::spec::{seeded_rng, SamplingParams, SpecRng, VerifyCtx};
+use crate::spec::{seeded_rng, SamplingParams, SpecRng, Verified, VerifyCtx};
 use crate::traits::{
-    Drafter, Executor, Proposal, ProposeCtx, RequestId, ScheduledRequest, StepCtx, StepOutput,
-    StepPerf, StepResult, TargetStep,
+    DraftReq, DraftStep, Drafter, Executor, Proposal, RequestId, ScheduledRequest, StepCtx,
+    StepOutput, StepPerf, StepResult,
 };
 use crate::{EngineError, Result};
 
@@ -285,6 +285,8 @@ impl ModelExecutor {
             },
             collect_hidden: self.drafter.wants_layer_hidden(),
             collect_router: self.cfg.collect_router,
+            greedy_ids: self.cfg.sampling.is_greedy(),
+            skip_hidden: self.cfg.num_speculative_tokens == 0,
         };
         let chunks: Vec<SeqChunk<'_>> = plan
             .iter()
@@ -315,15 +317,29 @@ impl ModelExecutor {
             .ok_or(EngineError::UnknownRequest {
                 req: p.id.to_string(),
             })?;
+        let all_rows = match &fwd.argmax {
+            Some(ids) => ids.len() == fwd.num_tokens,
+            None => fwd.logits.len() == fwd.num_tokens * vocab,
+        };
         let (row, rows) = if p.num_draft > 0 {
             (p.offset, n)
-        } else if fwd.logits.len() == fwd.num_tokens * vocab {
+        } else if all_rows {
             (p.offset + n - 1, 1)
         } else {
             (chunk_index, 1)
         };
-        let logits = &fwd.logits[row * vocab..(row + rows) * vocab];
         let q = st.q.take();
+        if let (Some(ids), true) = (&fwd.argmax, self.cfg.sampling.is_greedy()) {
+            let ids = ids.get(row..row + rows).ok_or_else(|| {
+                bad_batch(p.id, "the forward returned too few argmax rows".into())
+            })?;
+            let v = crate::spec::verify_greedy_ids(ids, &p.tokens[1..rows.max(1)])?;
+            return self.finish_verify(kv, p, v);
+        }
+        let logits = fwd
+            .logits
+            .get(row * vocab..(row + rows) * vocab)
+            .ok_or_else(|| bad_batch(p.id, "the forward returned too few logits rows".into()))?;
         let proposal = if p.num_draft == 0 {
             Proposal::default()
         } else {
@@ -343,6 +359,11 @@ impl ModelExecutor {
             }
         };
         let v = VerifyCtx::new(self.cfg.sampling, &mut st.rng).verify(logits, vocab, &proposal)?;
+        self.finish_verify(kv, p, v)
+    }
+
+    /// Roll the KDA state back to the accepted prefix of a verified chunk.
+    fn finish_verify(&mut self, kv: &KvCacheManager, p: &Planned, v: Verified) -> Result<Sampled> {
         if p.num_draft > 0 {
             self.backend.commit_state(kv, p.slot, v.accepted)?;
         }
@@ -352,58 +373,77 @@ impl ModelExecutor {
         })
     }
 
-    /// The drafter observes the committed rows of `p` and, after a sampling step,
-    /// proposes up to `min(N, max_model_len - num_tokens - 1)` drafts.
-    fn propose(
+    /// The drafter observes every request's committed rows and, after a sampling step,
+    /// proposes up to `min(N, max_model_len - num_tokens - 1)` drafts per request; one
+    /// [`Drafter::propose_batch`] call for the whole step.
+    fn propose_all(
         &mut self,
-        kv: &KvCacheManager,
-        held: &[u32],
-        p: &Planned,
+        ctx: &StepCtx<'_>,
+        plan: &[Planned],
         fwd: &ForwardOut,
-        sampled: Option<&Sampled>,
-    ) -> Result<Proposal> {
-        let mml = usize::try_from(kv.max_model_len()).unwrap_or(usize::MAX);
-        let mut tokens = held.to_vec();
-        let (committed_rows, max_draft) = match sampled {
-            Some(s) => {
-                tokens.extend_from_slice(&s.tokens);
-                let rows = if p.num_draft > 0 {
-                    s.accepted + 1
-                } else {
-                    p.tokens.len()
-                };
-                let max = self
-                    .cfg
-                    .num_speculative_tokens
-                    .min(mml.saturating_sub(tokens.len() + 1));
-                (rows, max)
-            }
-            None => (p.tokens.len(), 0),
-        };
-        let st = self
+        sampled: &[Option<Sampled>],
+    ) -> Result<Vec<Proposal>> {
+        let mml = usize::try_from(ctx.kv.max_model_len()).unwrap_or(usize::MAX);
+        let mut toks = Vec::with_capacity(plan.len());
+        let mut spans = Vec::with_capacity(plan.len());
+        for (p, s) in plan.iter().zip(sampled) {
+            let mut tokens = ctx.tokens.token_ids(p.id).unwrap_or(&[]).to_vec();
+            let span = match s {
+                Some(s) => {
+                    tokens.extend_from_slice(&s.tokens);
+                    let rows = if p.num_draft > 0 {
+                        s.accepted + 1
+                    } else {
+                        p.tokens.len()
+                    };
+                    let max = self
+                        .cfg
+                        .num_speculative_tokens
+                        .min(mml.saturating_sub(tokens.len() + 1));
+                    (rows, max)
+                }
+                None => (p.tokens.len(), 0),
+            };
+            toks.push(tokens);
+            spans.push(span);
+        }
+        let mut rngs: HashMap<RequestId, &mut SpecRng> = self
             .reqs
-            .get_mut(&p.id)
-            .ok_or(EngineError::UnknownRequest {
+            .iter_mut()
+            .map(|(id, st)| (*id, &mut st.rng))
+            .collect();
+        let mut reqs = Vec::with_capacity(plan.len());
+        for ((p, tokens), &(rows, max_draft)) in plan.iter().zip(&toks).zip(&spans) {
+            let rng = rngs.remove(&p.id).ok_or(EngineError::UnknownRequest {
                 req: p.id.to_string(),
             })?;
-        let mut ctx = ProposeCtx {
-            request: p.id,
-            slot: p.slot,
-            tokens: &tokens,
-            max_draft,
-            sampling: self.cfg.sampling,
-            rng: Some(&mut st.rng),
-            target: Some(TargetStep {
-                backend: self.backend.as_mut(),
-                kv,
-                forward: fwd,
-                rows: p.offset..p.offset + committed_rows,
+            reqs.push(DraftReq {
+                request: p.id,
+                slot: p.slot,
+                tokens,
+                max_draft,
+                rng: Some(rng as &mut dyn rand::RngCore),
+                rows: p.offset..p.offset + rows,
                 start_pos: p.start_pos,
-            }),
+            });
+        }
+        let mut step = DraftStep {
+            backend: self.backend.as_mut(),
+            kv: ctx.kv,
+            forward: fwd,
+            sampling: self.cfg.sampling,
         };
-        let prop = self.drafter.propose(&mut ctx)?;
-        check_proposal(p.id, &prop, max_draft, self.vocab)?;
-        Ok(prop)
+        let props = self.drafter.propose_batch(&mut step, &mut reqs)?;
+        if props.len() != plan.len() {
+            return Err(EngineError::InvalidDrafterConfig {
+                drafter: "(batch)".into(),
+                reason: format!("{} proposals for {} requests", props.len(), plan.len()),
+            });
+        }
+        for ((p, prop), &(_, max_draft)) in plan.iter().zip(&props).zip(&spans) {
+            check_proposal(p.id, prop, max_draft, self.vocab)?;
+        }
+        Ok(props)
     }
 }
 
@@ -460,21 +500,23 @@ impl Executor for ModelExecutor {
             ..StepPerf::default()
         };
         expert_counts(&fwd, &plan, &mut perf);
-        let mut results = Vec::with_capacity(plan.len());
+        let mut sampled = Vec::with_capacity(plan.len());
         for (ci, p) in plan.iter().enumerate() {
-            let sampled = if p.sampling {
+            sampled.push(if p.sampling {
                 Some(self.verify(ctx.kv, p, &fwd, ci)?)
             } else {
                 None
-            };
-            let held = ctx.tokens.token_ids(p.id).unwrap_or(&[]);
-            let t_draft = Instant::now();
-            let prop = self.propose(ctx.kv, held, p, &fwd, sampled.as_ref())?;
-            perf.draft_s += t_draft.elapsed().as_secs_f64();
+            });
+        }
+        let t_draft = Instant::now();
+        let props = self.propose_all(ctx, &plan, &fwd, &sampled)?;
+        perf.draft_s = t_draft.elapsed().as_secs_f64();
+        let mut results = Vec::with_capacity(plan.len());
+        for ((p, s), prop) in plan.iter().zip(sampled).zip(props) {
             if let Some(st) = self.reqs.get_mut(&p.id) {
                 st.q = prop.probs;
             }
-            let (sampled, accepted) = sampled.map_or((Vec::new(), 0), |s| (s.tokens, s.accepted));
+            let (sampled, accepted) = s.map_or((Vec::new(), 0), |s| (s.tokens, s.accepted));
             results.push(StepResult {
                 id: p.id,
                 accepted: accepted as u64,

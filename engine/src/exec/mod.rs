@@ -62,6 +62,6 @@ pub use lossless::{
     first_divergence, mismatch_at, teacher_forced_logits, verify_lossless, LosslessReport, Mismatch,
 };
 pub use run::{
-    generate, generate_on, DrafterFactory, EngineOptions, EngineRequest, EngineRun, RequestStats,
-    SchedulerFactory, SchedulerParams,
+    generate, generate_observed, generate_on, DrafterFactory, EngineOptions, EngineRequest,
+    EngineRun, GenerateParts, RequestStats, SchedulerFactory, SchedulerParams,
 };

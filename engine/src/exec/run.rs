@@ -213,6 +213,9 @@ pub struct EngineOptions {
     pub collect_router: bool,
     /// Stop after this many executed steps.
     pub max_steps: u64,
+    /// Check the allocator's invariant after every `schedule` (on by default; a
+    /// benchmark turns it off so the check's host time is not counted).
+    pub check_allocator: bool,
 }
 
 impl Default for EngineOptions {
@@ -226,6 +229,7 @@ impl Default for EngineOptions {
             ignore_eos: false,
             collect_router: false,
             max_steps: 100_000,
+            check_allocator: true,
         }
     }
 }
@@ -298,6 +302,39 @@ pub fn generate_on(
     opts: &EngineOptions,
     make_scheduler: &mut SchedulerFactory<'_>,
 ) -> Result<EngineRun> {
+    let parts = GenerateParts {
+        backend,
+        target,
+        drafter,
+        requests,
+        opts,
+    };
+    generate_observed(&parts, make_scheduler, &mut |_: &StepStats| {})
+}
+
+/// What [`generate_observed`] runs: the backend, the models, the requests and options.
+pub struct GenerateParts<'a> {
+    pub backend: &'a dyn BackendFactory,
+    pub target: &'a ModelWeights,
+    pub drafter: &'a dyn DrafterFactory,
+    pub requests: &'a [EngineRequest],
+    pub opts: &'a EngineOptions,
+}
+
+/// [`generate_on`] with an observer that sees every executed step as it ends (a
+/// benchmark reads device counters there).
+pub fn generate_observed(
+    parts: &GenerateParts<'_>,
+    make_scheduler: &mut SchedulerFactory<'_>,
+    observer: &mut dyn crate::run::RunObserver,
+) -> Result<EngineRun> {
+    let GenerateParts {
+        backend,
+        target,
+        drafter,
+        requests,
+        opts,
+    } = *parts;
     opts.sampling.validate()?;
     let layout = run_layout(target, drafter, opts)?;
     check_token_ids(&target.cfg, requests)?;
@@ -319,14 +356,17 @@ pub fn generate_on(
     let mut steps = Vec::new();
     let limits = RunLimits {
         max_steps: opts.max_steps,
-        check_allocator: true,
+        check_allocator: opts.check_allocator,
     };
     let rep = run(
         &mut kv,
         sched.as_mut(),
         &mut exec,
         limits,
-        &mut |s: &StepStats| steps.push(s.clone()),
+        &mut |s: &StepStats| {
+            observer.on_step(s);
+            steps.push(s.clone());
+        },
     )?;
     Ok(EngineRun::from_report(rep, requests, sched.as_ref(), steps))
 }

@@ -70,6 +70,13 @@ pub struct ForwardOptions {
     pub collect_hidden: bool,
     /// Fill [`ForwardOut::router`].
     pub collect_router: bool,
+    /// Fill [`ForwardOut::argmax`] (greedy decoding needs only the argmax of each
+    /// logits row). A device backend may then leave `logits` empty and keep the
+    /// logits on the device; the CPU reference fills both.
+    pub greedy_ids: bool,
+    /// The caller needs no [`ForwardOut::hidden`] (no drafter reads it): a device
+    /// backend may leave it empty instead of copying it out; the CPU fills it anyway.
+    pub skip_hidden: bool,
 }
 
 /// Output of [`ModelRunner::forward`].
@@ -85,6 +92,9 @@ pub struct ForwardOut {
     pub router: Option<Vec<RouterTrace>>,
     /// Tokens in the batch (T_total).
     pub num_tokens: usize,
+    /// With `greedy_ids`: the argmax of each logits row (first maximum, as
+    /// `ops::argmax`), in the rows `logits` would hold. Shape: [rows].
+    pub argmax: Option<Vec<u32>>,
 }
 
 /// Runs the target model (and its MTP layer, `mtp.rs`) against a [`KvCacheManager`].
@@ -423,12 +433,14 @@ impl ModelRunner {
                 pending.remove(&ch.slot);
             }
         }
+        let argmax = opts.greedy_ids.then(|| row_argmax(&logits, cfg.vocab_size));
         Ok(ForwardOut {
             logits,
             hidden,
             per_layer_hidden: per_layer,
             router: taps.router,
             num_tokens: t_total,
+            argmax,
         })
     }
 
@@ -477,4 +489,12 @@ impl ModelRunner {
         self.pending.remove(&slot);
         Ok(())
     }
+}
+
+/// The argmax (first maximum) of each `vocab`-wide row of `logits`. Shape: [rows].
+pub fn row_argmax(logits: &[f32], vocab: usize) -> Vec<u32> {
+    logits
+        .chunks_exact(vocab.max(1))
+        .map(|r| crate::model::ops::argmax(r) as u32)
+        .collect()
 }

@@ -51,6 +51,8 @@ pub struct MtpOut {
     pub hidden: Vec<f32>,
     /// Routing of the MTP layer's MoE.
     pub router: Option<Vec<RouterTrace>>,
+    /// With `ForwardOptions::greedy_ids`: the argmax of each logits row. Shape: [rows].
+    pub argmax: Option<Vec<u32>>,
 }
 
 fn input_err(msg: String) -> EngineError {
@@ -119,10 +121,14 @@ impl ModelRunner {
                 self.weights.lm_head.forward(&last, spans.len())?
             }
         };
+        let argmax = opts
+            .greedy_ids
+            .then(|| super::forward::row_argmax(&logits, cfg.vocab_size));
         Ok(MtpOut {
             logits,
             hidden: x,
             router: taps.router,
+            argmax,
         })
     }
 

@@ -35,7 +35,7 @@ pub mod sampling;
 pub mod verify;
 
 pub use sampling::{SamplingParams, SAMPLING_EPS};
-pub use verify::{verify_greedy, Verified, VerifyCtx};
+pub use verify::{verify_greedy, verify_greedy_ids, Verified, VerifyCtx};
 
 use rand::SeedableRng;
 

@@ -156,6 +156,31 @@ fn greedy(target_logits: &[f32], vocab: usize, draft: &[u32]) -> Result<Verified
     })
 }
 
+/// Greedy verification from the target's argmax ids (a device backend computes them
+/// and keeps the logits on the device): the same result as [`verify_greedy`] on the
+/// logits the ids came from. `target_ids`: Shape `[k + 1]`, `draft`: Shape `[k]`. The
+/// finiteness check of the logits path is the backend's (its argmax kernel).
+pub fn verify_greedy_ids(target_ids: &[u32], draft: &[u32]) -> Result<Verified> {
+    if target_ids.len() != draft.len() + 1 {
+        return Err(bad(format!(
+            "{} target argmax ids for {} draft tokens (expected {})",
+            target_ids.len(),
+            draft.len(),
+            draft.len() + 1
+        )));
+    }
+    let accepted = target_ids
+        .iter()
+        .zip(draft)
+        .take_while(|(t, d)| t == d)
+        .count();
+    Ok(Verified {
+        num_draft: draft.len(),
+        accepted,
+        tokens: target_ids[..=accepted].to_vec(),
+    })
+}
+
 impl<'a> VerifyCtx<'a> {
     /// A context over the caller's RNG.
     pub fn new(params: SamplingParams, rng: &'a mut dyn RngCore) -> Self {
@@ -470,5 +495,33 @@ mod tests {
         }
         .observe(&mut m);
         assert_eq!(m.num_drafts, 100);
+    }
+    #[test]
+    fn greedy_ids_equal_greedy_logits() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let vocab = 5;
+        for _ in 0..500 {
+            let k = rng.random_range(0..5usize);
+            let logits: Vec<f32> = (0..(k + 1) * vocab)
+                .map(|_| rng.random_range(0..4) as f32)
+                .collect();
+            let ids: Vec<u32> = logits
+                .chunks_exact(vocab)
+                .map(|r| crate::spec::sampling::argmax(r).unwrap() as u32)
+                .collect();
+            // Drafts that often agree with the target, so every accepted length occurs.
+            let draft: Vec<u32> = ids[..k]
+                .iter()
+                .map(|&t| if rng.random_bool(0.7) { t } else { (t + 1) % 5 })
+                .collect();
+            let a = verify_greedy(&logits, vocab, &draft).unwrap();
+            let b = verify_greedy_ids(&ids, &draft).unwrap();
+            assert_eq!(
+                (a.accepted, a.tokens, a.num_draft),
+                (b.accepted, b.tokens, b.num_draft)
+            );
+        }
+        assert!(verify_greedy_ids(&[1, 2], &[1, 2]).is_err());
     }
 }

@@ -1,0 +1,586 @@
+//! `speclab bench e2e`: decode throughput of the real engine (scheduler + KV manager +
+//! drafter + target backend, the one step loop of `engine/src/run.rs`) at several
+//! concurrencies, for each drafter, with CUDA graphs on and off, in one process.
+//!
+//! What a row measures (issue 11's protocol): `c` requests of the held-out prompts of
+//! `models/tiny/data.safetensors` (`prompt_tokens`, the prompts the PyTorch anchors of
+//! `../shared/anchors/` decode), `--prompt-len` tokens each, `--new-tokens` greedy tokens
+//! each (EOS ignored). Decode throughput counts only steps with no prefill token:
+//! output tokens of those steps / wall seconds of those loop iterations (schedule +
+//! execute + update, so host work is in the number). Per step it splits the time into
+//! the target forward, the drafter and the rest (scheduler, KV manager, verify), and
+//! counts kernels executed (eager launches + replayed graph nodes, `speclab_cuda::ops::KERNELS`).
+//!
+//! Correctness in the same run: every leg's outputs must equal the no-drafter leg's at
+//! the same concurrency and graph setting (greedy speculation is lossless), and legs at
+//! concurrency <= `--cpu-check-max` must equal the CPU reference engine's output.
+//! Beside each row: the physical floor (all weight bytes once at the copy bandwidth
+//! measured in this run; kernels x the measured launch cost) and, when anchor JSONs are
+//! given, the PyTorch reference's tok/s at the same concurrency and the ratios.
+//!
+//! Invariants: every ratio printed is computed from timings of this process (anchors
+//! from files written in the same device call); the record is written atomically under
+//! its lock (`speclab_experiments::record`).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+use speclab_engine::exec::{generate_observed, EngineRequest, EngineRun, GenerateParts, StepStats};
+use speclab_engine::model::{Checkpoint, ModelWeights};
+use speclab_engine::spec::SamplingParams;
+
+use super::generate::{drafter_spec, fcfs, options, DeviceArg, EngineArgs};
+
+/// Which graph settings to run.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum GraphsArg {
+    On,
+    Off,
+    Both,
+}
+
+#[derive(Debug, Args)]
+pub struct E2eArgs {
+    /// Target checkpoint (its data.safetensors holds the prompts).
+    #[arg(long, default_value = "models/tiny")]
+    pub model: PathBuf,
+    /// DFlash2 checkpoint for `dflash2:N` legs.
+    #[arg(long, default_value = "models/dflash2-tiny")]
+    pub dflash2_dir: PathBuf,
+    /// Concurrencies (requests decoded together).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,128")]
+    pub concurrency: Vec<usize>,
+    /// Drafters as KIND:N (none needs no N), e.g. none,mtp:2,dflash2:7.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "none,mtp:1,mtp:2,mtp:3,mtp:4,dflash2:7"
+    )]
+    pub drafters: Vec<String>,
+    #[arg(long, default_value_t = 256)]
+    pub prompt_len: usize,
+    #[arg(long, default_value_t = 128)]
+    pub new_tokens: u64,
+    /// CUDA graphs on, off, or both (one row each).
+    #[arg(long, value_enum, default_value = "both")]
+    pub graphs: GraphsArg,
+    /// Where the target runs (cpu: the reference engine, for comparison only).
+    #[arg(long, value_enum, default_value = "cuda")]
+    pub device: DeviceArg,
+    /// Legs at this concurrency or below are also run on the CPU engine and must match.
+    #[arg(long, default_value_t = 1)]
+    pub cpu_check_max: usize,
+    /// PyTorch anchor JSONs (e2e_ref.py / e2e_graph.py outputs) to put beside the rows.
+    #[arg(long, value_delimiter = ',')]
+    pub anchors: Vec<PathBuf>,
+    /// The record (written atomically under its lock).
+    #[arg(long, default_value = "runs/bench-e2e.json")]
+    pub out: PathBuf,
+    /// Commit to stamp into the record when the tree has no git metadata (device machine).
+    #[arg(long)]
+    pub commit: Option<String>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One leg's drafter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Choice {
+    kind: String,
+    n: Option<usize>,
+}
+
+fn parse_choice(s: &str) -> anyhow::Result<Choice> {
+    let (kind, n) = match s.split_once(':') {
+        Some((k, n)) => {
+            let n: usize = n.parse().with_context(|| {
+                format!("--drafters entry {s:?}: N after ':' must be a whole number")
+            })?;
+            (k, Some(n))
+        }
+        None => (s, None),
+    };
+    let parsed: speclab_drafters::DrafterKind = kind
+        .parse()
+        .with_context(|| format!("--drafters entry {s:?}"))?;
+    if parsed != speclab_drafters::DrafterKind::None && n.is_none() {
+        bail!("--drafters entry {s:?}: give the speculative tokens as {kind}:N");
+    }
+    Ok(Choice {
+        kind: kind.to_string(),
+        n,
+    })
+}
+
+/// One measured row.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub drafter: String,
+    pub num_spec: usize,
+    pub concurrency: usize,
+    pub graphs: bool,
+    pub decode_tok_s: f64,
+    pub us_per_step: f64,
+    pub forward_us_per_step: f64,
+    pub draft_us_per_step: f64,
+    pub host_us_per_step: f64,
+    pub steps: u64,
+    pub kernels_per_step: f64,
+    pub tau: f64,
+    pub acceptance_rate: f64,
+    /// Tokens accepted per request per verify step.
+    pub mean_accepted_per_step: f64,
+    /// Target rows per decode step (requests x (1 + drafts)).
+    pub verify_rows_per_step: f64,
+    pub experts_touched_mean: Option<f64>,
+    pub speedup_vs_none: Option<f64>,
+    /// Requests whose output differs from the no-drafter leg's (same c and graphs).
+    pub mismatch_vs_none: Option<usize>,
+    /// Requests whose output differs from the CPU engine's (legs at c <= cpu_check_max).
+    pub mismatch_vs_cpu: Option<usize>,
+    /// Floors: all weight bytes once at the measured copy bandwidth; kernels x launch cost.
+    pub floor_weights_us: f64,
+    pub floor_launch_us: f64,
+    pub anchor_eager_tok_s: Option<f64>,
+    pub anchor_graph_tok_s: Option<f64>,
+}
+
+/// Device facts measured once per run.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct DeviceFacts {
+    pub copy_gb_s: f64,
+    pub weight_bytes: usize,
+    pub launch_us_eager: f64,
+    pub launch_us_graph: f64,
+}
+
+/// Everything a leg needs.
+struct LegCtx<'a> {
+    a: &'a E2eArgs,
+    target: &'a ModelWeights,
+    prompts: &'a [Vec<u32>],
+}
+
+/// The held-out prompts, `len` tokens each. Shape: [64][len].
+fn load_prompts(model: &Path, len: usize) -> anyhow::Result<Vec<Vec<u32>>> {
+    let p = model.join("data.safetensors");
+    let data = Checkpoint::open_file(&p).with_context(|| format!("opening {}", p.display()))?;
+    let (vals, shape) = data
+        .i32_any_shape("prompt_tokens")
+        .with_context(|| format!("{}: tensor prompt_tokens", p.display()))?;
+    let [rows, cols] = shape[..] else {
+        bail!(
+            "{}: prompt_tokens has shape {shape:?}, expected [rows, tokens]",
+            p.display()
+        );
+    };
+    if len == 0 || len > cols {
+        bail!(
+            "--prompt-len {len}: {} holds prompts of {cols} tokens",
+            p.display()
+        );
+    }
+    Ok((0..rows)
+        .map(|r| {
+            vals[r * cols..r * cols + len]
+                .iter()
+                .map(|&t| t as u32)
+                .collect()
+        })
+        .collect())
+}
+
+fn engine_args(cx: &LegCtx<'_>, d: &Choice, c: usize) -> EngineArgs {
+    let a = cx.a;
+    EngineArgs {
+        model: a.model.clone(),
+        drafter: d.kind.clone(),
+        drafter_dir: Some(a.dflash2_dir.clone()),
+        num_spec: d.n,
+        ngram_min: 3,
+        ngram_max: 5,
+        max_tokens: a.new_tokens,
+        ignore_eos: true,
+        block_size: 16,
+        num_blocks: None,
+        max_model_len: Some(a.prompt_len as u64 + a.new_tokens + 16),
+        max_num_batched_tokens: 8192,
+        max_num_seqs: c.max(1),
+        drafter_block_size: 16,
+        cap: super::generate::CapArg::Upstream,
+        max_steps: 100_000,
+        seed: 0,
+        json: false,
+    }
+}
+
+/// Per-step kernel counts (the process-wide counter read after each step).
+struct KernelTap {
+    last: u64,
+    per_step: Vec<u64>,
+}
+
+impl speclab_engine::run::RunObserver for KernelTap {
+    fn on_step(&mut self, _s: &StepStats) {
+        let now = speclab_cuda::ops::kernels_executed();
+        self.per_step.push(now - self.last);
+        self.last = now;
+    }
+}
+
+/// Run one leg on `device`; returns the run and the kernels of each step.
+fn run_leg(
+    cx: &LegCtx<'_>,
+    d: &Choice,
+    c: usize,
+    device: DeviceArg,
+    graphs: bool,
+) -> anyhow::Result<(EngineRun, Vec<u64>)> {
+    let e = engine_args(cx, d, c);
+    let spec = drafter_spec(&e, cx.target)?;
+    let reqs: Vec<EngineRequest> = (0..c)
+        .map(|i| EngineRequest {
+            id: i as u64,
+            prompt: cx.prompts[i % cx.prompts.len()].clone(),
+            max_tokens: cx.a.new_tokens,
+        })
+        .collect();
+    let mut opts = options(&e, cx.target, &reqs, &spec, SamplingParams::GREEDY, false);
+    opts.check_allocator = false;
+    let cuda = speclab_cuda::CudaFactory {
+        opts: speclab_cuda::CudaOptions {
+            device: 0,
+            use_graphs: graphs,
+        },
+    };
+    let cpu = speclab_engine::backend::CpuBackend;
+    let backend: &dyn speclab_engine::backend::BackendFactory = match device {
+        DeviceArg::Cuda => &cuda,
+        DeviceArg::Cpu => &cpu,
+    };
+    let parts = GenerateParts {
+        backend,
+        target: cx.target,
+        drafter: &spec,
+        requests: &reqs,
+        opts: &opts,
+    };
+    let mut tap = KernelTap {
+        last: speclab_cuda::ops::kernels_executed(),
+        per_step: Vec::new(),
+    };
+    let run = generate_observed(&parts, &mut fcfs(&e), &mut tap)?;
+    if run.wedged.is_some() || run.hit_step_limit || !run.rejected.is_empty() {
+        bail!(
+            "leg {}:{:?} c={c}: the run did not finish (wedged {:?}, rejected {:?}, step limit {})",
+            d.kind,
+            d.n,
+            run.wedged,
+            run.rejected,
+            run.hit_step_limit
+        );
+    }
+    Ok((run, tap.per_step))
+}
+
+/// Decode-only sums of a run.
+fn measure(run: &EngineRun, kernels: &[u64], d: &Choice, c: usize, graphs: bool) -> Row {
+    let (mut n, mut out, mut loop_s, mut fwd, mut draft, mut rows, mut k) =
+        (0u64, 0u64, 0.0, 0.0, 0.0, 0u64, 0u64);
+    for (i, s) in run.steps.iter().enumerate() {
+        if s.prefill_tokens > 0 {
+            continue;
+        }
+        n += 1;
+        out += s.output_tokens;
+        loop_s += s.loop_s;
+        fwd += s.forward_s;
+        draft += s.draft_s;
+        rows += s.verify_tokens;
+        k += kernels.get(i).copied().unwrap_or(0);
+    }
+    let per = |x: f64| if n > 0 { x * 1e6 / n as f64 } else { 0.0 };
+    let drafts = run.spec.num_drafts.max(1) as f64;
+    Row {
+        drafter: d.kind.clone(),
+        num_spec: d.n.unwrap_or(0),
+        concurrency: c,
+        graphs,
+        decode_tok_s: if loop_s > 0.0 {
+            out as f64 / loop_s
+        } else {
+            0.0
+        },
+        us_per_step: per(loop_s),
+        forward_us_per_step: per(fwd),
+        draft_us_per_step: per(draft),
+        host_us_per_step: per(loop_s - fwd - draft),
+        steps: n,
+        kernels_per_step: if n > 0 { k as f64 / n as f64 } else { 0.0 },
+        tau: run.tau,
+        acceptance_rate: run.acceptance_rate,
+        mean_accepted_per_step: run.spec.num_accepted_tokens as f64 / drafts,
+        verify_rows_per_step: if n > 0 { rows as f64 / n as f64 } else { 0.0 },
+        experts_touched_mean: None,
+        speedup_vs_none: None,
+        mismatch_vs_none: None,
+        mismatch_vs_cpu: None,
+        floor_weights_us: 0.0,
+        floor_launch_us: 0.0,
+        anchor_eager_tok_s: None,
+        anchor_graph_tok_s: None,
+    }
+}
+
+fn outputs(run: &EngineRun) -> Vec<Vec<u32>> {
+    run.requests.iter().map(|r| r.output.clone()).collect()
+}
+
+fn mismatches(a: &[Vec<u32>], b: &[Vec<u32>]) -> usize {
+    a.iter().zip(b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len())
+}
+
+/// The PyTorch anchors by concurrency: (eager tok/s, CUDA-graph tok/s).
+type Anchors = BTreeMap<usize, (Option<f64>, Option<f64>)>;
+
+/// Read the anchor JSONs (rows with `batch` and `decode_tok_s` or `graph_tok_s`).
+fn load_anchors(paths: &[PathBuf]) -> anyhow::Result<Anchors> {
+    let mut m = Anchors::new();
+    for p in paths {
+        let text =
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("{}: not JSON", p.display()))?;
+        let rows = v["rows"]
+            .as_array()
+            .with_context(|| format!("{}: expected a \"rows\" array", p.display()))?;
+        for r in rows {
+            let Some(b) = r["batch"].as_u64() else {
+                bail!("{}: a row without a numeric \"batch\"", p.display());
+            };
+            let e = m.entry(b as usize).or_default();
+            if let Some(x) = r["decode_tok_s"].as_f64() {
+                e.0 = Some(x);
+            }
+            if let Some(x) = r["graph_tok_s"].as_f64() {
+                e.1 = Some(x);
+            }
+        }
+    }
+    Ok(m)
+}
+
+/// Copy bandwidth, weight bytes and launch costs of device 0 (zeros on the CPU).
+fn device_facts(a: &E2eArgs, target: &ModelWeights) -> anyhow::Result<DeviceFacts> {
+    if !matches!(a.device, DeviceArg::Cuda) {
+        return Ok(DeviceFacts::default());
+    }
+    let kv = speclab_engine::kv::KvCacheManager::from_layout(&target.cfg.kv_layout(16, 0, 64)?)?;
+    let b = speclab_cuda::CudaBackend::new(target, &kv)?;
+    let (launch_us_eager, launch_us_graph) = b.launch_cost_us()?;
+    Ok(DeviceFacts {
+        copy_gb_s: b.copy_bandwidth_gbs(1 << 30)?,
+        weight_bytes: b.weight_bytes(),
+        launch_us_eager,
+        launch_us_graph,
+    })
+}
+
+/// `speclab bench e2e`.
+pub fn e2e(a: E2eArgs) -> anyhow::Result<ExitCode> {
+    let choices: Vec<Choice> = a
+        .drafters
+        .iter()
+        .map(|s| parse_choice(s))
+        .collect::<anyhow::Result<_>>()?;
+    if a.concurrency.is_empty() || a.concurrency.contains(&0) {
+        bail!("--concurrency: give positive request counts, e.g. 1,8,32,128");
+    }
+    let mut lock = speclab_experiments::record::RecordLock::open(&a.out)?;
+    let _guard = lock.try_lock()?;
+    let target = ModelWeights::load(&a.model)?;
+    let prompts = load_prompts(&a.model, a.prompt_len)?;
+    let anchors = load_anchors(&a.anchors)?;
+    let facts = device_facts(&a, &target)?;
+    let cx = LegCtx {
+        a: &a,
+        target: &target,
+        prompts: &prompts,
+    };
+    let settings: Vec<bool> = match (a.graphs, a.device) {
+        (_, DeviceArg::Cpu) | (GraphsArg::Off, _) => vec![false],
+        (GraphsArg::On, _) => vec![true],
+        (GraphsArg::Both, _) => vec![false, true],
+    };
+    let mut rows = Vec::new();
+    for &c in &a.concurrency {
+        for &graphs in &settings {
+            rows.extend(concurrency_rows(&cx, &choices, c, graphs, &facts)?);
+        }
+    }
+    for r in &mut rows {
+        if let Some((e, g)) = anchors.get(&r.concurrency) {
+            r.anchor_eager_tok_s = *e;
+            r.anchor_graph_tok_s = *g;
+        }
+    }
+    let ok = rows
+        .iter()
+        .all(|r| r.mismatch_vs_none.unwrap_or(0) == 0 && r.mismatch_vs_cpu.unwrap_or(0) == 0);
+    write_record(&a, &facts, &rows, ok)?;
+    print_rows(&a, &facts, &rows);
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// Every drafter at one concurrency and graph setting (the no-drafter leg first, as the
+/// reference of outputs and speedups).
+fn concurrency_rows(
+    cx: &LegCtx<'_>,
+    choices: &[Choice],
+    c: usize,
+    graphs: bool,
+    facts: &DeviceFacts,
+) -> anyhow::Result<Vec<Row>> {
+    let none = Choice {
+        kind: "none".into(),
+        n: None,
+    };
+    let (base_run, base_k) = run_leg(cx, &none, c, cx.a.device, graphs)?;
+    let base_out = outputs(&base_run);
+    let base_tok_s = measure(&base_run, &base_k, &none, c, graphs).decode_tok_s;
+    let mut rows = Vec::new();
+    for d in choices {
+        let (run, k) = if *d == none {
+            (base_run.clone(), base_k.clone())
+        } else {
+            run_leg(cx, d, c, cx.a.device, graphs)?
+        };
+        let mut row = measure(&run, &k, d, c, graphs);
+        let out = outputs(&run);
+        row.mismatch_vs_none = Some(mismatches(&out, &base_out));
+        row.speedup_vs_none = (base_tok_s > 0.0).then(|| row.decode_tok_s / base_tok_s);
+        if matches!(cx.a.device, DeviceArg::Cuda) && c <= cx.a.cpu_check_max && !graphs {
+            let (cpu, _) = run_leg(cx, d, c, DeviceArg::Cpu, false)?;
+            row.mismatch_vs_cpu = Some(mismatches(&out, &outputs(&cpu)));
+        }
+        if facts.copy_gb_s > 0.0 {
+            row.floor_weights_us = facts.weight_bytes as f64 / (facts.copy_gb_s * 1e3);
+        }
+        row.floor_launch_us = row.kernels_per_step * facts.launch_us_graph;
+        tracing::info!(
+            "{}:{} c={c} graphs={graphs}: {:.0} tok/s, {:.1} us/step",
+            row.drafter,
+            row.num_spec,
+            row.decode_tok_s,
+            row.us_per_step
+        );
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
+fn write_record(a: &E2eArgs, facts: &DeviceFacts, rows: &[Row], ok: bool) -> anyhow::Result<()> {
+    let record = serde_json::json!({
+        "kind": "bench-e2e",
+        "git_commit": a.commit.clone().or_else(speclab_experiments::record::git_commit),
+        "measured_unix_s": speclab_experiments::record::now_unix(),
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "device": format!("{:?}", a.device).to_lowercase(),
+        "model": a.model.display().to_string(),
+        "prompt_len": a.prompt_len,
+        "new_tokens": a.new_tokens,
+        "copy_gb_s": facts.copy_gb_s,
+        "weight_bytes": facts.weight_bytes,
+        "launch_us": facts.launch_us_graph,
+        "launch_us_eager": facts.launch_us_eager,
+        "outputs_all_match": ok,
+        "rows": rows,
+    });
+    if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    speclab_experiments::record::write_atomic(&a.out, &serde_json::to_vec_pretty(&record)?)?;
+    Ok(())
+}
+
+fn opt(x: Option<f64>, prec: usize) -> String {
+    x.map(|v| format!("{v:.prec$}"))
+        .unwrap_or_else(|| "-".into())
+}
+
+fn print_rows(a: &E2eArgs, f: &DeviceFacts, rows: &[Row]) {
+    if a.json {
+        println!("{}", serde_json::to_string(rows).unwrap_or_default());
+        return;
+    }
+    println!(
+        "copy {:.0} GB/s, weights {:.1} MB (floor {:.1} us/step), launch {:.2} us eager / {:.2} us in a graph; record {}",
+        f.copy_gb_s,
+        f.weight_bytes as f64 / 1e6,
+        rows.first().map(|r| r.floor_weights_us).unwrap_or(0.0),
+        f.launch_us_eager,
+        f.launch_us_graph,
+        a.out.display()
+    );
+    println!("| drafter | N | c | graphs | tok/s | us/step | fwd | draft | host | kernels | floor launch us | tau | x none | x eager ref | x graph ref | mismatch none/cpu |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        println!(
+            "| {} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.2} | {} | {} | {} | {}/{} |",
+            r.drafter,
+            r.num_spec,
+            r.concurrency,
+            if r.graphs { "on" } else { "off" },
+            r.decode_tok_s,
+            r.us_per_step,
+            r.forward_us_per_step,
+            r.draft_us_per_step,
+            r.host_us_per_step,
+            r.kernels_per_step,
+            r.floor_launch_us,
+            r.tau,
+            opt(r.speedup_vs_none, 2),
+            opt(r.anchor_eager_tok_s.map(|x| r.decode_tok_s / x), 1),
+            opt(r.anchor_graph_tok_s.map(|x| r.decode_tok_s / x), 2),
+            r.mismatch_vs_none.map(|x| x.to_string()).unwrap_or("-".into()),
+            r.mismatch_vs_cpu.map(|x| x.to_string()).unwrap_or("-".into()),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drafter_entries_parse_or_explain() {
+        assert_eq!(
+            parse_choice("mtp:2").unwrap(),
+            Choice {
+                kind: "mtp".into(),
+                n: Some(2)
+            }
+        );
+        assert_eq!(parse_choice("none").unwrap().n, None);
+        let e = parse_choice("mtp").unwrap_err().to_string();
+        assert!(e.contains("mtp:N"), "{e}");
+        assert!(parse_choice("mtp:x").is_err());
+        assert!(parse_choice("bogus:2").is_err());
+    }
+
+    #[test]
+    fn mismatches_count_differing_and_missing_requests() {
+        let a = vec![vec![1, 2], vec![3]];
+        assert_eq!(mismatches(&a, &a), 0);
+        assert_eq!(mismatches(&a, &[vec![1, 2], vec![4]]), 1);
+        assert_eq!(mismatches(&a, &[vec![1, 2]]), 1);
+    }
+}
