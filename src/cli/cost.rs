@@ -149,7 +149,9 @@ fn print_fit(rep: &FitReport, out: Option<&Path>) {
         );
     }
     outln!(
-        "largest held-out error: {}",
+        "held-out rows within 10%: {} of {}; largest held-out error: {}",
+        rep.held_out_within_10pct,
+        rep.held_out_rows,
         opt(rep.max_abs_held_out_error, |v| format!("{:.1}%", 100.0 * v))
     );
     if let Some(o) = out {
