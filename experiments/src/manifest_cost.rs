@@ -273,4 +273,62 @@ mod tests {
             "{e}"
         );
     }
+
+    #[test]
+    fn the_glm_manifest_expands_and_prices_its_legs() {
+        let path = Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/glm53-mtp-speedup.ron"
+        ));
+        let m = Manifest::load(path).unwrap();
+        let legs = m.legs().unwrap();
+        assert_eq!(legs.len(), 18);
+        let l = legs
+            .iter()
+            .find(|l| crate::findings::leg_matches(&l.id, "n=2 seqs=8"))
+            .unwrap();
+        assert_eq!(l.prompts.len(), 32, "requests_per_seq 4 x 8 slots");
+        assert_eq!(m.drafter_for(l).num_speculative_tokens, 2);
+        let base = legs
+            .iter()
+            .find(|l| crate::findings::leg_matches(&l.id, "n=0 seqs=1"))
+            .unwrap();
+        assert_eq!(m.drafter_for(base).kind, DrafterKind::None);
+        let mut q = crate::runner::Quiet;
+        let r0 = crate::runner::run_leg(&m, base, &mut q).unwrap();
+        let t0 = r0.sim_time.unwrap();
+        assert_eq!(t0.output_tokens, 4 * 1024);
+        assert!(t0.terms_us.drafter == 0.0 && t0.output_tok_s > 0.0);
+        let one = legs
+            .iter()
+            .find(|l| crate::findings::leg_matches(&l.id, "n=2 seqs=1"))
+            .unwrap();
+        let t2 = crate::runner::run_leg(&m, one, &mut q)
+            .unwrap()
+            .sim_time
+            .unwrap();
+        assert!(t2.terms_us.drafter > 0.0);
+        assert!(
+            t2.decode_terms_us.experts / t2.decode_steps as f64
+                > t0.decode_terms_us.experts / t0.decode_steps as f64
+        );
+    }
+
+    #[test]
+    fn speed_fields_without_effect_are_refused() {
+        let base = "(name: \"t\", kv: (layout: Some((num_blocks: Some(64), max_model_len: 4096, groups: [(name: \"f\", kind: full, block_size: Some(16))])), max_model_len: 4096), workload: (prompts: [100], output_len: 4, each_prompt_alone: false), {})";
+        let hw = "hardware: (hbm_gb_s: 100.0, launch_us: 1.0, compute_tflops: 1.0), target: (kernels: 1.0, dense_bytes: 1.0)";
+        for (body, field) in [
+            (format!("cost: ({hw}), measure: (simulate: false, bound: true)"), "cost"),
+            (format!("drafter: (kind: mtp, num_speculative_tokens: 2), acceptance: [0.5], cost: ({hw})"), "cost.drafter"),
+            ("drafter: (kind: mtp, num_speculative_tokens: 2), acceptance: [0.5], acceptance_profile: stated(rates: [0.5], source: \"x\")".to_string(), "acceptance_profile"),
+            ("sweep: (num_speculative_tokens: [0, 1])".to_string(), "sweep.num_speculative_tokens"),
+        ] {
+            let text = base.replace("{}", &body);
+            let p = Path::new("t.ron");
+            let m: Manifest = crate::manifest::parse_ron(p, &text).unwrap();
+            let e = m.validate(p).unwrap_err().to_string();
+            assert!(e.contains(field), "{body}: {e}");
+        }
+    }
 }
