@@ -23,6 +23,10 @@
 //! leave-one-batch-out) are predicted by a fit on the other rows; tok/s is predicted at
 //! the measured tokens per step.
 //!
+//! Caveat: a bench-moe row's `m` shares the `row_us` column with the step rows' verified
+//! rows, so a joint fit of both kinds assumes one MoE layer's per-row cost is the whole
+//! forward's; fit bench-moe alone to read its own per-row cost.
+//!
 //! Invariants: a row is never in the fit that predicts it; residuals are `predicted -
 //! measured` over measured; nothing here panics on a malformed record (it is an error
 //! naming the file and the field).
@@ -607,5 +611,32 @@ mod tests {
         std::fs::write(&p, r#"{"kind": "gpu-check", "timing": []}"#).unwrap();
         let e = load_rows(&p, Some(shape())).unwrap_err().to_string();
         assert!(e.contains("copy_gb_s"), "{e}");
+    }
+
+    /// bench-moe rows: us = bytes / bw + experts x expert_us + m x row_us + a fixed call.
+    #[test]
+    fn moe_rows_fit_their_own_terms() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("moe.json");
+        let bw = 3000.0;
+        let rows: Vec<serde_json::Value> = [1u64, 4, 16, 64]
+            .iter()
+            .map(|&m| {
+                let experts = Routing::UNIFORM.expected_distinct_sr(288, 8, m as f64, m as f64);
+                let bytes = experts * 1.3e7;
+                let us = bytes / (bw * 1e3) + 0.5 * experts + 0.1 * m as f64 + 9.0;
+                serde_json::json!({"m": m, "routing": "uniform", "us": us,
+                    "experts_touched": experts, "bytes": bytes, "gb_s": 1.0})
+            })
+            .collect();
+        let rec = serde_json::json!({"kind": "bench-moe", "copy_gb_s": bw, "rows": rows});
+        std::fs::write(&p, rec.to_string()).unwrap();
+        let (fr, s) = load_rows(&p, Some(shape())).unwrap();
+        assert_eq!(fr.len(), 4);
+        let rep = fit_report(std::slice::from_ref(&p), &fr, s, &[]).unwrap();
+        let get = |k: &str| rep.params.iter().find(|(n, _)| n == k).unwrap().1;
+        assert!((get("expert_us") - 0.5).abs() < 1e-6, "{:?}", rep.params);
+        assert!((get("moe_call_us") - 9.0).abs() < 1e-6);
+        assert!((get("row_us") - 0.1).abs() < 1e-6);
     }
 }
