@@ -720,7 +720,11 @@ impl CudaBackend {
                 .read(&stream, 0, r * cfg.vocab_size, "MTP logits")?;
             (l, None)
         };
-        let hidden = self.ws.x.read(&stream, 0, t * h, "MTP hidden")?;
+        let hidden = if opts.skip_hidden {
+            Vec::new()
+        } else {
+            self.ws.x.read(&stream, 0, t * h, "MTP hidden")?
+        };
         let router = match (&self.router, collect.router) {
             (Some(buf), true) => Some(self.read_router(buf, t, vec![cfg.num_hidden_layers])?),
             _ => None,

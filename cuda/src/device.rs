@@ -56,6 +56,22 @@ pub fn arch_for(major: i32, minor: i32) -> String {
     }
 }
 
+/// The INT4 expert GEMMs: 40 KB of static shared memory a block (their cp.async stages).
+pub const W4_KERNELS: [&str; 2] = ["moe_gate_up_w4", "moe_down_w4"];
+
+/// Shared-memory carveout (percent of the SM's 228 KB) asked for the INT4 GEMMs: 72% =
+/// the 164 KB configuration, room for 4 blocks of (40 + 1) KB, the 4 blocks their 128
+/// registers allow (cuda/README.md, issue 12); the rest stays L1.
+pub const W4_CARVEOUT_PERCENT: i32 = 72;
+
+fn prefer_shared(f: &CudaFunction, name: &str) -> Result<()> {
+    f.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+        W4_CARVEOUT_PERCENT,
+    )
+    .map_err(|e| CudaError::driver(format!("shared-memory carveout of {name}"), e))
+}
+
 /// A device context, its one stream, and every kernel of the engine.
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
@@ -111,6 +127,11 @@ impl Gpu {
                 let f = module
                     .load_function(entry)
                     .map_err(|e| CudaError::driver(format!("load_function {entry}"), e))?;
+                if W4_KERNELS.contains(&entry) {
+                    // A hint: if a driver refuses it the kernels still run (with fewer
+                    // resident blocks, which the bench record's occupancy shows).
+                    let _ = prefer_shared(&f, entry);
+                }
                 funcs.insert(entry, f);
             }
         }
@@ -172,6 +193,13 @@ impl Gpu {
         self.stream
             .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(|e| CudaError::driver("record_event", e))
+    }
+
+    /// Resident blocks an SM of kernel `name` at `block` threads (no dynamic shared memory).
+    pub fn blocks_per_sm(&self, name: &str, block: u32) -> Result<u32> {
+        self.func(name)?
+            .occupancy_max_active_blocks_per_multiprocessor(block, 0, None)
+            .map_err(|e| CudaError::driver(format!("occupancy of {name}"), e))
     }
 
     /// The kernel `name` (an internal error if it is not in [`kernels::SOURCES`]).

@@ -79,6 +79,17 @@ pub const SOURCES: &[KernelSource] = &[
         entries: &["rope_kv_write", "paged_attention"],
     },
     KernelSource {
+        name: "bench.cu",
+        source: include_str!("../kernels/bench.cu"),
+        entries: &[
+            "bench_fill_u32",
+            "bench_fill_bf16",
+            "bench_fill_f32",
+            "moe_ref_gate_up_w4",
+            "moe_ref_down_w4",
+        ],
+    },
+    KernelSource {
         name: "kda.cu",
         source: include_str!("../kernels/kda.cu"),
         entries: &[

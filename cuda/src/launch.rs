@@ -13,6 +13,10 @@ use crate::error::{CudaError, Result};
 pub const LIN_WARPS: u32 = 4;
 /// Rows per GEMM tile (`ROWS_PER_TILE`, `MOE_TILE`).
 pub const ROWS_PER_TILE: u32 = 8;
+/// Weight rows per lane group of the INT4 expert GEMMs (`W4_ROWS`).
+pub const W4_ROWS: u32 = 4;
+/// Warps per block of the INT4 expert GEMMs (`W4_WARPS`).
+pub const W4_WARPS: u32 = 4;
 /// Largest k of `moe_topk` / `moe_combine` (`TOPK_MAX`).
 pub const TOPK_MAX: usize = 8;
 /// Largest expert count of `moe_topk` / `moe_align` (`EXPERTS_MAX`).
@@ -78,6 +82,46 @@ pub fn moe_gemm(n: usize, max_tiles: usize, what: &str) -> Result<Shape> {
         n.div_ceil(LIN_WARPS as usize),
         max_tiles,
         32 * LIN_WARPS,
+        what,
+    )
+}
+
+/// Lanes per group of the INT4 expert GEMMs for rows of `k` weights (kernel `w4_lanes`):
+/// the largest power of two `<= min(32, k / 32)` (a row has `k / 32` 16-byte chunks).
+pub fn w4_lanes(k: usize) -> usize {
+    let chunks = k / 32;
+    let mut l = 1;
+    while l < 32 && 2 * l <= chunks {
+        l *= 2;
+    }
+    l
+}
+
+/// Output columns one block of an INT4 expert GEMM covers: `W4_WARPS` warps of
+/// `32 / L` lane groups, each `W4_ROWS / nmat` columns (`nmat` = 2 for the fused
+/// gate/up, 1 for down).
+pub fn w4_cols_per_block(k: usize, nmat: usize) -> usize {
+    W4_WARPS as usize * (32 / w4_lanes(k)) * (W4_ROWS as usize / nmat)
+}
+
+/// INT4 expert GEMMs (`moe_gate_up_w4` with `nmat` 2, `moe_down_w4` with 1): grid
+/// (ceil(N / cols_per_block), max_tiles), block 128. Needs K % 128 == 0 (one scale per
+/// 16-byte chunk) and N % 8 == 0 (a lane group's columns are all real or all past N).
+pub fn moe_w4(n: usize, k: usize, nmat: usize, max_tiles: usize, what: &str) -> Result<Shape> {
+    if k == 0
+        || !k.is_multiple_of(128)
+        || n == 0
+        || !n.is_multiple_of(8)
+        || !(1..=2).contains(&nmat)
+    {
+        return Err(CudaError::Unsupported(format!(
+            "{what}: INT4 expert GEMM with N = {n}, K = {k} (needs K % 128 == 0, N % 8 == 0)"
+        )));
+    }
+    grid_2d(
+        n.div_ceil(w4_cols_per_block(k, nmat)),
+        max_tiles,
+        32 * W4_WARPS,
         what,
     )
 }
@@ -148,6 +192,8 @@ mod tests {
         assert_eq!(define("ROWS_PER_TILE"), Some(ROWS_PER_TILE as usize));
         assert_eq!(define("MOE_TILE"), Some(ROWS_PER_TILE as usize));
         assert_eq!(define("TOPK_MAX"), Some(TOPK_MAX));
+        assert_eq!(define("W4_ROWS"), Some(W4_ROWS as usize));
+        assert_eq!(define("W4_WARPS"), Some(W4_WARPS as usize));
         assert_eq!(define("EXPERTS_MAX"), Some(EXPERTS_MAX));
         assert_eq!(define("HEAD_DIM_MAX"), Some(HEAD_DIM_MAX));
         assert_eq!(define("KC_MAX"), Some(KC_MAX));
@@ -179,6 +225,115 @@ mod tests {
         assert_eq!(moe_max_tiles(1, 288), 1);
         assert_eq!(moe_max_tiles(8, 288), 8);
         assert_eq!(moe_max_tiles(64 * 8, 288), (512 + 288 * 7usize).div_ceil(8));
+    }
+
+    #[test]
+    fn w4_lane_groups_cover_every_column_once() {
+        // GLM-5.3-Flash: one group of 32 lanes per warp; models/tiny: 8 / 4 lanes.
+        assert_eq!(w4_lanes(4096), 32);
+        assert_eq!(w4_lanes(2048), 32);
+        assert_eq!(w4_lanes(256), 8);
+        assert_eq!(w4_lanes(128), 4);
+        assert_eq!(w4_lanes(384), 8);
+        assert_eq!(w4_cols_per_block(4096, 2), 8);
+        assert_eq!(w4_cols_per_block(2048, 1), 16);
+        assert_eq!(w4_cols_per_block(256, 2), 32);
+        assert_eq!(w4_cols_per_block(128, 1), 128);
+        for k in (128..=8192).step_by(128) {
+            let l = w4_lanes(k);
+            assert!(l.is_power_of_two() && l <= 32 && l <= k / 32, "k {k}");
+            assert!(l == 32 || 2 * l > k / 32, "k {k}: not the largest");
+            for nmat in [1, 2] {
+                for n in (8..=600).step_by(8) {
+                    let s = moe_w4(n, k, nmat, 3, "t").unwrap();
+                    // Model of kernel w4_col0: group index -> first column; every column
+                    // of [0, n) is owned by exactly one real group.
+                    let cpg = W4_ROWS as usize / nmat;
+                    let groups = s.grid.0 as usize * W4_WARPS as usize * (32 / l);
+                    let mut owned = vec![0u8; n];
+                    for g in 0..groups {
+                        let n0 = g * cpg;
+                        if n0 < n {
+                            assert!(n0 + cpg <= n, "n {n} k {k}: a group straddles N");
+                            owned[n0..n0 + cpg].iter_mut().for_each(|o| *o += 1);
+                        }
+                    }
+                    assert!(owned.iter().all(|&o| o == 1), "n {n} k {k} nmat {nmat}");
+                    assert!(groups * cpg < n + W4_WARPS as usize * (32 / l) * cpg);
+                }
+            }
+        }
+        assert!(moe_w4(2048, 4000, 2, 1, "t").is_err());
+        assert!(moe_w4(2044, 4096, 2, 1, "t").is_err());
+        assert!(moe_w4(2048, 4096, 3, 1, "t").is_err());
+        assert_eq!(moe_w4(2048, 4096, 2, 8, "t").unwrap().grid, (256, 8, 1));
+        assert_eq!(moe_w4(4096, 2048, 1, 8, "t").unwrap().grid, (256, 8, 1));
+    }
+
+    /// Host model of the INT4 kernels' walk over one weight row (linear.cu `w4_dot`): lane
+    /// g of a group of L takes chunks g, g + L, ... of `k / 32`; chunk c's scale is half of
+    /// the aligned 32-bit pair holding scale `row * k/128 + c/4`; words dequantized by the
+    /// kernel's bit trick. Returns the row's dot product with `x`, summed as the group does.
+    fn w4_row_dot_model(q: &[u32], s: &[u16], row: usize, k: usize, x: &[f32]) -> f64 {
+        let l = w4_lanes(k);
+        let mut total = 0.0f64;
+        for g in 0..l {
+            let mine = (k / 32 - g).div_ceil(l);
+            for it in 0..mine {
+                let c = g + it * l;
+                let si = row * (k / 128) + c / 4;
+                let pair = u32::from(s[si & !1]) | (u32::from(s[(si & !1) + 1]) << 16);
+                let half = if si & 1 == 1 {
+                    pair >> 16
+                } else {
+                    pair & 0xffff
+                };
+                let sc = f32::from_bits(half << 16);
+                for j in 0..4 {
+                    let w = crate::repack::dequant8_model(q[row * (k / 8) + c * 4 + j], sc);
+                    for (t, wt) in w.iter().enumerate() {
+                        total += f64::from(x[c * 32 + j * 8 + t]) * f64::from(*wt);
+                    }
+                }
+            }
+        }
+        total
+    }
+
+    #[test]
+    fn w4_chunk_walk_covers_every_weight_once_with_its_scale() {
+        use speclab_engine::model::w4a16::unpack_nibble;
+        for k in [128usize, 256, 384, 1152, 2048, 4096] {
+            // 8 rows: scale buffers hold N % 8 == 0 rows, so the aligned pair never leaves them.
+            let rows = 8;
+            let words: Vec<u32> = (0..rows * k / 8)
+                .map(|i| (i as u32).wrapping_mul(0x9e37_79b9) ^ 0x5bd1_e995)
+                .collect();
+            let q: Vec<u32> = words
+                .iter()
+                .map(|&w| crate::repack::repack_word(w))
+                .collect();
+            // Distinct power-of-two-ish scales per group, so a wrong group shows.
+            let s: Vec<u16> = (0..rows * k / 128)
+                .map(|i| 0x3b80u16 + (i % 13) as u16 * 0x10)
+                .collect();
+            let x: Vec<f32> = (0..k)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
+                .collect();
+            for row in 0..rows {
+                let mut want = 0.0f64;
+                for kk in 0..k {
+                    let sc = f32::from_bits(u32::from(s[row * (k / 128) + kk / 128]) << 16);
+                    let wv = unpack_nibble(words[row * (k / 8) + kk / 8], kk % 8) as f32 * sc;
+                    want += f64::from(x[kk]) * f64::from(wv);
+                }
+                let got = w4_row_dot_model(&q, &s, row, k, &x);
+                assert!(
+                    (got - want).abs() <= 1e-9 * want.abs().max(1.0),
+                    "k {k} row {row}: {got} vs {want}"
+                );
+            }
+        }
     }
 
     #[test]

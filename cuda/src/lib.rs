@@ -16,7 +16,8 @@
 //! [`kvpool`] (the device KV pool geometry), [`workspace`] (step buffers), [`step`]
 //! (the kernel sequence of a step), [`backend`] (the public backend), [`check`] (the
 //! device check: parity against the CPU engine and decode timing), [`seam`] (the
-//! engine's `TargetBackend` / `SharedHead` / `BackendFactory` for the CUDA backend).
+//! engine's `TargetBackend` / `SharedHead` / `BackendFactory` for the CUDA backend),
+//! [`moebench`] (issue 12: one GLM-5.3-Flash MoE layer timed and checked on the device).
 //!
 //! Invariants: numerics follow docs/model.md §1 (f32 compute; bf16 weights widened
 //! exactly; INT4 dequantized to exact f32 products); every launch's bounds are checked
@@ -32,6 +33,7 @@ pub mod kernels;
 pub mod kvpool;
 pub mod launch;
 pub mod meta;
+pub mod moebench;
 pub mod ops;
 pub mod repack;
 pub mod seam;

@@ -436,6 +436,19 @@ pub fn moe_route(
     norm_topk: bool,
     rsf: f32,
 ) -> Result<()> {
+    moe_topk(g, r, logits, bias, norm_topk, rsf)?;
+    moe_align(g, r)
+}
+
+/// Kernel `moe_topk`: `r.ids` / `r.wts` from router logits `[T, E]` and the bias `[E]`.
+pub fn moe_topk(
+    g: &Gpu,
+    r: &Routing<'_>,
+    logits: &DevBuf<f32>,
+    bias: &DevBuf<f32>,
+    norm_topk: bool,
+    rsf: f32,
+) -> Result<()> {
     r.check()?;
     let p = r.t * r.k;
     let args = [
@@ -451,8 +464,7 @@ pub fn moe_route(
     ];
     // SAFETY: ids, wts [T*k], logits [T, E], bias [E] checked; k <= 8, E <= 1024 checked
     // (the kernel's shared arrays).
-    unsafe { launch(g, "moe_topk", launch::per_warp(r.t, "moe_topk")?, &args)? };
-    moe_align(g, r)
+    unsafe { launch(g, "moe_topk", launch::per_warp(r.t, "moe_topk")?, &args) }
 }
 
 /// The router GEMM's operands for [`moe_route_fused`].
@@ -517,8 +529,9 @@ pub fn moe_route_fused(
     moe_align(g, r)
 }
 
-/// Kernel `moe_align`: the routed pairs sorted per expert into GEMM tiles.
-fn moe_align(g: &Gpu, r: &Routing<'_>) -> Result<()> {
+/// Kernel `moe_align`: the pairs of `r.ids` (each `< E`) sorted per expert into tiles.
+pub fn moe_align(g: &Gpu, r: &Routing<'_>) -> Result<()> {
+    r.check()?;
     let p = r.t * r.k;
     let args = [
         ptr(
@@ -534,8 +547,9 @@ fn moe_align(g: &Gpu, r: &Routing<'_>) -> Result<()> {
         int(r.max_tiles, "max_tiles")?,
     ];
     // SAFETY: sorted [8 * max_tiles], tile_expert [max_tiles], ids [P] checked; the
-    // kernel writes at most moe_max_tiles(P, E) <= max_tiles tiles (checked above; the
-    // bound is tested in launch.rs); ids < E (moe_topk's output).
+    // kernel writes at most moe_max_tiles(P, E) <= max_tiles tiles (checked by
+    // `r.check`; the bound is tested in launch.rs); ids < E (moe_topk's output, or
+    // host-built ids checked by their builder, crate::moebench).
     unsafe {
         launch(
             g,
@@ -626,29 +640,28 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
         int(im, "N")?,
         int(hd, "K")?,
     ]);
+    let int4 = matches!(a.w, ExpertPtrs::Int4 { .. });
+    let gu_shape = if int4 {
+        launch::moe_w4(im, hd, 2, r.max_tiles, gu_name)?
+    } else {
+        launch::moe_gemm(im, r.max_tiles, gu_name)?
+    };
+    let dn_shape = if int4 {
+        launch::moe_w4(hd, im, 1, r.max_tiles, dn_name)?
+    } else {
+        launch::moe_gemm(hd, r.max_tiles, dn_name)?
+    };
     // SAFETY: h [P, Im], x [T, H], the expert weights [E, Im, 2, H] (as words / scales),
     // sorted [8 max_tiles], tile_expert [max_tiles] checked; pair ids in `sorted` are < P
-    // and tile experts < E (moe_align's output over ids < E).
-    unsafe {
-        launch(
-            g,
-            gu_name,
-            launch::moe_gemm(im, r.max_tiles, gu_name)?,
-            &args,
-        )?
-    };
+    // and tile experts < E (moe_align's output over ids < E). The INT4 kernels touch
+    // rows of columns < N only (N % 8 == 0, checked by moe_w4: a lane group past N reads
+    // column 0 and writes nothing; launch.rs tests the column cover).
+    unsafe { launch(g, gu_name, gu_shape, &args)? };
     let mut args = vec![y, h];
     args.extend(dn_w);
     args.extend([wts, sorted, tiles, int(hd, "N")?, int(im, "K")?]);
     // SAFETY: y [P, H], h [P, Im], weights [E, H, Im], wts [P] checked; indices as above.
-    unsafe {
-        launch(
-            g,
-            dn_name,
-            launch::moe_gemm(hd, r.max_tiles, dn_name)?,
-            &args,
-        )
-    }
+    unsafe { launch(g, dn_name, dn_shape, &args) }
 }
 
 /// Kernel `moe_combine`: `x += routed (ascending expert) + shared`.

@@ -103,8 +103,10 @@ impl Drafter for Mtp {
         let mut out = vec![Proposal::default(); reqs.len()];
         let mut live = self.first_pass(step, reqs, &mut out)?;
         let (h, v) = step.backend.head_dims();
-        let opts = draft_opts();
         while !live.is_empty() {
+            // The last pass's hidden rows feed nothing: a device backend keeps them.
+            let last = live.iter().all(|l| out[l.req].tokens.len() + 1 >= l.want);
+            let opts = draft_opts(last);
             let o = {
                 let chunks: Vec<MtpChunk<'_>> = live
                     .iter()
@@ -120,7 +122,9 @@ impl Drafter for Mtp {
             for (c, l) in live.iter_mut().enumerate() {
                 l.draft = greedy_row(&o, c, v);
                 out[l.req].tokens.push(l.draft);
-                l.prev = o.hidden[c * h..(c + 1) * h].to_vec();
+                if !last {
+                    l.prev = o.hidden[c * h..(c + 1) * h].to_vec();
+                }
                 l.pos += 1;
             }
             live.retain(|l| out[l.req].tokens.len() < l.want);
@@ -145,11 +149,13 @@ struct Live {
     pos: usize,
 }
 
-fn draft_opts() -> ForwardOptions {
-    // Drafts are greedy: a device backend may answer with argmax ids only.
+/// Options of an MTP pass: drafts are greedy (a device backend may answer with argmax
+/// ids only); `last`: no later pass reads this one's hidden rows.
+fn draft_opts(last: bool) -> ForwardOptions {
     ForwardOptions {
         logits: LogitsRows::LastPerChunk,
         greedy_ids: true,
+        skip_hidden: last,
         ..ForwardOptions::default()
     }
 }
@@ -177,7 +183,12 @@ impl Mtp {
         if chunks.is_empty() {
             return Ok(Vec::new());
         }
-        let o = step.backend.mtp_forward(step.kv, &chunks, &draft_opts())?;
+        let more = reqs
+            .iter()
+            .any(|r| !r.rows.is_empty() && self.num_speculative_tokens.min(r.max_draft) > 1);
+        let o = step
+            .backend
+            .mtp_forward(step.kv, &chunks, &draft_opts(!more))?;
         let mut live = Vec::new();
         let mut end = 0usize;
         for (c, &i) in which.iter().enumerate() {

@@ -291,13 +291,25 @@ pub fn run_sim(
     limits: SimLimits,
     on_step: &mut dyn FnMut(u64),
 ) -> Result<SimRun> {
+    run_sim_stats(kv, sched, exec, limits, &mut |s: &StepStats| {
+        on_step(s.step + 1)
+    })
+}
+
+/// [`run_sim`] with every executed step's [`StepStats`] handed to `on_step` (requests
+/// scheduled in the step, output tokens committed): what concurrency measurements need.
+pub fn run_sim_stats(
+    kv: &mut KvCacheManager,
+    sched: &mut dyn Scheduler,
+    exec: &mut dyn Executor,
+    limits: SimLimits,
+    on_step: &mut dyn FnMut(&StepStats),
+) -> Result<SimRun> {
     let limits = RunLimits {
         max_steps: limits.max_steps,
         check_allocator: false,
     };
-    run(kv, sched, exec, limits, &mut |s: &StepStats| {
-        on_step(s.step + 1)
-    })
+    run(kv, sched, exec, limits, &mut |s: &StepStats| on_step(s))
 }
 
 #[cfg(test)]

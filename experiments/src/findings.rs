@@ -192,12 +192,34 @@ pub fn judge(e: &Expectation, rec: &RunRecord) -> (String, &'static str) {
             },
         );
     }
+    if let Some(want) = e.peak_running {
+        return judge_peak_running(want, &legs);
+    }
     if let Some(st) = &e.status {
         let got: Vec<&str> = legs.iter().map(|l| status_word(l.status)).collect();
         let ok = got.iter().all(|g| g.eq_ignore_ascii_case(st));
         return (got.join(", "), if ok { "matched" } else { "NOT matched" });
     }
     ("nothing to compare".into(), "not measured")
+}
+
+/// `peak_running`: every matching leg's most requests in one step equals `want`.
+fn judge_peak_running(want: u64, legs: &[&LegRecord]) -> (String, &'static str) {
+    let got: Vec<Option<u64>> = legs
+        .iter()
+        .map(|l| l.concurrency.as_ref().map(|c| c.peak_running))
+        .collect();
+    if got.iter().any(Option::is_none) {
+        return ("no concurrency measured".into(), "not measured");
+    }
+    let got: Vec<u64> = got.into_iter().flatten().collect();
+    let obs = got
+        .iter()
+        .map(|g| format!("{g} per step"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let ok = got.iter().all(|g| *g == want);
+    (obs, if ok { "matched" } else { "NOT matched" })
 }
 
 /// Render one record (read from `record_path`) to markdown.
@@ -226,6 +248,7 @@ pub fn render(rec: &RunRecord, record_path: &str) -> String {
     }
     crate::findings_cost::render(&mut md, rec);
     render_spec_legs(&mut md, rec);
+    render_concurrency(&mut md, rec);
     render_chain(&mut md, rec, manifest.as_ref());
     md
 }
@@ -365,6 +388,8 @@ fn render_comparison(md: &mut String, rec: &RunRecord, m: &Manifest) {
             format!("bound ~{}", thousands(b))
         } else if let Some((lo, hi)) = e.no_wedge_in {
             format!("no wedge across {}-{}", thousands(lo), thousands(hi))
+        } else if let Some(n) = e.peak_running {
+            format!("{n} running per step at most")
         } else {
             e.status.clone().unwrap_or_default()
         };
@@ -406,6 +431,44 @@ fn render_spec_legs(md: &mut String, rec: &RunRecord) {
         }
         let _ = writeln!(md);
     }
+}
+
+/// Requests scheduled per step and output tokens per step (`measure.concurrency`).
+fn render_concurrency(md: &mut String, rec: &RunRecord) {
+    let legs: Vec<(&LegRecord, &crate::record::ConcurrencyRecord)> = rec
+        .legs
+        .iter()
+        .filter_map(|l| l.concurrency.as_ref().map(|c| (l, c)))
+        .collect();
+    if legs.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        md,
+        "## Concurrency (requests scheduled per step)
+"
+    );
+    let _ = writeln!(md, "Per leg: the most requests one step scheduled (vLLM's \"Running\"), how many steps did, the mean over all steps, and output tokens per step (the throughput proxy without a cost model).\n");
+    let _ = writeln!(
+        md,
+        "| leg | requests | peak running | steps at peak | mean running | steps | output tokens | tokens per step |"
+    );
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|");
+    for (l, c) in legs {
+        let _ = writeln!(
+            md,
+            "| `{}` | {} | {} | {} | {:.2} | {} | {} | {:.3} |",
+            l.id,
+            l.prompts.len(),
+            c.peak_running,
+            thousands(c.steps_at_peak),
+            c.mean_running.unwrap_or(0.0),
+            thousands(l.steps),
+            thousands(c.output_tokens),
+            c.tokens_per_step.unwrap_or(0.0)
+        );
+    }
+    let _ = writeln!(md);
 }
 
 /// The leg chain and the discussion.

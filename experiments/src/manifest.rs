@@ -212,6 +212,10 @@ pub struct Expectation {
     /// The reference says: vLLM starts with this config (true) or refuses it (false).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub starts: Option<bool>,
+    /// The reference says: at most this many requests are scheduled in one step, and some
+    /// step schedules this many (needs `measure.concurrency`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_running: Option<u64>,
 }
 
 /// Scheduler settings (vLLM names).
@@ -370,7 +374,11 @@ pub struct Sweep {
     /// `scheduler.max_num_seqs` values (ids gain `seqs=N`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub max_num_seqs: Vec<usize>,
-    /// `drafter.num_speculative_tokens` values (ids gain `n=N`; N = 0 runs without the drafter).
+    /// `drafter.num_speculative_tokens` values (ids gain `n=N`). Each leg's N sets the
+    /// lookahead, the drafts per step, the state groups' speculative blocks (vLLM
+    /// `MambaSpec.num_speculative_blocks = num_speculative_tokens`, also in explicit
+    /// layouts) and, with `kv.plan`, the planned pages; N = 0 runs the leg without
+    /// speculation (drafter `none`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub num_speculative_tokens: Vec<u32>,
 }
@@ -389,6 +397,10 @@ pub struct Measure {
     /// REFUSED_AT_STARTUP): what admission would do if the check were skipped.
     #[serde(default)]
     pub bound_if_refused: bool,
+    /// Record per-step concurrency (requests scheduled per step: peak and mean) and
+    /// output tokens per step (`LegRecord::concurrency`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub concurrency: bool,
 }
 
 impl Default for Measure {
@@ -397,6 +409,7 @@ impl Default for Measure {
             simulate: true,
             bound: false,
             bound_if_refused: false,
+            concurrency: false,
         }
     }
 }
@@ -419,7 +432,7 @@ pub struct Leg {
     /// `max_num_seqs` of this leg when swept (else `scheduler.max_num_seqs`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_num_seqs: Option<usize>,
-    /// N of this leg when swept (else `drafter.num_speculative_tokens`).
+    /// `num_speculative_tokens` of this leg when swept (else `drafter.num_speculative_tokens`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_speculative_tokens: Option<u32>,
 }
@@ -628,6 +641,31 @@ impl Manifest {
         }
     }
 
+    /// The drafter of one leg: `drafter` with the leg's swept N (`sweep.num_speculative_tokens`);
+    /// N = 0 is a leg without speculation (kind `none`).
+    pub fn drafter_for(&self, leg: &Leg) -> DrafterSpec {
+        match leg.num_speculative_tokens {
+            None => self.drafter.clone(),
+            Some(0) => DrafterSpec::default(),
+            Some(n) => DrafterSpec {
+                num_speculative_tokens: n,
+                ..self.drafter.clone()
+            },
+        }
+    }
+
+    /// The manifest as one value of the N axis sees it (drafter N replaced).
+    fn with_num_speculative_tokens(&self, n: Option<u32>) -> std::borrow::Cow<'_, Manifest> {
+        match n {
+            None => std::borrow::Cow::Borrowed(self),
+            Some(n) => {
+                let mut m = self.clone();
+                m.drafter.num_speculative_tokens = n;
+                std::borrow::Cow::Owned(m)
+            }
+        }
+    }
+
     /// True when the legs run the real engine.
     pub fn is_real(&self) -> bool {
         self.real.is_some()
@@ -656,19 +694,6 @@ impl Manifest {
             }
             _ => prompts.to_vec(),
         }
-    }
-
-    /// The drafter of a leg: `drafter` with the leg's N when swept.
-    pub fn drafter_for(&self, leg: &Leg) -> DrafterSpec {
-        let mut d = self.drafter.clone();
-        if let Some(n) = leg.num_speculative_tokens {
-            d.num_speculative_tokens = n;
-            if n == 0 {
-                // N = 0: the leg runs without the drafter (no drafts, no lookahead).
-                d.kind = DrafterKind::None;
-            }
-        }
-        d
     }
 
     /// Build the KV layout for a block size / cap / pool.
@@ -729,9 +754,13 @@ impl Manifest {
             }
             (None, Some(l)) => {
                 let mut l = l.clone();
+                let swept_n = !self.sweep.num_speculative_tokens.is_empty();
                 for g in &mut l.groups {
                     if g.kind == GroupKind::SlidingWindow {
                         g.cap = cap;
+                    }
+                    if swept_n && g.kind == GroupKind::State {
+                        g.num_speculative_blocks = self.drafter.num_speculative_tokens;
                     }
                     if let Some(bs) = block_size {
                         if matches!(g.kind, GroupKind::Full | GroupKind::RingBuffer) {
@@ -855,26 +884,46 @@ impl Manifest {
                 .map(|&n| Some(n))
                 .collect()
         };
-        let ng = groups.len();
-        let combos: Vec<(Option<u32>, Option<usize>, usize)> = n_axis
-            .iter()
-            .flat_map(|&n| {
-                seqs_axis
-                    .iter()
-                    .flat_map(move |&s| (0..ng).map(move |g| (n, s, g)))
-            })
-            .collect();
+        let axes = Axes {
+            bss,
+            caps,
+            pools,
+            seqs: seqs_axis,
+            groups,
+        };
         let mut legs = Vec::new();
         for v in crate::plan::variants(self) {
-            for &bs in &bss {
-                for &cap in &caps {
-                    for &pool in &pools {
-                        let (layout, num_blocks, plan) = self.leg_layout(&v, bs, cap, pool)?;
-                        for (nspec, seqs, ps) in combos.iter().map(|&(n, s, g)| (n, s, &groups[g]))
+            for &nst in &n_axis {
+                let mn = self.with_num_speculative_tokens(nst);
+                legs.extend(mn.legs_of(&v, nst, &axes)?);
+            }
+        }
+        Ok(legs)
+    }
+
+    /// The legs of one assumption set and one N (block size, cap, pool, max_num_seqs,
+    /// workload).
+    fn legs_of(&self, v: &Variant, nst: Option<u32>, axes: &Axes) -> Result<Vec<Leg>> {
+        let Axes {
+            bss,
+            caps,
+            pools,
+            seqs: seqs_axis,
+            groups,
+        } = axes;
+        let mut legs = Vec::new();
+        {
+            for &bs in bss {
+                for &cap in caps {
+                    for &pool in pools {
+                        let (layout, num_blocks, plan) = self.leg_layout(v, bs, cap, pool)?;
+                        for (seqs, ps) in seqs_axis
+                            .iter()
+                            .flat_map(|s| groups.iter().map(move |g| (*s, g)))
                         {
                             let ps = &self.requests_for(ps, seqs);
                             let mut id = v.id.clone();
-                            if let Some(n) = nspec {
+                            if let Some(n) = nst {
                                 id.push(format!("n={n}"));
                             }
                             if let Some(n) = seqs {
@@ -906,7 +955,7 @@ impl Manifest {
                                 prompts: ps.clone(),
                                 plan,
                                 max_num_seqs: seqs,
-                                num_speculative_tokens: nspec,
+                                num_speculative_tokens: nst,
                             });
                         }
                     }
@@ -915,6 +964,15 @@ impl Manifest {
         }
         Ok(legs)
     }
+}
+
+/// The sweep axes below the assumption set and N, in expansion order.
+struct Axes {
+    bss: Vec<Option<u32>>,
+    caps: Vec<CapPolicy>,
+    pools: Vec<Option<u32>>,
+    seqs: Vec<Option<usize>>,
+    groups: Vec<Vec<u64>>,
 }
 
 /// Snake-case name of a cap policy (as in manifests).

@@ -210,6 +210,14 @@ fn check_sim(m: &Manifest, path: &Path) -> Result<()> {
             "drafter.kind none drafts nothing; leave N out (0)",
         ));
     }
+    check_n_axis(m, path)?;
+    if m.measure.concurrency && !m.measure.simulate {
+        return Err(bad(
+            path,
+            "measure.concurrency",
+            "needs measure.simulate: true (concurrency is counted over simulated steps)",
+        ));
+    }
     if !m.measure.simulate && !m.measure.bound {
         return Err(bad(
             path,
@@ -225,9 +233,15 @@ fn check_sim(m: &Manifest, path: &Path) -> Result<()> {
                 "drafter.kind none drafts nothing, so acceptance rates are unused",
             ));
         }
-        let n = crate::manifest_cost::max_num_speculative(m);
-        if m.acceptance.len() as u64 > u64::from(n) {
-            return Err(bad(path, "acceptance", format!("{} rates for drafter.num_speculative_tokens {n} (the largest N of the legs): positions beyond N are never drafted", m.acceptance.len())));
+        let max_n = m
+            .sweep
+            .num_speculative_tokens
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(d.num_speculative_tokens);
+        if m.acceptance.len() as u64 > u64::from(max_n) {
+            return Err(bad(path, "acceptance", format!("{} rates for drafter.num_speculative_tokens {max_n} (the largest N of the legs): positions beyond N are never drafted", m.acceptance.len())));
         }
         if !m.measure.simulate {
             return Err(bad(
@@ -245,6 +259,42 @@ fn check_sim(m: &Manifest, path: &Path) -> Result<()> {
             "workload.output_len",
             "measure.simulate is off, so no request generates output",
         ));
+    }
+    Ok(())
+}
+
+/// `sweep.num_speculative_tokens`: a drafter to vary, no duplicates, N within a DFlash
+/// drafter's block (N <= block_size - 1), N > 0 with `kv.plan` (it sizes the KDA pages).
+fn check_n_axis(m: &Manifest, path: &Path) -> Result<()> {
+    let axis = &m.sweep.num_speculative_tokens;
+    if axis.is_empty() {
+        return Ok(());
+    }
+    let f = "sweep.num_speculative_tokens";
+    if m.drafter.kind == DrafterKind::None {
+        return Err(bad(
+            path,
+            f,
+            "drafter.kind is none: give the drafter whose N the axis varies",
+        ));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for &n in axis {
+        if !seen.insert(n) {
+            return Err(bad(
+                path,
+                f,
+                format!("{n} is listed twice (two legs with one id)"),
+            ));
+        }
+        if n == 0 && m.kv.plan.is_some() {
+            return Err(bad(path, f, "0 with kv.plan: the plan sizes the KDA conv state and spec blocks from N; give N > 0"));
+        }
+        if let Some(b) = m.drafter.block_size.filter(|_| m.drafter.kind.is_dflash()) {
+            if n + 1 > b {
+                return Err(bad(path, f, format!("{n} exceeds the DFlash drafter's block: drafter.block_size {b} drafts at most {} tokens (N <= block_size - 1)", b - 1)));
+            }
+        }
     }
     Ok(())
 }
@@ -276,11 +326,12 @@ fn check_expectations(m: &Manifest, path: &Path, leg_ids: &[String]) -> Result<(
             && e.kv_cache_tokens_about.is_none()
             && e.starts.is_none()
             && e.speedup.is_none()
+            && e.peak_running.is_none()
         {
             return Err(bad(
                 path,
                 &format!("expectations[{i}]"),
-                "states nothing to compare: give bound_about, no_wedge_in, status, peak_at_most, max_concurrency_about, kv_cache_tokens_about, starts or speedup",
+                "states nothing to compare: give bound_about, no_wedge_in, status, peak_at_most, max_concurrency_about, kv_cache_tokens_about, starts, peak_running or speedup",
             ));
         }
         if e.tolerance.is_some() && e.bound_about.is_none() && e.kv_cache_tokens_about.is_none() {
@@ -288,6 +339,13 @@ fn check_expectations(m: &Manifest, path: &Path, leg_ids: &[String]) -> Result<(
                 path,
                 &f("tolerance"),
                 "applies to bound_about or kv_cache_tokens_about, neither of which is given",
+            ));
+        }
+        if e.peak_running.is_some() && !(m.measure.concurrency && m.measure.simulate) {
+            return Err(bad(
+                path,
+                &f("peak_running"),
+                "needs measure.concurrency: true and measure.simulate: true (no concurrency is measured)",
             ));
         }
         if e.bound_about.is_some() && !m.measure.bound {

@@ -179,9 +179,6 @@ pub fn check(m: &Manifest, path: &Path) -> Result<()> {
         }
         acceptance_rates(m, path)?;
     }
-    if !m.sweep.num_speculative_tokens.is_empty() && m.kv.preset.is_some() {
-        return Err(invalid(path, "sweep.num_speculative_tokens", "works with kv.layout only: the preset sizes its state and drafter groups from drafter.num_speculative_tokens"));
-    }
     if !m.sweep.num_speculative_tokens.is_empty() && m.drafter.kind == DrafterKind::None {
         return Err(invalid(path, "sweep.num_speculative_tokens", "drafter.kind none drafts nothing; set drafter.kind (N = 0 legs run without the drafter)"));
     }

@@ -296,3 +296,180 @@ mod tests {
         assert!(!leg_matches("tp=4 bs=10240 cap=none", "bs=1024"));
     }
 }
+
+#[cfg(test)]
+mod n_axis_tests {
+    use std::path::Path;
+
+    use speclab_engine::kv::GroupKind;
+
+    use crate::manifest::{parse_ron, DrafterKind, Manifest};
+    use crate::runner::{run_leg, Quiet};
+
+    const GDN: &str = include_str!("../hazard-gdn-mtp-27b.ron");
+
+    fn load(text: &str) -> crate::Result<Manifest> {
+        let p = Path::new("x.ron");
+        let m: Manifest = parse_ron(p, text)?;
+        m.validate(p)?;
+        Ok(m)
+    }
+
+    #[test]
+    fn swept_n_sets_state_blocks_lookahead_and_window() {
+        let m = load(GDN).unwrap();
+        let legs = m.legs().unwrap();
+        assert_eq!(legs.len(), 10);
+        let leg = |id: &str| legs.iter().find(|l| l.id.contains(id)).unwrap();
+        let off = leg("n=0 cap=upstream blocks=22");
+        let on = leg("n=1 cap=upstream blocks=22");
+        let spec = |l: &crate::manifest::Leg| {
+            l.layout
+                .groups
+                .iter()
+                .filter(|g| g.kind == GroupKind::State)
+                .map(|g| g.num_speculative_blocks)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(spec(off), vec![0, 0, 0]);
+        assert_eq!(spec(on), vec![1, 1, 1]);
+        assert_eq!(m.drafter_for(off).kind, DrafterKind::None);
+        assert_eq!(m.drafter_for(on).lookahead(), 1);
+        // 21 usable blocks: 7 a request with MTP (3 run), 4 without (5 run).
+        let peak = |l| {
+            run_leg(&m, l, &mut Quiet)
+                .unwrap()
+                .concurrency
+                .unwrap()
+                .peak_running
+        };
+        assert_eq!(peak(on), 3);
+        assert_eq!(peak(off), 5);
+        assert_eq!(peak(leg("n=1 cap=upstream blocks=57")), 8);
+    }
+
+    #[test]
+    fn n_axis_and_concurrency_fields_are_checked() {
+        let cases = [
+            (
+                GDN.replace("drafter: (kind: mtp, num_speculative_tokens: 1),", "")
+                    .replace("acceptance: [0.8],", ""),
+                "sweep.num_speculative_tokens",
+            ),
+            (
+                GDN.replace(
+                    "num_speculative_tokens: [0, 1]",
+                    "num_speculative_tokens: [1, 1]",
+                ),
+                "listed twice",
+            ),
+            (
+                GDN.replace(", concurrency: true", ""),
+                "expectations[0].peak_running",
+            ),
+            (
+                GDN.replace(
+                    "simulate: true, bound: false",
+                    "simulate: false, bound: true",
+                ),
+                "measure.concurrency",
+            ),
+        ];
+        for (text, want) in cases {
+            let e = load(&text).unwrap_err().to_string();
+            assert!(e.starts_with("x.ron") && e.contains(want), "{want}: {e}");
+        }
+    }
+
+    #[test]
+    fn dflash_n_above_its_block_is_refused() {
+        let text = "(name: \"t\", kv: (preset: Some(\"glm53-flash-dflash2\"), block_size: Some(2304), num_blocks: Some(1012)), \
+            drafter: (kind: dflash2, num_speculative_tokens: 7, block_size: Some(8)), workload: (prompts: [1000]), \
+            sweep: (num_speculative_tokens: [7, 8]))";
+        let e = load(text).unwrap_err().to_string();
+        assert!(
+            e.contains("sweep.num_speculative_tokens") && e.contains("N <= block_size - 1"),
+            "{e}"
+        );
+        let ok = load(&text.replace("[7, 8]", "[1, 7]")).unwrap();
+        let legs = ok.legs().unwrap();
+        assert_eq!(legs[0].id, "n=1 bs=2304 cap=upstream prompt=1000");
+        // The preset's KDA groups hold 1 + N blocks, DFlash2's lookahead is N + 1.
+        let kda = |i: usize| {
+            legs[i]
+                .layout
+                .groups
+                .iter()
+                .find(|g| g.kind == GroupKind::State)
+                .unwrap()
+                .num_speculative_blocks
+        };
+        assert_eq!((kda(0), kda(1)), (1, 7));
+        assert_eq!(ok.drafter_for(&legs[0]).lookahead(), 2);
+    }
+}
+
+#[cfg(test)]
+mod hazard_manifests {
+    use std::path::Path;
+
+    use crate::manifest::{parse_ron, Manifest};
+    use crate::record::LegStatus;
+    use crate::runner::{run_leg, Quiet};
+
+    fn load(name: &str, text: &str) -> Manifest {
+        let p = Path::new(name);
+        let m: Manifest = parse_ron(p, text).unwrap();
+        m.validate(p).unwrap();
+        m
+    }
+
+    /// Stock planning boots the Spark config at every N and the bound shrinks as N grows.
+    #[test]
+    fn spark_plans_every_n_and_n_tightens_the_bound() {
+        let m = load(
+            "hazard-spark-dflash2.ron",
+            include_str!("../hazard-spark-dflash2.ron"),
+        );
+        let legs = m.legs().unwrap();
+        assert_eq!(legs.len(), 2 * 7 * 2);
+        let leg = |id: &str| legs.iter().find(|l| l.id == id).unwrap();
+        let n1 = leg("drafter_bs=vllm n=1 bs=2304 cap=none prompt=310000");
+        let n7 = leg("drafter_bs=vllm n=7 bs=2304 cap=none prompt=310000");
+        assert!(n1.plan.as_ref().unwrap().plan.starts && n7.plan.as_ref().unwrap().plan.starts);
+        let mut sim = m.clone();
+        sim.measure.simulate = false;
+        let b = |l| {
+            run_leg(&sim, l, &mut Quiet)
+                .unwrap()
+                .bound
+                .unwrap()
+                .largest_admissible
+                .unwrap()
+        };
+        let (b1, b7) = (b(n1), b(n7));
+        assert!(b1 > b7 && b7 > 320_000, "{b1} {b7}");
+    }
+
+    #[test]
+    fn impossible_head_blocks_fcfs_and_is_rejected_by_the_fix() {
+        let fcfs = load(
+            "hazard-hol-deadlock.ron",
+            include_str!("../hazard-hol-deadlock.ron"),
+        );
+        let fix = load(
+            "hazard-hol-deadlock-reject.ron",
+            include_str!("../hazard-hol-deadlock-reject.ron"),
+        );
+        let first = |m: &Manifest| {
+            let legs = m.legs().unwrap();
+            run_leg(m, &legs[0], &mut Quiet).unwrap()
+        };
+        let wedged = first(&fcfs);
+        assert_eq!(wedged.status, LegStatus::Wedged);
+        assert_eq!(wedged.finished, 0);
+        let fixed = first(&fix);
+        assert_eq!(fixed.status, LegStatus::Rejected);
+        assert_eq!(fixed.finished, 3);
+    }
+}

@@ -141,6 +141,10 @@ pub struct RealSpec {
     /// Backstop on executed engine steps per leg.
     #[serde(default = "default_max_steps")]
     pub max_steps: u64,
+    /// Record requests scheduled per step and output tokens per step
+    /// (`LegRecord::concurrency`, the finding's "Concurrency" table).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub record_concurrency: bool,
 }
 
 fn default_max_tokens() -> u64 {

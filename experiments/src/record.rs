@@ -107,6 +107,10 @@ pub struct LegRecord {
     /// Simulated time under the manifest's cost model (absent without one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sim_time: Option<SimTimeRecord>,
+    /// Requests scheduled per step and output tokens per step (manifests with
+    /// `measure.concurrency`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<ConcurrencyRecord>,
 }
 
 /// Simulated time of a leg under a step-cost model ([`speclab_engine::cost`]).
@@ -492,6 +496,62 @@ fn short(v: &serde_json::Value) -> String {
     }
 }
 
+/// Concurrency of a simulated leg, from the step loop's per-step counts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConcurrencyRecord {
+    /// Most requests scheduled in one step (prefill chunks and decodes: vLLM's
+    /// "Running" at that step).
+    pub peak_running: u64,
+    /// Steps that scheduled `peak_running` requests.
+    pub steps_at_peak: u64,
+    /// Requests scheduled per step, averaged over the leg's steps.
+    pub mean_running: Option<f64>,
+    /// Output tokens committed over the leg.
+    pub output_tokens: u64,
+    /// Output tokens per step (the throughput proxy without a cost model).
+    pub tokens_per_step: Option<f64>,
+}
+
+/// Requests scheduled per step and output tokens, counted step by step (simulated or real).
+#[derive(Debug, Default)]
+pub struct ConcurrencyCounter {
+    steps: u64,
+    peak: u64,
+    sum: u64,
+    steps_at_peak: u64,
+    output_tokens: u64,
+}
+
+impl ConcurrencyCounter {
+    /// Count one executed step.
+    pub fn observe(&mut self, s: &speclab_engine::run::StepStats) {
+        let n = s.num_reqs as u64;
+        self.steps += 1;
+        self.sum += n;
+        self.output_tokens += s.output_tokens;
+        match n.cmp(&self.peak) {
+            std::cmp::Ordering::Greater => {
+                self.peak = n;
+                self.steps_at_peak = 1;
+            }
+            std::cmp::Ordering::Equal => self.steps_at_peak += 1,
+            std::cmp::Ordering::Less => {}
+        }
+    }
+
+    /// The record of the steps seen so far.
+    pub fn record(&self) -> ConcurrencyRecord {
+        let per_step = |x: u64| (self.steps > 0).then(|| x as f64 / self.steps as f64);
+        ConcurrencyRecord {
+            peak_running: self.peak,
+            steps_at_peak: self.steps_at_peak,
+            mean_running: per_step(self.sum),
+            output_tokens: self.output_tokens,
+            tokens_per_step: per_step(self.output_tokens),
+        }
+    }
+}
+
 /// The timings of one run over a record (the `.timings.json` file).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TimingsRecord {
@@ -596,5 +656,29 @@ mod tests {
             .collect();
         assert!(leftovers.is_empty());
         std::fs::remove_dir_all(&dir).ok();
+    }
+}
+
+#[cfg(test)]
+mod concurrency_tests {
+    use speclab_engine::run::StepStats;
+
+    use super::ConcurrencyCounter;
+
+    #[test]
+    fn counter_tracks_peak_steps_at_peak_and_means() {
+        let mut c = ConcurrencyCounter::default();
+        assert_eq!(c.record().mean_running, None);
+        for (n, out) in [(2, 2), (3, 3), (3, 4), (1, 1)] {
+            c.observe(&StepStats {
+                num_reqs: n,
+                output_tokens: out,
+                ..StepStats::default()
+            });
+        }
+        let r = c.record();
+        assert_eq!((r.peak_running, r.steps_at_peak), (3, 2));
+        assert_eq!(r.mean_running, Some(9.0 / 4.0));
+        assert_eq!((r.output_tokens, r.tokens_per_step), (10, Some(2.5)));
     }
 }

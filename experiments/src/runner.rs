@@ -30,7 +30,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use speclab_engine::kv::{planning, KvCacheManager};
-use speclab_engine::sim::{run_sim, AcceptanceModel, SimExecutor, SimLimits, SimRun};
+use speclab_engine::sim::{run_sim_stats, AcceptanceModel, SimExecutor, SimLimits, SimRun};
 use speclab_schedulers::{AdmissionPolicy, FcfsScheduler, RequestSpec, SchedulerConfig};
 
 use crate::bounds::{self, ProbeCtx};
@@ -336,6 +336,7 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
         wall_ms: 0.0,
         real: None,
         sim_time: None,
+        concurrency: None,
     };
     let drafter = m.drafter_for(leg);
     let lookahead = drafter.lookahead();
@@ -396,8 +397,13 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
                     msg: e.to_string(),
                 })?;
         }
+        // A swept N uses the first N acceptance rates (positions beyond N are never drafted).
+        let n = drafter.drafts_per_step() as usize;
         let acc = AcceptanceModel {
-            per_position: acceptance_rates(m, Path::new(&format!("manifest {}", m.name)))?,
+            per_position: acceptance_rates(m, Path::new(&format!("manifest {}", m.name)))?
+                .into_iter()
+                .take(n)
+                .collect(),
         };
         let mut exec = SimExecutor::new(m.seed, acc);
         if let Some(c) = &m.cost {
@@ -405,20 +411,27 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
                 .with_cost(c.clone(), drafter.drafts_per_step())
                 .map_err(|e| ExperimentError::engine(format!("{ctxs}: cost"), e))?;
         }
-        let run = run_sim(
+        let mut conc = record::ConcurrencyCounter::default();
+        let run = run_sim_stats(
             &mut kv,
             &mut sched,
             &mut exec,
             SimLimits {
                 max_steps: m.max_steps,
             },
-            &mut |s| progress.step(s),
+            &mut |s| {
+                conc.observe(s);
+                progress.step(s.step + 1)
+            },
         )
         .map_err(|e| ExperimentError::engine(ctxs.clone(), e))?;
         fill_from_sim(&mut lr, leg, &run, &group_names);
         lr.sim_time = exec
             .sim_time()
             .map(|t| SimTimeRecord::of(t, drafter.num_speculative_tokens, run.output_tokens));
+        if m.measure.concurrency {
+            lr.concurrency = Some(conc.record());
+        }
     }
     lr.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
     Ok(lr)

@@ -13,6 +13,13 @@
 //! records: the trace and its FNV-1a digest, both timings, the
 //! ratio, the equality check, the machine's CPU count, the git commit and the command.
 //! Invariant: the ratio printed is computed from the two timings of this run.
+//!
+//! `speclab bench moe` (issue 12): one GLM-5.3-Flash MoE layer on the GPU with the
+//! engine's INT4 kernels ([`speclab_cuda::moebench`]): µs, distinct experts, bytes, GB/s
+//! and the share of the copy bandwidth measured in the same run, per M and routing, each
+//! row checked against an f64 reference; the record (`runs/bench-moe.json` unless
+//! `--out`) is written atomically and locked like kv-replay's. The PyTorch anchors run in
+//! the same device call from `recipes/moe_bench.sh`.
 
 use std::path::PathBuf;
 use std::process::{Command, ExitCode};
@@ -28,6 +35,39 @@ pub enum BenchCommand {
     KvReplay(KvReplayArgs),
     /// Decode tok/s of the real engine per drafter and concurrency, graphs on/off (CUDA).
     E2e(super::bench_e2e::E2eArgs),
+    /// One GLM-5.3-Flash W4A16 MoE layer on the GPU: µs, GB/s, % of copy bandwidth per M and routing.
+    Moe(MoeArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct MoeArgs {
+    /// Token counts M, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1,2,4,8,16,32,64,128,256"
+    )]
+    pub m: Vec<usize>,
+    /// Routings, comma-separated (uniform, zipf, sequence).
+    #[arg(long, value_delimiter = ',', default_value = "uniform,zipf,sequence")]
+    pub routing: Vec<String>,
+    /// Timed calls per row (median reported), for the experts and for the whole layer.
+    #[arg(long, default_value_t = 50)]
+    pub iters: usize,
+    /// Layer copies (and routing draws) rotated over, so no call hits L2 from the previous one.
+    #[arg(long, default_value_t = 4)]
+    pub copies: usize,
+    /// Most pairs the f64 reference checks per row.
+    #[arg(long, default_value_t = 512)]
+    pub check_pairs: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Where to write the record.
+    #[arg(long, default_value = "runs/bench-moe.json")]
+    pub out: PathBuf,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -174,7 +214,98 @@ pub fn run(c: BenchCommand) -> anyhow::Result<ExitCode> {
     match c {
         BenchCommand::KvReplay(a) => kv_replay(a),
         BenchCommand::E2e(a) => super::bench_e2e::e2e(a),
+        BenchCommand::Moe(a) => moe(a),
     }
+}
+
+fn moe(a: MoeArgs) -> anyhow::Result<ExitCode> {
+    use speclab_cuda::moebench::{self, MoeBenchConfig, RoutingMode};
+    let modes = a
+        .routing
+        .iter()
+        .map(|r| RoutingMode::parse(r))
+        .collect::<Result<Vec<_>, _>>()?;
+    let cfg = MoeBenchConfig {
+        ms: a.m.clone(),
+        modes,
+        iters: a.iters,
+        copies: a.copies,
+        seed: a.seed,
+        check_pairs: a.check_pairs,
+        ..Default::default()
+    };
+    if cfg.iters == 0 || cfg.copies == 0 || cfg.ms.is_empty() || cfg.ms.contains(&0) {
+        bail!("bench moe: --iters, --copies and every --m must be at least 1");
+    }
+    if let Some(why) = speclab_cuda::device::skip_reason() {
+        bail!("{why}: bench moe needs a GPU (recipes/moe_bench.sh runs it on the device machine)");
+    }
+    // Lock the record first: an unwritable --out fails before any work.
+    let mut lock = speclab_experiments::record::RecordLock::open(&a.out)?;
+    let _guard = lock.try_lock()?;
+    let report = moebench::run(&cfg, &mut |l| tracing::info!("{l}"))?;
+    let mut record = serde_json::to_value(&report)?;
+    record["bench"] = "moe".into();
+    record["command"] = std::env::args().collect::<Vec<_>>().join(" ").into();
+    record["git_commit"] = speclab_experiments::record::git_commit().into();
+    record["measured_unix_s"] = speclab_experiments::record::now_unix().into();
+    record["release_build"] = (!cfg!(debug_assertions)).into();
+    speclab_experiments::record::write_atomic(&a.out, &serde_json::to_vec_pretty(&record)?)?;
+    if a.json {
+        outln!("{}", serde_json::to_string(&record)?);
+    } else {
+        print_moe(&report, &a.out);
+    }
+    Ok(if report.all_pass {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// The human form of a `bench moe` record.
+fn print_moe(r: &speclab_cuda::moebench::MoeBenchReport, out: &std::path::Path) {
+    outln!(
+        "{} ({}): copy {:.0} GB/s (end {:.0}), expert {:.2} MB, {} layer copies",
+        r.device,
+        r.arch,
+        r.copy_gb_s,
+        r.copy_gb_s_end,
+        r.expert_bytes_each as f64 / 1e6,
+        r.config.copies
+    );
+    outln!(
+        "{:>8} {:>4} {:>7} {:>10} {:>10} {:>8} {:>6} {:>10} {:>9} {}",
+        "routing",
+        "M",
+        "experts",
+        "experts_us",
+        "floor_us",
+        "GB/s",
+        "%copy",
+        "layer_us",
+        "rel_err",
+        ""
+    );
+    for w in &r.rows {
+        outln!(
+            "{:>8} {:>4} {:>7.1} {:>10.1} {:>10.1} {:>8.0} {:>5.0}% {:>10.1} {:>9.1e} {}",
+            w.routing,
+            w.m,
+            w.distinct_experts,
+            w.experts_us,
+            w.floor_us,
+            w.gb_s,
+            100.0 * w.frac_copy,
+            w.layer_us,
+            w.max_rel_err,
+            if w.pass { "ok" } else { "FAIL" }
+        );
+    }
+    if cfg!(debug_assertions) {
+        outln!("(debug build: host launch overhead inflates small-M rows; use --release)");
+    }
+    outln!("record: {}", out.display());
 }
 
 fn kv_replay(mut a: KvReplayArgs) -> anyhow::Result<ExitCode> {

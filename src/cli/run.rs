@@ -396,7 +396,13 @@ pub fn bounds(a: BoundsArgs) -> anyhow::Result<ExitCode> {
     let mut rows = Vec::new();
     for leg in m.legs()? {
         let set = leg.plan.as_ref().map(|p| p.set.clone()).unwrap_or_default();
-        let key = (set, leg.block_size, cap_name(leg.cap), leg.num_blocks);
+        let key = (
+            set,
+            leg.num_speculative_tokens,
+            leg.block_size,
+            cap_name(leg.cap),
+            leg.num_blocks,
+        );
         if !seen.insert(key) {
             continue;
         }
@@ -404,7 +410,7 @@ pub fn bounds(a: BoundsArgs) -> anyhow::Result<ExitCode> {
             layout: &leg.layout,
             num_blocks: leg.num_blocks,
             max_num_batched_tokens: u64::from(m.scheduler.max_num_batched_tokens),
-            lookahead: m.drafter.lookahead(),
+            lookahead: m.drafter_for(&leg).lookahead(),
         };
         let b = bounds::find_bound(&ctx)?;
         rows.push(serde_json::json!({

@@ -1,0 +1,964 @@
+//! `speclab bench moe` (issue 12): one GLM-5.3-Flash MoE layer on the device, timed and
+//! checked, with the engine's own INT4 layout and kernels.
+//!
+//! Source: issue 12 (shapes, routing modes, rows, goals); the GLM-5.3-Flash model card
+//! (hidden 4096, moe_intermediate_size 2048, 288 routed experts top-8 + one shared expert,
+//! SwiGLU, sigmoid router with e_score_correction_bias, W4A16 group 128);
+//! `../shared/anchors/moe_bf16.py` (the PyTorch anchors, byte accounting and the copy
+//! bandwidth convention `2 * bytes / t`); vLLM `csrc/moe/marlin_moe_wna16` (what the
+//! kernels compete with).
+//!
+//! What is timed, per (M, routing):
+//! - `experts_us`: the engine's routed-expert kernels, `moe_gate_up_w4` + `moe_down_w4`
+//!   ([`ops::moe_experts`], the call `step.rs` makes), on routing injected after the
+//!   router (`moe_align` of the draw done once beforehand). This is "the MoE kernel" whose
+//!   GB/s the goals are about.
+//! - `layer_us`: the whole MoE layer as `step.rs` runs it: router GEMV (`linear_bf16`),
+//!   `moe_topk` (its choice discarded), `moe_align` of the injected routing, the experts,
+//!   the bf16 shared expert (`swiglu_dense_bf16` + `linear_bf16`), `moe_combine`.
+//!
+//! Both are CUDA-event times of single calls (median of `iters`). Call `i` uses layer copy
+//! `i % copies` and routing draw `i % draws` (`draws` = `copies`): every copy is a
+//! different 3.7 GB region, so no call finds the previous call's experts in the 50 MB L2.
+//!
+//! Invariants: weights are generated on the device from a seed (kernels/bench.cu), in the
+//! exact layout of [`crate::repack`]; every routing draw has `k` distinct experts `< E`
+//! per token (checked before upload, as `moe_align` requires); every (M, routing) row is
+//! checked against the f64 reference of kernels/bench.cu on up to `check_pairs` pairs, and
+//! a row whose error exceeds [`REF_TOL`] is marked failed (the report's `all_pass`).
+
+use std::collections::BTreeSet;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+
+use crate::buf::DevBuf;
+use crate::device::Gpu;
+use crate::error::{CudaError, Result};
+use crate::launch;
+use crate::ops::{self, int, long, ptr, Arg, Mat};
+
+/// Bound on `max|y - y_ref| / max|y_ref|` of the routed outputs against the f64 reference.
+pub const REF_TOL: f64 = 1e-4;
+/// Zipf exponent of the skewed routing (expert popularity ~ 1 / rank^s).
+pub const ZIPF_S: f64 = 1.2;
+/// Probability that a token keeps each expert of the previous token (sequence routing).
+pub const SEQ_KEEP: f64 = 0.75;
+/// routed_scaling_factor applied to the injected weights and by moe_topk.
+pub const RSF: f32 = 2.5;
+
+/// One MoE layer's shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct MoeShape {
+    pub hidden: usize,
+    /// moe_intermediate_size.
+    pub inter: usize,
+    pub experts: usize,
+    pub topk: usize,
+    /// Intermediate size of the one shared expert.
+    pub shared_inter: usize,
+}
+
+/// GLM-5.3-Flash (the model card).
+pub const GLM53_FLASH: MoeShape = MoeShape {
+    hidden: 4096,
+    inter: 2048,
+    experts: 288,
+    topk: 8,
+    shared_inter: 2048,
+};
+
+impl MoeShape {
+    /// Bytes of one routed expert in the INT4 layout: gate, up, down words + bf16 scales.
+    pub fn expert_bytes(&self) -> usize {
+        let w = 3 * self.hidden * self.inter;
+        w / 2 + w / 128 * 2
+    }
+    /// Words of `q13` ([E, Im, 2, H/8]) and of `qd` ([E, H, Im/8]).
+    pub fn words(&self) -> (usize, usize) {
+        let e = self.experts;
+        (
+            e * self.inter * 2 * self.hidden / 8,
+            e * self.hidden * self.inter / 8,
+        )
+    }
+    /// Bytes of one layer copy on the device (routed + shared + router).
+    pub fn layer_bytes(&self) -> usize {
+        self.experts * self.expert_bytes() + self.dense_bytes()
+    }
+    /// Bytes of the bf16 shared expert and router of one layer.
+    pub fn dense_bytes(&self) -> usize {
+        (3 * self.shared_inter + self.experts) * self.hidden * 2 + self.experts * 4
+    }
+    /// Activation bytes the expert kernels move at `m` tokens: x read, h written and
+    /// read, y written (f32), the router weights and tile lists (negligible) excluded.
+    pub fn act_bytes(&self, m: usize) -> usize {
+        let p = m * self.topk;
+        4 * (m * self.hidden + 2 * p * self.inter + p * self.hidden)
+    }
+    fn check(&self) -> Result<()> {
+        if !self.hidden.is_multiple_of(128)
+            || !self.inter.is_multiple_of(128)
+            || !self.shared_inter.is_multiple_of(8)
+            || self.topk == 0
+            || self.topk > launch::TOPK_MAX
+            || self.topk > self.experts
+            || self.experts > launch::EXPERTS_MAX
+        {
+            return Err(CudaError::Unsupported(format!("MoE bench shape {self:?}")));
+        }
+        Ok(())
+    }
+}
+
+/// How the routing of a batch is drawn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RoutingMode {
+    /// k distinct experts uniformly per token.
+    Uniform,
+    /// k distinct experts per token from a Zipf(ZIPF_S) popularity over a seeded
+    /// permutation of the experts.
+    Zipf,
+    /// Consecutive tokens of one sequence: each keeps every expert of the previous token
+    /// with probability SEQ_KEEP, the rest drawn uniformly (as verify batches do).
+    Sequence,
+}
+
+impl RoutingMode {
+    pub const ALL: [RoutingMode; 3] = [Self::Uniform, Self::Zipf, Self::Sequence];
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Uniform => "uniform",
+            Self::Zipf => "zipf",
+            Self::Sequence => "sequence",
+        }
+    }
+    pub fn parse(s: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| {
+                CudaError::Input(format!("routing `{s}` (expected uniform, zipf, sequence)"))
+            })
+    }
+}
+
+/// One routing draw of `m` tokens: `ids [m * k]` (distinct per token, `< E`) and
+/// router weights `wts [m * k]` (normalized, times [`RSF`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Draw {
+    pub ids: Vec<i32>,
+    pub wts: Vec<f32>,
+}
+
+impl Draw {
+    /// Distinct experts touched.
+    pub fn distinct(&self) -> usize {
+        self.ids.iter().collect::<BTreeSet<_>>().len()
+    }
+    /// Per-expert pair counts over `e` experts.
+    pub fn counts(&self, e: usize) -> Vec<usize> {
+        let mut c = vec![0; e];
+        for &i in &self.ids {
+            c[i as usize] += 1;
+        }
+        c
+    }
+    /// The invariant `moe_align` relies on: every id `< e`, `k` distinct per token.
+    pub fn validate(&self, e: usize, k: usize) -> Result<()> {
+        if self.ids.len() != self.wts.len() || k == 0 || !self.ids.len().is_multiple_of(k) {
+            return Err(CudaError::Input("routing draw lengths".into()));
+        }
+        for tok in self.ids.chunks(k) {
+            let set: BTreeSet<_> = tok.iter().collect();
+            if set.len() != k || tok.iter().any(|&i| i < 0 || i as usize >= e) {
+                return Err(CudaError::Input(format!("routing draw token {tok:?}")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Draw `k` distinct indices by `pick` (rejection of repeats), appended to `out`.
+fn distinct_fill(out: &mut Vec<usize>, k: usize, mut pick: impl FnMut() -> usize) {
+    while out.len() < k {
+        let c = pick();
+        if !out.contains(&c) {
+            out.push(c);
+        }
+    }
+}
+
+/// The routing of `m` tokens over `e` experts, top-`k`, for `mode` (deterministic in `seed`).
+pub fn draw_routing(mode: RoutingMode, m: usize, e: usize, k: usize, seed: u64) -> Draw {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    // Zipf: cumulative popularity over a permutation of the experts.
+    let mut perm: Vec<usize> = (0..e).collect();
+    for i in (1..e).rev() {
+        perm.swap(i, rng.random_range(0..=i));
+    }
+    let mut cdf = Vec::with_capacity(e);
+    let mut acc = 0.0;
+    for r in 0..e {
+        acc += 1.0 / ((r + 1) as f64).powf(ZIPF_S);
+        cdf.push(acc);
+    }
+    let (mut ids, mut wts) = (Vec::with_capacity(m * k), Vec::with_capacity(m * k));
+    let mut prev: Vec<usize> = Vec::new();
+    for _ in 0..m {
+        let mut sel = Vec::with_capacity(k);
+        match mode {
+            RoutingMode::Uniform => distinct_fill(&mut sel, k, || rng.random_range(0..e)),
+            RoutingMode::Zipf => distinct_fill(&mut sel, k, || {
+                let u = rng.random::<f64>() * acc;
+                perm[cdf.partition_point(|&c| c < u).min(e - 1)]
+            }),
+            RoutingMode::Sequence => {
+                for &p in &prev {
+                    if rng.random::<f64>() < SEQ_KEEP {
+                        sel.push(p);
+                    }
+                }
+                distinct_fill(&mut sel, k, || rng.random_range(0..e));
+            }
+        }
+        let scores: Vec<f32> = (0..k).map(|_| rng.random_range(0.05f32..1.0)).collect();
+        let sum: f32 = scores.iter().sum();
+        ids.extend(sel.iter().map(|&s| s as i32));
+        wts.extend(scores.iter().map(|s| s / sum * RSF));
+        prev = sel;
+    }
+    Draw { ids, wts }
+}
+
+/// Seed of draw `d` of (m, mode) under the run seed (distinct per row and draw).
+pub fn draw_seed(seed: u64, m: usize, mode: RoutingMode, d: usize) -> u64 {
+    crate::kernels::fnv1a64(&[
+        &seed.to_le_bytes(),
+        &(m as u64).to_le_bytes(),
+        mode.name().as_bytes(),
+        &(d as u64).to_le_bytes(),
+    ])
+}
+
+/// Pairs the reference checks: all of `p` when `p <= max`, else `max` spread evenly.
+pub fn check_pairs(p: usize, max: usize) -> Vec<i32> {
+    if p <= max {
+        (0..p as i32).collect()
+    } else {
+        (0..max).map(|i| (i * p / max) as i32).collect()
+    }
+}
+
+/// Median of a non-empty sample (upper median), and the 10th / 90th percentiles.
+pub fn percentiles(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+    (v[v.len() / 2], at(0.1), at(0.9))
+}
+
+/// `max|a - b|` and `max|a - b| / max|b|`.
+pub fn errors(a: &[f32], b: &[f32]) -> (f64, f64) {
+    let num = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| f64::from((x - y).abs()))
+        .fold(0.0, f64::max);
+    let den = b.iter().map(|y| f64::from(y.abs())).fold(0.0, f64::max);
+    let nan = a.iter().any(|x| !x.is_finite()) || a.len() != b.len();
+    if nan {
+        (f64::INFINITY, f64::INFINITY)
+    } else {
+        (num, if den > 0.0 { num / den } else { num })
+    }
+}
+
+/// What to run.
+#[derive(Debug, Clone, Serialize)]
+pub struct MoeBenchConfig {
+    pub shape: MoeShape,
+    pub ms: Vec<usize>,
+    pub modes: Vec<RoutingMode>,
+    /// Timed calls per (M, routing) and per measure (experts, layer).
+    pub iters: usize,
+    /// Layer copies (and routing draws) rotated over.
+    pub copies: usize,
+    pub seed: u64,
+    /// Most pairs the reference checks per row.
+    pub check_pairs: usize,
+    /// Bytes of the device-to-device copy that measures the bandwidth.
+    pub copy_bytes: usize,
+}
+
+impl Default for MoeBenchConfig {
+    fn default() -> Self {
+        Self {
+            shape: GLM53_FLASH,
+            ms: vec![1, 2, 4, 8, 16, 32, 64, 128, 256],
+            modes: RoutingMode::ALL.to_vec(),
+            iters: 50,
+            copies: 4,
+            seed: 0,
+            check_pairs: 512,
+            copy_bytes: 1 << 30,
+        }
+    }
+}
+
+/// One (M, routing) row.
+#[derive(Debug, Clone, Serialize)]
+pub struct MoeRow {
+    pub m: usize,
+    pub routing: &'static str,
+    /// Distinct experts touched (mean over the draws).
+    pub distinct_experts: f64,
+    /// moe_align tiles used (mean over the draws).
+    pub tiles: f64,
+    /// Median µs of moe_gate_up_w4 + moe_down_w4 (CUDA events), and the 10th / 90th percentiles.
+    pub experts_us: f64,
+    pub experts_us_p10: f64,
+    pub experts_us_p90: f64,
+    /// Median µs of the whole layer (router, topk, align, experts, shared expert, combine).
+    pub layer_us: f64,
+    /// Routed-expert weight + scale bytes read (mean over the draws).
+    pub expert_bytes: f64,
+    /// Activation bytes (x, h twice, y).
+    pub act_bytes: usize,
+    /// expert_bytes + act_bytes.
+    pub bytes_read: f64,
+    /// expert_bytes / experts_us (the goal's measure).
+    pub gb_s: f64,
+    /// gb_s / the copy bandwidth of this run.
+    pub frac_copy: f64,
+    /// expert_bytes at the copy bandwidth, µs.
+    pub floor_us: f64,
+    /// Layer bytes (experts + bf16 shared expert + router) / layer_us.
+    pub layer_gb_s: f64,
+    pub checked_pairs: usize,
+    pub max_abs_err: f64,
+    pub max_rel_err: f64,
+    pub pass: bool,
+}
+
+/// The record of one run.
+#[derive(Debug, Clone, Serialize)]
+pub struct MoeBenchReport {
+    pub device: String,
+    pub arch: String,
+    pub config: MoeBenchConfig,
+    pub zipf_s: f64,
+    pub seq_keep: f64,
+    pub routed_scaling_factor: f32,
+    pub ref_tol: f64,
+    /// Device-to-device copy bandwidth (2 * bytes / t, median of 10), at start and end.
+    pub copy_gb_s: f64,
+    pub copy_gb_s_end: f64,
+    pub expert_bytes_each: usize,
+    pub layer_copy_bytes: usize,
+    /// Resident blocks an SM of moe_gate_up_w4 / moe_down_w4 (the occupancy API).
+    pub w4_blocks_per_sm: [u32; 2],
+    pub timing: &'static str,
+    pub rows: Vec<MoeRow>,
+    pub all_pass: bool,
+}
+
+/// One layer's weights on the device.
+struct LayerCopy {
+    /// Shape: [E, Im, 2, H/8] u32.
+    q13: DevBuf<u32>,
+    /// Shape: [E, Im, 2, H/128] bf16.
+    s13: DevBuf<u16>,
+    /// Shape: [E, H, Im/8] u32.
+    qd: DevBuf<u32>,
+    /// Shape: [E, H, Im/128] bf16.
+    sd: DevBuf<u16>,
+    /// Shape: [E, H] bf16.
+    router: DevBuf<u16>,
+    /// e_score_correction_bias. Shape: [E] f32.
+    bias: DevBuf<f32>,
+    /// Shape: [Is, 2, H] bf16.
+    sh13: DevBuf<u16>,
+    /// Shape: [H, Is] bf16.
+    shd: DevBuf<u16>,
+}
+
+fn fill_shape(n: usize, what: &str) -> Result<launch::Shape> {
+    launch::grid_2d(n.div_ceil(256).clamp(1, 1 << 16), 1, 256, what)
+}
+
+fn fill_u32(g: &Gpu, b: &DevBuf<u32>, seed: u32) -> Result<()> {
+    let args = [ptr(b, 0, b.len, "fill")?, long(b.len), Arg::I(seed as i32)];
+    // SAFETY: the whole buffer of b.len words checked; the kernel writes out[i], i < n.
+    unsafe { ops::launch(g, "bench_fill_u32", fill_shape(b.len, "fill")?, &args) }
+}
+
+fn fill_bf16(g: &Gpu, b: &DevBuf<u16>, seed: u32, base: f32, positive: bool) -> Result<()> {
+    let args = [
+        ptr(b, 0, b.len, "fill")?,
+        long(b.len),
+        Arg::I(seed as i32),
+        Arg::F(base),
+        Arg::I(i32::from(positive)),
+    ];
+    // SAFETY: as fill_u32.
+    unsafe { ops::launch(g, "bench_fill_bf16", fill_shape(b.len, "fill")?, &args) }
+}
+
+fn fill_f32(g: &Gpu, b: &DevBuf<f32>, seed: u32, lo: f32, hi: f32) -> Result<()> {
+    let args = [
+        ptr(b, 0, b.len, "fill")?,
+        long(b.len),
+        Arg::I(seed as i32),
+        Arg::F(lo),
+        Arg::F(hi),
+    ];
+    // SAFETY: as fill_u32.
+    unsafe { ops::launch(g, "bench_fill_f32", fill_shape(b.len, "fill")?, &args) }
+}
+
+impl LayerCopy {
+    fn new(g: &Gpu, s: &MoeShape, seed: u32) -> Result<Self> {
+        let st = &g.stream;
+        let (w13, wd) = s.words();
+        let z16 = |n: usize, what: &str| DevBuf::<u16>::zeros(st, n, what);
+        let c = Self {
+            q13: DevBuf::zeros(st, w13, "q13")?,
+            s13: z16(w13 * 8 / 128, "s13")?,
+            qd: DevBuf::zeros(st, wd, "qd")?,
+            sd: z16(wd * 8 / 128, "sd")?,
+            router: z16(s.experts * s.hidden, "router")?,
+            bias: DevBuf::zeros(st, s.experts, "bias")?,
+            sh13: z16(s.shared_inter * 2 * s.hidden, "shared w13")?,
+            shd: z16(s.hidden * s.shared_inter, "shared wd")?,
+        };
+        // Scales ~ 2^-8 (1 + u): with x in [-1, 1) the expert outputs are O(1).
+        let base = 1.0 / 256.0;
+        fill_u32(g, &c.q13, seed.wrapping_mul(8))?;
+        fill_bf16(g, &c.s13, seed.wrapping_mul(8) + 1, base, true)?;
+        fill_u32(g, &c.qd, seed.wrapping_mul(8) + 2)?;
+        fill_bf16(g, &c.sd, seed.wrapping_mul(8) + 3, base, true)?;
+        fill_bf16(g, &c.router, seed.wrapping_mul(8) + 4, 0.05, false)?;
+        fill_f32(g, &c.bias, seed.wrapping_mul(8) + 5, -0.01, 0.01)?;
+        fill_bf16(g, &c.sh13, seed.wrapping_mul(8) + 6, 0.05, false)?;
+        fill_bf16(g, &c.shd, seed.wrapping_mul(8) + 7, 0.05, false)?;
+        Ok(c)
+    }
+
+    fn experts(&self) -> ops::ExpertPtrs<'_> {
+        ops::ExpertPtrs::Int4 {
+            q13: &self.q13,
+            s13: &self.s13,
+            qd: &self.qd,
+            sd: &self.sd,
+        }
+    }
+}
+
+/// One routing draw on the device, aligned.
+struct DevDraw {
+    draw: Draw,
+    /// Shape: [P] i32.
+    ids: DevBuf<i32>,
+    /// Shape: [P] f32.
+    wts: DevBuf<f32>,
+    /// Shape: [8 max_tiles] i32.
+    sorted: DevBuf<i32>,
+    /// Shape: [max_tiles] i32.
+    tiles: DevBuf<i32>,
+    /// Shape: [M, H] f32 input.
+    x: DevBuf<f32>,
+}
+
+impl DevDraw {
+    fn routing(&self, s: &MoeShape, m: usize) -> ops::Routing<'_> {
+        ops::Routing {
+            ids: &self.ids,
+            wts: &self.wts,
+            sorted: &self.sorted,
+            tile_expert: &self.tiles,
+            t: m,
+            k: s.topk,
+            e: s.experts,
+            max_tiles: launch::moe_max_tiles(m * s.topk, s.experts),
+        }
+    }
+}
+
+/// Step buffers of one M.
+struct Scratch {
+    /// Shape: [P, Im].
+    h: DevBuf<f32>,
+    /// Shape: [P, H].
+    y: DevBuf<f32>,
+    /// Shape: [M, E].
+    logits: DevBuf<f32>,
+    /// Shape: [P] (moe_topk's discarded choice).
+    ids: DevBuf<i32>,
+    wts: DevBuf<f32>,
+    /// Shape: [M, Is].
+    sh_h: DevBuf<f32>,
+    /// Shape: [M, H].
+    sh_out: DevBuf<f32>,
+    /// Shape: [M, H] residual the combine adds into.
+    x_out: DevBuf<f32>,
+}
+
+impl Scratch {
+    fn new(g: &Gpu, s: &MoeShape, m: usize) -> Result<Self> {
+        let (st, p) = (&g.stream, m * s.topk);
+        Ok(Self {
+            h: DevBuf::zeros(st, p * s.inter, "h")?,
+            y: DevBuf::zeros(st, p * s.hidden, "y")?,
+            logits: DevBuf::zeros(st, m * s.experts, "logits")?,
+            ids: DevBuf::zeros(st, p, "topk ids")?,
+            wts: DevBuf::zeros(st, p, "topk wts")?,
+            sh_h: DevBuf::zeros(st, m * s.shared_inter, "shared h")?,
+            sh_out: DevBuf::zeros(st, m * s.hidden, "shared out")?,
+            x_out: DevBuf::zeros(st, m * s.hidden, "x out")?,
+        })
+    }
+}
+
+fn experts_call(
+    g: &Gpu,
+    s: &MoeShape,
+    m: usize,
+    c: &LayerCopy,
+    d: &DevDraw,
+    sc: &Scratch,
+) -> Result<()> {
+    let ex = ops::Experts {
+        w: c.experts(),
+        x: &d.x,
+        h: &sc.h,
+        y: &sc.y,
+        hidden: s.hidden,
+        inter: s.inter,
+    };
+    ops::moe_experts(g, &d.routing(s, m), &ex)
+}
+
+/// The MoE layer as step.rs runs it, on the injected routing of `d`.
+fn layer_call(
+    g: &Gpu,
+    s: &MoeShape,
+    m: usize,
+    c: &LayerCopy,
+    d: &DevDraw,
+    sc: &Scratch,
+) -> Result<()> {
+    let (h, e) = (s.hidden, s.experts);
+    ops::linear(
+        g,
+        &ops::Linear {
+            y: Mat::rows(&sc.logits, e),
+            x: Mat::rows(&d.x, h),
+            w: &c.router,
+            m,
+            n: e,
+            k: h,
+            accumulate: false,
+        },
+    )?;
+    let r = d.routing(s, m);
+    let topk = ops::Routing {
+        ids: &sc.ids,
+        wts: &sc.wts,
+        ..d.routing(s, m)
+    };
+    ops::moe_topk(g, &topk, &sc.logits, &c.bias, true, RSF)?;
+    ops::moe_align(g, &r)?;
+    experts_call(g, s, m, c, d, sc)?;
+    ops::swiglu(
+        g,
+        &ops::Swiglu {
+            h: &sc.sh_h,
+            x: Mat::rows(&d.x, h),
+            w13: &c.sh13,
+            m,
+            n: s.shared_inter,
+            k: h,
+        },
+    )?;
+    ops::linear(
+        g,
+        &ops::Linear {
+            y: Mat::rows(&sc.sh_out, h),
+            x: Mat::rows(&sc.sh_h, s.shared_inter),
+            w: &c.shd,
+            m,
+            n: h,
+            k: s.shared_inter,
+            accumulate: false,
+        },
+    )?;
+    ops::moe_combine(g, &r, &sc.x_out, &sc.y, &sc.sh_out, h)
+}
+
+fn event(g: &Gpu) -> Result<cudarc::driver::CudaEvent> {
+    g.ctx
+        .new_event(Some(
+            cudarc::driver::sys::CUevent_flags_enum::CU_EVENT_DEFAULT,
+        ))
+        .map_err(|e| CudaError::driver("new_event", e))
+}
+
+/// CUDA-event µs of `iters` single calls of `f(i)` (3 untimed warm-up calls first).
+fn time_calls(g: &Gpu, iters: usize, mut f: impl FnMut(usize) -> Result<()>) -> Result<Vec<f64>> {
+    for i in 0..3 {
+        f(i)?;
+    }
+    let evs: Vec<_> = (0..2 * iters).map(|_| event(g)).collect::<Result<_>>()?;
+    let rec = |e: &cudarc::driver::CudaEvent| {
+        e.record(&g.stream)
+            .map_err(|x| CudaError::driver("record event", x))
+    };
+    for i in 0..iters {
+        rec(&evs[2 * i])?;
+        f(i)?;
+        rec(&evs[2 * i + 1])?;
+    }
+    g.sync()?;
+    (0..iters)
+        .map(|i| {
+            evs[2 * i]
+                .elapsed_ms(&evs[2 * i + 1])
+                .map(|ms| f64::from(ms) * 1e3)
+                .map_err(|e| CudaError::driver("event elapsed", e))
+        })
+        .collect()
+}
+
+/// Device-to-device copy bandwidth, `2 * bytes / t` (read + write), median of 10 copies.
+pub fn copy_bandwidth(g: &Gpu, bytes: usize) -> Result<f64> {
+    let n = bytes / 4;
+    let a = DevBuf::<f32>::zeros(&g.stream, n, "copy src")?;
+    let mut b = DevBuf::<f32>::zeros(&g.stream, n, "copy dst")?;
+    let mut copy = |_| {
+        g.stream
+            .memcpy_dtod(&a.slice, &mut b.slice)
+            .map_err(|e| CudaError::driver("memcpy_dtod", e))
+    };
+    let us = time_calls(g, 10, &mut copy)?;
+    let (med, _, _) = percentiles(us);
+    Ok(2.0 * (4 * n) as f64 / (med * 1e-6) / 1e9)
+}
+
+/// The f64 reference of the routed outputs of `pairs` (kernels/bench.cu): `[npairs, H]`.
+fn reference(
+    g: &Gpu,
+    s: &MoeShape,
+    m: usize,
+    c: &LayerCopy,
+    d: &DevDraw,
+    pairs: &[i32],
+) -> Result<Vec<f32>> {
+    let (st, np, p) = (&g.stream, pairs.len(), m * s.topk);
+    let (w13, wd) = s.words();
+    let pb = DevBuf::upload(st, pairs, "check pairs")?;
+    let h_ref = DevBuf::<f32>::zeros(st, np * s.inter, "h_ref")?;
+    let y_ref = DevBuf::<f32>::zeros(st, np * s.hidden, "y_ref")?;
+    let args = [
+        ptr(&h_ref, 0, np * s.inter, "h_ref")?,
+        ptr(&d.x, 0, m * s.hidden, "x")?,
+        ptr(&c.q13, 0, w13, "q13")?,
+        ptr(&c.s13, 0, w13 * 8 / 128, "s13")?,
+        ptr(&d.ids, 0, p, "ids")?,
+        ptr(&pb, 0, np, "pairs")?,
+        int(s.topk, "topk")?,
+        int(s.inter, "N")?,
+        int(s.hidden, "K")?,
+    ];
+    // SAFETY: h_ref [np, Im], x [M, H], q13 / s13 of E experts, ids [P], pairs [np]
+    // checked; pairs < P (check_pairs), ids < E (Draw::validate).
+    unsafe {
+        ops::launch(
+            g,
+            "moe_ref_gate_up_w4",
+            launch::grid_2d(s.inter.div_ceil(4), np, 128, "ref")?,
+            &args,
+        )?
+    };
+    let args = [
+        ptr(&y_ref, 0, np * s.hidden, "y_ref")?,
+        ptr(&h_ref, 0, np * s.inter, "h_ref")?,
+        ptr(&c.qd, 0, wd, "qd")?,
+        ptr(&c.sd, 0, wd * 8 / 128, "sd")?,
+        ptr(&d.wts, 0, p, "wts")?,
+        ptr(&d.ids, 0, p, "ids")?,
+        ptr(&pb, 0, np, "pairs")?,
+        int(s.hidden, "N")?,
+        int(s.inter, "K")?,
+    ];
+    // SAFETY: y_ref [np, H], h_ref [np, Im], qd / sd of E experts, wts / ids [P],
+    // pairs [np] checked; indices as above.
+    unsafe {
+        ops::launch(
+            g,
+            "moe_ref_down_w4",
+            launch::grid_2d(s.hidden.div_ceil(4), np, 128, "ref")?,
+            &args,
+        )?
+    };
+    y_ref.read(st, 0, np * s.hidden, "y_ref")
+}
+
+/// Routed outputs of the engine's kernels against the reference: (pairs, max abs, max rel).
+fn check_row(
+    g: &Gpu,
+    cfg: &MoeBenchConfig,
+    m: usize,
+    c: &LayerCopy,
+    d: &DevDraw,
+    sc: &Scratch,
+) -> Result<(usize, f64, f64)> {
+    let s = &cfg.shape;
+    experts_call(g, s, m, c, d, sc)?;
+    let y = sc.y.read(&g.stream, 0, m * s.topk * s.hidden, "y")?;
+    let pairs = check_pairs(m * s.topk, cfg.check_pairs);
+    let y_ref = reference(g, s, m, c, d, &pairs)?;
+    let got: Vec<f32> = pairs
+        .iter()
+        .flat_map(|&p| {
+            let o = p as usize * s.hidden;
+            y[o..o + s.hidden].iter().copied()
+        })
+        .collect();
+    let (abs, rel) = errors(&got, &y_ref);
+    Ok((pairs.len(), abs, rel))
+}
+
+fn upload_draw(g: &Gpu, s: &MoeShape, m: usize, draw: Draw, seed: u32) -> Result<DevDraw> {
+    draw.validate(s.experts, s.topk)?;
+    let st = &g.stream;
+    let mt = launch::moe_max_tiles(m * s.topk, s.experts);
+    let d = DevDraw {
+        ids: DevBuf::upload(st, &draw.ids, "draw ids")?,
+        wts: DevBuf::upload(st, &draw.wts, "draw wts")?,
+        sorted: DevBuf::zeros(st, launch::ROWS_PER_TILE as usize * mt, "sorted")?,
+        tiles: DevBuf::zeros(st, mt, "tiles")?,
+        x: DevBuf::zeros(st, m * s.hidden, "x")?,
+        draw,
+    };
+    fill_f32(g, &d.x, seed, -1.0, 1.0)?;
+    ops::moe_align(g, &d.routing(s, m))?;
+    Ok(d)
+}
+
+/// One (M, routing) row: draws, timings, the check.
+fn run_row(
+    g: &Gpu,
+    cfg: &MoeBenchConfig,
+    copies: &[LayerCopy],
+    m: usize,
+    mode: RoutingMode,
+    copy_gb_s: f64,
+) -> Result<MoeRow> {
+    let s = &cfg.shape;
+    let draws: Vec<DevDraw> = (0..copies.len())
+        .map(|d| {
+            let seed = draw_seed(cfg.seed, m, mode, d);
+            let draw = draw_routing(mode, m, s.experts, s.topk, seed);
+            upload_draw(g, s, m, draw, seed as u32)
+        })
+        .collect::<Result<_>>()?;
+    let sc = Scratch::new(g, s, m)?;
+    let n = copies.len();
+    let ex = time_calls(g, cfg.iters, |i| {
+        experts_call(g, s, m, &copies[i % n], &draws[i % n], &sc)
+    })?;
+    let ly = time_calls(g, cfg.iters, |i| {
+        layer_call(g, s, m, &copies[i % n], &draws[i % n], &sc)
+    })?;
+    let (pairs, abs, rel) = check_row(g, cfg, m, &copies[0], &draws[0], &sc)?;
+    let mean = |f: &dyn Fn(&Draw) -> f64| draws.iter().map(|d| f(&d.draw)).sum::<f64>() / n as f64;
+    let distinct = mean(&|d| d.distinct() as f64);
+    let tiles = mean(&|d| launch::moe_tiles_used(&d.counts(s.experts)) as f64);
+    let (med, p10, p90) = percentiles(ex);
+    let (lmed, _, _) = percentiles(ly);
+    let expert_bytes = distinct * s.expert_bytes() as f64;
+    let gb_s = expert_bytes / (med * 1e-6) / 1e9;
+    Ok(MoeRow {
+        m,
+        routing: mode.name(),
+        distinct_experts: distinct,
+        tiles,
+        experts_us: med,
+        experts_us_p10: p10,
+        experts_us_p90: p90,
+        layer_us: lmed,
+        expert_bytes,
+        act_bytes: s.act_bytes(m),
+        bytes_read: expert_bytes + s.act_bytes(m) as f64,
+        gb_s,
+        frac_copy: gb_s / copy_gb_s,
+        floor_us: expert_bytes / (copy_gb_s * 1e9) * 1e6,
+        layer_gb_s: (expert_bytes + s.dense_bytes() as f64) / (lmed * 1e-6) / 1e9,
+        checked_pairs: pairs,
+        max_abs_err: abs,
+        max_rel_err: rel,
+        pass: rel < REF_TOL,
+    })
+}
+
+/// Run the benchmark on device 0; `log` receives one line per step.
+pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchReport> {
+    cfg.shape.check()?;
+    if cfg.iters == 0 || cfg.copies == 0 || cfg.ms.is_empty() || cfg.ms.contains(&0) {
+        return Err(CudaError::Input(
+            "bench moe needs iters, copies and every M >= 1".into(),
+        ));
+    }
+    let g = Gpu::new(0)?;
+    let occ = [
+        g.blocks_per_sm(crate::device::W4_KERNELS[0], 128)?,
+        g.blocks_per_sm(crate::device::W4_KERNELS[1], 128)?,
+    ];
+    log(&format!(
+        "device {} ({}), kernels loaded; INT4 GEMMs resident blocks an SM: gate/up {}, down {}",
+        g.name, g.arch, occ[0], occ[1]
+    ));
+    let copy_gb_s = copy_bandwidth(&g, cfg.copy_bytes)?;
+    log(&format!("copy bandwidth {copy_gb_s:.0} GB/s"));
+    let t0 = std::time::Instant::now();
+    let copies: Vec<LayerCopy> = (0..cfg.copies)
+        .map(|c| LayerCopy::new(&g, &cfg.shape, cfg.seed as u32 ^ (c as u32 + 1)))
+        .collect::<Result<_>>()?;
+    g.sync()?;
+    log(&format!(
+        "{} layer copies ({:.2} GB each) generated in {:.2} s",
+        cfg.copies,
+        cfg.shape.layer_bytes() as f64 / 1e9,
+        t0.elapsed().as_secs_f64()
+    ));
+    let mut rows = Vec::new();
+    for &mode in &cfg.modes {
+        for &m in &cfg.ms {
+            let r = run_row(&g, cfg, &copies, m, mode, copy_gb_s)?;
+            log(&format!(
+                "{:>8} M={:<4} experts {:>6.1} ({:>7.1} us, {:>5.0} GB/s, {:>4.0}% of copy) layer {:>7.1} us  rel err {:.1e}{}",
+                r.routing,
+                r.m,
+                r.distinct_experts,
+                r.experts_us,
+                r.gb_s,
+                100.0 * r.frac_copy,
+                r.layer_us,
+                r.max_rel_err,
+                if r.pass { "" } else { "  FAIL" }
+            ));
+            rows.push(r);
+        }
+    }
+    drop(copies);
+    let copy_gb_s_end = copy_bandwidth(&g, cfg.copy_bytes)?;
+    Ok(MoeBenchReport {
+        device: g.name.clone(),
+        arch: g.arch.clone(),
+        config: cfg.clone(),
+        zipf_s: ZIPF_S,
+        seq_keep: SEQ_KEEP,
+        routed_scaling_factor: RSF,
+        ref_tol: REF_TOL,
+        copy_gb_s,
+        copy_gb_s_end,
+        expert_bytes_each: cfg.shape.expert_bytes(),
+        layer_copy_bytes: cfg.shape.layer_bytes(),
+        w4_blocks_per_sm: occ,
+        timing: "CUDA events around single calls, median of iters; experts = moe_gate_up_w4 + moe_down_w4 on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",
+        all_pass: rows.iter().all(|r| r.pass),
+        rows,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn glm_bytes_match_the_anchor_floor() {
+        let s = GLM53_FLASH;
+        assert_eq!(s.expert_bytes(), 12_976_128);
+        // moe_bf16.py: INT4 floor at M=1 (8 experts) at 4,185 GB/s is 24.8 us.
+        let floor = 8.0 * s.expert_bytes() as f64 / 4185e9 * 1e6;
+        assert!((floor - 24.8).abs() < 0.05, "{floor}");
+        assert_eq!(s.words().0, 2 * s.words().1);
+        assert!(s.layer_bytes() > 288 * 12_976_128);
+        assert_eq!(s.act_bytes(1), 4 * (4096 + 2 * 8 * 2048 + 8 * 4096));
+    }
+
+    #[test]
+    fn draws_are_valid_and_deterministic() {
+        for mode in RoutingMode::ALL {
+            for m in [1, 7, 64, 256] {
+                let d = draw_routing(mode, m, 288, 8, 5);
+                d.validate(288, 8).unwrap();
+                assert_eq!(d, draw_routing(mode, m, 288, 8, 5));
+                assert_ne!(d, draw_routing(mode, m, 288, 8, 6));
+                for w in d.wts.chunks(8) {
+                    let s: f32 = w.iter().sum();
+                    assert!((s - RSF).abs() < 1e-4 && w.iter().all(|&x| x > 0.0));
+                }
+            }
+        }
+        assert!(Draw {
+            ids: vec![1, 1],
+            wts: vec![0.5, 0.5]
+        }
+        .validate(4, 2)
+        .is_err());
+        assert!(Draw {
+            ids: vec![1, 4],
+            wts: vec![0.5, 0.5]
+        }
+        .validate(4, 2)
+        .is_err());
+    }
+
+    #[test]
+    fn routing_modes_differ_as_designed() {
+        let (m, e, k) = (64, 288, 8);
+        let mean_distinct = |mode| {
+            (0..8)
+                .map(|s| draw_routing(mode, m, e, k, s).distinct())
+                .sum::<usize>() as f64
+                / 8.0
+        };
+        let (u, z, q) = (
+            mean_distinct(RoutingMode::Uniform),
+            mean_distinct(RoutingMode::Zipf),
+            mean_distinct(RoutingMode::Sequence),
+        );
+        // Uniform: E (1 - (1 - k/E)^m) ~ 240 for M = 64.
+        assert!((u - 240.0).abs() < 15.0, "uniform {u}");
+        assert!(z < 0.8 * u, "zipf {z} vs uniform {u}");
+        assert!(q < 0.7 * u, "sequence {q} vs uniform {u}");
+        // Sequence: consecutive tokens share ~ SEQ_KEEP * k experts.
+        let d = draw_routing(RoutingMode::Sequence, 256, e, k, 1);
+        let shared: usize = d
+            .ids
+            .chunks(k)
+            .zip(d.ids.chunks(k).skip(1))
+            .map(|(a, b)| b.iter().filter(|x| a.contains(x)).count())
+            .sum();
+        let mean = shared as f64 / 255.0;
+        assert!((mean - SEQ_KEEP * k as f64).abs() < 0.6, "{mean}");
+        assert_eq!(RoutingMode::parse("zipf").unwrap(), RoutingMode::Zipf);
+        assert!(RoutingMode::parse("nope").is_err());
+    }
+
+    #[test]
+    fn helpers() {
+        assert_eq!(check_pairs(5, 512), vec![0, 1, 2, 3, 4]);
+        let c = check_pairs(2048, 512);
+        assert_eq!((c.len(), c[0], c[1], *c.last().unwrap()), (512, 0, 4, 2044));
+        let (med, p10, p90) = percentiles((1..=10).map(f64::from).collect());
+        assert_eq!((med, p10, p90), (6.0, 2.0, 9.0));
+        let (a, r) = errors(&[1.0, 2.5], &[1.0, 2.0]);
+        assert_eq!((a, r), (0.5, 0.25));
+        assert_eq!(errors(&[f32::NAN], &[1.0]).0, f64::INFINITY);
+        assert!(MoeBenchConfig::default().ms.contains(&64));
+    }
+}

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Markdown tables of the committed device records, for findings/cuda-engine-h200.md and
+findings/bench-moe.md (every figure there comes from these records through this script).
+
+    python3 recipes/bench_report.py e2e runs/bench-e2e-h200.json
+    python3 recipes/bench_report.py moe runs/bench-moe.json [findings/bench-moe-gbs.svg]
+Standard library only."""
+import json
+import sys
+
+
+def e2e(path):
+    d = json.load(open(path))
+    rows = d["rows"]
+    an = d.get("anchors", {})
+    eager = {r["batch"]: r["decode_tok_s"] for r in an.get("e2e_ref", {}).get("rows", [])}
+    graph = {r["batch"]: r["graph_tok_s"] for r in an.get("e2e_graph", {}).get("rows", [])}
+    print(f"Record `{path}` (commit {d.get('git_commit')}): copy {d['copy_gb_s']:.0f} GB/s, "
+          f"weights {d['weight_bytes'] / 1e6:.1f} MB, launch {d['launch_us_eager']:.2f} us eager / "
+          f"{d['launch_us']:.2f} us in a graph; all outputs equal: {d['outputs_all_match']}.\n")
+    print("| c | drafter | graphs | tok/s | us/step (fwd / draft / host) | kernels | tau | x none | x eager ref | x graph ref |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        name = r["drafter"] + (f" N={r['num_spec']}" if r["num_spec"] else "")
+        c = r["concurrency"]
+        xe = r["decode_tok_s"] / eager[c] if c in eager else float("nan")
+        xg = r["decode_tok_s"] / graph[c] if c in graph else float("nan")
+        print(f"| {c} | {name} | {'on' if r['graphs'] else 'off'} | {r['decode_tok_s']:,.0f} | "
+              f"{r['us_per_step']:.0f} ({r['forward_us_per_step']:.0f} / {r['draft_us_per_step']:.0f} / "
+              f"{r['host_us_per_step']:.0f}) | {r['kernels_per_step']:.0f} | {r['tau']:.2f} | "
+              f"{r['speedup_vs_none']:.2f} | {xe:.1f} | {xg:.2f} |")
+    print("\nBest drafter per concurrency (graphs on):\n")
+    print("| c | none tok/s | best | its tok/s | x none | PyTorch eager | PyTorch graph |")
+    print("|---|---|---|---|---|---|---|")
+    for c in sorted({r["concurrency"] for r in rows}):
+        on = [r for r in rows if r["concurrency"] == c and r["graphs"]]
+        if not on:
+            continue
+        base = next(r for r in on if r["drafter"] == "none")
+        best = max(on, key=lambda r: r["decode_tok_s"])
+        bn = best["drafter"] + (f" N={best['num_spec']}" if best["num_spec"] else "")
+        print(f"| {c} | {base['decode_tok_s']:,.0f} | {bn} | {best['decode_tok_s']:,.0f} | "
+              f"{best['speedup_vs_none']:.2f} | {eager.get(c, float('nan')):,.1f} | {graph.get(c, float('nan')):,.0f} |")
+
+
+def svg_plot(rows, floor_frac, out):
+    """GB/s against M (log2) per routing, beside the copy bandwidth; plain SVG."""
+    W, H, L, B = 640, 400, 60, 40
+    ms = sorted({r["m"] for r in rows})
+    ymax = max(max(r["gb_s"] for r in rows), floor_frac) * 1.1
+    def x(m):
+        i = ms.index(m)
+        return L + i * (W - L - 20) / max(1, len(ms) - 1)
+    def y(v):
+        return H - B - v / ymax * (H - B - 20)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
+             f'<rect width="{W}" height="{H}" fill="white"/>',
+             f'<line x1="{L}" y1="{H-B}" x2="{W-20}" y2="{H-B}" stroke="black"/>',
+             f'<line x1="{L}" y1="20" x2="{L}" y2="{H-B}" stroke="black"/>']
+    for m in ms:
+        parts.append(f'<text x="{x(m)}" y="{H-B+15}" text-anchor="middle">{m}</text>')
+    for v in range(0, int(ymax) + 1, 1000):
+        parts.append(f'<text x="{L-5}" y="{y(v)+4}" text-anchor="end">{v}</text>')
+    parts.append(f'<line x1="{L}" y1="{y(floor_frac)}" x2="{W-20}" y2="{y(floor_frac)}" stroke="gray" stroke-dasharray="4"/>')
+    parts.append(f'<text x="{W-22}" y="{y(floor_frac)-4}" text-anchor="end" fill="gray">copy bandwidth (the INT4 byte floor)</text>')
+    parts.append(f'<line x1="{L}" y1="{y(0.7*floor_frac)}" x2="{W-20}" y2="{y(0.7*floor_frac)}" stroke="red" stroke-dasharray="2"/>')
+    parts.append(f'<text x="{W-22}" y="{y(0.7*floor_frac)-4}" text-anchor="end" fill="red">70% goal</text>')
+    colors = {"uniform": "blue", "zipf": "green", "sequence": "purple", "grouped_mm bf16": "orange"}
+    series = {}
+    for r in rows:
+        series.setdefault(r["routing"], []).append((r["m"], r["gb_s"]))
+    for i, (k, pts) in enumerate(series.items()):
+        pts.sort()
+        pl = " ".join(f"{x(m):.1f},{y(v):.1f}" for m, v in pts)
+        col = colors.get(k, "black")
+        parts.append(f'<polyline points="{pl}" fill="none" stroke="{col}" stroke-width="2"/>')
+        parts.append(f'<text x="{L+10}" y="{32+14*i}" fill="{col}">{k}</text>')
+    parts.append(f'<text x="{W/2}" y="{H-8}" text-anchor="middle">M (tokens)</text>')
+    parts.append(f'<text x="14" y="{H/2}" transform="rotate(-90 14 {H/2})" text-anchor="middle">GB/s of expert bytes</text>')
+    parts.append("</svg>")
+    open(out, "w").write("\n".join(parts))
+
+
+def moe(path, svg=None):
+    b = json.load(open(path))
+    a = b.get("anchors", {})
+    anc = {r["M"]: r for r in a.get("moe_bf16", [])}
+    print(f"Record `{path}` (commit {b.get('git_commit')}): {b['device']}, copy {b['copy_gb_s']:.0f} GB/s "
+          f"(torch's copy {a.get('copy_GBps', float('nan')):.0f} GB/s); all reference checks pass: {b['all_pass']}.\n")
+    print("| routing | M | experts | experts us | floor us | GB/s | % copy | layer us | grouped_mm bf16 us | x grouped_mm | check |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in b["rows"]:
+        g = anc.get(r["m"], {}).get("grouped_mm_us")
+        xg = g / r["experts_us"] if g else float("nan")
+        print(f"| {r['routing']} | {r['m']} | {r['distinct_experts']:.1f} | {r['experts_us']:.1f} | {r['floor_us']:.1f} | "
+              f"{r['gb_s']:.0f} | {100 * r['frac_copy']:.0f}% | {r['layer_us']:.1f} | "
+              f"{(g if g else float('nan')):.1f} | {xg:.2f} | {'ok' if r['pass'] else 'FAIL'} |")
+    if svg:
+        rows = list(b["rows"])
+        # The anchor's bytes are bf16 weights: its GB/s over the same expert set is 4x the INT4 bytes' rate.
+        for mm, an in anc.items():
+            u = next((r for r in b["rows"] if r["m"] == mm and r["routing"] == "uniform"), None)
+            if u and an.get("grouped_mm_us"):
+                rows.append({"routing": "grouped_mm bf16", "m": mm,
+                             "gb_s": u["gb_s"] * u["experts_us"] / an["grouped_mm_us"]})
+        svg_plot(rows, b["copy_gb_s"], svg)
+        print(f"\n(plot: {svg}; the grouped_mm line is the INT4 expert bytes of the uniform row over"
+              " grouped_mm's time, i.e. what INT4 would need to match it)")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "e2e":
+        e2e(sys.argv[2])
+    else:
+        moe(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
