@@ -65,9 +65,17 @@ pub struct BenchRecord {
     pub copy_gb_s: Option<f64>,
     #[serde(default)]
     pub weight_bytes: Option<f64>,
-    /// gpu-check decode timings.
+    /// gpu-check decode timings (an array; bench-moe has a description string here).
     #[serde(default)]
-    pub timing: Vec<GpuCheckRow>,
+    pub timing: serde_json::Value,
+    /// `"moe"` in `speclab bench moe` records (which have no `kind`).
+    #[serde(default)]
+    pub bench: Option<String>,
+    /// bench-moe: the benched shape (`experts`, `topk`) and bytes of one expert.
+    #[serde(default)]
+    pub config: Option<serde_json::Value>,
+    #[serde(default)]
+    pub expert_bytes_each: Option<f64>,
     /// bench-e2e or bench-moe rows (told apart by `kind`).
     #[serde(default)]
     pub rows: Vec<serde_json::Value>,
@@ -105,8 +113,12 @@ pub struct MoeRow {
     pub m: u64,
     #[serde(default)]
     pub routing: Option<String>,
+    /// The routed-expert kernels' time (`experts_us` in `speclab bench moe`).
+    #[serde(alias = "experts_us")]
     pub us: f64,
+    #[serde(alias = "distinct_experts")]
     pub experts_touched: f64,
+    #[serde(alias = "bytes_read")]
     pub bytes: f64,
 }
 
@@ -296,7 +308,9 @@ pub fn load_rows(path: &Path, shape: Option<FitShape>) -> Result<(Vec<FitRow>, F
             })
     };
     let bw = need(rec.copy_gb_s, "copy_gb_s")?;
+    let is_moe = rec.kind == "bench-moe" || rec.bench.as_deref() == Some("moe");
     let shape = match shape {
+        None if is_moe => moe_shape(&rec),
         Some(s) => s,
         None => {
             let dir = rec.model.clone().unwrap_or_else(|| "models/tiny".into());
@@ -309,8 +323,14 @@ pub fn load_rows(path: &Path, shape: Option<FitShape>) -> Result<(Vec<FitRow>, F
         bw,
         target_kernels: f64::INFINITY,
     };
-    let mut out: Vec<FitRow> = rec.timing.iter().map(|r| ctx.gpu_check(r)).collect();
-    if rec.kind == "bench-moe" {
+    let timing: Vec<GpuCheckRow> = match &rec.timing {
+        v @ serde_json::Value::Array(_) => {
+            serde_json::from_value(v.clone()).map_err(|e| parse_err(path, "timing".into(), e))?
+        }
+        _ => Vec::new(),
+    };
+    let mut out: Vec<FitRow> = timing.iter().map(|r| ctx.gpu_check(r)).collect();
+    if is_moe {
         for (i, v) in rec.rows.iter().enumerate() {
             let r: MoeRow = serde_json::from_value(v.clone())
                 .map_err(|e| parse_err(path, format!("rows[{i}]"), e))?;
@@ -334,6 +354,24 @@ pub fn load_rows(path: &Path, shape: Option<FitShape>) -> Result<(Vec<FitRow>, F
         .filter(|r| !HOST_DRAFTERS.contains(&r.drafter.as_str()));
     out.extend(kept.map(|r| ctx.e2e(r)));
     Ok((out, shape))
+}
+
+/// The shape of a bench-moe record (its `config.shape` and `expert_bytes_each`; no
+/// dense weights: the rows time the routed experts alone).
+fn moe_shape(rec: &BenchRecord) -> FitShape {
+    let sh = rec.config.as_ref().and_then(|c| c.get("shape"));
+    let get = |k: &str| {
+        sh.and_then(|s| s.get(k))
+            .and_then(|v| v.as_u64())
+            .unwrap_or(0) as u32
+    };
+    FitShape {
+        dense_bytes: 0.0,
+        expert_bytes: rec.expert_bytes_each.unwrap_or(0.0),
+        moe_layers: 1,
+        experts: get("experts").max(1),
+        top_k: get("topk").max(1),
+    }
 }
 
 /// Fit [`PARAMS`] on `rows`: NNLS on `measured - bytes_us`, each row weighted by
