@@ -33,3 +33,37 @@ fn generate_device_cuda_without_a_gpu_is_a_clean_error() {
     assert!(err.contains("CUDA device unavailable"), "stderr: {err}");
     assert!(!err.contains("panicked"), "stderr: {err}");
 }
+
+#[test]
+fn verify_lossless_device_cuda_without_a_gpu_is_a_clean_error() {
+    if speclab_cuda::device::skip_reason().is_none() {
+        eprintln!("skipping: a CUDA device is present (covered by recipes/gpu_check.sh)");
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_speclab"))
+        .args([
+            "verify-lossless",
+            "--model",
+            "models/tiny",
+            "--device",
+            "cuda",
+            "--drafter",
+            "mtp",
+            "--num-spec",
+            "2",
+            "--random-prompts",
+            "1:4",
+            "--max-tokens",
+            "2",
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run speclab");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        matches!(out.status.code(), Some(c) if c != 0),
+        "stderr: {err}"
+    );
+    assert!(err.contains("CUDA device unavailable"), "stderr: {err}");
+    assert!(!err.contains("panicked"), "stderr: {err}");
+}

@@ -152,6 +152,9 @@ pub struct VerifyLosslessArgs {
     pub manifest: Option<PathBuf>,
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// Where both runs' target runs: the CPU reference or the CUDA engine.
+    #[arg(long, value_enum, default_value = "cpu", conflicts_with = "manifest")]
+    pub device: DeviceArg,
     /// One prompt as text (tokenized with the model's tokenizer.json), as `generate --prompt`.
     #[arg(long, conflicts_with_all = ["prompts", "random_prompts", "manifest"])]
     pub prompt: Option<String>,
@@ -437,7 +440,17 @@ pub fn verify(a: VerifyLosslessArgs) -> anyhow::Result<ExitCode> {
         .collect();
     let opts = options(e, &target, &reqs, &spec, SamplingParams::GREEDY, false);
     let mut make = fcfs(e);
-    let report = verify_lossless(&target, &spec, &reqs, &opts, &mut make)?;
+    let report = match a.device {
+        DeviceArg::Cpu => verify_lossless(&target, &spec, &reqs, &opts, &mut make)?,
+        DeviceArg::Cuda => speclab_engine::exec::verify_lossless_on(
+            &speclab_cuda::CudaFactory::default(),
+            &target,
+            &spec,
+            &reqs,
+            &opts,
+            &mut make,
+        )?,
+    };
     print_lossless(&report, spec.kind.name(), n_spec, e.json);
     Ok(if report.is_lossless() {
         ExitCode::SUCCESS

@@ -16,7 +16,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::exec::run::{
-    check_token_ids, generate, DrafterFactory, EngineOptions, EngineRequest, EngineRun,
+    check_token_ids, generate_on, DrafterFactory, EngineOptions, EngineRequest, EngineRun,
     NoDrafterFactory, SchedulerFactory,
 };
 use crate::kv::{AllocOutcome, KvCacheManager};
@@ -174,6 +174,27 @@ pub fn verify_lossless(
     opts: &EngineOptions,
     make_scheduler: &mut SchedulerFactory<'_>,
 ) -> Result<LosslessReport> {
+    verify_lossless_on(
+        &crate::backend::CpuBackend,
+        target,
+        drafter,
+        requests,
+        opts,
+        make_scheduler,
+    )
+}
+
+/// [`verify_lossless`] with both runs' target on `backend` (e.g. the CUDA engine); the
+/// diagnosis of a mismatch (the target's teacher-forced logit margin) stays on the CPU
+/// reference.
+pub fn verify_lossless_on(
+    backend: &dyn crate::backend::BackendFactory,
+    target: &ModelWeights,
+    drafter: &dyn DrafterFactory,
+    requests: &[EngineRequest],
+    opts: &EngineOptions,
+    make_scheduler: &mut SchedulerFactory<'_>,
+) -> Result<LosslessReport> {
     if !opts.sampling.is_greedy() {
         return Err(EngineError::InvalidSamplingParams {
             field: "temperature".into(),
@@ -184,8 +205,15 @@ pub fn verify_lossless(
         });
     }
     check_token_ids(&target.cfg, requests)?;
-    let reference = generate(target, &NoDrafterFactory, requests, opts, make_scheduler)?;
-    let candidate = generate(target, drafter, requests, opts, make_scheduler)?;
+    let reference = generate_on(
+        backend,
+        target,
+        &NoDrafterFactory,
+        requests,
+        opts,
+        make_scheduler,
+    )?;
+    let candidate = generate_on(backend, target, drafter, requests, opts, make_scheduler)?;
     for (name, run) in [
         ("reference (no drafter)", &reference),
         ("drafter", &candidate),

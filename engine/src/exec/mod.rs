@@ -59,7 +59,8 @@ pub use crate::request::FinishReason;
 pub use crate::run::StepStats;
 pub use executor::{ExecConfig, ModelExecutor};
 pub use lossless::{
-    first_divergence, mismatch_at, teacher_forced_logits, verify_lossless, LosslessReport, Mismatch,
+    first_divergence, mismatch_at, teacher_forced_logits, verify_lossless, verify_lossless_on,
+    LosslessReport, Mismatch,
 };
 pub use run::{
     generate, generate_observed, generate_on, DrafterFactory, EngineOptions, EngineRequest,
