@@ -4,7 +4,7 @@
 //! vLLM-faithful KV cache manager (`kv`), the seams every other crate plugs into:
 //! [`Drafter`], [`Scheduler`] and [`Executor`] (`traits`) and the model seam
 //! ([`backend::TargetBackend`]), the one step loop (`run`) with its metrics
-//! (`metrics`), the simulated executor (`sim`), the CPU target model (`model`) and
+//! (`metrics`), the simulated executor (`sim`) and its step-cost model (`cost`), the CPU target model (`model`) and
 //! the model executor (`exec`). The engine knows traits, never
 //! concrete drafters or scheduling policies (dependency direction in
 //! DESIGN.md: engine <- drafters, schedulers <- experiments <- CLI).
@@ -13,6 +13,7 @@
 //! operation returns [`EngineError`].
 
 pub mod backend;
+pub mod cost;
 pub mod error;
 pub mod exec;
 pub mod kv;

@@ -11,6 +11,12 @@
 //! with a progress callback: it records admissions, rejections, a wedge, peaks of
 //! KV use and spec-decode metrics ([`SpecMetrics`], counted in that loop).
 //!
+//! With a step-cost model ([`SimExecutor::with_cost`], [`crate::cost`]) the executor
+//! also prices every step it executes and accumulates simulated time ([`SimTime`]):
+//! total and per-term microseconds, and the decode-only steps' tokens and time, from
+//! which a record states simulated tok/s. Without one nothing is priced and the run is
+//! exactly what it was (same RNG draws, same results).
+//!
 //! Where the design comes from: DESIGN.md "Core seams" (the `Executor` seam,
 //! `SimExecutor` = acceptance model, no weights) and "Measuring" (metric
 //! definitions); the step order is vLLM 0.33.0 `v1/engine/core.py`.
@@ -26,11 +32,12 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
+use crate::cost::{CostModel, StepCost, StepShape};
 use crate::kv::KvCacheManager;
 pub use crate::metrics::SpecMetrics;
 pub use crate::run::RunReport as SimRun;
 use crate::run::{run, RunLimits, StepStats};
-use crate::traits::{Executor, Scheduler, StepCtx, StepOutput, StepResult};
+use crate::traits::{Executor, Scheduler, SchedulerOutput, StepCtx, StepOutput, StepResult};
 use crate::{EngineError, Result};
 
 /// vLLM's per-position acceptance rates: `per_position[i]` is the fraction of
@@ -115,6 +122,56 @@ fn sample_accepted<R: Rng + ?Sized>(rng: &mut R, conditional: &[f64], k: u64) ->
     accepted
 }
 
+/// Simulated time of a run under a cost model ([`SimExecutor::with_cost`]).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct SimTime {
+    /// Priced steps.
+    pub steps: u64,
+    /// Simulated microseconds over all steps.
+    pub total_us: f64,
+    /// Per-term microseconds summed over all steps.
+    pub terms: StepCost,
+    /// Steps with decode rows and no prefill chunk, their microseconds, and the tokens
+    /// they produced (accepted + 1 per decode request).
+    pub decode_steps: u64,
+    pub decode_us: f64,
+    pub decode_tokens: u64,
+    /// Decode/verify rows and decode requests summed over the decode-only steps.
+    pub decode_rows: u64,
+    pub decode_reqs: u64,
+    /// Per-term microseconds summed over the decode-only steps.
+    pub decode_terms: StepCost,
+}
+
+/// The step shape of a scheduled batch ([`StepShape`]): prefill chunks and verify
+/// groups are one sequence each; a decode request reads `start_pos + num_tokens` of KV.
+pub fn step_shape(batch: &SchedulerOutput, num_speculative: u64) -> StepShape {
+    let mut s = StepShape {
+        num_speculative,
+        ..StepShape::default()
+    };
+    for r in &batch.scheduled {
+        if r.is_prefill {
+            s.prefill_tokens += r.num_tokens;
+        } else {
+            s.decode_rows += r.num_tokens;
+            s.decode_reqs += 1;
+            s.context_tokens += r.start_pos + r.num_tokens;
+        }
+        s.seq_rows.push(r.num_tokens);
+        s.sampling_reqs += 1;
+    }
+    s
+}
+
+/// The pricing state of an executor with a cost model.
+#[derive(Debug, Clone)]
+struct Pricing {
+    model: CostModel,
+    num_speculative: u64,
+    time: SimTime,
+}
+
 /// The simulated executor: acceptance model, no weights, no EOS.
 #[derive(Debug, Clone)]
 pub struct SimExecutor {
@@ -123,6 +180,7 @@ pub struct SimExecutor {
     conditional: Vec<f64>,
     /// Set when the acceptance model failed validation; `execute` returns it.
     invalid: Option<EngineError>,
+    pricing: Option<Pricing>,
 }
 
 impl SimExecutor {
@@ -135,6 +193,44 @@ impl SimExecutor {
             acceptance,
             conditional,
             invalid,
+            pricing: None,
+        }
+    }
+
+    /// Price every step with `model`; the drafter proposes `num_speculative` tokens a
+    /// step (0: no drafter runs). An invalid model is refused here.
+    pub fn with_cost(mut self, model: CostModel, num_speculative: u64) -> Result<Self> {
+        model.validate()?;
+        self.pricing = Some(Pricing {
+            model,
+            num_speculative,
+            time: SimTime::default(),
+        });
+        Ok(self)
+    }
+
+    /// Simulated time so far (None without a cost model).
+    pub fn sim_time(&self) -> Option<&SimTime> {
+        self.pricing.as_ref().map(|p| &p.time)
+    }
+
+    /// Price one executed step.
+    fn price(&mut self, batch: &SchedulerOutput, results: &[StepResult]) {
+        let Some(p) = &mut self.pricing else { return };
+        let shape = step_shape(batch, p.num_speculative);
+        let c = p.model.step(&shape);
+        let us = c.total();
+        let t = &mut p.time;
+        t.steps += 1;
+        t.total_us += us;
+        t.terms.add(&c);
+        if shape.prefill_tokens == 0 && shape.decode_reqs > 0 {
+            t.decode_steps += 1;
+            t.decode_us += us;
+            t.decode_tokens += results.iter().map(|r| r.accepted + 1).sum::<u64>();
+            t.decode_rows += shape.decode_rows;
+            t.decode_reqs += shape.decode_reqs;
+            t.decode_terms.add(&c);
         }
     }
 
@@ -169,6 +265,7 @@ impl Executor for SimExecutor {
                 drafts: None,
             });
         }
+        self.price(ctx.batch, &results);
         Ok(StepOutput {
             results,
             ..StepOutput::default()
@@ -467,5 +564,76 @@ mod tests {
         .unwrap();
         assert!(run.hit_step_limit);
         assert_eq!(run.steps, 3);
+    }
+
+    #[test]
+    fn a_cost_model_prices_steps_without_changing_the_run() {
+        use crate::cost::{CostModel, ForwardShape, HardwareProfile, Routing};
+        let layout = KvLayout {
+            num_blocks: Some(64),
+            kv_cache_memory_bytes: None,
+            max_model_len: 1024,
+            max_in_flight_tokens: None,
+            watermark: 0.0,
+            groups: vec![GroupSpec::full("full", 4)],
+        };
+        let model = CostModel {
+            hardware: HardwareProfile {
+                hbm_gb_s: 1000.0,
+                launch_us: 1.0,
+                allreduce_us: 0.0,
+                tp: 1,
+                ep: 1,
+                compute_tflops: 1.0,
+                row_us: 2.0,
+                expert_us: 0.0,
+            },
+            target: ForwardShape {
+                kernels: 10.0,
+                dense_bytes: 0.0,
+                moe: None,
+                flops_per_token: 0.0,
+                allreduces: 0.0,
+                kv_bytes_per_token: 0.0,
+                state_bytes: 0.0,
+            },
+            drafter: None,
+            routing: Routing::UNIFORM,
+        };
+        let acc = AcceptanceModel::new(vec![0.6, 0.3]).unwrap();
+        let mut runs = Vec::new();
+        for priced in [false, true] {
+            let mut kv = KvCacheManager::from_layout(&layout).unwrap();
+            let mut s = OneShot {
+                computed: 0,
+                tokens: 4,
+                decodes: 10,
+                live: true,
+            };
+            let mut e = SimExecutor::new(3, acc.clone());
+            if priced {
+                e = e.with_cost(model.clone(), 2).unwrap();
+            }
+            let run = run_sim(
+                &mut kv,
+                &mut s,
+                &mut e,
+                SimLimits { max_steps: 100 },
+                &mut |_| {},
+            )
+            .unwrap();
+            runs.push((run.spec.clone(), run.steps, e.sim_time().cloned()));
+        }
+        assert_eq!(runs[0].0, runs[1].0);
+        assert!(runs[0].2.is_none());
+        let t = runs[1].2.clone().unwrap();
+        // Prefill of 4 tokens: 10 + 4 x 2 us; 10 decode steps of 3 rows: 10 + 3 x 2 us.
+        assert_eq!(t.steps, 11);
+        assert!((t.total_us - (18.0 + 10.0 * 16.0)).abs() < 1e-9, "{t:?}");
+        assert_eq!(t.decode_steps, 10);
+        assert_eq!(t.decode_tokens, runs[1].0.num_accepted_tokens + 10);
+        let mut bad = model;
+        bad.hardware.hbm_gb_s = -1.0;
+        assert!(SimExecutor::new(1, acc).with_cost(bad, 1).is_err());
     }
 }

@@ -142,6 +142,9 @@ pub fn judge(e: &Expectation, rec: &RunRecord) -> (String, &'static str) {
     if let Some(r) = crate::findings_plan::judge_plan(e, rec, &legs) {
         return r;
     }
+    if let Some(sp) = &e.speedup {
+        return crate::findings_cost::judge_speedup(sp, rec, &legs);
+    }
     if let Some(about) = e.bound_about {
         let tol = e.tolerance.unwrap_or(about / 50);
         let Some(b) = legs.iter().find_map(|l| l.bound.as_ref()) else {
@@ -243,6 +246,7 @@ pub fn render(rec: &RunRecord, record_path: &str) -> String {
     if let Some(m) = manifest.as_ref().filter(|_| !many_sets) {
         render_comparison(&mut md, rec, m);
     }
+    crate::findings_cost::render(&mut md, rec);
     render_spec_legs(&mut md, rec);
     render_concurrency(&mut md, rec);
     render_chain(&mut md, rec, manifest.as_ref());
@@ -376,6 +380,8 @@ fn render_comparison(md: &mut String, rec: &RunRecord, m: &Manifest) {
     for e in &m.expectations {
         let reference = if let Some(r) = crate::findings_plan::reference_text(e) {
             r
+        } else if let Some(sp) = &e.speedup {
+            crate::findings_cost::speedup_reference(sp)
         } else if let Some((g, m)) = &e.peak_at_most {
             format!("`{g}` holds at most {m} blocks")
         } else if let Some(b) = e.bound_about {

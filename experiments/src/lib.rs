@@ -8,11 +8,14 @@
 
 pub mod atlas;
 pub mod bounds;
+pub mod cost_fit;
 pub mod error;
 pub mod findings;
+pub mod findings_cost;
 pub mod findings_plan;
 pub mod manifest;
 pub mod manifest_check;
+pub mod manifest_cost;
 pub mod plan;
 pub mod plot;
 pub mod real;

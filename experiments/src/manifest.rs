@@ -45,6 +45,14 @@ pub struct Manifest {
     /// Per-position acceptance rates (vLLM's unconditional definition).
     #[serde(default)]
     pub acceptance: Vec<f64>,
+    /// The rates from a profile instead ([`crate::manifest_cost::AcceptanceProfile`]:
+    /// stated, geometric from a draft acceptance rate, or a leg of a real record).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub acceptance_profile: Option<crate::manifest_cost::AcceptanceProfile>,
+    /// Step-cost model of simulated legs (hardware profile, target and drafter shapes,
+    /// routing; [`speclab_engine::cost`]): legs then record simulated time and tok/s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<speclab_engine::cost::CostModel>,
     #[serde(default)]
     pub workload: Workload,
     #[serde(default)]
@@ -198,6 +206,9 @@ pub struct Expectation {
     /// The reference says: "GPU KV cache size: N tokens", within `tolerance` (needs `kv.plan`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_cache_tokens_about: Option<u64>,
+    /// The reference says: simulated output tok/s is `about` x the baseline leg's (needs `cost`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub speedup: Option<crate::manifest_cost::SpeedupExpectation>,
     /// The reference says: vLLM starts with this config (true) or refuses it (false).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub starts: Option<bool>,
@@ -302,6 +313,11 @@ pub struct Workload {
     /// prompts arrive together in one leg.
     #[serde(default = "yes")]
     pub each_prompt_alone: bool,
+    /// With `each_prompt_alone: false`: a leg runs this many requests per sequence slot
+    /// (`requests_per_seq x max_num_seqs` requests, the prompts repeated in order), so
+    /// a concurrency sweep keeps every slot busy (a serving benchmark at concurrency c).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests_per_seq: Option<u32>,
 }
 
 impl Default for Workload {
@@ -311,6 +327,7 @@ impl Default for Workload {
             generate: None,
             output_len: default_output_len(),
             each_prompt_alone: true,
+            requests_per_seq: None,
         }
     }
 }
@@ -499,6 +516,7 @@ impl Manifest {
         }
         crate::manifest_check::check_sizes(self, path)?;
         self.check_sim_values(path)?;
+        crate::manifest_cost::check(self, path)?;
         crate::plan::check(self).map_err(|e| match e {
             ExperimentError::Invalid { field, msg, .. } => bad(&field, msg),
             other => other,
@@ -606,6 +624,8 @@ impl Manifest {
             ("scheduler", self.scheduler != SchedulerSpec::default()),
             ("drafter", self.drafter != DrafterSpec::default()),
             ("acceptance", !self.acceptance.is_empty()),
+            ("acceptance_profile", self.acceptance_profile.is_some()),
+            ("cost", self.cost.is_some()),
             ("workload", self.workload != Workload::default()),
             ("sweep", self.sweep != Sweep::default()),
             ("measure", self.measure != Measure::default()),
@@ -662,6 +682,18 @@ impl Manifest {
             }
         }
         v
+    }
+
+    /// A leg's requests: `prompts`, or with `workload.requests_per_seq` that many per
+    /// sequence slot (the prompts repeated in order).
+    fn requests_for(&self, prompts: &[u64], seqs: Option<usize>) -> Vec<u64> {
+        match self.workload.requests_per_seq {
+            Some(r) if !prompts.is_empty() => {
+                let n = r as usize * seqs.unwrap_or(self.scheduler.max_num_seqs);
+                prompts.iter().copied().cycle().take(n).collect()
+            }
+            _ => prompts.to_vec(),
+        }
     }
 
     /// Build the KV layout for a block size / cap / pool.
@@ -889,6 +921,7 @@ impl Manifest {
                             .iter()
                             .flat_map(|s| groups.iter().map(move |g| (*s, g)))
                         {
+                            let ps = &self.requests_for(ps, seqs);
                             let mut id = v.id.clone();
                             if let Some(n) = nst {
                                 id.push(format!("n={n}"));

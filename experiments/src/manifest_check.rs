@@ -325,12 +325,13 @@ fn check_expectations(m: &Manifest, path: &Path, leg_ids: &[String]) -> Result<(
             && e.max_concurrency_about.is_none()
             && e.kv_cache_tokens_about.is_none()
             && e.starts.is_none()
+            && e.speedup.is_none()
             && e.peak_running.is_none()
         {
             return Err(bad(
                 path,
                 &format!("expectations[{i}]"),
-                "states nothing to compare: give bound_about, no_wedge_in, status, peak_at_most, max_concurrency_about, kv_cache_tokens_about, starts or peak_running",
+                "states nothing to compare: give bound_about, no_wedge_in, status, peak_at_most, max_concurrency_about, kv_cache_tokens_about, starts, peak_running or speedup",
             ));
         }
         if e.tolerance.is_some() && e.bound_about.is_none() && e.kv_cache_tokens_about.is_none() {

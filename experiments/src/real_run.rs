@@ -252,6 +252,7 @@ impl<'a> RealRunner<'a> {
             note: (!notes.is_empty()).then(|| notes.join("; ")),
             wall_ms: t0.elapsed().as_secs_f64() * 1e3,
             real: Some(real),
+            sim_time: None,
             concurrency: self.spec.record_concurrency.then(|| {
                 let mut c = crate::record::ConcurrencyCounter::default();
                 run.steps.iter().for_each(|st| c.observe(st));

@@ -104,10 +104,64 @@ pub struct LegRecord {
     /// What a real-engine leg measured (absent in simulated legs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub real: Option<RealLegRecord>,
+    /// Simulated time under the manifest's cost model (absent without one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sim_time: Option<SimTimeRecord>,
     /// Requests scheduled per step and output tokens per step (manifests with
     /// `measure.concurrency`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub concurrency: Option<ConcurrencyRecord>,
+}
+
+/// Simulated time of a leg under a step-cost model ([`speclab_engine::cost`]).
+///
+/// `output_tok_s` = output tokens / simulated time of every step (prefill included: a
+/// serving benchmark's throughput); `decode_tok_s` = tokens of the decode-only steps /
+/// their time. Term sums are microseconds ([`speclab_engine::cost::StepCost`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SimTimeRecord {
+    /// N the drafter proposed per step (0: no drafter).
+    pub num_speculative_tokens: u32,
+    pub steps: u64,
+    pub total_s: f64,
+    pub output_tokens: u64,
+    pub output_tok_s: f64,
+    pub decode_steps: u64,
+    pub decode_tok_s: Option<f64>,
+    pub mean_decode_step_us: Option<f64>,
+    /// Mean verify rows and decode requests of a decode-only step.
+    pub mean_decode_rows: Option<f64>,
+    pub mean_decode_reqs: Option<f64>,
+    /// Per-term us over all steps, and over the decode-only steps.
+    pub terms_us: speclab_engine::cost::StepCost,
+    pub decode_terms_us: speclab_engine::cost::StepCost,
+}
+
+impl SimTimeRecord {
+    /// From the executor's accumulated time and the run's output tokens.
+    pub fn of(t: &speclab_engine::sim::SimTime, n: u32, output_tokens: u64) -> Self {
+        let ds = t.decode_steps as f64;
+        let per_step = |x: f64| (t.decode_steps > 0).then(|| x / ds);
+        Self {
+            num_speculative_tokens: n,
+            steps: t.steps,
+            total_s: t.total_us * 1e-6,
+            output_tokens,
+            output_tok_s: if t.total_us > 0.0 {
+                output_tokens as f64 / (t.total_us * 1e-6)
+            } else {
+                0.0
+            },
+            decode_steps: t.decode_steps,
+            decode_tok_s: (t.decode_us > 0.0)
+                .then(|| t.decode_tokens as f64 / (t.decode_us * 1e-6)),
+            mean_decode_step_us: per_step(t.decode_us),
+            mean_decode_rows: per_step(t.decode_rows as f64),
+            mean_decode_reqs: per_step(t.decode_reqs as f64),
+            terms_us: t.terms,
+            decode_terms_us: t.decode_terms,
+        }
+    }
 }
 
 /// One real-engine leg's measurements (vLLM's spec-decode definitions).

@@ -35,8 +35,11 @@ use speclab_schedulers::{AdmissionPolicy, FcfsScheduler, RequestSpec, SchedulerC
 
 use crate::bounds::{self, ProbeCtx};
 use crate::manifest::{cap_name, Leg, Manifest, PolicyName};
+use crate::manifest_cost::acceptance_rates;
 use crate::real_run::RealRunner;
-use crate::record::{self, AdmissionRecord, LegRecord, LegStatus, RunRecord, SpecRecord};
+use crate::record::{
+    self, AdmissionRecord, LegRecord, LegStatus, RunRecord, SimTimeRecord, SpecRecord,
+};
 use crate::{ExperimentError, Result};
 
 /// Progress events for a UI.
@@ -332,6 +335,7 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
         note: None,
         wall_ms: 0.0,
         real: None,
+        sim_time: None,
         concurrency: None,
     };
     let drafter = m.drafter_for(leg);
@@ -396,9 +400,17 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
         // A swept N uses the first N acceptance rates (positions beyond N are never drafted).
         let n = drafter.drafts_per_step() as usize;
         let acc = AcceptanceModel {
-            per_position: m.acceptance.iter().copied().take(n).collect(),
+            per_position: acceptance_rates(m, Path::new(&format!("manifest {}", m.name)))?
+                .into_iter()
+                .take(n)
+                .collect(),
         };
         let mut exec = SimExecutor::new(m.seed, acc);
+        if let Some(c) = &m.cost {
+            exec = exec
+                .with_cost(c.clone(), drafter.drafts_per_step())
+                .map_err(|e| ExperimentError::engine(format!("{ctxs}: cost"), e))?;
+        }
         let mut conc = record::ConcurrencyCounter::default();
         let run = run_sim_stats(
             &mut kv,
@@ -414,6 +426,9 @@ pub fn run_leg(m: &Manifest, leg: &Leg, progress: &mut dyn Progress) -> Result<L
         )
         .map_err(|e| ExperimentError::engine(ctxs.clone(), e))?;
         fill_from_sim(&mut lr, leg, &run, &group_names);
+        lr.sim_time = exec
+            .sim_time()
+            .map(|t| SimTimeRecord::of(t, drafter.num_speculative_tokens, run.output_tokens));
         if m.measure.concurrency {
             lr.concurrency = Some(conc.record());
         }

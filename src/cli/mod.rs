@@ -12,6 +12,7 @@ pub mod out;
 
 pub mod bench;
 pub mod bench_e2e;
+pub mod cost;
 pub mod generate;
 pub mod kv;
 pub mod model;
@@ -50,6 +51,11 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// Check that greedy output with a drafter equals the output without it, token for token.
     VerifyLossless(generate::VerifyLosslessArgs),
+    /// The step-cost model: fit it to GPU bench records, expert overlap.
+    Cost {
+        #[command(subcommand)]
+        command: cost::CostCommand,
+    },
     /// Side-by-side benchmarks against the reference implementations.
     Bench {
         #[command(subcommand)]
@@ -66,6 +72,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bounds(a) => run::bounds(a),
         Command::Findings(a) => run::findings(a),
         Command::Bench { command } => bench::run(command),
+        Command::Cost { command } => cost::run(command),
         Command::Generate(a) => generate::generate(a),
         Command::VerifyLossless(a) => generate::verify(a),
         Command::InitModel(a) => model::init_model(a),

@@ -1,0 +1,680 @@
+//! Fitting the step-cost model ([`speclab_engine::cost`]) to GPU bench records.
+//!
+//! What it reads (serde structs tolerant of extra fields): the `gpu-check` record of
+//! `recipes/gpu_check.sh` (`timing: [{batch, graphs, us_per_step, tok_per_s,
+//! kernels_per_step}]`, `copy_gb_s`, `weight_bytes`), the `bench-e2e` record of
+//! `speclab bench e2e` (`rows: [{drafter, num_spec, concurrency, graphs, decode_tok_s,
+//! us_per_step, kernels_per_step, verify_rows_per_step, experts_touched_mean}]`) and the
+//! `bench-moe` record of `speclab bench moe` (`rows: [{m, us, experts_touched, bytes}]`).
+//!
+//! The fit: every step row is `us = bytes / copy_gb_s + theta . features` with the
+//! bandwidth term fixed by the record's own measured copy bandwidth (weights streamed:
+//! dense bytes + distinct experts x MoE layers x expert bytes) and `theta >= 0` fitted
+//! by non-negative least squares on relative residuals ([`speclab_engine::cost::fit::nnls`]) over the columns
+//! [`PARAMS`]: us per target kernel inside CUDA graphs, us per target kernel launched
+//! eagerly, us per verified row, us per distinct expert per MoE layer, a fixed us of one
+//! isolated MoE-layer call (bench-moe rows only), and us per drafter kernel (bench-e2e:
+//! `kernels_per_step` less the target's, the no-drafter rows' count; the drafter's
+//! forwards are small and launch-bound). Rows whose drafter runs on the host (DFlash2 in
+//! the first bench-e2e record: its draft time is not device kernels) are left out
+//! ([`HOST_DRAFTERS`]). Experts touched come from the record when it
+//! has them, else from the uniform overlap model at the row's batch
+//! ([`speclab_engine::cost::overlap`]). Held-out rows (by batch / concurrency value, or
+//! leave-one-batch-out) are predicted by a fit on the other rows; tok/s is predicted at
+//! the measured tokens per step.
+//!
+//! Caveat: a bench-moe row's `m` shares the `row_us` column with the step rows' verified
+//! rows, so a joint fit of both kinds assumes one MoE layer's per-row cost is the whole
+//! forward's; fit bench-moe alone to read its own per-row cost.
+//!
+//! Invariants: a row is never in the fit that predicts it; residuals are `predicted -
+//! measured` over measured; nothing here panics on a malformed record (it is an error
+//! naming the file and the field).
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use speclab_engine::cost::fit::{dot, nnls};
+use speclab_engine::cost::Routing;
+
+use crate::{ExperimentError, Result};
+
+/// Names of the fitted parameters (columns of the feature matrix), in order.
+pub const PARAMS: [&str; 6] = [
+    "launch_graphs_us",
+    "launch_eager_us",
+    "row_us",
+    "expert_us",
+    "moe_call_us",
+    "drafter_kernel_us",
+];
+
+/// Drafters whose bench-e2e rows are left out of the fit: they draft on the host in the
+/// records so far (cuda/README.md: DFlash2 on the device is missing), so their step time
+/// is not a function of device kernels.
+pub const HOST_DRAFTERS: [&str; 2] = ["dflash2", "dflash1"];
+
+/// A bench record, any of the three kinds (extra fields ignored).
+#[derive(Debug, Clone, Deserialize)]
+pub struct BenchRecord {
+    #[serde(default)]
+    pub kind: String,
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    pub copy_gb_s: Option<f64>,
+    #[serde(default)]
+    pub weight_bytes: Option<f64>,
+    /// gpu-check decode timings (an array; bench-moe has a description string here).
+    #[serde(default)]
+    pub timing: serde_json::Value,
+    /// `"moe"` in `speclab bench moe` records (which have no `kind`).
+    #[serde(default)]
+    pub bench: Option<String>,
+    /// bench-moe: the benched shape (`experts`, `topk`) and bytes of one expert.
+    #[serde(default)]
+    pub config: Option<serde_json::Value>,
+    #[serde(default)]
+    pub expert_bytes_each: Option<f64>,
+    /// bench-e2e or bench-moe rows (told apart by `kind`).
+    #[serde(default)]
+    pub rows: Vec<serde_json::Value>,
+}
+
+/// One decode timing of `gpu-check`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct GpuCheckRow {
+    pub batch: u64,
+    pub graphs: bool,
+    pub us_per_step: f64,
+    pub kernels_per_step: f64,
+}
+
+/// One row of `bench-e2e`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct E2eRow {
+    pub drafter: String,
+    #[serde(default)]
+    pub num_spec: u64,
+    pub concurrency: u64,
+    pub graphs: bool,
+    pub decode_tok_s: f64,
+    pub us_per_step: f64,
+    pub kernels_per_step: f64,
+    #[serde(default)]
+    pub verify_rows_per_step: Option<f64>,
+    #[serde(default)]
+    pub experts_touched_mean: Option<f64>,
+}
+
+/// One row of `bench-moe`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct MoeRow {
+    pub m: u64,
+    #[serde(default)]
+    pub routing: Option<String>,
+    /// The routed-expert kernels' time (`experts_us` in `speclab bench moe`).
+    #[serde(alias = "experts_us")]
+    pub us: f64,
+    #[serde(alias = "distinct_experts")]
+    pub experts_touched: f64,
+    #[serde(alias = "bytes_read")]
+    pub bytes: f64,
+}
+
+/// The MoE shape of the benched model, from its `config.json` and the record's bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct FitShape {
+    /// Bytes of non-routed weights read per forward.
+    pub dense_bytes: f64,
+    /// Bytes of one W4A16 routed expert (3 matrices, packed int4 + bf16 group-128 scales).
+    pub expert_bytes: f64,
+    pub moe_layers: u32,
+    pub experts: u32,
+    pub top_k: u32,
+}
+
+#[derive(Deserialize)]
+struct ConfigKeys {
+    hidden_size: u64,
+    moe_intermediate_size: u64,
+    n_routed_experts: u32,
+    num_experts_per_tok: u32,
+    num_hidden_layers: u32,
+    #[serde(default)]
+    first_k_dense_replace: u32,
+}
+
+impl FitShape {
+    /// From `<model>/config.json` (HF keys of GLM / DeepSeek-V3 configs) and the
+    /// checkpoint's weight bytes (dense = weight bytes - every routed expert).
+    pub fn from_config(model_dir: &Path, weight_bytes: f64) -> Result<Self> {
+        let p = model_dir.join("config.json");
+        let text = std::fs::read_to_string(&p).map_err(|e| ExperimentError::io(&p, e))?;
+        let c: ConfigKeys = serde_json::from_str(&text).map_err(|e| ExperimentError::Parse {
+            path: p.clone(),
+            at: format!("line {}", e.line()),
+            msg: e.to_string(),
+        })?;
+        let ih = (c.hidden_size * c.moe_intermediate_size) as f64;
+        // int4 = 0.5 B per weight; one bf16 scale per 128 weights = 1/64 B per weight.
+        let expert_bytes = 3.0 * ih * (0.5 + 2.0 / 128.0);
+        let moe_layers = c.num_hidden_layers.saturating_sub(c.first_k_dense_replace);
+        let routed = expert_bytes * f64::from(moe_layers * c.n_routed_experts);
+        Ok(Self {
+            dense_bytes: (weight_bytes - routed).max(0.0),
+            expert_bytes,
+            moe_layers,
+            experts: c.n_routed_experts,
+            top_k: c.num_experts_per_tok,
+        })
+    }
+}
+
+/// One measured row in the fit's terms.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FitRow {
+    /// Which record and row (`gpu-check b=8 graphs`, `e2e mtp n=2 c=8 graphs`, `moe m=4`).
+    pub label: String,
+    pub source: String,
+    /// Batch / concurrency / m: the hold-out key.
+    pub batch: u64,
+    pub measured_us: f64,
+    /// The fixed bandwidth term (us) and the features of [`PARAMS`].
+    pub bytes_us: f64,
+    pub features: Vec<f64>,
+    /// Measured tok/s (None for bench-moe rows).
+    pub measured_tok_s: Option<f64>,
+    /// Distinct experts per MoE layer used (measured or uniform model).
+    pub experts_per_layer: f64,
+}
+
+fn parse_err(path: &Path, field: String, e: serde_json::Error) -> ExperimentError {
+    ExperimentError::Invalid {
+        path: path.to_path_buf(),
+        field,
+        msg: format!(
+            "{e} (expected the field names of the record kind, see speclab cost fit --help)"
+        ),
+    }
+}
+
+/// What the rows of one record need besides the record.
+struct RowCtx<'a> {
+    path: &'a Path,
+    shape: &'a FitShape,
+    bw: f64,
+    /// Kernels of the target's forward (bench-e2e: the no-drafter rows' count).
+    target_kernels: f64,
+}
+
+impl RowCtx<'_> {
+    fn step_row(&self, label: String, batch: u64, us: f64, experts: f64, f: [f64; 4]) -> FitRow {
+        let s = self.shape;
+        let bytes = s.dense_bytes + experts * f64::from(s.moe_layers) * s.expert_bytes;
+        let [kernels, graphs, rows, drafter_kernels] = f;
+        FitRow {
+            label,
+            source: self.path.display().to_string(),
+            batch,
+            measured_us: us,
+            bytes_us: bytes / (self.bw * 1e3),
+            features: vec![
+                kernels * graphs,
+                kernels * (1.0 - graphs),
+                rows,
+                experts * f64::from(s.moe_layers),
+                0.0,
+                drafter_kernels,
+            ],
+            measured_tok_s: None,
+            experts_per_layer: experts,
+        }
+    }
+
+    fn uniform(&self, seqs: f64, rows: f64) -> f64 {
+        Routing::UNIFORM.expected_distinct_sr(self.shape.experts, self.shape.top_k, seqs, rows)
+    }
+
+    fn gpu_check(&self, r: &GpuCheckRow) -> FitRow {
+        let b = r.batch as f64;
+        let label = format!("gpu-check b={} {}", r.batch, graph_word(r.graphs));
+        let f = [r.kernels_per_step, f64::from(u8::from(r.graphs)), b, 0.0];
+        let mut row = self.step_row(label, r.batch, r.us_per_step, self.uniform(b, b), f);
+        row.measured_tok_s = Some(b * 1e6 / r.us_per_step);
+        row
+    }
+
+    fn e2e(&self, r: &E2eRow) -> FitRow {
+        let c = r.concurrency as f64;
+        let n = r.num_spec as f64;
+        let verify = r.verify_rows_per_step.unwrap_or(c * (1.0 + n));
+        let experts = r
+            .experts_touched_mean
+            .unwrap_or_else(|| self.uniform(c, verify));
+        let label = format!(
+            "e2e {} n={} c={} {}",
+            r.drafter,
+            r.num_spec,
+            r.concurrency,
+            graph_word(r.graphs)
+        );
+        let target = self.target_kernels.min(r.kernels_per_step);
+        let f = [
+            target,
+            f64::from(u8::from(r.graphs)),
+            verify,
+            r.kernels_per_step - target,
+        ];
+        let mut row = self.step_row(label, r.concurrency, r.us_per_step, experts, f);
+        row.measured_tok_s = Some(r.decode_tok_s);
+        row
+    }
+
+    fn moe(&self, r: &MoeRow) -> FitRow {
+        FitRow {
+            label: format!("moe m={} {}", r.m, r.routing.clone().unwrap_or_default()),
+            source: self.path.display().to_string(),
+            batch: r.m,
+            measured_us: r.us,
+            bytes_us: r.bytes / (self.bw * 1e3),
+            features: vec![0.0, 0.0, r.m as f64, r.experts_touched, 1.0, 0.0],
+            measured_tok_s: None,
+            experts_per_layer: r.experts_touched,
+        }
+    }
+}
+
+fn graph_word(g: bool) -> &'static str {
+    if g {
+        "graphs"
+    } else {
+        "eager"
+    }
+}
+
+/// Load a bench record and turn its rows into fit rows. `shape`: the benched model's
+/// shape (see [`FitShape::from_config`]); None makes it from the record's `model`.
+pub fn load_rows(path: &Path, shape: Option<FitShape>) -> Result<(Vec<FitRow>, FitShape)> {
+    let text = std::fs::read_to_string(path).map_err(|e| ExperimentError::io(path, e))?;
+    let rec: BenchRecord =
+        serde_json::from_str(&text).map_err(|e| parse_err(path, "(record)".into(), e))?;
+    let need = |v: Option<f64>, f: &str| {
+        v.filter(|x| x.is_finite() && *x > 0.0)
+            .ok_or_else(|| ExperimentError::Invalid {
+                path: path.to_path_buf(),
+                field: f.into(),
+                msg: "missing or not a positive number (the fit needs it)".into(),
+            })
+    };
+    let bw = need(rec.copy_gb_s, "copy_gb_s")?;
+    let is_moe = rec.kind == "bench-moe" || rec.bench.as_deref() == Some("moe");
+    let shape = match shape {
+        None if is_moe => moe_shape(&rec),
+        Some(s) => s,
+        None => {
+            let dir = rec.model.clone().unwrap_or_else(|| "models/tiny".into());
+            FitShape::from_config(Path::new(&dir), need(rec.weight_bytes, "weight_bytes")?)?
+        }
+    };
+    let mut ctx = RowCtx {
+        path,
+        shape: &shape,
+        bw,
+        target_kernels: f64::INFINITY,
+    };
+    let timing: Vec<GpuCheckRow> = match &rec.timing {
+        v @ serde_json::Value::Array(_) => {
+            serde_json::from_value(v.clone()).map_err(|e| parse_err(path, "timing".into(), e))?
+        }
+        _ => Vec::new(),
+    };
+    let mut out: Vec<FitRow> = timing.iter().map(|r| ctx.gpu_check(r)).collect();
+    if is_moe {
+        for (i, v) in rec.rows.iter().enumerate() {
+            let r: MoeRow = serde_json::from_value(v.clone())
+                .map_err(|e| parse_err(path, format!("rows[{i}]"), e))?;
+            out.push(ctx.moe(&r));
+        }
+        return Ok((out, shape));
+    }
+    let mut e2e = Vec::new();
+    for (i, v) in rec.rows.iter().enumerate() {
+        let r: E2eRow = serde_json::from_value(v.clone())
+            .map_err(|e| parse_err(path, format!("rows[{i}]"), e))?;
+        e2e.push(r);
+    }
+    ctx.target_kernels = e2e
+        .iter()
+        .filter(|r| r.drafter == "none")
+        .map(|r| r.kernels_per_step)
+        .fold(f64::INFINITY, f64::min);
+    let kept = e2e
+        .iter()
+        .filter(|r| !HOST_DRAFTERS.contains(&r.drafter.as_str()));
+    out.extend(kept.map(|r| ctx.e2e(r)));
+    Ok((out, shape))
+}
+
+/// The shape of a bench-moe record (its `config.shape` and `expert_bytes_each`; no
+/// dense weights: the rows time the routed experts alone).
+fn moe_shape(rec: &BenchRecord) -> FitShape {
+    let sh = rec.config.as_ref().and_then(|c| c.get("shape"));
+    let get = |k: &str| {
+        sh.and_then(|s| s.get(k))
+            .and_then(|v| v.as_u64())
+            .unwrap_or(0) as u32
+    };
+    FitShape {
+        dense_bytes: 0.0,
+        expert_bytes: rec.expert_bytes_each.unwrap_or(0.0),
+        moe_layers: 1,
+        experts: get("experts").max(1),
+        top_k: get("topk").max(1),
+    }
+}
+
+/// Fit [`PARAMS`] on `rows`: NNLS on `measured - bytes_us`, each row weighted by
+/// `1 / measured` so that relative errors are minimised (rows span 0.3 to 60 ms; an
+/// unweighted fit would serve only the slowest).
+pub fn fit(rows: &[&FitRow]) -> Result<Vec<f64>> {
+    let w = |r: &FitRow| 1.0 / r.measured_us.max(1e-9);
+    let x: Vec<Vec<f64>> = rows
+        .iter()
+        .map(|r| r.features.iter().map(|f| f * w(r)).collect())
+        .collect();
+    let y: Vec<f64> = rows
+        .iter()
+        .map(|r| (r.measured_us - r.bytes_us) * w(r))
+        .collect();
+    nnls(&x, &y).map_err(|e| ExperimentError::engine("cost fit", e))
+}
+
+/// Predicted us of a row under parameters `theta`.
+pub fn predict(r: &FitRow, theta: &[f64]) -> f64 {
+    r.bytes_us + dot(&r.features, theta)
+}
+
+/// One row of the fit's report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RowReport {
+    pub label: String,
+    pub source: String,
+    pub batch: u64,
+    pub experts_per_layer: f64,
+    pub measured_us: f64,
+    /// Under the fit on every row.
+    pub predicted_us: f64,
+    pub residual: f64,
+    /// Under the fit that held this row out (None when it was not held out).
+    pub held_out_us: Option<f64>,
+    pub held_out_error: Option<f64>,
+    pub measured_tok_s: Option<f64>,
+    pub held_out_tok_s: Option<f64>,
+}
+
+/// The written record of `speclab cost fit`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FitReport {
+    pub kind: String,
+    pub inputs: Vec<String>,
+    pub shape: FitShape,
+    /// How rows were held out: `leave-one-batch-out` or `batch in [..]`.
+    pub held_out: String,
+    /// Parameters fitted on every row (name, value).
+    pub params: Vec<(String, f64)>,
+    /// Parameters of each held-out fit: (held-out batches, values).
+    pub held_out_params: Vec<(Vec<u64>, Vec<f64>)>,
+    pub rows: Vec<RowReport>,
+    /// Largest |held-out error| over the held-out rows.
+    pub max_abs_held_out_error: Option<f64>,
+    /// Held-out rows, and those predicted within 10% (the issue's goal).
+    pub held_out_rows: usize,
+    pub held_out_within_10pct: usize,
+}
+
+/// Fit on every row, and predict held-out rows: the batches in `hold_out`, or (empty)
+/// each distinct batch value from a fit on the others.
+pub fn fit_report(
+    inputs: &[PathBuf],
+    rows: &[FitRow],
+    shape: FitShape,
+    hold_out: &[u64],
+) -> Result<FitReport> {
+    let all: Vec<&FitRow> = rows.iter().collect();
+    let theta = fit(&all)?;
+    let mut batches: Vec<u64> = rows.iter().map(|r| r.batch).collect();
+    batches.sort_unstable();
+    batches.dedup();
+    let folds: Vec<Vec<u64>> = if hold_out.is_empty() {
+        batches.iter().map(|&b| vec![b]).collect()
+    } else {
+        vec![hold_out.to_vec()]
+    };
+    let mut held: Vec<Option<f64>> = vec![None; rows.len()];
+    let mut held_out_params = Vec::new();
+    for fold in folds {
+        let train: Vec<&FitRow> = rows.iter().filter(|r| !fold.contains(&r.batch)).collect();
+        if train.is_empty() {
+            continue;
+        }
+        let t = fit(&train)?;
+        for (i, r) in rows.iter().enumerate() {
+            if fold.contains(&r.batch) {
+                held[i] = Some(predict(r, &t));
+            }
+        }
+        held_out_params.push((fold, t));
+    }
+    let reports: Vec<RowReport> = rows
+        .iter()
+        .zip(&held)
+        .map(|(r, h)| row_report(r, &theta, *h))
+        .collect();
+    let max_abs_held_out_error = reports
+        .iter()
+        .filter_map(|r| r.held_out_error.map(f64::abs))
+        .reduce(f64::max);
+    let errs: Vec<f64> = reports.iter().filter_map(|r| r.held_out_error).collect();
+    Ok(FitReport {
+        held_out_rows: errs.len(),
+        held_out_within_10pct: errs.iter().filter(|e| e.abs() <= 0.10).count(),
+        kind: "cost-fit".into(),
+        inputs: inputs.iter().map(|p| p.display().to_string()).collect(),
+        shape,
+        held_out: if hold_out.is_empty() {
+            "leave-one-batch-out".into()
+        } else {
+            format!("batch in {hold_out:?}")
+        },
+        params: PARAMS.iter().map(|s| s.to_string()).zip(theta).collect(),
+        held_out_params,
+        rows: reports,
+        max_abs_held_out_error,
+    })
+}
+
+fn row_report(r: &FitRow, theta: &[f64], held: Option<f64>) -> RowReport {
+    let p = predict(r, theta);
+    RowReport {
+        label: r.label.clone(),
+        source: r.source.clone(),
+        batch: r.batch,
+        experts_per_layer: r.experts_per_layer,
+        measured_us: r.measured_us,
+        predicted_us: p,
+        residual: (p - r.measured_us) / r.measured_us,
+        held_out_us: held,
+        held_out_error: held.map(|h| (h - r.measured_us) / r.measured_us),
+        measured_tok_s: r.measured_tok_s,
+        // Same tokens per step: tok/s scales with measured / predicted step time.
+        held_out_tok_s: held
+            .zip(r.measured_tok_s)
+            .map(|(h, t)| t * r.measured_us / h),
+    }
+}
+
+/// Expert overlap measured on a real record: one row per leg with verify rows.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OverlapRow {
+    pub leg: String,
+    pub concurrency: usize,
+    /// Mean verify rows per decode step (over the batch).
+    pub mean_verify_width: f64,
+    /// Measured mean distinct (MoE layer, expert) pairs of a step's verify rows.
+    pub measured: f64,
+    /// The uniform model at the same rows (independent rows).
+    pub uniform: f64,
+    /// The `reuse` that explains the measurement (c = 1 legs with > 1 row).
+    pub fitted_reuse: Option<f64>,
+}
+
+/// The overlap rows of a real record (`mean_verify_experts`, `mean_verify_width` of
+/// each leg); `experts`, `top_k` from the target's config, MoE layers from
+/// `expert_slots / experts`.
+pub fn overlap_rows(rec: &crate::record::RunRecord, experts: u32, top_k: u32) -> Vec<OverlapRow> {
+    let mut out = Vec::new();
+    for l in &rec.legs {
+        let Some(r) = &l.real else { continue };
+        let (Some(w), Some(m)) = (r.mean_verify_width, r.mean_verify_experts) else {
+            continue;
+        };
+        let layers = (r.expert_slots / u64::from(experts.max(1))) as u32;
+        let c = r.concurrency as f64;
+        let uniform =
+            f64::from(layers) * Routing::UNIFORM.expected_distinct_sr(experts, top_k, c, w);
+        let fitted_reuse = (r.concurrency == 1)
+            .then(|| speclab_engine::cost::overlap::fit_reuse(experts, top_k, layers, w, m))
+            .flatten();
+        out.push(OverlapRow {
+            leg: l.id.clone(),
+            concurrency: r.concurrency,
+            mean_verify_width: w,
+            measured: m,
+            uniform,
+            fitted_reuse,
+        });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape() -> FitShape {
+        FitShape {
+            dense_bytes: 2.0e7,
+            expert_bytes: 5.0e4,
+            moe_layers: 7,
+            experts: 16,
+            top_k: 2,
+        }
+    }
+
+    /// A known cost model generates e2e rows; the fit recovers its parameters and
+    /// predicts a held-out concurrency within 1%.
+    #[test]
+    fn fit_recovers_a_known_model_and_predicts_held_out_rows() {
+        let truth = [1.3, 3.9, 4.0, 6.0, 0.0, 7.5];
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("e2e.json");
+        let s = shape();
+        let bw = 2600.0;
+        let mut rows = Vec::new();
+        for (c, n, drafter) in [
+            (1u64, 0u64, "none"),
+            (8, 0, "none"),
+            (32, 0, "none"),
+            (1, 2, "mtp"),
+            (8, 2, "mtp"),
+            (128, 0, "none"),
+        ] {
+            for graphs in [true, false] {
+                let drafter_kernels = 21.0 * (c * n) as f64;
+                let kernels = 129.0 + drafter_kernels;
+                let verify = (c * (1 + n)) as f64;
+                let experts = Routing::UNIFORM.expected_distinct_sr(16, 2, c as f64, verify);
+                let row = RowCtx {
+                    path: &p,
+                    shape: &s,
+                    bw,
+                    target_kernels: 129.0,
+                }
+                .step_row(
+                    String::new(),
+                    c,
+                    0.0,
+                    experts,
+                    [129.0, f64::from(u8::from(graphs)), verify, drafter_kernels],
+                );
+                let us = predict(&row, &truth);
+                rows.push(
+                    serde_json::json!({"drafter": drafter, "num_spec": n, "concurrency": c,
+                    "graphs": graphs, "decode_tok_s": 1.0e6 * c as f64 / us, "us_per_step": us,
+                    "kernels_per_step": kernels, "verify_rows_per_step": verify,
+                    "experts_touched_mean": experts, "speedup_vs_none": null, "extra": 1}),
+                );
+            }
+        }
+        let rec = serde_json::json!({"kind": "bench-e2e", "copy_gb_s": bw, "weight_bytes": 1.0, "rows": rows});
+        std::fs::write(&p, rec.to_string()).unwrap();
+        let (fr, _) = load_rows(&p, Some(s)).unwrap();
+        let rep = fit_report(std::slice::from_ref(&p), &fr, s, &[8]).unwrap();
+        for ((_, got), want) in rep.params.iter().zip(truth) {
+            assert!((got - want).abs() < 1e-6, "{:?}", rep.params);
+        }
+        let err = rep.max_abs_held_out_error.unwrap();
+        assert!(err < 0.01, "held-out error {err}");
+        let held: Vec<&RowReport> = rep
+            .rows
+            .iter()
+            .filter(|r| r.held_out_us.is_some())
+            .collect();
+        assert_eq!(held.len(), 4);
+        assert!(held.iter().all(|r| r.batch == 8));
+    }
+
+    #[test]
+    fn malformed_rows_name_the_file_and_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("bad.json");
+        std::fs::write(
+            &p,
+            r#"{"kind": "bench-e2e", "copy_gb_s": 100, "rows": [{"drafter": "none"}]}"#,
+        )
+        .unwrap();
+        let e = load_rows(&p, Some(shape())).unwrap_err().to_string();
+        assert!(e.contains("bad.json") && e.contains("rows[0]"), "{e}");
+        std::fs::write(&p, r#"{"kind": "gpu-check", "timing": []}"#).unwrap();
+        let e = load_rows(&p, Some(shape())).unwrap_err().to_string();
+        assert!(e.contains("copy_gb_s"), "{e}");
+    }
+
+    /// bench-moe rows: us = bytes / bw + experts x expert_us + m x row_us + a fixed call.
+    #[test]
+    fn moe_rows_fit_their_own_terms() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("moe.json");
+        let bw = 3000.0;
+        let rows: Vec<serde_json::Value> = [1u64, 4, 16, 64]
+            .iter()
+            .map(|&m| {
+                let experts = Routing::UNIFORM.expected_distinct_sr(288, 8, m as f64, m as f64);
+                let bytes = experts * 1.3e7;
+                let us = bytes / (bw * 1e3) + 0.5 * experts + 0.1 * m as f64 + 9.0;
+                serde_json::json!({"m": m, "routing": "uniform", "us": us,
+                    "experts_touched": experts, "bytes": bytes, "gb_s": 1.0})
+            })
+            .collect();
+        let rec = serde_json::json!({"kind": "bench-moe", "copy_gb_s": bw, "rows": rows});
+        std::fs::write(&p, rec.to_string()).unwrap();
+        let (fr, s) = load_rows(&p, Some(shape())).unwrap();
+        assert_eq!(fr.len(), 4);
+        let rep = fit_report(std::slice::from_ref(&p), &fr, s, &[]).unwrap();
+        let get = |k: &str| rep.params.iter().find(|(n, _)| n == k).unwrap().1;
+        assert!((get("expert_us") - 0.5).abs() < 1e-6, "{:?}", rep.params);
+        assert!((get("moe_call_us") - 9.0).abs() < 1e-6);
+        assert!((get("row_us") - 0.1).abs() < 1e-6);
+    }
+}
