@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Nsight Compute counters of the INT4 MoE kernels at GLM-5.3-Flash shapes (issue 12's
+# "what limits each regime"): moe_gate_up_w4 / moe_down_w4 at M = 1 and M = 16 (uniform
+# routing), SpeedOfLight + Occupancy + WarpStateStats + MemoryWorkloadAnalysis, clocks left
+# alone (--clock-control none). Reports into $OUT/ncu_m*.txt.
+#
+#   here:    bash recipes/gpu_check.sh --build
+#   device:  run(command="bash recipes/moe_ncu.sh", carry=["target/gpu-check"], timeout_s=400)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/moe-ncu-out}"
+mkdir -p "$OUT"
+for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu; do
+  [ -d "$d" ] && ls "$d"/libcuda.so* >/dev/null 2>&1 && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && break
+done
+NVRTC=$(find /usr/local/cuda/lib64 /usr/local/cuda*/lib64 /usr/local/cuda*/targets -name 'libnvrtc.so*' \
+  -not -name '*builtins*' -not -name '*alt*' 2>/dev/null | head -1 || true)
+[ -n "$NVRTC" ] && export LD_LIBRARY_PATH="$(dirname "$NVRTC"):$LD_LIBRARY_PATH"
+export SPECLAB_KERNEL_CACHE=/tmp/speclab-kernel-cache
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+[ -n "$NCU" ] || { echo "no ncu"; exit 3; }
+for m in 1 16; do
+  timeout 170 "$NCU" --clock-control none -k regex:'moe_.*_w4' -c 2 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+    target/gpu-check/speclab bench moe --m $m --routing uniform --iters 1 --copies 1 --check-pairs 8 \
+    --out /tmp/ncu-m$m.json > "$OUT/ncu_m$m.txt" 2>&1
+  echo "M=$m ncu exit $?"
+  grep -E "moe_|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Warp Cycles Per Issued|Stall|One or More Eligible|L2 Hit" "$OUT/ncu_m$m.txt" | head -60
+done
