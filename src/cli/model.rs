@@ -313,19 +313,27 @@ pub struct EvalPplArgs {
     /// Use only the first N sequences.
     #[arg(long)]
     pub limit: Option<usize>,
+    /// Where the model runs: the CPU reference or the CUDA engine.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: super::generate::DeviceArg,
     #[arg(long)]
     pub json: bool,
 }
 
-/// Mean next-token cross-entropy (nats) of a model over sequences (teacher forcing, f32).
-pub fn eval_ce(weights: &ModelWeights, seqs: &[Vec<u32>]) -> anyhow::Result<(f64, u64, f64)> {
+/// Mean next-token cross-entropy (nats) of a model over sequences (teacher forcing, f32),
+/// with the target on `backend` (the CPU reference or the CUDA engine).
+pub fn eval_ce(
+    weights: &ModelWeights,
+    seqs: &[Vec<u32>],
+    backend: &dyn speclab_engine::backend::BackendFactory,
+) -> anyhow::Result<(f64, u64, f64)> {
     use speclab_engine::kv::{AllocOutcome, KvCacheManager};
-    use speclab_engine::model::{ModelRunner, SeqChunk};
+    use speclab_engine::model::{ForwardOptions, SeqChunk};
     use speclab_engine::ReqSlot;
     let cfg = &weights.cfg;
     let longest = seqs.iter().map(Vec::len).max().unwrap_or(1) as u32;
     let mut kv = KvCacheManager::from_layout(&cfg.kv_layout(16, 0, longest.div_ceil(16) + 8)?)?;
-    let mut runner = ModelRunner::new(weights.clone(), &kv)?;
+    let mut runner = backend.build(weights, &kv)?;
     let v = cfg.vocab_size;
     let (mut nll, mut n, mut correct) = (0f64, 0u64, 0u64);
     for (i, s) in seqs.iter().enumerate() {
@@ -349,6 +357,7 @@ pub fn eval_ce(weights: &ModelWeights, seqs: &[Vec<u32>]) -> anyhow::Result<(f64
                 start_pos: 0,
                 snapshot: false,
             }],
+            &ForwardOptions::default(),
         )?;
         for t in 0..s.len() - 1 {
             let row = &out.logits[t * v..(t + 1) * v];
@@ -396,8 +405,13 @@ pub fn eval_ppl(a: EvalPplArgs) -> anyhow::Result<ExitCode> {
     for m in &a.models {
         let w = ModelWeights::load(m).with_context(|| format!("loading {}", m.display()))?;
         let t0 = std::time::Instant::now();
+        let cuda = speclab_cuda::CudaFactory::default();
+        let backend: &dyn speclab_engine::backend::BackendFactory = match a.device {
+            super::generate::DeviceArg::Cpu => &speclab_engine::backend::CpuBackend,
+            super::generate::DeviceArg::Cuda => &cuda,
+        };
         let (ce, n, top1) =
-            eval_ce(&w, &seqs).with_context(|| format!("evaluating {}", m.display()))?;
+            eval_ce(&w, &seqs, backend).with_context(|| format!("evaluating {}", m.display()))?;
         if !ce.is_finite() {
             bail!(
                 "{}: cross-entropy is {ce}: the checkpoint's weights give non-finite logits (NaN or inf weights?)",
@@ -407,6 +421,7 @@ pub fn eval_ppl(a: EvalPplArgs) -> anyhow::Result<ExitCode> {
         let row = serde_json::json!({
             "model": m, "quantized": w.cfg.quantization_config.is_some(), "ce_nats": ce, "ppl": ce.exp(),
             "top1": top1, "positions": n, "seconds": t0.elapsed().as_secs_f64(),
+            "device": format!("{:?}", a.device).to_lowercase(),
         });
         if !a.json {
             outln!(
