@@ -89,3 +89,29 @@ fn a_cuda_manifest_without_a_gpu_is_a_clean_error() {
     assert!(!err.contains("panicked"), "stderr: {err}");
     assert!(!rec.exists(), "no record for a run that never started");
 }
+
+#[test]
+fn eval_ppl_device_cuda_without_a_gpu_is_a_clean_error() {
+    if speclab_cuda::device::skip_reason().is_none() {
+        eprintln!("skipping: a CUDA device is present (covered by recipes/eval_ppl_cuda.sh)");
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_speclab"))
+        .args([
+            "eval-ppl",
+            "models/tiny",
+            "--data",
+            "models/tiny/data.safetensors",
+            "--limit",
+            "1",
+            "--device",
+            "cuda",
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run speclab");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "stderr: {err}");
+    assert!(err.contains("CUDA device unavailable"), "stderr: {err}");
+    assert!(!err.contains("panicked"), "stderr: {err}");
+}
