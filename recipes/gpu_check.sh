@@ -26,15 +26,8 @@ OUT="${OUT:-/tmp/gpu-check-out}"
 mkdir -p "$OUT"
 [ -x "$BIN" ] || { echo "missing $BIN: run 'bash recipes/gpu_check.sh --build' here and carry target/gpu-check"; exit 3; }
 
-# libcuda (driver) and libnvrtc (CUDA 13.0 toolkit, or the pip wheel of the image's python).
-for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu; do
-  [ -d "$d" ] && ls "$d"/libcuda.so* >/dev/null 2>&1 && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && break
-done
-NVRTC=$(find /usr/local/cuda/lib64 /usr/local/cuda*/lib64 /usr/local/cuda*/targets /opt /usr/lib/python3*/ /usr/local/lib/python3*/ \
-  -name 'libnvrtc.so*' -not -name '*builtins*' -not -name '*alt*' 2>/dev/null | head -1 || true)
-[ -n "$NVRTC" ] && export LD_LIBRARY_PATH="$(dirname "$NVRTC"):$LD_LIBRARY_PATH"
+source recipes/cuda_env.sh
 echo "libnvrtc: ${NVRTC:-not found}"
-export SPECLAB_KERNEL_CACHE=/tmp/speclab-kernel-cache
 nvidia-smi -L || true
 set -o pipefail
 # The step loop end to end (scheduler + MTP drafter + CUDA target): greedy output of

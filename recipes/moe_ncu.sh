@@ -10,13 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/moe-ncu-out}"
 mkdir -p "$OUT"
-for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu; do
-  [ -d "$d" ] && ls "$d"/libcuda.so* >/dev/null 2>&1 && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && break
-done
-NVRTC=$(find /usr/local/cuda/lib64 /usr/local/cuda*/lib64 /usr/local/cuda*/targets -name 'libnvrtc.so*' \
-  -not -name '*builtins*' -not -name '*alt*' 2>/dev/null | head -1 || true)
-[ -n "$NVRTC" ] && export LD_LIBRARY_PATH="$(dirname "$NVRTC"):$LD_LIBRARY_PATH"
-export SPECLAB_KERNEL_CACHE=/tmp/speclab-kernel-cache
+source recipes/cuda_env.sh
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 [ -n "$NCU" ] || { echo "no ncu"; exit 3; }
 for m in 1 16; do

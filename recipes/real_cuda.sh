@@ -13,13 +13,7 @@ FINAL="${OUT:-/tmp/real-cuda-out}"
 mkdir -p "$FINAL"
 # Records bring lock and timing files: everything goes to one archive (8 files come back).
 OUT=$(mktemp -d)
-for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu; do
-  [ -d "$d" ] && ls "$d"/libcuda.so* >/dev/null 2>&1 && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && break
-done
-NVRTC=$(find /usr/local/cuda/lib64 /usr/local/cuda*/lib64 /usr/local/cuda*/targets -name 'libnvrtc.so*' \
-  -not -name '*builtins*' -not -name '*alt*' 2>/dev/null | head -1 || true)
-[ -n "$NVRTC" ] && export LD_LIBRARY_PATH="$(dirname "$NVRTC"):$LD_LIBRARY_PATH"
-export SPECLAB_KERNEL_CACHE=/tmp/speclab-kernel-cache
+source recipes/cuda_env.sh
 BIN=target/gpu-check/speclab
 rc=0
 for m in df2w-real-above-fixed df2w-real-above-none df2w-real-below-none quality-spot; do

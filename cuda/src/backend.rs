@@ -77,6 +77,25 @@ pub struct HostTimes {
     pub calls: u64,
 }
 
+/// Capture the launches `body` issues on the GPU's stream as a CUDA graph; returns it and
+/// the kernels it holds. Captured launches do not execute, so they are taken back from
+/// [`ops::KERNELS`] (a replay adds them again).
+fn capture(gpu: &Gpu, body: impl FnOnce() -> Result<()>) -> Result<(CudaGraph, u64)> {
+    let k0 = ops::kernels_executed();
+    gpu.stream
+        .begin_capture(CUstreamCaptureMode_enum::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(|e| CudaError::driver("begin_capture", e))?;
+    let ran = body();
+    let ended = gpu.stream.end_capture(CUgraphInstantiate_flags_enum(0));
+    let captured = ops::kernels_executed() - k0;
+    ops::KERNELS.fetch_sub(captured, std::sync::atomic::Ordering::Relaxed);
+    ran?;
+    let graph = ended
+        .map_err(|e| CudaError::driver("end_capture", e))?
+        .ok_or_else(|| CudaError::driver("end_capture", "no graph was captured"))?;
+    Ok((graph, captured))
+}
+
 /// Longest chunk of a step that is captured as a graph: decode and verify chunks
 /// (1 + N tokens) are; a prefill chunk's shape rarely repeats, so it runs eagerly.
 pub const GRAPH_MAX_CHUNK: usize = 16;
@@ -451,20 +470,7 @@ impl CudaBackend {
 
     fn replay(&mut self, key: GraphKey, m: &StepMeta, kind: StepKind) -> Result<()> {
         if !self.graphs.contains_key(&key) {
-            let stream = self.gpu.stream.clone();
-            let k0 = ops::kernels_executed();
-            stream
-                .begin_capture(CUstreamCaptureMode_enum::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .map_err(|e| CudaError::driver("begin_capture", e))?;
-            let ran = self.run(m, kind);
-            let ended = stream.end_capture(CUgraphInstantiate_flags_enum(0));
-            // Captured launches did not execute: count them when the graph is replayed.
-            let captured = ops::kernels_executed() - k0;
-            ops::KERNELS.fetch_sub(captured, std::sync::atomic::Ordering::Relaxed);
-            ran?;
-            let graph = ended
-                .map_err(|e| CudaError::driver("end_capture", e))?
-                .ok_or_else(|| CudaError::driver("end_capture", "no graph was captured"))?;
+            let (graph, captured) = capture(&self.gpu, || self.run(m, kind))?;
             graph
                 .upload()
                 .map_err(|e| CudaError::driver("graph upload", e))?;
@@ -497,15 +503,7 @@ impl CudaBackend {
         burst(2000)?;
         self.gpu.sync()?;
         let eager = t0.elapsed().as_secs_f64() * 1e6 / 2000.0;
-        st.begin_capture(CUstreamCaptureMode_enum::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| CudaError::driver("begin_capture", e))?;
-        let ran = burst(200);
-        let ended = st.end_capture(CUgraphInstantiate_flags_enum(0));
-        ops::KERNELS.fetch_sub(200, std::sync::atomic::Ordering::Relaxed);
-        ran?;
-        let g = ended
-            .map_err(|e| CudaError::driver("end_capture", e))?
-            .ok_or_else(|| CudaError::driver("end_capture", "no graph was captured"))?;
+        let (g, _) = capture(&self.gpu, || burst(200))?;
         g.launch()
             .map_err(|e| CudaError::driver("graph launch", e))?;
         self.gpu.sync()?;

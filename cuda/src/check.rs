@@ -142,6 +142,23 @@ fn tol(out: &mut Vec<CheckLine>, name: impl Into<String>, e: f32) {
     line(out, name, e as f64, TOLERANCE as f64);
 }
 
+/// Two lines: the GPU logits against the CPU's (`names[0]`, docs/model.md tolerance) and
+/// the on-device greedy ids against the CPU logits' argmax (`names[1]`, must be 0).
+fn against_cpu(
+    out: &mut Vec<CheckLine>,
+    names: [&str; 2],
+    gpu: &[f32],
+    cpu: &[f32],
+    greedy: &[u32],
+    v: usize,
+) {
+    tol(out, names[0], rel_err(gpu, cpu));
+    let miss = (0..greedy.len())
+        .filter(|&r| cpu.get(r * v..(r + 1) * v).map(|row| argmax(row) as u32) != Some(greedy[r]))
+        .count();
+    line(out, names[1], miss as f64, 0.0);
+}
+
 /// Parity of the CUDA engine on `dir` (models/tiny): prefill (logits, hidden, per-layer
 /// hidden, router), the goldens, MTP, 16 greedy decode steps (eager forward and the
 /// on-device greedy with graphs), and a snapshot verify + commit_state rollback.
@@ -396,20 +413,11 @@ impl Rig {
         let gg = self
             .greedy
             .forward_greedy(&self.kv, &batch, LogitsRows::All)?;
-        tol(
-            out,
+        let names = [
             "verify (snapshot) logits vs CPU",
-            rel_err(&g.logits, &c.logits),
-        );
-        let miss = (0..gg.len())
-            .filter(|&r| gg[r] != argmax(&c.logits[r * v..(r + 1) * v]) as u32)
-            .count();
-        line(
-            out,
             "verify greedy rows differing from CPU (graphs)",
-            miss as f64,
-            0.0,
-        );
+        ];
+        against_cpu(out, names, &g.logits, &c.logits, &gg, v);
         let accepted = [1usize, 0, 3];
         let mut after = Vec::new();
         for i in 0..toks.len() {
@@ -431,20 +439,11 @@ impl Rig {
         let gg = self
             .greedy
             .forward_greedy(&self.kv, &batch, LogitsRows::LastPerChunk)?;
-        tol(
-            out,
+        let names = [
             "decode after commit_state rollback: logits vs CPU",
-            rel_err(&g.logits, &c.logits),
-        );
-        let miss = (0..gg.len())
-            .filter(|&r| gg[r] != argmax(&c.logits[r * v..(r + 1) * v]) as u32)
-            .count();
-        line(
-            out,
             "decode after rollback: greedy differing from CPU (graphs)",
-            miss as f64,
-            0.0,
-        );
+        ];
+        against_cpu(out, names, &g.logits, &c.logits, &gg, v);
         Ok(())
     }
 }

@@ -146,10 +146,10 @@ pub struct Linear<'a> {
     pub accumulate: bool,
 }
 
-/// Kernel `linear_bf16`.
-pub fn linear(g: &Gpu, a: &Linear<'_>) -> Result<()> {
-    launch::check_gemm_operands(a.k, a.x.stride, a.x.off % a.x.stride.max(1), "linear_bf16")?;
-    let args = [
+/// The arguments `linear_bf16` and `linear_norm_bf16` share (the GEMM's operands).
+fn linear_args(a: &Linear<'_>, what: &str) -> Result<Vec<Arg>> {
+    launch::check_gemm_operands(a.k, a.x.stride, a.x.off % a.x.stride.max(1), what)?;
+    Ok(vec![
         a.y.arg(a.m, a.n, "linear y")?,
         int(a.y.stride, "y stride")?,
         a.x.arg(a.m, a.k, "linear x")?,
@@ -159,7 +159,12 @@ pub fn linear(g: &Gpu, a: &Linear<'_>) -> Result<()> {
         int(a.n, "N")?,
         int(a.k, "K")?,
         Arg::I(i32::from(a.accumulate)),
-    ];
+    ])
+}
+
+/// Kernel `linear_bf16`.
+pub fn linear(g: &Gpu, a: &Linear<'_>) -> Result<()> {
+    let args = linear_args(a, "linear_bf16")?;
     // SAFETY: y spans (M-1)*y_stride + N, x spans (M-1)*x_stride + K, W spans N*K
     // elements, all checked by `ptr`; the kernel touches y[m*ys + n], x[m*xs + k],
     // W[n*K + k] for m < M, n < N, k < K (K % 8 == 0 and 16-byte alignment checked).
@@ -176,20 +181,9 @@ pub fn linear(g: &Gpu, a: &Linear<'_>) -> Result<()> {
 /// `y (+)= rmsnorm(x, norm, eps) @ W^T` in one kernel (`linear_norm_bf16`): the input
 /// norm fused into the projection that is its only consumer. `norm`: Shape [k] f32.
 pub fn linear_norm(g: &Gpu, a: &Linear<'_>, norm: &DevBuf<f32>, eps: f32) -> Result<()> {
-    launch::check_gemm_operands(a.k, a.x.stride, a.x.off % a.x.stride.max(1), "linear_norm")?;
-    let args = [
-        a.y.arg(a.m, a.n, "linear y")?,
-        int(a.y.stride, "y stride")?,
-        a.x.arg(a.m, a.k, "linear x")?,
-        int(a.x.stride, "x stride")?,
-        ptr(a.w, 0, a.n * a.k, "linear W")?,
-        int(a.m, "M")?,
-        int(a.n, "N")?,
-        int(a.k, "K")?,
-        Arg::I(i32::from(a.accumulate)),
-        ptr(norm, 0, a.k, "linear norm weight")?,
-        Arg::F(eps),
-    ];
+    let mut args = linear_args(a, "linear_norm_bf16")?;
+    args.push(ptr(norm, 0, a.k, "linear norm weight")?);
+    args.push(Arg::F(eps));
     // SAFETY: as `linear`, plus g [K] checked; the kernel reads g[k] for k < K.
     unsafe {
         launch(

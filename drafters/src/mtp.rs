@@ -120,10 +120,10 @@ impl Drafter for Mtp {
                 step.backend.mtp_forward(step.kv, &chunks, &opts)?
             };
             for (c, l) in live.iter_mut().enumerate() {
-                l.draft = greedy_row(&o, c, v);
+                l.draft = greedy_row(&o, c, v)?;
                 out[l.req].tokens.push(l.draft);
                 if !last {
-                    l.prev = o.hidden[c * h..(c + 1) * h].to_vec();
+                    l.prev = hidden_row(&o, c, h)?.to_vec();
                 }
                 l.pos += 1;
             }
@@ -198,14 +198,14 @@ impl Mtp {
             if want == 0 {
                 continue;
             }
-            let draft = greedy_row(&o, c, v);
+            let draft = greedy_row(&o, c, v)?;
             out[i].tokens.push(draft);
             if want > 1 {
                 live.push(Live {
                     req: i,
                     want,
                     draft,
-                    prev: o.hidden[(end - 1) * h..end * h].to_vec(),
+                    prev: hidden_row(&o, end - 1, h)?.to_vec(),
                     pos: r.start_pos + r.rows.len(),
                 });
             }
@@ -248,10 +248,25 @@ fn committed_chunk<'f>(
 }
 
 /// The greedy token of logits row `row` of an MTP output: the backend's argmax id when
-/// it gave them, else the argmax of that row's logits (the same first maximum).
-fn greedy_row(out: &speclab_engine::model::MtpOut, row: usize, vocab: usize) -> u32 {
-    match out.argmax.as_deref() {
-        Some(ids) if row < ids.len() => ids[row],
-        _ => argmax(&out.logits[row * vocab..(row + 1) * vocab]) as u32,
+/// it gave them, else the argmax of that row's logits (the same first maximum); an error
+/// when the backend returned neither for that row.
+fn greedy_row(out: &speclab_engine::model::MtpOut, row: usize, vocab: usize) -> Result<u32> {
+    if let Some(&id) = out.argmax.as_deref().and_then(|ids| ids.get(row)) {
+        return Ok(id);
     }
+    out.logits
+        .get(row * vocab..(row + 1) * vocab)
+        .map(|l| argmax(l) as u32)
+        .ok_or_else(|| {
+            bad(format!(
+                "the MTP pass returned no logits or argmax for row {row}"
+            ))
+        })
+}
+
+/// Row `row` of an MTP output's hidden states. Shape: [H].
+fn hidden_row(out: &speclab_engine::model::MtpOut, row: usize, h: usize) -> Result<&[f32]> {
+    out.hidden
+        .get(row * h..(row + 1) * h)
+        .ok_or_else(|| bad(format!("the MTP pass returned no hidden row {row}")))
 }

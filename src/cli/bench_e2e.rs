@@ -458,13 +458,15 @@ fn concurrency_rows(
     let base_tok_s = measure(&base_run, &base_k, &none, c, graphs).decode_tok_s;
     let mut rows = Vec::new();
     for d in choices {
+        let leg;
         let (run, k) = if *d == none {
-            (base_run.clone(), base_k.clone())
+            (&base_run, &base_k)
         } else {
-            run_leg(cx, d, c, cx.a.device, graphs)?
+            leg = run_leg(cx, d, c, cx.a.device, graphs)?;
+            (&leg.0, &leg.1)
         };
-        let mut row = measure(&run, &k, d, c, graphs);
-        let out = outputs(&run);
+        let mut row = measure(run, k, d, c, graphs);
+        let out = outputs(run);
         row.mismatch_vs_none = Some(mismatches(&out, &base_out));
         row.speedup_vs_none = (base_tok_s > 0.0).then(|| row.decode_tok_s / base_tok_s);
         if matches!(cx.a.device, DeviceArg::Cuda) && c <= cx.a.cpu_check_max && !graphs {
