@@ -56,21 +56,10 @@ pub fn arch_for(major: i32, minor: i32) -> String {
     }
 }
 
-/// The INT4 expert GEMMs: 40 KB of static shared memory a block (their cp.async stages).
+/// The INT4 expert GEMMs (split-K GEMVs, activations in registers: cuda/kernels/linear.cu).
 pub const W4_KERNELS: [&str; 2] = ["moe_gate_up_w4", "moe_down_w4"];
 
-/// Shared-memory carveout (percent of the SM's 228 KB) asked for the INT4 GEMMs: 72% =
-/// the 164 KB configuration, room for 4 blocks of (40 + 1) KB, the 4 blocks their 128
-/// registers allow (cuda/README.md, issue 12); the rest stays L1.
-pub const W4_CARVEOUT_PERCENT: i32 = 72;
 
-fn prefer_shared(f: &CudaFunction, name: &str) -> Result<()> {
-    f.set_attribute(
-        cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-        W4_CARVEOUT_PERCENT,
-    )
-    .map_err(|e| CudaError::driver(format!("shared-memory carveout of {name}"), e))
-}
 
 /// A device context, its one stream, and every kernel of the engine.
 pub struct Gpu {
@@ -127,11 +116,6 @@ impl Gpu {
                 let f = module
                     .load_function(entry)
                     .map_err(|e| CudaError::driver(format!("load_function {entry}"), e))?;
-                if W4_KERNELS.contains(&entry) {
-                    // A hint: if a driver refuses it the kernels still run (with fewer
-                    // resident blocks, which the bench record's occupancy shows).
-                    let _ = prefer_shared(&f, entry);
-                }
                 funcs.insert(entry, f);
             }
         }
@@ -200,6 +184,20 @@ impl Gpu {
         self.func(name)?
             .occupancy_max_active_blocks_per_multiprocessor(block, 0, None)
             .map_err(|e| CudaError::driver(format!("occupancy of {name}"), e))
+    }
+
+    /// Registers a thread and local (spill) bytes a thread of kernel `name`.
+    pub fn regs_and_local(&self, name: &str) -> Result<[i32; 2]> {
+        use cudarc::driver::sys::CUfunction_attribute_enum as A;
+        let f = self.func(name)?;
+        let get = |a| {
+            f.get_attribute(a)
+                .map_err(|e| CudaError::driver(format!("attributes of {name}"), e))
+        };
+        Ok([
+            get(A::CU_FUNC_ATTRIBUTE_NUM_REGS)?,
+            get(A::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)?,
+        ])
     }
 
     /// The kernel `name` (an internal error if it is not in [`kernels::SOURCES`]).
