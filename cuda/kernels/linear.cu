@@ -270,9 +270,12 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 //   so a lane holds the 32 activations of its chunk for W4_TS tokens in registers for the
 //   whole block and reuses them for every weight row it streams (models/tiny: L = 8 / 4,
 //   16 / 32 groups a block; CH > 1 reloads the activations per chunk, from L1).
-// - A block (128 threads = 128 / L groups) walks batches of W4_U rows per group: the
-//   weight loads of batch b + 1 (ld.global.nc.L1::no_allocate, 16 B) are issued before
-//   batch b is computed, so 2 x W4_U x 16 B per lane are in flight with no shared memory.
+// - A block (128 threads = 128 / L groups) walks batches of W4_U rows per group through a
+//   W4_STAGES-deep cp.async pipeline in shared memory (W4_STAGES - 1 batches = 192 B a
+//   lane in flight without holding registers; a lane reads back only its own copies, so
+//   cp.async.wait_group is the only synchronization).  The previous version of this
+//   kernel (registers only, one batch ahead) was latency bound at 29% of the copy
+//   bandwidth (runs/bench-moe-regx.json).
 // - Dequantization: common.cuh dequant8 (1 LOP3 + 1 FFMA per weight, exact q * scale).
 // - Reduction of the W4_U x W4_TS partial sums over the group: xor shuffles when L <= 32;
 //   for L = 64 / 128 a transposing warp reduction (9 shuffles for 8 values), then the
@@ -283,8 +286,24 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 // x rows 16-byte aligned (x stride = K).
 
 #define W4_U 4
-#define W4_TS 2
 #define W4_BLOCK 128
+// Tunable at NVRTC time (SPECLAB_KERNEL_DEFINES, cuda/README.md); the host's launch
+// shapes do not depend on them.
+#ifndef W4_TS
+#define W4_TS 1
+#endif
+#ifndef W4_STAGES
+#define W4_STAGES 4
+#endif
+#ifndef W4_MINB
+#define W4_MINB 4
+#endif
+// 1: the folded dequantization (w4_fma_fold below); 0: exact q * scale per weight.
+#ifndef W4_FOLD
+#define W4_FOLD 0
+#endif
+// Most batches a lane group walks (launch.rs W4_MAX_BATCHES bounds the grid's nb).
+#define W4_MAX_BATCHES 16
 
 // Lanes per group for a row of K weights (mirrored by cuda/src/launch.rs w4_lanes).
 __device__ __forceinline__ int w4_lanes(int K) {
@@ -309,25 +328,28 @@ __device__ __forceinline__ float group_sum(float v, int L) {
     return v;
 }
 
-// Transposing warp reduction of 8 values: afterwards lane l holds the sum over the warp
-// of value ((l >> 4) & 1) * 4 + ((l >> 3) & 1) * 2 + ((l >> 2) & 1) (9 shuffles, not 40).
-__device__ __forceinline__ float warp_sum8(float v[8]) {
+// Transposing warp reduction of V values (V a power of two <= 32): each halving step
+// swaps half the values with the partner lane, so V = 8 costs 4 + 2 + 1 + 2 = 9 shuffles,
+// not 40.  Afterwards every lane holds the warp's sum of value `idx`; the lanes with
+// lane % (32 / V) == 0 hold the V values once each.
+template <int V>
+__device__ __forceinline__ float warp_sum_t(float v[V], int& idx) {
     const int lane = threadIdx.x & 31;
-    const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4;
+    idx = 0;
+    int o = 16;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float send = b4 ? v[i] : v[i + 4];
-        v[i] = (b4 ? v[i + 4] : v[i]) + __shfl_xor_sync(FULL_MASK, send, 16);
-    }
+    for (int n = V; n > 1; n >>= 1) {
+        const bool hi = lane & o;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const float send = b3 ? v[i] : v[i + 2];
-        v[i] = (b3 ? v[i + 2] : v[i]) + __shfl_xor_sync(FULL_MASK, send, 8);
+        for (int i = 0; i < n / 2; ++i) {
+            const float send = hi ? v[i] : v[i + n / 2];
+            v[i] = (hi ? v[i + n / 2] : v[i]) + __shfl_xor_sync(FULL_MASK, send, o);
+        }
+        idx += hi ? n / 2 : 0;
+        o >>= 1;
     }
-    const float send = b2 ? v[0] : v[1];
-    float r = (b2 ? v[1] : v[0]) + __shfl_xor_sync(FULL_MASK, send, 4);
-    r += __shfl_xor_sync(FULL_MASK, r, 2);
-    r += __shfl_xor_sync(FULL_MASK, r, 1);
+    float r = v[0];
+    for (; o > 0; o >>= 1) r += __shfl_xor_sync(FULL_MASK, r, o);
     return r;
 }
 
@@ -349,9 +371,129 @@ __device__ __forceinline__ void w4_load(W4Batch& b, const u32* __restrict__ qw,
     }
 }
 
+// Asynchronous 16- / 4-byte copies global -> shared (sm_80+ cp.async, as Marlin's
+// multi-stage pipeline: vLLM csrc/quantization/gptq_marlin/marlin.cuh cp_async4).
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(smem)), "l"(gmem)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(smem)), "l"(gmem)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+// Wait until at most W4_STAGES - 1 committed groups are pending.
+__device__ __forceinline__ void cp_async_wait_stages() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(W4_STAGES - 1) : "memory");
+}
+
+// The weight pipeline: W4_STAGES batches of this lane's W4_U chunks and the aligned
+// 32-bit pair holding each chunk's bf16 scale.  Each thread reads back only what it copied
+// itself, so cp.async.wait_group is the only synchronization.  The bytes in flight live
+// here, not in registers (W4_STAGES 4: 40 KB a block, 3 batches = 192 B a lane in flight).
+struct W4Stages {
+    uint4 q[W4_STAGES][W4_U][W4_BLOCK];
+    u32 s[W4_STAGES][W4_U][W4_BLOCK];
+};
+
+// Issue the copies of chunk c of rows row0 .. row0 + W4_U - 1 into stage `st`.  Scale
+// buffers have an even length (N % 8 == 0), so the aligned pair never leaves them.
+__device__ __forceinline__ void w4_issue(W4Stages& sm, int st, const u32* __restrict__ qw,
+                                         const bf16_bits* __restrict__ s, size_t row0, int K,
+                                         int c) {
+    const int t = threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < W4_U; ++i) {
+        const size_t row = row0 + i;
+        cp_async16(&sm.q[st][i][t], qw + row * (size_t)(K / 8) + (size_t)c * 4);
+        const size_t si = row * (size_t)(K / 128) + (c >> 2);
+        cp_async4(&sm.s[st][i][t], s + (si & ~(size_t)1));
+    }
+}
+
+// Stage `st` (copied by this thread for rows row0 ..) as a batch.
+__device__ __forceinline__ void w4_take(W4Batch& b, const W4Stages& sm, int st, size_t row0,
+                                        int K, int c) {
+    const int t = threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < W4_U; ++i) {
+        b.q[i] = sm.q[st][i][t];
+        const size_t si = (row0 + i) * (size_t)(K / 128) + (c >> 2);
+        const u32 pair = sm.s[st][i][t];
+        b.s[i] = (bf16_bits)(si & 1 ? pair >> 16 : pair & 0xffffu);
+    }
+}
+
+#if W4_FOLD
+// Folded dequantization (2 instructions a weight instead of 3, not exact): the views
+// r << 15, r << 7, r >> 1, r >> 9 put nibble slots (2m, 2m + 1) at bits 15 and 19, one lop3
+// into the mantissa of 128.0 gives v = 128 + n / 2 or 128 + 8 n (n = q + 8), and the dot
+// product accumulates x v directly: sum x w = s (2 A15 + A19 / 8 - (264 X15 + 24 X19))
+// with X15 / X19 the activation sums of the two slot classes (per lane and pass).  The
+// rounding of x v costs up to 2^-16 / n relative to x n (bf16 weights: 2^-9).
+__device__ __forceinline__ float w4_fold_c(const float x[32]) {
+    float a = 0.0f, b = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        a += x[j * 8 + 0] + x[j * 8 + 4] + x[j * 8 + 1] + x[j * 8 + 5];
+        b += x[j * 8 + 2] + x[j * 8 + 6] + x[j * 8 + 3] + x[j * 8 + 7];
+    }
+    return 264.0f * a + 24.0f * b;
+}
+__device__ __forceinline__ float w4_v(u32 a, u32 mask) {
+    return __uint_as_float(lop3_and_or(a, mask, 0x43000000u));
+}
+#endif
+
 // acc[i][t] += x_t[chunk] . W[row i, chunk] for the nt <= W4_TS tokens held in xr.
 __device__ __forceinline__ void w4_fma(float acc[W4_U][W4_TS], const W4Batch& b,
                                        const float xr[W4_TS][32], int nt) {
+#if W4_FOLD
+    float cx[W4_TS];
+#pragma unroll
+    for (int t = 0; t < W4_TS; ++t) cx[t] = w4_fold_c(xr[t]);
+#pragma unroll
+    for (int i = 0; i < W4_U; ++i) {
+        const float sc = bf16_to_f32(b.s[i]);
+        float a15[W4_TS], a19[W4_TS];
+#pragma unroll
+        for (int t = 0; t < W4_TS; ++t) a15[t] = a19[t] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u32 r = j == 0 ? b.q[i].x : j == 1 ? b.q[i].y : j == 2 ? b.q[i].z : b.q[i].w;
+            // (element at bit 15, element at bit 19) of each view (repack.rs INTERLEAVE).
+            const u32 v0 = r << 15, v1 = r << 7, v2 = r >> 1, v3 = r >> 9;
+            const float f[8] = {w4_v(v0, 0x00078000u), w4_v(v2, 0x00078000u),
+                                w4_v(v0, 0x00780000u), w4_v(v2, 0x00780000u),
+                                w4_v(v1, 0x00078000u), w4_v(v3, 0x00078000u),
+                                w4_v(v1, 0x00780000u), w4_v(v3, 0x00780000u)};
+#pragma unroll
+            for (int t = 0; t < W4_TS; ++t) {
+                if (t < nt) {
+                    const float* xv = &xr[t][j * 8];
+                    a15[t] = fmaf(xv[0], f[0], a15[t]);
+                    a15[t] = fmaf(xv[1], f[1], a15[t]);
+                    a19[t] = fmaf(xv[2], f[2], a19[t]);
+                    a19[t] = fmaf(xv[3], f[3], a19[t]);
+                    a15[t] = fmaf(xv[4], f[4], a15[t]);
+                    a15[t] = fmaf(xv[5], f[5], a15[t]);
+                    a19[t] = fmaf(xv[6], f[6], a19[t]);
+                    a19[t] = fmaf(xv[7], f[7], a19[t]);
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < W4_TS; ++t)
+            acc[i][t] = fmaf(sc, fmaf(2.0f, a15[t], fmaf(0.125f, a19[t], -cx[t])), acc[i][t]);
+    }
+#else
 #pragma unroll
     for (int i = 0; i < W4_U; ++i) {
         const W4Scale sc = w4_scale(bf16_to_f32(b.s[i]));
@@ -369,6 +511,7 @@ __device__ __forceinline__ void w4_fma(float acc[W4_U][W4_TS], const W4Batch& b,
             }
         }
     }
+#endif
 }
 
 // The 32 activations of chunk c for tokens xrow[0 .. nt) (rows of K floats), 0 beyond nt.
@@ -416,6 +559,35 @@ __device__ __forceinline__ void w4_store(const W4Out& o, const float red[W4_U * 
     }
 }
 
+// The outputs of a pass for L > 32: red [W4_MAX_BATCHES][W4_BLOCK / 32][W4_U * W4_TS]
+// holds every warp's reduced partials of batch b; a group's value is the sum over its W
+// warps.  The block's threads share the (batch, group, column, token) outputs.
+template <int NMAT>
+__device__ __forceinline__ void w4_finish(const W4Out& o, const float* red, int b0, int nb,
+                                          int G, int W, int slots) {
+    constexpr int V = W4_U * W4_TS, PER = (W4_U / NMAT) * W4_TS;
+    for (int q = threadIdx.x; q < nb * G * PER; q += W4_BLOCK) {
+        const int b = q / (G * PER), g = q / PER % G, j = q % PER / W4_TS, t = q % W4_TS;
+        const int slot = (b0 + b) * G + g;
+        if (t >= o.nt || slot >= slots) continue;
+        int p = o.prow[0];
+#pragma unroll
+        for (int u = 1; u < W4_TS; ++u) p = u == t ? o.prow[u] : p;
+        const float* rb = red + (b * (W4_BLOCK / 32) + g * W) * V;
+        const size_t row0 = (size_t)slot * W4_U;
+        float a0 = 0.0f, a1 = 0.0f;
+        for (int w = 0; w < W; ++w) {
+            a0 += rb[w * V + (NMAT * j) * W4_TS + t];
+            if (NMAT == 2) a1 += rb[w * V + (2 * j + 1) * W4_TS + t];
+        }
+        if (NMAT == 2) {
+            o.out[(size_t)p * o.N + row0 / 2 + j] = silu_f(a0) * a1;
+        } else {
+            o.out[(size_t)p * o.N + row0 + j] = o.topk_w[p] * a0;
+        }
+    }
+}
+
 // One block's rows of one tile (expert e): weight rows [R_e) = N * NMAT rows of K weights.
 // Grid (ceil(R / (G W4_U nb)), max_tiles) with nb = batches a group walks (from gridDim).
 template <int NMAT>
@@ -434,7 +606,10 @@ __device__ __forceinline__ void w4_gemv(float* __restrict__ out, const float* __
     const int g = threadIdx.x / L, lane = threadIdx.x % L, warp = threadIdx.x >> 5;
     const int R = N * NMAT, slots = R / W4_U;  // R % 8 == 0
     const int nb = (slots + G * gridDim.x - 1) / (G * gridDim.x);
-    __shared__ float red[2][W4_BLOCK / 32][W4_U * W4_TS];
+    // Each warp's reduced partials of every batch; summed over the group's warps once a
+    // pass, after one barrier (no barrier a batch).
+    __shared__ float red[W4_MAX_BATCHES][W4_BLOCK / 32][W4_U * W4_TS];
+    __shared__ W4Stages sm;
     // The tile's pairs: moe_align fills a tile front to back (its expert's segment is
     // padded at the end), so the real pairs are the first nr (uniform per block).
     const int* tp = sorted + (size_t)tile * ROWS_PER_TILE;
@@ -442,7 +617,6 @@ __device__ __forceinline__ void w4_gemv(float* __restrict__ out, const float* __
 #pragma unroll
     for (int r = 0; r < ROWS_PER_TILE; ++r) nr += tp[r] >= 0;
     const size_t ebase = (size_t)e * R;
-    int parity = 0;
     for (int t0 = 0; t0 < nr; t0 += W4_TS) {
         const int nt = min(W4_TS, nr - t0);
         W4Out o{out, topk_w, {}, nt, N};
@@ -459,8 +633,14 @@ __device__ __forceinline__ void w4_gemv(float* __restrict__ out, const float* __
             const int slot = (blockIdx.x * nb + b) * G + g;
             return slot < slots ? slot * W4_U : 0;
         };
-        W4Batch cur, nxt;
-        if (CH == 1) w4_load(nxt, qw, s, ebase + row_of(0), K, lane);
+        // CH == 1: rows of batch nx into stage nx % W4_STAGES, W4_STAGES - 1 batches ahead.
+        if (CH == 1) {
+#pragma unroll
+            for (int st = 0; st < W4_STAGES - 1; ++st) {
+                if (st < nb) w4_issue(sm, st, qw, s, ebase + row_of(st), K, lane);
+                cp_async_commit();
+            }
+        }
         for (int b = 0; b < nb; ++b) {
             const int slot = (blockIdx.x * nb + b) * G + g;
             const bool real = slot < slots;  // uniform per group
@@ -470,9 +650,13 @@ __device__ __forceinline__ void w4_gemv(float* __restrict__ out, const float* __
             for (int i = 0; i < W4_U; ++i)
 #pragma unroll
                 for (int t = 0; t < W4_TS; ++t) acc[i][t] = 0.0f;
+            W4Batch cur;
             if (CH == 1) {
-                cur = nxt;
-                if (b + 1 < nb) w4_load(nxt, qw, s, ebase + row_of(b + 1), K, lane);
+                const int nx = b + W4_STAGES - 1;
+                if (nx < nb) w4_issue(sm, nx % W4_STAGES, qw, s, ebase + row_of(nx), K, lane);
+                cp_async_commit();
+                cp_async_wait_stages();  // batch b has landed
+                w4_take(cur, sm, b % W4_STAGES, ebase + row0, K, lane);
                 w4_fma(acc, cur, xr, nt);
             } else {
                 for (int c = lane; c < chunks; c += L) {
@@ -491,25 +675,17 @@ __device__ __forceinline__ void w4_gemv(float* __restrict__ out, const float* __
                 for (int k = 0; k < W4_U * W4_TS; ++k) v[k] = group_sum(v[k], L);
                 if (real && lane == 0) w4_store<NMAT>(o, v, row0);
             } else {
-                // L = 64 or 128: every lane of the block reaches the barrier.
-                const float r = warp_sum8(v);
-                const int l32 = threadIdx.x & 31;
-                if ((l32 & 3) == 0)
-                    red[parity][warp][((l32 >> 4) & 1) * 4 + ((l32 >> 3) & 1) * 2 +
-                                      ((l32 >> 2) & 1)] = r;
-                __syncthreads();
-                if (real && lane == 0) {
-                    float sum[W4_U * W4_TS];
-                    const int w0 = g * (L / 32);
-#pragma unroll
-                    for (int k = 0; k < W4_U * W4_TS; ++k) {
-                        sum[k] = 0.0f;
-                        for (int w = 0; w < L / 32; ++w) sum[k] += red[parity][w0 + w][k];
-                    }
-                    w4_store<NMAT>(o, sum, row0);
-                }
-                parity ^= 1;
+                // L = 64 or 128: the warp's partials of batch b into red[b].
+                int idx;
+                const float r = warp_sum_t<W4_U * W4_TS>(v, idx);
+                if ((threadIdx.x & 31) % (32 / (W4_U * W4_TS)) == 0) red[b][warp][idx] = r;
             }
+        }
+        if (L > 32) {
+            // Every lane reaches both barriers (L, nb and the pass count are uniform).
+            __syncthreads();
+            w4_finish<NMAT>(o, &red[0][0][0], blockIdx.x * nb, nb, G, L / 32, slots);
+            __syncthreads();  // red is rewritten by the next pass
         }
     }
 }
@@ -519,7 +695,7 @@ __device__ __forceinline__ void w4_gemv(float* __restrict__ out, const float* __
 // Shapes: x [T, K] f32 (post-norm), q13 [E, N, 2, K/8] u32, s13 [E, N, 2, K/128] bf16,
 // h [P, N] f32 (N = moe_intermediate_size).
 // Launch: grid (blocks over 2N rows, max_tiles), block 128 (launch.rs moe_w4).
-extern "C" __global__ void __launch_bounds__(W4_BLOCK, 4) moe_gate_up_w4(
+extern "C" __global__ void __launch_bounds__(W4_BLOCK, W4_MINB) moe_gate_up_w4(
     float* __restrict__ h, const float* __restrict__ x, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
     const int* __restrict__ tile_expert, int topk, int N, int K) {
@@ -530,7 +706,7 @@ extern "C" __global__ void __launch_bounds__(W4_BLOCK, 4) moe_gate_up_w4(
 // (h[p] . Wd[e, n]).  Shapes: h [P, K] (K = moe_intermediate_size), qd [E, N, K/8] u32,
 // sd [E, N, K/128] bf16, topk_w [P], y [P, N] (N = hidden).
 // Launch: grid (blocks over N rows, max_tiles), block 128 (launch.rs moe_w4).
-extern "C" __global__ void __launch_bounds__(W4_BLOCK, 4) moe_down_w4(
+extern "C" __global__ void __launch_bounds__(W4_BLOCK, W4_MINB) moe_down_w4(
     float* __restrict__ y, const float* __restrict__ h, const u32* __restrict__ qd,
     const bf16_bits* __restrict__ sd, const float* __restrict__ topk_w,
     const int* __restrict__ sorted, const int* __restrict__ tile_expert, int N, int K) {

@@ -16,7 +16,7 @@ pub const ROWS_PER_TILE: u32 = 8;
 /// Weight rows a lane group of the INT4 expert GEMMs streams per batch (`W4_U`).
 pub const W4_U: u32 = 4;
 /// Tokens whose activations an INT4 expert GEMM lane holds in registers (`W4_TS`).
-pub const W4_TS: u32 = 2;
+pub const W4_TS: u32 = 1;
 /// Threads per block of the INT4 expert GEMMs (`W4_BLOCK`).
 pub const W4_BLOCK: u32 = 128;
 /// Blocks an INT4 expert GEMM launch aims at (about 4 resident per SM on the H200's 132
@@ -214,6 +214,7 @@ mod tests {
         assert_eq!(define("W4_U"), Some(W4_U as usize));
         assert_eq!(define("W4_TS"), Some(W4_TS as usize));
         assert_eq!(define("W4_BLOCK"), Some(W4_BLOCK as usize));
+        assert_eq!(define("W4_MAX_BATCHES"), Some(W4_MAX_BATCHES));
         assert_eq!(define("EXPERTS_MAX"), Some(EXPERTS_MAX));
         assert_eq!(define("HEAD_DIM_MAX"), Some(HEAD_DIM_MAX));
         assert_eq!(define("KC_MAX"), Some(KC_MAX));
@@ -254,6 +255,8 @@ mod tests {
         let groups = W4_BLOCK as usize / w4_lanes(k);
         let slots = rows / W4_U as usize;
         let nb = slots.div_ceil(groups * grid_x);
+        // The kernel's shared partials hold W4_MAX_BATCHES batches.
+        assert!(nb <= W4_MAX_BATCHES, "rows {rows} k {k}: nb {nb}");
         let mut owned = vec![0u8; rows];
         for bx in 0..grid_x {
             for b in 0..nb {

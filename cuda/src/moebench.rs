@@ -361,6 +361,8 @@ pub struct MoeBenchReport {
     pub w4_blocks_per_sm: [u32; 2],
     /// Registers a thread and local (spill) bytes a thread of moe_gate_up_w4 / moe_down_w4.
     pub w4_regs_local: [[i32; 2]; 2],
+    /// NVRTC tunables the kernels were compiled with (`SPECLAB_KERNEL_DEFINES`).
+    pub kernel_defines: Vec<String>,
     pub timing: &'static str,
     pub rows: Vec<MoeRow>,
     pub all_pass: bool,
@@ -875,6 +877,7 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         layer_copy_bytes: cfg.shape.layer_bytes(),
         w4_blocks_per_sm: occ,
         w4_regs_local: regs,
+        kernel_defines: crate::kernels::env_defines()?,
         timing: "CUDA events around single calls, median of iters; experts = moe_gate_up_w4 + moe_down_w4 on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",
         all_pass: rows.iter().all(|r| r.pass),
         rows,
