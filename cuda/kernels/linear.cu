@@ -617,6 +617,14 @@ __device__ __forceinline__ void w4_gemv(float* __restrict__ out, const float* __
 #pragma unroll
     for (int r = 0; r < ROWS_PER_TILE; ++r) nr += tp[r] >= 0;
     const size_t ebase = (size_t)e * R;
+    // One batch a group (models/tiny's small experts): its weights stay in registers for
+    // every pass over the tile's tokens instead of streaming again each pass.
+    const bool hold = CH == 1 && nb == 1;
+    W4Batch held;
+    if (hold) {
+        const int slot = blockIdx.x * G + g;
+        w4_load(held, qw, s, ebase + (slot < slots ? slot * W4_U : 0), K, lane);
+    }
     for (int t0 = 0; t0 < nr; t0 += W4_TS) {
         const int nt = min(W4_TS, nr - t0);
         W4Out o{out, topk_w, {}, nt, N};
@@ -634,7 +642,7 @@ __device__ __forceinline__ void w4_gemv(float* __restrict__ out, const float* __
             return slot < slots ? slot * W4_U : 0;
         };
         // CH == 1: rows of batch nx into stage nx % W4_STAGES, W4_STAGES - 1 batches ahead.
-        if (CH == 1) {
+        if (CH == 1 && !hold) {
 #pragma unroll
             for (int st = 0; st < W4_STAGES - 1; ++st) {
                 if (st < nb) w4_issue(sm, st, qw, s, ebase + row_of(st), K, lane);
@@ -651,7 +659,9 @@ __device__ __forceinline__ void w4_gemv(float* __restrict__ out, const float* __
 #pragma unroll
                 for (int t = 0; t < W4_TS; ++t) acc[i][t] = 0.0f;
             W4Batch cur;
-            if (CH == 1) {
+            if (hold) {
+                w4_fma(acc, held, xr, nt);
+            } else if (CH == 1) {
                 const int nx = b + W4_STAGES - 1;
                 if (nx < nb) w4_issue(sm, nx % W4_STAGES, qw, s, ebase + row_of(nx), K, lane);
                 cp_async_commit();
