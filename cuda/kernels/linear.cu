@@ -259,36 +259,116 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 // shapes (hidden 4096, moe-intermediate 2048, 288 experts top-8), where the layer is a
 // stream of expert weights (M = 1: 8 experts x 12.6 MB) and each expert sees few tokens.
 //
-// Scheme (after vLLM csrc/moe/marlin_moe_wna16 and gptq_marlin's lop3 dequantization,
-// kept on f32 CUDA cores for the engine's f32 numerics, docs/model.md §1):
-// - A "lane group" of L lanes (L = the largest power of two <= min(32, K / 32)) owns
-//   W4_ROWS = 4 consecutive weight rows of one expert: gate/up of 2 output columns
-//   ([E, N, 2, K/8] fused layout) or down rows of 4 columns ([E, N, K/8]).  A warp holds
-//   32 / L groups (one at GLM shapes; 8 / 4 for models/tiny's K = 256 / 128), so every
-//   lane works at every shape.
-// - Lane g of a group reads 16-byte chunks c = g, g + L, ... of each of its 4 rows (one
-//   uint4 = 4 words = 32 weights, all of one 128-group, so one scale), L consecutive
-//   lanes reading 16 L contiguous bytes of a row, through a W4_STAGES-deep cp.async
-//   pipeline in shared memory (3 chunks = 192 B per lane in flight, no registers held:
-//   at ~3 blocks an SM that is ~70 KB in flight per SM, ~2.5x the ~25 KB Little's law
-//   asks for at 4.2 TB/s and ~0.8 us loaded latency).
+// Scheme (a split-K GEMV after vLLM csrc/moe/marlin_moe_wna16's weight streaming and
+// gptq_marlin's lop3 dequantization, kept on f32 CUDA cores for the engine's f32
+// numerics, docs/model.md §1).  The previous cp.async version was bound by the L1 /
+// shared-memory path (runs/ncu-moe-w4-m1.txt): each 16 B of weights needed 128 B of f32
+// activations per token from L1.  Here the activations live in registers:
+// - A "lane group" of L lanes (L = the largest power of two <= min(128, K / 32)) spans a
+//   whole weight row: lane g owns the 16-byte chunks c = g, g + L, ... (one uint4 = 4
+//   words = 32 weights of one 128-group, so one scale).  At GLM shapes CH = K / 32 / L = 1,
+//   so a lane holds the 32 activations of its chunk for W4_TS tokens in registers for the
+//   whole block and reuses them for every weight row it streams (models/tiny: L = 8 / 4,
+//   16 / 32 groups a block; CH > 1 reloads the activations per chunk, from L1).
+// - A block (128 threads = 128 / L groups) walks batches of W4_U rows per group through a
+//   W4_STAGES-deep cp.async pipeline in shared memory (W4_STAGES - 1 batches = 192 B a
+//   lane in flight without holding registers; a lane reads back only its own copies, so
+//   cp.async.wait_group is the only synchronization).  The previous version of this
+//   kernel (registers only, one batch ahead) was latency bound at 29% of the copy
+//   bandwidth (runs/bench-moe-regx.json).
 // - Dequantization: common.cuh dequant8 (1 LOP3 + 1 FFMA per weight, exact q * scale).
-// - Each activation float4 (L1 / L2) is reused for 4 weight rows; the token rows of the
-//   tile (up to 8, moe.cu moe_align) accumulate in registers, acc[4][8]; the group's
-//   partial sums are reduced with xor shuffles of width L.
+// - Reduction of the W4_U x W4_TS partial sums over the group: xor shuffles when L <= 32;
+//   for L = 64 / 128 a transposing warp reduction (9 shuffles for 8 values), then the
+//   warps' partials through a double-buffered shared array (one __syncthreads a batch).
+// - The tile's token rows (up to 8, moe.cu moe_align) are taken W4_TS at a time; a tile
+//   with more than W4_TS rows streams its rows again (from L2) for each further pair.
 // Requirements (host-checked, cuda/src/ops.rs + launch.rs): K % 128 == 0, N % 8 == 0,
 // x rows 16-byte aligned (x stride = K).
 
-#define W4_ROWS 4
-#define W4_WARPS 4
+#define W4_U 4
+#define W4_BLOCK 128
+// Tunable at NVRTC time (SPECLAB_KERNEL_DEFINES, cuda/README.md); the host's launch
+// shapes do not depend on them.
+#ifndef W4_TS
+#define W4_TS 1
+#endif
+#ifndef W4_STAGES
 #define W4_STAGES 4
+#endif
+#ifndef W4_MINB
+#define W4_MINB 4
+#endif
+// 1: the folded dequantization (w4_fma_fold below); 0: exact q * scale per weight.
+#ifndef W4_FOLD
+#define W4_FOLD 0
+#endif
+// Most batches a lane group walks (launch.rs W4_MAX_BATCHES bounds the grid's nb).
+#define W4_MAX_BATCHES 16
 
 // Lanes per group for a row of K weights (mirrored by cuda/src/launch.rs w4_lanes).
 __device__ __forceinline__ int w4_lanes(int K) {
     const int chunks = K / 32;
     int l = 1;
-    while (l < 32 && 2 * l <= chunks) l *= 2;
+    while (l < W4_BLOCK && 2 * l <= chunks) l *= 2;
     return l;
+}
+
+// One 16-byte streaming load of weights (read once: no L1 allocation).
+__device__ __forceinline__ uint4 ld_stream16(const u32* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+// Sum of v over the L lanes of this lane's group (L a power of two <= 32, groups aligned).
+__device__ __forceinline__ float group_sum(float v, int L) {
+    for (int o = L >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+// Transposing warp reduction of V values (V a power of two <= 32): each halving step
+// swaps half the values with the partner lane, so V = 8 costs 4 + 2 + 1 + 2 = 9 shuffles,
+// not 40.  Afterwards every lane holds the warp's sum of value `idx`; the lanes with
+// lane % (32 / V) == 0 hold the V values once each.
+template <int V>
+__device__ __forceinline__ float warp_sum_t(float v[V], int& idx) {
+    const int lane = threadIdx.x & 31;
+    idx = 0;
+    int o = 16;
+#pragma unroll
+    for (int n = V; n > 1; n >>= 1) {
+        const bool hi = lane & o;
+#pragma unroll
+        for (int i = 0; i < n / 2; ++i) {
+            const float send = hi ? v[i] : v[i + n / 2];
+            v[i] = (hi ? v[i + n / 2] : v[i]) + __shfl_xor_sync(FULL_MASK, send, o);
+        }
+        idx += hi ? n / 2 : 0;
+        o >>= 1;
+    }
+    float r = v[0];
+    for (; o > 0; o >>= 1) r += __shfl_xor_sync(FULL_MASK, r, o);
+    return r;
+}
+
+// The W4_U weight chunks (and their scales) of one batch for one lane.
+struct W4Batch {
+    uint4 q[W4_U];
+    bf16_bits s[W4_U];
+};
+
+// Load chunk c of rows row0 .. row0 + W4_U - 1 (K weights a row; s: K / 128 scales a row).
+__device__ __forceinline__ void w4_load(W4Batch& b, const u32* __restrict__ qw,
+                                        const bf16_bits* __restrict__ s, size_t row0, int K,
+                                        int c) {
+#pragma unroll
+    for (int i = 0; i < W4_U; ++i) {
+        const size_t row = row0 + i;
+        b.q[i] = ld_stream16(qw + row * (size_t)(K / 8) + (size_t)c * 4);
+        b.s[i] = __ldg(s + row * (size_t)(K / 128) + (c >> 2));
+    }
 }
 
 // Asynchronous 16- / 4-byte copies global -> shared (sm_80+ cp.async, as Marlin's
@@ -314,23 +394,23 @@ __device__ __forceinline__ void cp_async_wait_stages() {
     asm volatile("cp.async.wait_group %0;" ::"n"(W4_STAGES - 1) : "memory");
 }
 
-// Per-thread pipeline stages: the 4 chunks (uint4) of the thread's weight rows and the
-// 32-bit word holding each chunk's bf16 scale.  Each thread reads back only what it copied
-// itself, so cp.async.wait_group is the only synchronization.  40 KB a block.
-struct W4Smem {
-    uint4 q[W4_STAGES][W4_ROWS][128];
-    u32 s[W4_STAGES][W4_ROWS][128];
+// The weight pipeline: W4_STAGES batches of this lane's W4_U chunks and the aligned
+// 32-bit pair holding each chunk's bf16 scale.  Each thread reads back only what it copied
+// itself, so cp.async.wait_group is the only synchronization.  The bytes in flight live
+// here, not in registers (W4_STAGES 4: 40 KB a block, 3 batches = 192 B a lane in flight).
+struct W4Stages {
+    uint4 q[W4_STAGES][W4_U][W4_BLOCK];
+    u32 s[W4_STAGES][W4_U][W4_BLOCK];
 };
 
-// Issue the copies of chunk c of rows row0 .. row0 + 3 into stage `st`.  The scale word is
-// the aligned pair holding scale (row, c / 4); scale buffers have an even length (N % 8
-// == 0), so the pair never leaves the buffer.
-__device__ __forceinline__ void w4_issue(W4Smem& sm, int st, const u32* __restrict__ qw,
+// Issue the copies of chunk c of rows row0 .. row0 + W4_U - 1 into stage `st`.  Scale
+// buffers have an even length (N % 8 == 0), so the aligned pair never leaves them.
+__device__ __forceinline__ void w4_issue(W4Stages& sm, int st, const u32* __restrict__ qw,
                                          const bf16_bits* __restrict__ s, size_t row0, int K,
                                          int c) {
     const int t = threadIdx.x;
 #pragma unroll
-    for (int i = 0; i < W4_ROWS; ++i) {
+    for (int i = 0; i < W4_U; ++i) {
         const size_t row = row0 + i;
         cp_async16(&sm.q[st][i][t], qw + row * (size_t)(K / 8) + (size_t)c * 4);
         const size_t si = row * (size_t)(K / 128) + (c >> 2);
@@ -338,145 +418,297 @@ __device__ __forceinline__ void w4_issue(W4Smem& sm, int st, const u32* __restri
     }
 }
 
-// acc[i][r] = sum_k x[in_row[r], k] * W[row0 + i, k] over this lane's chunks (partial: the
-// caller reduces over the group's L lanes).  Rows with in_row[r] < 0 are skipped
-// (uniform per tile).  x: [rows, K] f32.  The lane's chunks c = g, g + L, ... stream
-// through W4_STAGES shared-memory stages, W4_STAGES - 1 chunks in flight.
-__device__ __forceinline__ void w4_dot(W4Smem& sm, float acc[W4_ROWS][ROWS_PER_TILE],
-                                       const u32* __restrict__ qw,
-                                       const bf16_bits* __restrict__ s, size_t row0, int K,
-                                       const float* __restrict__ x,
-                                       const int in_row[ROWS_PER_TILE], int g, int L) {
-#pragma unroll
-    for (int i = 0; i < W4_ROWS; ++i)
-#pragma unroll
-        for (int r = 0; r < ROWS_PER_TILE; ++r) acc[i][r] = 0.0f;
+// Stage `st` (copied by this thread for rows row0 ..) as a batch.
+__device__ __forceinline__ void w4_take(W4Batch& b, const W4Stages& sm, int st, size_t row0,
+                                        int K, int c) {
     const int t = threadIdx.x;
-    const int mine = (K / 32 - g + L - 1) / L;  // chunks of this lane (>= 1: g < L <= K / 32)
 #pragma unroll
-    for (int st = 0; st < W4_STAGES - 1; ++st) {
-        if (st < mine) w4_issue(sm, st, qw, s, row0, K, g + st * L);
-        cp_async_commit();
+    for (int i = 0; i < W4_U; ++i) {
+        b.q[i] = sm.q[st][i][t];
+        const size_t si = (row0 + i) * (size_t)(K / 128) + (c >> 2);
+        const u32 pair = sm.s[st][i][t];
+        b.s[i] = (bf16_bits)(si & 1 ? pair >> 16 : pair & 0xffffu);
     }
-    for (int it = 0; it < mine; ++it) {
-        const int nx = it + W4_STAGES - 1;
-        if (nx < mine) w4_issue(sm, nx % W4_STAGES, qw, s, row0, K, g + nx * L);
-        cp_async_commit();
-        cp_async_wait_stages();  // chunk `it` has landed
-        const int st = it % W4_STAGES, c = g + it * L;
-        uint4 q[W4_ROWS];
-        W4Scale sp[W4_ROWS];
+}
+
+#if W4_FOLD
+// Folded dequantization (2 instructions a weight instead of 3, not exact): the views
+// r << 15, r << 7, r >> 1, r >> 9 put nibble slots (2m, 2m + 1) at bits 15 and 19, one lop3
+// into the mantissa of 128.0 gives v = 128 + n / 2 or 128 + 8 n (n = q + 8), and the dot
+// product accumulates x v directly: sum x w = s (2 A15 + A19 / 8 - (264 X15 + 24 X19))
+// with X15 / X19 the activation sums of the two slot classes (per lane and pass).  The
+// rounding of x v costs up to 2^-16 / n relative to x n (bf16 weights: 2^-9).
+__device__ __forceinline__ float w4_fold_c(const float x[32]) {
+    float a = 0.0f, b = 0.0f;
 #pragma unroll
-        for (int i = 0; i < W4_ROWS; ++i) {
-            q[i] = sm.q[st][i][t];
-            const size_t si = (row0 + i) * (size_t)(K / 128) + (c >> 2);
-            const u32 pair = sm.s[st][i][t];
-            sp[i] = w4_scale(bf16_to_f32((bf16_bits)(si & 1 ? pair >> 16 : pair & 0xffffu)));
-        }
+    for (int j = 0; j < 4; ++j) {
+        a += x[j * 8 + 0] + x[j * 8 + 4] + x[j * 8 + 1] + x[j * 8 + 5];
+        b += x[j * 8 + 2] + x[j * 8 + 6] + x[j * 8 + 3] + x[j * 8 + 7];
+    }
+    return 264.0f * a + 24.0f * b;
+}
+__device__ __forceinline__ float w4_v(u32 a, u32 mask) {
+    return __uint_as_float(lop3_and_or(a, mask, 0x43000000u));
+}
+#endif
+
+// acc[i][t] += x_t[chunk] . W[row i, chunk] for the nt <= W4_TS tokens held in xr.
+__device__ __forceinline__ void w4_fma(float acc[W4_U][W4_TS], const W4Batch& b,
+                                       const float xr[W4_TS][32], int nt) {
+#if W4_FOLD
+    float cx[W4_TS];
+#pragma unroll
+    for (int t = 0; t < W4_TS; ++t) cx[t] = w4_fold_c(xr[t]);
+#pragma unroll
+    for (int i = 0; i < W4_U; ++i) {
+        const float sc = bf16_to_f32(b.s[i]);
+        float a15[W4_TS], a19[W4_TS];
+#pragma unroll
+        for (int t = 0; t < W4_TS; ++t) a15[t] = a19[t] = 0.0f;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            float w[W4_ROWS][8];
+            const u32 r = j == 0 ? b.q[i].x : j == 1 ? b.q[i].y : j == 2 ? b.q[i].z : b.q[i].w;
+            // (element at bit 15, element at bit 19) of each view (repack.rs INTERLEAVE).
+            const u32 v0 = r << 15, v1 = r << 7, v2 = r >> 1, v3 = r >> 9;
+            const float f[8] = {w4_v(v0, 0x00078000u), w4_v(v2, 0x00078000u),
+                                w4_v(v0, 0x00780000u), w4_v(v2, 0x00780000u),
+                                w4_v(v1, 0x00078000u), w4_v(v3, 0x00078000u),
+                                w4_v(v1, 0x00780000u), w4_v(v3, 0x00780000u)};
 #pragma unroll
-            for (int i = 0; i < W4_ROWS; ++i) {
-                const u32 word = j == 0 ? q[i].x : j == 1 ? q[i].y : j == 2 ? q[i].z : q[i].w;
-                dequant8(word, sp[i], w[i]);
+            for (int t = 0; t < W4_TS; ++t) {
+                if (t < nt) {
+                    const float* xv = &xr[t][j * 8];
+                    a15[t] = fmaf(xv[0], f[0], a15[t]);
+                    a15[t] = fmaf(xv[1], f[1], a15[t]);
+                    a19[t] = fmaf(xv[2], f[2], a19[t]);
+                    a19[t] = fmaf(xv[3], f[3], a19[t]);
+                    a15[t] = fmaf(xv[4], f[4], a15[t]);
+                    a15[t] = fmaf(xv[5], f[5], a15[t]);
+                    a19[t] = fmaf(xv[6], f[6], a19[t]);
+                    a19[t] = fmaf(xv[7], f[7], a19[t]);
+                }
             }
+        }
 #pragma unroll
-            for (int r = 0; r < ROWS_PER_TILE; ++r) {
-                if (in_row[r] >= 0) {
-                    float xv[8];
-                    load8(x + (size_t)in_row[r] * K + (size_t)c * 32 + j * 8, xv);
+        for (int t = 0; t < W4_TS; ++t)
+            acc[i][t] = fmaf(sc, fmaf(2.0f, a15[t], fmaf(0.125f, a19[t], -cx[t])), acc[i][t]);
+    }
+#else
 #pragma unroll
-                    for (int i = 0; i < W4_ROWS; ++i)
+    for (int i = 0; i < W4_U; ++i) {
+        const W4Scale sc = w4_scale(bf16_to_f32(b.s[i]));
 #pragma unroll
-                        for (int u = 0; u < 8; ++u) acc[i][r] += xv[u] * w[i][u];
+        for (int j = 0; j < 4; ++j) {
+            const u32 word = j == 0 ? b.q[i].x : j == 1 ? b.q[i].y : j == 2 ? b.q[i].z : b.q[i].w;
+            float w[8];
+            dequant8(word, sc, w);
+#pragma unroll
+            for (int t = 0; t < W4_TS; ++t) {
+                if (t < nt) {
+#pragma unroll
+                    for (int u = 0; u < 8; ++u) acc[i][t] = fmaf(xr[t][j * 8 + u], w[u], acc[i][t]);
                 }
             }
         }
     }
+#endif
 }
 
-// Sum of v over the L lanes of this lane's group (L a power of two <= 32, groups aligned).
-__device__ __forceinline__ float group_sum(float v, int L) {
-    for (int o = L >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
-    return v;
+// The 32 activations of chunk c for tokens xrow[0 .. nt) (rows of K floats), 0 beyond nt.
+__device__ __forceinline__ void w4_load_x(float xr[W4_TS][32], const float* __restrict__ x,
+                                          const int xrow[W4_TS], int nt, int K, int c) {
+#pragma unroll
+    for (int t = 0; t < W4_TS; ++t) {
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            if (t < nt) {
+                load8(x + (size_t)xrow[t] * K + (size_t)c * 32 + v * 8, &xr[t][v * 8]);
+            } else {
+#pragma unroll
+                for (int u = 0; u < 8; ++u) xr[t][v * 8 + u] = 0.0f;
+            }
+        }
+    }
 }
 
-// This group's first output column (cols_per_group columns each) and whether it is real.
-__device__ __forceinline__ int w4_col0(int L, int cols_per_group) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int group = (blockIdx.x * W4_WARPS + warp) * (WARP / L) + lane / L;
-    return group * cols_per_group;
+// Where a reduced value goes: NMAT = 2: h[p, n] = silu(gate) * up for output column n =
+// row0 / 2 + j (rows 2n, 2n + 1); NMAT = 1: y[p, n] = w_p * v for n = row0 + j.
+struct W4Out {
+    float* out;
+    const float* topk_w;  // NMAT = 1 only
+    int prow[W4_TS];      // pair ids of the tokens (by value: stays in registers)
+    int nt, N;
+};
+
+template <int NMAT>
+__device__ __forceinline__ void w4_store(const W4Out& o, const float red[W4_U * W4_TS],
+                                         size_t row0) {
+#pragma unroll
+    for (int j = 0; j < W4_U / NMAT; ++j) {
+#pragma unroll
+        for (int t = 0; t < W4_TS; ++t) {
+            if (t >= o.nt) continue;
+            const int p = o.prow[t];
+            if (NMAT == 2) {
+                const float g = red[(2 * j) * W4_TS + t], u = red[(2 * j + 1) * W4_TS + t];
+                o.out[(size_t)p * o.N + row0 / 2 + j] = silu_f(g) * u;
+            } else {
+                o.out[(size_t)p * o.N + row0 + j] = o.topk_w[p] * red[j * W4_TS + t];
+            }
+        }
+    }
+}
+
+// The outputs of a pass for L > 32: red [W4_MAX_BATCHES][W4_BLOCK / 32][W4_U * W4_TS]
+// holds every warp's reduced partials of batch b; a group's value is the sum over its W
+// warps.  The block's threads share the (batch, group, column, token) outputs.
+template <int NMAT>
+__device__ __forceinline__ void w4_finish(const W4Out& o, const float* red, int b0, int nb,
+                                          int G, int W, int slots) {
+    constexpr int V = W4_U * W4_TS, PER = (W4_U / NMAT) * W4_TS;
+    for (int q = threadIdx.x; q < nb * G * PER; q += W4_BLOCK) {
+        const int b = q / (G * PER), g = q / PER % G, j = q % PER / W4_TS, t = q % W4_TS;
+        const int slot = (b0 + b) * G + g;
+        if (t >= o.nt || slot >= slots) continue;
+        int p = o.prow[0];
+#pragma unroll
+        for (int u = 1; u < W4_TS; ++u) p = u == t ? o.prow[u] : p;
+        const float* rb = red + (b * (W4_BLOCK / 32) + g * W) * V;
+        const size_t row0 = (size_t)slot * W4_U;
+        float a0 = 0.0f, a1 = 0.0f;
+        for (int w = 0; w < W; ++w) {
+            a0 += rb[w * V + (NMAT * j) * W4_TS + t];
+            if (NMAT == 2) a1 += rb[w * V + (2 * j + 1) * W4_TS + t];
+        }
+        if (NMAT == 2) {
+            o.out[(size_t)p * o.N + row0 / 2 + j] = silu_f(a0) * a1;
+        } else {
+            o.out[(size_t)p * o.N + row0 + j] = o.topk_w[p] * a0;
+        }
+    }
+}
+
+// One block's rows of one tile (expert e): weight rows [R_e) = N * NMAT rows of K weights.
+// Grid (ceil(R / (G W4_U nb)), max_tiles) with nb = batches a group walks (from gridDim).
+template <int NMAT>
+__device__ __forceinline__ void w4_gemv(float* __restrict__ out, const float* __restrict__ x,
+                                        const u32* __restrict__ qw,
+                                        const bf16_bits* __restrict__ s,
+                                        const float* __restrict__ topk_w,
+                                        const int* __restrict__ sorted,
+                                        const int* __restrict__ tile_expert, int div, int N,
+                                        int K) {
+    const int tile = blockIdx.y;
+    const int e = tile_expert[tile];
+    if (e < 0) return;  // uniform per block
+    const int L = w4_lanes(K), G = W4_BLOCK / L, chunks = K / 32;
+    const int CH = (chunks + L - 1) / L;
+    const int g = threadIdx.x / L, lane = threadIdx.x % L, warp = threadIdx.x >> 5;
+    const int R = N * NMAT, slots = R / W4_U;  // R % 8 == 0
+    const int nb = (slots + G * gridDim.x - 1) / (G * gridDim.x);
+    // Each warp's reduced partials of every batch; summed over the group's warps once a
+    // pass, after one barrier (no barrier a batch).
+    __shared__ float red[W4_MAX_BATCHES][W4_BLOCK / 32][W4_U * W4_TS];
+    __shared__ W4Stages sm;
+    // The tile's pairs: moe_align fills a tile front to back (its expert's segment is
+    // padded at the end), so the real pairs are the first nr (uniform per block).
+    const int* tp = sorted + (size_t)tile * ROWS_PER_TILE;
+    int nr = 0;
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_TILE; ++r) nr += tp[r] >= 0;
+    const size_t ebase = (size_t)e * R;
+    for (int t0 = 0; t0 < nr; t0 += W4_TS) {
+        const int nt = min(W4_TS, nr - t0);
+        W4Out o{out, topk_w, {}, nt, N};
+        int xrow[W4_TS];
+#pragma unroll
+        for (int t = 0; t < W4_TS; ++t) {
+            o.prow[t] = t < nt ? tp[t0 + t] : 0;
+            xrow[t] = o.prow[t] / div;
+        }
+        float xr[W4_TS][32];
+        if (CH == 1) w4_load_x(xr, x, xrow, nt, K, lane);
+        // Batch b of group g: rows (blockIdx.x * nb + b) * G * W4_U + g * W4_U + i.
+        auto row_of = [&](int b) -> int {
+            const int slot = (blockIdx.x * nb + b) * G + g;
+            return slot < slots ? slot * W4_U : 0;
+        };
+        // CH == 1: rows of batch nx into stage nx % W4_STAGES, W4_STAGES - 1 batches ahead.
+        if (CH == 1) {
+#pragma unroll
+            for (int st = 0; st < W4_STAGES - 1; ++st) {
+                if (st < nb) w4_issue(sm, st, qw, s, ebase + row_of(st), K, lane);
+                cp_async_commit();
+            }
+        }
+        for (int b = 0; b < nb; ++b) {
+            const int slot = (blockIdx.x * nb + b) * G + g;
+            const bool real = slot < slots;  // uniform per group
+            const size_t row0 = (size_t)row_of(b);
+            float acc[W4_U][W4_TS];
+#pragma unroll
+            for (int i = 0; i < W4_U; ++i)
+#pragma unroll
+                for (int t = 0; t < W4_TS; ++t) acc[i][t] = 0.0f;
+            W4Batch cur;
+            if (CH == 1) {
+                const int nx = b + W4_STAGES - 1;
+                if (nx < nb) w4_issue(sm, nx % W4_STAGES, qw, s, ebase + row_of(nx), K, lane);
+                cp_async_commit();
+                cp_async_wait_stages();  // batch b has landed
+                w4_take(cur, sm, b % W4_STAGES, ebase + row0, K, lane);
+                w4_fma(acc, cur, xr, nt);
+            } else {
+                for (int c = lane; c < chunks; c += L) {
+                    w4_load_x(xr, x, xrow, nt, K, c);
+                    w4_load(cur, qw, s, ebase + row0, K, c);
+                    w4_fma(acc, cur, xr, nt);
+                }
+            }
+            float v[W4_U * W4_TS];
+#pragma unroll
+            for (int i = 0; i < W4_U; ++i)
+#pragma unroll
+                for (int t = 0; t < W4_TS; ++t) v[i * W4_TS + t] = acc[i][t];
+            if (L <= 32) {
+#pragma unroll
+                for (int k = 0; k < W4_U * W4_TS; ++k) v[k] = group_sum(v[k], L);
+                if (real && lane == 0) w4_store<NMAT>(o, v, row0);
+            } else {
+                // L = 64 or 128: the warp's partials of batch b into red[b].
+                int idx;
+                const float r = warp_sum_t<W4_U * W4_TS>(v, idx);
+                if ((threadIdx.x & 31) % (32 / (W4_U * W4_TS)) == 0) red[b][warp][idx] = r;
+            }
+        }
+        if (L > 32) {
+            // Every lane reaches both barriers (L, nb and the pass count are uniform).
+            __syncthreads();
+            w4_finish<NMAT>(o, &red[0][0][0], blockIdx.x * nb, nb, G, L / 32, slots);
+            __syncthreads();  // red is rewritten by the next pass
+        }
+    }
 }
 
 // Routed experts gate/up + SiLU, INT4: h[p, n] = silu(x[p / topk] . Wg[e, n]) *
 // (x[p / topk] . Wu[e, n]) for every pair p of tile blockIdx.y (expert e).
 // Shapes: x [T, K] f32 (post-norm), q13 [E, N, 2, K/8] u32, s13 [E, N, 2, K/128] bf16,
 // h [P, N] f32 (N = moe_intermediate_size).
-// Launch: grid (ceil(N / (2 * W4_WARPS * 32 / L)), max_tiles), block 128 (launch.rs moe_w4).
-extern "C" __global__ void __launch_bounds__(128, 4) moe_gate_up_w4(
+// Launch: grid (blocks over 2N rows, max_tiles), block 128 (launch.rs moe_w4).
+extern "C" __global__ void __launch_bounds__(W4_BLOCK, W4_MINB) moe_gate_up_w4(
     float* __restrict__ h, const float* __restrict__ x, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
     const int* __restrict__ tile_expert, int topk, int N, int K) {
-    const int tile = blockIdx.y;
-    const int e = tile_expert[tile];
-    if (e < 0) return;  // uniform per block
-    const int L = w4_lanes(K);
-    const int n0 = w4_col0(L, 2);
-    const bool real = n0 < N;  // uniform per group; N % 8 == 0, so both columns are real
-    int in_row[ROWS_PER_TILE];
-#pragma unroll
-    for (int r = 0; r < ROWS_PER_TILE; ++r) {
-        const int p = sorted[tile * ROWS_PER_TILE + r];
-        in_row[r] = p >= 0 ? p / topk : -1;
-    }
-    __shared__ W4Smem sm;
-    float acc[W4_ROWS][ROWS_PER_TILE];
-    // A group past N reads column 0 (valid memory) and writes nothing: every lane of the
-    // warp must take part in the shuffles.
-    w4_dot(sm, acc, q13, s13, ((size_t)e * N + (real ? n0 : 0)) * 2, K, x, in_row,
-           (threadIdx.x & 31) % L, L);
-#pragma unroll
-    for (int r = 0; r < ROWS_PER_TILE; ++r) {
-        if (in_row[r] < 0) continue;
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const float gv = group_sum(acc[2 * c][r], L);
-            const float uv = group_sum(acc[2 * c + 1][r], L);
-            if (real && (threadIdx.x & 31) % L == 0)
-                h[(size_t)sorted[tile * ROWS_PER_TILE + r] * N + n0 + c] = silu_f(gv) * uv;
-        }
-    }
+    w4_gemv<2>(h, x, q13, s13, nullptr, sorted, tile_expert, topk, N, K);
 }
 
 // Routed experts down-projection with the router weight applied: y[p, n] = w_p *
 // (h[p] . Wd[e, n]).  Shapes: h [P, K] (K = moe_intermediate_size), qd [E, N, K/8] u32,
 // sd [E, N, K/128] bf16, topk_w [P], y [P, N] (N = hidden).
-// Launch: grid (ceil(N / (4 * W4_WARPS * 32 / L)), max_tiles), block 128 (launch.rs moe_w4).
-extern "C" __global__ void __launch_bounds__(128, 4) moe_down_w4(
+// Launch: grid (blocks over N rows, max_tiles), block 128 (launch.rs moe_w4).
+extern "C" __global__ void __launch_bounds__(W4_BLOCK, W4_MINB) moe_down_w4(
     float* __restrict__ y, const float* __restrict__ h, const u32* __restrict__ qd,
     const bf16_bits* __restrict__ sd, const float* __restrict__ topk_w,
     const int* __restrict__ sorted, const int* __restrict__ tile_expert, int N, int K) {
-    const int tile = blockIdx.y;
-    const int e = tile_expert[tile];
-    if (e < 0) return;
-    const int L = w4_lanes(K);
-    const int n0 = w4_col0(L, 4);
-    const bool real = n0 < N;
-    int rows[ROWS_PER_TILE];
-#pragma unroll
-    for (int r = 0; r < ROWS_PER_TILE; ++r) rows[r] = sorted[tile * ROWS_PER_TILE + r];
-    __shared__ W4Smem sm;
-    float acc[W4_ROWS][ROWS_PER_TILE];
-    w4_dot(sm, acc, qd, sd, (size_t)e * N + (real ? n0 : 0), K, h, rows, (threadIdx.x & 31) % L, L);
-#pragma unroll
-    for (int r = 0; r < ROWS_PER_TILE; ++r) {
-        if (rows[r] < 0) continue;
-        const float wp = topk_w[rows[r]];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const float v = group_sum(acc[c][r], L);
-            if (real && (threadIdx.x & 31) % L == 0) y[(size_t)rows[r] * N + n0 + c] = wp * v;
-        }
-    }
+    w4_gemv<1>(y, h, qd, sd, topk_w, sorted, tile_expert, 1, N, K);
 }

@@ -24,6 +24,16 @@ pub const DEFAULT_ARCH: &str = "sm_90a";
 
 /// Environment variable naming the kernel cache directory.
 pub const CACHE_ENV: &str = "SPECLAB_KERNEL_CACHE";
+/// Environment variable of NVRTC-time kernel tunables, e.g. `W4_STAGES=3,W4_TS=1`.
+pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
+/// The tunables [`DEFINES_ENV`] may set, with their allowed range: compile-time knobs of
+/// the INT4 expert GEMMs that the host's launch shapes do not depend on (linear.cu).
+pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 4] = [
+    ("W4_TS", 1..=4),
+    ("W4_STAGES", 2..=4),
+    ("W4_MINB", 1..=8),
+    ("W4_FOLD", 0..=1),
+];
 
 /// The prelude prepended to every source.
 pub const PRELUDE: &str = include_str!("../kernels/common.cuh");
@@ -116,6 +126,41 @@ pub fn compile_options(arch: &str) -> Vec<String> {
     ]
 }
 
+/// `-D` options from a tunables string (`NAME=VALUE` separated by commas or spaces; each
+/// NAME one of [`TUNABLES`], VALUE an integer in its range). Empty input: none.
+pub fn parse_defines(text: &str) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    for item in text.split([',', ' ']).filter(|t| !t.is_empty()) {
+        let bad = |why: String| {
+            CudaError::Input(format!("{DEFINES_ENV}: `{item}`: {why} (allowed: {TUNABLES:?})"))
+        };
+        let (name, value) = item
+            .split_once('=')
+            .ok_or_else(|| bad("expected NAME=VALUE".into()))?;
+        let range = TUNABLES
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, r)| r)
+            .ok_or_else(|| bad(format!("unknown tunable `{name}`")))?;
+        let v: u32 = value
+            .parse()
+            .map_err(|_| bad(format!("`{value}` is not an integer")))?;
+        if !range.contains(&v) {
+            return Err(bad(format!("{v} is outside {range:?}")));
+        }
+        out.push(format!("-D{name}={v}"));
+    }
+    Ok(out)
+}
+
+/// The `-D` options of [`DEFINES_ENV`] (none when unset).
+pub fn env_defines() -> Result<Vec<String>> {
+    match std::env::var(DEFINES_ENV) {
+        Ok(t) => parse_defines(&t),
+        Err(_) => Ok(Vec::new()),
+    }
+}
+
 /// FNV-1a 64-bit hash (stable across runs, platforms and Rust versions).
 pub fn fnv1a64(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -201,7 +246,8 @@ pub struct CompiledPtx {
 /// that cannot be written is not an error, only a recompile next time).
 pub fn compile(src: &KernelSource, arch: &str, dir: &Path) -> Result<CompiledPtx> {
     let ver = nvrtc_version()?;
-    let options = compile_options(arch);
+    let mut options = compile_options(arch);
+    options.extend(env_defines()?);
     let text = full_source(src);
     let key = cache_key(ver, arch, &options, &text);
     let path = cache_path(dir, src.name, arch, key);
@@ -316,6 +362,19 @@ mod tests {
             );
         }
         assert!(!PRELUDE.contains("#include"));
+    }
+
+    #[test]
+    fn tunable_defines_parse_and_reject_bad_input() {
+        assert_eq!(
+            parse_defines("W4_STAGES=3, W4_TS=1").unwrap(),
+            vec!["-DW4_STAGES=3".to_string(), "-DW4_TS=1".to_string()]
+        );
+        assert!(parse_defines("").unwrap().is_empty());
+        for bad in ["W4_STAGES", "W4_U=2", "W4_TS=x", "W4_STAGES=9", "W4_TS=0"] {
+            let e = parse_defines(bad).unwrap_err().to_string();
+            assert!(e.contains(DEFINES_ENV) && e.contains(bad), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -13,10 +13,17 @@ use crate::error::{CudaError, Result};
 pub const LIN_WARPS: u32 = 4;
 /// Rows per GEMM tile (`ROWS_PER_TILE`, `MOE_TILE`).
 pub const ROWS_PER_TILE: u32 = 8;
-/// Weight rows per lane group of the INT4 expert GEMMs (`W4_ROWS`).
-pub const W4_ROWS: u32 = 4;
-/// Warps per block of the INT4 expert GEMMs (`W4_WARPS`).
-pub const W4_WARPS: u32 = 4;
+/// Weight rows a lane group of the INT4 expert GEMMs streams per batch (`W4_U`).
+pub const W4_U: u32 = 4;
+/// Tokens whose activations an INT4 expert GEMM lane holds in registers (`W4_TS`).
+pub const W4_TS: u32 = 1;
+/// Threads per block of the INT4 expert GEMMs (`W4_BLOCK`).
+pub const W4_BLOCK: u32 = 128;
+/// Blocks an INT4 expert GEMM launch aims at (about 4 resident per SM on the H200's 132
+/// SMs): fewer batches per block until the grid reaches it, so small M still fills the GPU.
+pub const W4_TARGET_BLOCKS: usize = 512;
+/// Most batches one lane group walks (bounds a block's serial work at large M).
+pub const W4_MAX_BATCHES: usize = 16;
 /// Largest k of `moe_topk` / `moe_combine` (`TOPK_MAX`).
 pub const TOPK_MAX: usize = 8;
 /// Largest expert count of `moe_topk` / `moe_align` (`EXPERTS_MAX`).
@@ -87,26 +94,35 @@ pub fn moe_gemm(n: usize, max_tiles: usize, what: &str) -> Result<Shape> {
 }
 
 /// Lanes per group of the INT4 expert GEMMs for rows of `k` weights (kernel `w4_lanes`):
-/// the largest power of two `<= min(32, k / 32)` (a row has `k / 32` 16-byte chunks).
+/// the largest power of two `<= min(128, k / 32)` (a row has `k / 32` 16-byte chunks).
 pub fn w4_lanes(k: usize) -> usize {
     let chunks = k / 32;
     let mut l = 1;
-    while l < 32 && 2 * l <= chunks {
+    while l < W4_BLOCK as usize && 2 * l <= chunks {
         l *= 2;
     }
     l
 }
 
-/// Output columns one block of an INT4 expert GEMM covers: `W4_WARPS` warps of
-/// `32 / L` lane groups, each `W4_ROWS / nmat` columns (`nmat` = 2 for the fused
-/// gate/up, 1 for down).
-pub fn w4_cols_per_block(k: usize, nmat: usize) -> usize {
-    W4_WARPS as usize * (32 / w4_lanes(k)) * (W4_ROWS as usize / nmat)
+/// Batches of `W4_U` rows each lane group of a block walks (kernel `w4_gemv` derives the
+/// same from `gridDim.x`): the largest power of two `<= W4_MAX_BATCHES` that still gives
+/// `W4_TARGET_BLOCKS` blocks over `max_tiles` tiles, at least 1.
+pub fn w4_batches(rows: usize, k: usize, max_tiles: usize) -> usize {
+    let groups = W4_BLOCK as usize / w4_lanes(k);
+    let slots = rows / W4_U as usize;
+    let mut nb = 1;
+    while 2 * nb <= W4_MAX_BATCHES
+        && slots.div_ceil(groups * 2 * nb) * max_tiles >= W4_TARGET_BLOCKS
+    {
+        nb *= 2;
+    }
+    nb
 }
 
-/// INT4 expert GEMMs (`moe_gate_up_w4` with `nmat` 2, `moe_down_w4` with 1): grid
-/// (ceil(N / cols_per_block), max_tiles), block 128. Needs K % 128 == 0 (one scale per
-/// 16-byte chunk) and N % 8 == 0 (a lane group's columns are all real or all past N).
+/// INT4 expert GEMMs (`moe_gate_up_w4` with `nmat` 2, `moe_down_w4` with 1) over
+/// `n * nmat` weight rows of `k` weights: grid (ceil(slots / (groups * nb)), max_tiles),
+/// block 128. Needs K % 128 == 0 (one scale per 16-byte chunk) and N % 8 == 0 (a batch of
+/// `W4_U` rows is all real or all past the end).
 pub fn moe_w4(n: usize, k: usize, nmat: usize, max_tiles: usize, what: &str) -> Result<Shape> {
     if k == 0
         || !k.is_multiple_of(128)
@@ -118,10 +134,13 @@ pub fn moe_w4(n: usize, k: usize, nmat: usize, max_tiles: usize, what: &str) -> 
             "{what}: INT4 expert GEMM with N = {n}, K = {k} (needs K % 128 == 0, N % 8 == 0)"
         )));
     }
+    let rows = n * nmat;
+    let groups = W4_BLOCK as usize / w4_lanes(k);
+    let nb = w4_batches(rows, k, max_tiles);
     grid_2d(
-        n.div_ceil(w4_cols_per_block(k, nmat)),
+        (rows / W4_U as usize).div_ceil(groups * nb),
         max_tiles,
-        32 * W4_WARPS,
+        W4_BLOCK,
         what,
     )
 }
@@ -192,8 +211,10 @@ mod tests {
         assert_eq!(define("ROWS_PER_TILE"), Some(ROWS_PER_TILE as usize));
         assert_eq!(define("MOE_TILE"), Some(ROWS_PER_TILE as usize));
         assert_eq!(define("TOPK_MAX"), Some(TOPK_MAX));
-        assert_eq!(define("W4_ROWS"), Some(W4_ROWS as usize));
-        assert_eq!(define("W4_WARPS"), Some(W4_WARPS as usize));
+        assert_eq!(define("W4_U"), Some(W4_U as usize));
+        assert_eq!(define("W4_TS"), Some(W4_TS as usize));
+        assert_eq!(define("W4_BLOCK"), Some(W4_BLOCK as usize));
+        assert_eq!(define("W4_MAX_BATCHES"), Some(W4_MAX_BATCHES));
         assert_eq!(define("EXPERTS_MAX"), Some(EXPERTS_MAX));
         assert_eq!(define("HEAD_DIM_MAX"), Some(HEAD_DIM_MAX));
         assert_eq!(define("KC_MAX"), Some(KC_MAX));
@@ -227,68 +248,77 @@ mod tests {
         assert_eq!(moe_max_tiles(64 * 8, 288), (512 + 288 * 7usize).div_ceil(8));
     }
 
+    /// Model of kernel `w4_gemv`'s walk: `nb` from the grid as the kernel derives it, then
+    /// slot `(bx * nb + b) * G + g` of block `bx`, batch `b`, group `g` (real when below
+    /// `rows / W4_U`). Returns how often each row is owned.
+    fn w4_rows_owned(rows: usize, k: usize, grid_x: usize) -> Vec<u8> {
+        let groups = W4_BLOCK as usize / w4_lanes(k);
+        let slots = rows / W4_U as usize;
+        let nb = slots.div_ceil(groups * grid_x);
+        // The kernel's shared partials hold W4_MAX_BATCHES batches.
+        assert!(nb <= W4_MAX_BATCHES, "rows {rows} k {k}: nb {nb}");
+        let mut owned = vec![0u8; rows];
+        for bx in 0..grid_x {
+            for b in 0..nb {
+                for g in 0..groups {
+                    let slot = (bx * nb + b) * groups + g;
+                    if slot < slots {
+                        let r0 = slot * W4_U as usize;
+                        owned[r0..r0 + W4_U as usize].iter_mut().for_each(|o| *o += 1);
+                    }
+                }
+            }
+        }
+        owned
+    }
+
     #[test]
-    fn w4_lane_groups_cover_every_column_once() {
-        // GLM-5.3-Flash: one group of 32 lanes per warp; models/tiny: 8 / 4 lanes.
-        assert_eq!(w4_lanes(4096), 32);
-        assert_eq!(w4_lanes(2048), 32);
+    fn w4_blocks_cover_every_row_once() {
+        // GLM-5.3-Flash: a group of 128 lanes for K = 4096 (one chunk a lane), 64 for
+        // K = 2048; models/tiny: 8 / 4 lanes.
+        assert_eq!(w4_lanes(4096), 128);
+        assert_eq!(w4_lanes(2048), 64);
         assert_eq!(w4_lanes(256), 8);
         assert_eq!(w4_lanes(128), 4);
         assert_eq!(w4_lanes(384), 8);
-        assert_eq!(w4_cols_per_block(4096, 2), 8);
-        assert_eq!(w4_cols_per_block(2048, 1), 16);
-        assert_eq!(w4_cols_per_block(256, 2), 32);
-        assert_eq!(w4_cols_per_block(128, 1), 128);
+        assert_eq!(w4_lanes(8192), 128);
+        // M = 1 at GLM shapes: 8 tiles x 64 blocks, 16 batches of 4 rows a block.
+        assert_eq!(moe_w4(2048, 4096, 2, 8, "t").unwrap().grid, (64, 8, 1));
+        assert_eq!(moe_w4(4096, 2048, 1, 8, "t").unwrap().grid, (64, 8, 1));
+        assert_eq!(w4_batches(4096, 4096, 8), 16);
+        assert_eq!(w4_batches(4096, 2048, 8), 8);
+        // models/tiny decode (2 tiles): one batch a group.
+        assert_eq!(w4_batches(256, 256, 2), 1);
         for k in (128..=8192).step_by(128) {
             let l = w4_lanes(k);
-            assert!(l.is_power_of_two() && l <= 32 && l <= k / 32, "k {k}");
-            assert!(l == 32 || 2 * l > k / 32, "k {k}: not the largest");
+            assert!(l.is_power_of_two() && l <= 128 && l <= k / 32, "k {k}");
+            assert!(l == 128 || 2 * l > k / 32, "k {k}: not the largest");
             for nmat in [1, 2] {
                 for n in (8..=600).step_by(8) {
-                    let s = moe_w4(n, k, nmat, 3, "t").unwrap();
-                    // Model of kernel w4_col0: group index -> first column; every column
-                    // of [0, n) is owned by exactly one real group.
-                    let cpg = W4_ROWS as usize / nmat;
-                    let groups = s.grid.0 as usize * W4_WARPS as usize * (32 / l);
-                    let mut owned = vec![0u8; n];
-                    for g in 0..groups {
-                        let n0 = g * cpg;
-                        if n0 < n {
-                            assert!(n0 + cpg <= n, "n {n} k {k}: a group straddles N");
-                            owned[n0..n0 + cpg].iter_mut().for_each(|o| *o += 1);
-                        }
+                    for tiles in [1, 3, 40] {
+                        let s = moe_w4(n, k, nmat, tiles, "t").unwrap();
+                        assert_eq!(s.grid.1 as usize, tiles);
+                        let owned = w4_rows_owned(n * nmat, k, s.grid.0 as usize);
+                        assert!(owned.iter().all(|&o| o == 1), "n {n} k {k} nmat {nmat}");
                     }
-                    assert!(owned.iter().all(|&o| o == 1), "n {n} k {k} nmat {nmat}");
-                    assert!(groups * cpg < n + W4_WARPS as usize * (32 / l) * cpg);
                 }
             }
         }
         assert!(moe_w4(2048, 4000, 2, 1, "t").is_err());
         assert!(moe_w4(2044, 4096, 2, 1, "t").is_err());
         assert!(moe_w4(2048, 4096, 3, 1, "t").is_err());
-        assert_eq!(moe_w4(2048, 4096, 2, 8, "t").unwrap().grid, (256, 8, 1));
-        assert_eq!(moe_w4(4096, 2048, 1, 8, "t").unwrap().grid, (256, 8, 1));
     }
 
-    /// Host model of the INT4 kernels' walk over one weight row (linear.cu `w4_dot`): lane
-    /// g of a group of L takes chunks g, g + L, ... of `k / 32`; chunk c's scale is half of
-    /// the aligned 32-bit pair holding scale `row * k/128 + c/4`; words dequantized by the
-    /// kernel's bit trick. Returns the row's dot product with `x`, summed as the group does.
+    /// Host model of the INT4 kernels' walk over one weight row (linear.cu `w4_gemv`): lane
+    /// g of a group of L takes chunks g, g + L, ... of `k / 32`; chunk c's scale is scale
+    /// `row * k/128 + c/4`; words dequantized by the kernel's bit trick. Returns the row's
+    /// dot product with `x`, summed as the group does.
     fn w4_row_dot_model(q: &[u32], s: &[u16], row: usize, k: usize, x: &[f32]) -> f64 {
         let l = w4_lanes(k);
         let mut total = 0.0f64;
         for g in 0..l {
-            let mine = (k / 32 - g).div_ceil(l);
-            for it in 0..mine {
-                let c = g + it * l;
-                let si = row * (k / 128) + c / 4;
-                let pair = u32::from(s[si & !1]) | (u32::from(s[(si & !1) + 1]) << 16);
-                let half = if si & 1 == 1 {
-                    pair >> 16
-                } else {
-                    pair & 0xffff
-                };
-                let sc = f32::from_bits(half << 16);
+            for c in (g..k / 32).step_by(l) {
+                let sc = f32::from_bits(u32::from(s[row * (k / 128) + c / 4]) << 16);
                 for j in 0..4 {
                     let w = crate::repack::dequant8_model(q[row * (k / 8) + c * 4 + j], sc);
                     for (t, wt) in w.iter().enumerate() {

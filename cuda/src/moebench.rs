@@ -359,6 +359,10 @@ pub struct MoeBenchReport {
     pub layer_copy_bytes: usize,
     /// Resident blocks an SM of moe_gate_up_w4 / moe_down_w4 (the occupancy API).
     pub w4_blocks_per_sm: [u32; 2],
+    /// Registers a thread and local (spill) bytes a thread of moe_gate_up_w4 / moe_down_w4.
+    pub w4_regs_local: [[i32; 2]; 2],
+    /// NVRTC tunables the kernels were compiled with (`SPECLAB_KERNEL_DEFINES`).
+    pub kernel_defines: Vec<String>,
     pub timing: &'static str,
     pub rows: Vec<MoeRow>,
     pub all_pass: bool,
@@ -816,9 +820,14 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         g.blocks_per_sm(crate::device::W4_KERNELS[0], 128)?,
         g.blocks_per_sm(crate::device::W4_KERNELS[1], 128)?,
     ];
+    let regs = [
+        g.regs_and_local(crate::device::W4_KERNELS[0])?,
+        g.regs_and_local(crate::device::W4_KERNELS[1])?,
+    ];
     log(&format!(
-        "device {} ({}), kernels loaded; INT4 GEMMs resident blocks an SM: gate/up {}, down {}",
-        g.name, g.arch, occ[0], occ[1]
+        "device {} ({}), kernels loaded; INT4 GEMMs resident blocks an SM: gate/up {}, down {}; \
+         registers / local bytes a thread: gate/up {:?}, down {:?}",
+        g.name, g.arch, occ[0], occ[1], regs[0], regs[1]
     ));
     let copy_gb_s = copy_bandwidth(&g, cfg.copy_bytes)?;
     log(&format!("copy bandwidth {copy_gb_s:.0} GB/s"));
@@ -867,6 +876,8 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         expert_bytes_each: cfg.shape.expert_bytes(),
         layer_copy_bytes: cfg.shape.layer_bytes(),
         w4_blocks_per_sm: occ,
+        w4_regs_local: regs,
+        kernel_defines: crate::kernels::env_defines()?,
         timing: "CUDA events around single calls, median of iters; experts = moe_gate_up_w4 + moe_down_w4 on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",
         all_pass: rows.iter().all(|r| r.pass),
         rows,

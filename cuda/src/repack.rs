@@ -91,6 +91,35 @@ pub fn bf16_bits_exact(x: f32) -> Option<u16> {
     (b & 0xffff == 0).then_some((b >> 16) as u16)
 }
 
+/// Host model of the kernel's folded dequantization (`W4_FOLD`, kernels/linear.cu
+/// `w4_fma_fold`): `sum_e x[e] w[e]` of one repacked word with scale `s`, from the views
+/// `r << 15, r << 7, r >> 1, r >> 9`, `v = 128 + n / 2` (bit 15) or `128 + 8 n` (bit 19),
+/// and `s (2 A15 + A19 / 8 - (264 X15 + 24 X19))`, in f32 as the kernel rounds it.
+pub fn fold_dot_model(r: u32, scale: f32, x: &[f32; 8]) -> f32 {
+    let v = |a: u32, mask: u32| f32::from_bits((a & mask) | 0x4300_0000);
+    let (v0, v1, v2, v3) = (r << 15, r << 7, r >> 1, r >> 9);
+    let (m15, m19) = (0x0007_8000, 0x0078_0000);
+    let f = [
+        v(v0, m15),
+        v(v2, m15),
+        v(v0, m19),
+        v(v2, m19),
+        v(v1, m15),
+        v(v3, m15),
+        v(v1, m19),
+        v(v3, m19),
+    ];
+    let (mut a15, mut a19) = (0.0f32, 0.0f32);
+    for e in [0, 1, 4, 5] {
+        a15 = x[e].mul_add(f[e], a15);
+    }
+    for e in [2, 3, 6, 7] {
+        a19 = x[e].mul_add(f[e], a19);
+    }
+    let c = 264.0 * (x[0] + x[4] + x[1] + x[5]) + 24.0 * (x[2] + x[6] + x[3] + x[7]);
+    scale * 2.0f32.mul_add(a15, 0.125f32.mul_add(a19, -c))
+}
+
 /// bf16 bit patterns of a slice; an error names `what` and the first inexact index.
 pub fn to_bf16(xs: &[f32], what: &str) -> Result<Vec<u16>> {
     xs.iter()
@@ -267,6 +296,28 @@ mod tests {
             assert_eq!(unpack_word(repack_word(w)), w);
             assert_eq!(repack_word(unpack_word(w)), w);
         }
+    }
+
+    #[test]
+    fn folded_dequant_model_matches_the_exact_dot_closely() {
+        use speclab_engine::model::w4a16::unpack_nibble;
+        let mut worst = 0.0f64;
+        for i in 0..20_000u32 {
+            let w = i.wrapping_mul(0x9e37_79b9) ^ (i << 7);
+            let scale = f32::from_bits((0x3b80u32 + (i % 29) * 0x10) << 16);
+            let x: [f32; 8] =
+                std::array::from_fn(|e| (((i as usize * 31 + e * 17) % 97) as f32 - 48.0) / 16.0);
+            let exact: f64 = (0..8)
+                .map(|e| f64::from(x[e]) * f64::from(unpack_nibble(w, e) as f32 * scale))
+                .sum();
+            let mag: f64 = (0..8)
+                .map(|e| (f64::from(x[e]) * f64::from(unpack_nibble(w, e) as f32 * scale)).abs())
+                .sum();
+            let got = f64::from(fold_dot_model(repack_word(w), scale, &x));
+            worst = worst.max((got - exact).abs() / mag.max(1e-30));
+        }
+        // A wrong slot or constant is off by O(1); the rounding bound is ~2^-16.
+        assert!(worst < 1e-4, "worst relative error {worst}");
     }
 
     #[test]
