@@ -441,6 +441,18 @@ fn bad_real_manifests_are_clear_errors() {
             && e.contains("skip_missing_drafters"),
         "{e}"
     );
+    let e = bad("real_num_blocks_and_bytes.ron");
+    assert!(
+        e.contains("real.kv_cache_memory_bytes")
+            && e.contains("real.num_blocks (64)")
+            && e.contains("give one of them"),
+        "{e}"
+    );
+    let e = bad("real_bytes_too_small.ron");
+    assert!(
+        e.contains("real.kv_cache_memory_bytes") && e.contains("0 blocks"),
+        "{e}"
+    );
     let e = bad("real_with_sim_sections.ron");
     assert!(e.contains(": kv:") && e.contains("real engine"), "{e}");
     // bounds has nothing to bisect in a real manifest.

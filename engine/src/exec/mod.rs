@@ -64,5 +64,6 @@ pub use lossless::{
 };
 pub use run::{
     generate, generate_observed, generate_on, DrafterFactory, EngineOptions, EngineRequest,
-    EngineRun, GenerateParts, RequestStats, SchedulerFactory, SchedulerParams,
+    EngineRun, GenerateParts, RequestStats, RunPoolPlan, SchedulerFactory, SchedulerParams,
+    plan_run_pool,
 };
