@@ -195,12 +195,49 @@ pub fn judge(e: &Expectation, rec: &RunRecord) -> (String, &'static str) {
     if let Some(want) = e.peak_running {
         return judge_peak_running(want, &legs);
     }
+    if let Some(want) = e.outputs_equal_control {
+        return judge_outputs_equal_control(want, rec, &legs);
+    }
     if let Some(st) = &e.status {
         let got: Vec<&str> = legs.iter().map(|l| status_word(l.status)).collect();
         let ok = got.iter().all(|g| g.eq_ignore_ascii_case(st));
         return (got.join(", "), if ok { "matched" } else { "NOT matched" });
     }
     ("nothing to compare".into(), "not measured")
+}
+
+/// `outputs_equal_control`: in every matching real leg, exactly `want` requests give the
+/// spec-off leg's greedy output (same concurrency; output digests).
+fn judge_outputs_equal_control(
+    want: u64,
+    rec: &RunRecord,
+    legs: &[&LegRecord],
+) -> (String, &'static str) {
+    let mut got = Vec::new();
+    for l in legs {
+        let Some(r) = l.real.as_ref() else {
+            return ("not a real leg".into(), "not measured");
+        };
+        let control = rec.legs.iter().filter_map(|c| c.real.as_ref()).find(|c| {
+            c.drafter == "none" && c.temperature == 0.0 && c.concurrency == r.concurrency
+        });
+        let Some(c) = control else {
+            return ("no control leg".into(), "not measured");
+        };
+        if r.temperature != 0.0 {
+            return ("not greedy".into(), "not measured");
+        }
+        let equal = r
+            .output_digests
+            .iter()
+            .zip(&c.output_digests)
+            .filter(|(a, b)| a == b)
+            .count() as u64;
+        got.push((equal, r.output_digests.len()));
+    }
+    let ok = got.iter().all(|&(e, _)| e == want);
+    let obs: Vec<String> = got.iter().map(|(e, n)| format!("{e}/{n} equal")).collect();
+    (obs.join(", "), if ok { "matched" } else { "NOT matched" })
 }
 
 /// `peak_running`: every matching leg's most requests in one step equals `want`.
@@ -390,6 +427,8 @@ fn render_comparison(md: &mut String, rec: &RunRecord, m: &Manifest) {
             format!("no wedge across {}-{}", thousands(lo), thousands(hi))
         } else if let Some(n) = e.peak_running {
             format!("{n} running per step at most")
+        } else if let Some(n) = e.outputs_equal_control {
+            format!("{n} requests with the spec-off greedy output")
         } else {
             e.status.clone().unwrap_or_default()
         };
