@@ -85,8 +85,6 @@ fn prefer_shared(f: &CudaFunction, name: &str) -> Result<()> {
     .map_err(|e| CudaError::driver(format!("shared-memory carveout of {name}"), e))
 }
 
-
-
 /// A device context, its one stream, and every kernel of the engine.
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,

@@ -132,7 +132,9 @@ pub fn parse_defines(text: &str) -> Result<Vec<String>> {
     let mut out = Vec::new();
     for item in text.split([',', ' ']).filter(|t| !t.is_empty()) {
         let bad = |why: String| {
-            CudaError::Input(format!("{DEFINES_ENV}: `{item}`: {why} (allowed: {TUNABLES:?})"))
+            CudaError::Input(format!(
+                "{DEFINES_ENV}: `{item}`: {why} (allowed: {TUNABLES:?})"
+            ))
         };
         let (name, value) = item
             .split_once('=')

@@ -264,7 +264,9 @@ mod tests {
                     let slot = (bx * nb + b) * groups + g;
                     if slot < slots {
                         let r0 = slot * W4_U as usize;
-                        owned[r0..r0 + W4_U as usize].iter_mut().for_each(|o| *o += 1);
+                        owned[r0..r0 + W4_U as usize]
+                            .iter_mut()
+                            .for_each(|o| *o += 1);
                     }
                 }
             }

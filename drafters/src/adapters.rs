@@ -481,8 +481,8 @@ mod pool_plan_tests {
     fn configs() -> (ModelConfig, crate::DFlash2Config) {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
         let t = ModelConfig::from_file(&root.join("models/tiny/config.json")).unwrap();
-        let d = crate::DFlash2Config::from_file(&root.join("models/dflash2-tiny/config.json"))
-            .unwrap();
+        let d =
+            crate::DFlash2Config::from_file(&root.join("models/dflash2-tiny/config.json")).unwrap();
         (t, d)
     }
 
@@ -506,8 +506,7 @@ mod pool_plan_tests {
         assert_eq!(p.plan.num_blocks, 401);
         assert_eq!(p.drafter_store_bytes_per_block, 0);
         for cap in [CapPolicy::None, CapPolicy::WindowPlusTwo] {
-            let spec =
-                DrafterSpec::dflash(w.clone(), &tcfg, 7, DraftMode::V2, 16, cap).unwrap();
+            let spec = DrafterSpec::dflash(w.clone(), &tcfg, 7, DraftMode::V2, 16, cap).unwrap();
             let p = plan_run_pool(&tcfg, &spec, &opts, bytes).unwrap();
             let drafter = 3 * 16 * 2 * 2 * 64 * 4;
             assert_eq!(p.plan.groups.len(), 3);
@@ -521,13 +520,22 @@ mod pool_plan_tests {
             let n = p.plan.num_blocks as usize;
             let host = KvStore::new(&tcfg, &kv).unwrap();
             assert_eq!(host.bytes(), n * p.target_store_bytes_per_block as usize);
-            assert_eq!(4 * host.floats_per_block() as u64, p.target_store_bytes_per_block);
+            assert_eq!(
+                4 * host.floats_per_block() as u64,
+                p.target_store_bytes_per_block
+            );
             // The CUDA engine's device pool is sized by the same geometry.
             let geo = KvGeometry::new(&tcfg, &kv).unwrap();
-            assert_eq!(4 * geo.total_floats().unwrap() as u64, p.target_store_bytes());
+            assert_eq!(
+                4 * geo.total_floats().unwrap() as u64,
+                p.target_store_bytes()
+            );
             let g = DFlash2::find_group(&kv).unwrap();
             let d = DFlash2::new(w.clone(), &tcfg, &kv, g).unwrap();
-            assert_eq!(d.store().bytes(), n * p.drafter_store_bytes_per_block as usize);
+            assert_eq!(
+                d.store().bytes(),
+                n * p.drafter_store_bytes_per_block as usize
+            );
             assert_eq!(
                 (host.bytes() + d.store().bytes()) as u64,
                 p.allocated_bytes()
@@ -538,9 +546,14 @@ mod pool_plan_tests {
     #[test]
     fn a_budget_below_one_block_is_an_error() {
         let (tcfg, _) = configs();
-        let e = plan_run_pool(&tcfg, &DrafterSpec::none(), &EngineOptions::default(), 448_511)
-            .unwrap_err()
-            .to_string();
+        let e = plan_run_pool(
+            &tcfg,
+            &DrafterSpec::none(),
+            &EngineOptions::default(),
+            448_511,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("0 blocks"), "{e}");
     }
 }

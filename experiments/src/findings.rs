@@ -661,7 +661,10 @@ fn real_setup(md: &mut String, real: &RealSpec, rec: &RunRecord) {
     );
     let pool = match (real.num_blocks, real.kv_cache_memory_bytes) {
         (Some(n), _) => format!("{n} blocks"),
-        (None, Some(b)) => format!("planned per leg from kv_cache_memory_bytes {} B (below)", thousands(b)),
+        (None, Some(b)) => format!(
+            "planned per leg from kv_cache_memory_bytes {} B (below)",
+            thousands(b)
+        ),
         (None, None) => "sized per leg so every request fits at once".into(),
     };
     let caps = if real.caps.is_empty() {

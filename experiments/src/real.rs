@@ -823,11 +823,17 @@ mod tests {
         use crate::manifest::Manifest;
         for (name, text) in [
             ("df2w-real-six.ron", include_str!("../df2w-real-six.ron")),
-            ("df2w-real-six-cuda.ron", include_str!("../df2w-real-six-cuda.ron")),
+            (
+                "df2w-real-six-cuda.ron",
+                include_str!("../df2w-real-six-cuda.ron"),
+            ),
         ] {
             let m: Manifest = crate::manifest::parse_ron(Path::new(name), text).unwrap();
             let r = m.real.unwrap();
-            assert_eq!((r.num_blocks, r.kv_cache_memory_bytes), (None, Some(180_000_000)));
+            assert_eq!(
+                (r.num_blocks, r.kv_cache_memory_bytes),
+                (None, Some(180_000_000))
+            );
             let legs = r.legs();
             let ids: Vec<&str> = legs.iter().map(|l| l.id.as_str()).collect();
             assert_eq!(
@@ -849,12 +855,18 @@ mod tests {
                 ..r.clone()
             };
             let e = both.check_scalars(Path::new(name)).unwrap_err().to_string();
-            assert!(e.contains(name) && e.contains("real.kv_cache_memory_bytes"), "{e}");
+            assert!(
+                e.contains(name) && e.contains("real.kv_cache_memory_bytes"),
+                "{e}"
+            );
             let twice = RealSpec {
                 caps: vec![CapPolicy::None, CapPolicy::None],
                 ..r
             };
-            let e = twice.check_scalars(Path::new(name)).unwrap_err().to_string();
+            let e = twice
+                .check_scalars(Path::new(name))
+                .unwrap_err()
+                .to_string();
             assert!(e.contains("real.caps[1]"), "{e}");
         }
         // Without min_len every prompt has `len` tokens (old manifests unchanged).

@@ -305,9 +305,8 @@ pub struct RunPoolPlan {
 impl RunPoolPlan {
     /// Bytes the engine's stores allocate for the planned pool (target + drafter).
     pub fn allocated_bytes(&self) -> u64 {
-        u64::from(self.plan.num_blocks).saturating_mul(
-            self.target_store_bytes_per_block + self.drafter_store_bytes_per_block,
-        )
+        u64::from(self.plan.num_blocks)
+            .saturating_mul(self.target_store_bytes_per_block + self.drafter_store_bytes_per_block)
     }
     /// Bytes of the target's store for the planned pool (what the CUDA engine puts on the device).
     pub fn target_store_bytes(&self) -> u64 {
