@@ -6,7 +6,10 @@
 //! `num_speculative_tokens` x concurrency (vLLM `max_num_seqs`) x temperature. It expands
 //! into [`RealLeg`]s in that order, with stable ids (`drafter=mtp n=3 c=4 t=1.0`); `N`
 //! collapses to 0 for the `none` drafter (one leg per concurrency x temperature), and a
-//! per-drafter N list (`num_speculative_tokens_for`) can replace the shared one.
+//! per-drafter N list (`num_speculative_tokens_for`) can replace the shared one. A cap
+//! axis (`caps`) runs each DFlash leg once per cap (` cap=<name>` ends its id). The pool is
+//! `num_blocks`, or planned per leg from `kv_cache_memory_bytes` (vLLM
+//! `--kv-cache-memory-bytes`; `speclab_engine::exec::plan_run_pool`), never both.
 //!
 //! Paths in the manifest are relative to the current directory of the `speclab`
 //! process (run from the repository root), not to the manifest file.
