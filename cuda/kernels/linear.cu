@@ -290,7 +290,7 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 // Tunable at NVRTC time (SPECLAB_KERNEL_DEFINES, cuda/README.md); the host's launch
 // shapes do not depend on them.
 #ifndef W4_TS
-#define W4_TS 1
+#define W4_TS 2
 #endif
 #ifndef W4_STAGES
 #define W4_STAGES 4
@@ -301,6 +301,15 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 // 1: the folded dequantization (w4_fma_fold below); 0: exact q * scale per weight.
 #ifndef W4_FOLD
 #define W4_FOLD 0
+#endif
+// 1: block z of the grid takes the tile's token group z (passes run in parallel blocks);
+// 0: block z = 0 walks every pass of the tile, the others exit.
+// Independent accumulator chains a row and token (2: odd words into a second chain).
+#ifndef W4_ILP
+#define W4_ILP 1
+#endif
+#ifndef W4_ZSPLIT
+#define W4_ZSPLIT 1
 #endif
 // Most batches a lane group walks (launch.rs W4_MAX_BATCHES bounds the grid's nb).
 #define W4_MAX_BATCHES 16
@@ -497,6 +506,11 @@ __device__ __forceinline__ void w4_fma(float acc[W4_U][W4_TS], const W4Batch& b,
 #pragma unroll
     for (int i = 0; i < W4_U; ++i) {
         const W4Scale sc = w4_scale(bf16_to_f32(b.s[i]));
+        float part[W4_ILP][W4_TS];
+#pragma unroll
+        for (int c = 0; c < W4_ILP; ++c)
+#pragma unroll
+            for (int t = 0; t < W4_TS; ++t) part[c][t] = c == 0 ? acc[i][t] : 0.0f;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const u32 word = j == 0 ? b.q[i].x : j == 1 ? b.q[i].y : j == 2 ? b.q[i].z : b.q[i].w;
@@ -506,9 +520,17 @@ __device__ __forceinline__ void w4_fma(float acc[W4_U][W4_TS], const W4Batch& b,
             for (int t = 0; t < W4_TS; ++t) {
                 if (t < nt) {
 #pragma unroll
-                    for (int u = 0; u < 8; ++u) acc[i][t] = fmaf(xr[t][j * 8 + u], w[u], acc[i][t]);
+                    for (int u = 0; u < 8; ++u)
+                        part[j % W4_ILP][t] = fmaf(xr[t][j * 8 + u], w[u], part[j % W4_ILP][t]);
                 }
             }
+        }
+#pragma unroll
+        for (int t = 0; t < W4_TS; ++t) {
+            float a = part[0][t];
+#pragma unroll
+            for (int c = 1; c < W4_ILP; ++c) a += part[c][t];
+            acc[i][t] = a;
         }
     }
 #endif
@@ -616,9 +638,23 @@ __device__ __forceinline__ void w4_gemv(float* __restrict__ out, const float* __
     int nr = 0;
 #pragma unroll
     for (int r = 0; r < ROWS_PER_TILE; ++r) nr += tp[r] >= 0;
+#if W4_ZSPLIT
+    const int t_begin = blockIdx.z * W4_TS, t_end = min(nr, t_begin + W4_TS);
+#else
+    const int t_begin = 0, t_end = blockIdx.z == 0 ? nr : 0;
+#endif
+    if (t_begin >= t_end) return;  // uniform per block, before any barrier
     const size_t ebase = (size_t)e * R;
-    for (int t0 = 0; t0 < nr; t0 += W4_TS) {
-        const int nt = min(W4_TS, nr - t0);
+    // One batch a group (models/tiny's small experts): its weights stay in registers for
+    // every pass over the tile's tokens instead of streaming again each pass.
+    const bool hold = CH == 1 && nb == 1 && !W4_ZSPLIT;
+    W4Batch held;
+    if (hold) {
+        const int slot = blockIdx.x * G + g;
+        w4_load(held, qw, s, ebase + (slot < slots ? slot * W4_U : 0), K, lane);
+    }
+    for (int t0 = t_begin; t0 < t_end; t0 += W4_TS) {
+        const int nt = min(W4_TS, t_end - t0);
         W4Out o{out, topk_w, {}, nt, N};
         int xrow[W4_TS];
 #pragma unroll
@@ -634,7 +670,7 @@ __device__ __forceinline__ void w4_gemv(float* __restrict__ out, const float* __
             return slot < slots ? slot * W4_U : 0;
         };
         // CH == 1: rows of batch nx into stage nx % W4_STAGES, W4_STAGES - 1 batches ahead.
-        if (CH == 1) {
+        if (CH == 1 && !hold) {
 #pragma unroll
             for (int st = 0; st < W4_STAGES - 1; ++st) {
                 if (st < nb) w4_issue(sm, st, qw, s, ebase + row_of(st), K, lane);
@@ -651,7 +687,9 @@ __device__ __forceinline__ void w4_gemv(float* __restrict__ out, const float* __
 #pragma unroll
                 for (int t = 0; t < W4_TS; ++t) acc[i][t] = 0.0f;
             W4Batch cur;
-            if (CH == 1) {
+            if (hold) {
+                w4_fma(acc, held, xr, nt);
+            } else if (CH == 1) {
                 const int nx = b + W4_STAGES - 1;
                 if (nx < nb) w4_issue(sm, nx % W4_STAGES, qw, s, ebase + row_of(nx), K, lane);
                 cp_async_commit();

@@ -28,11 +28,13 @@ pub const CACHE_ENV: &str = "SPECLAB_KERNEL_CACHE";
 pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// The tunables [`DEFINES_ENV`] may set, with their allowed range: compile-time knobs of
 /// the INT4 expert GEMMs that the host's launch shapes do not depend on (linear.cu).
-pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 4] = [
+pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 6] = [
     ("W4_TS", 1..=4),
     ("W4_STAGES", 2..=4),
     ("W4_MINB", 1..=8),
     ("W4_FOLD", 0..=1),
+    ("W4_ZSPLIT", 0..=1),
+    ("W4_ILP", 1..=4),
 ];
 
 /// The prelude prepended to every source.

@@ -16,7 +16,7 @@ pub const ROWS_PER_TILE: u32 = 8;
 /// Weight rows a lane group of the INT4 expert GEMMs streams per batch (`W4_U`).
 pub const W4_U: u32 = 4;
 /// Tokens whose activations an INT4 expert GEMM lane holds in registers (`W4_TS`).
-pub const W4_TS: u32 = 1;
+pub const W4_TS: u32 = 2;
 /// Threads per block of the INT4 expert GEMMs (`W4_BLOCK`).
 pub const W4_BLOCK: u32 = 128;
 /// Blocks an INT4 expert GEMM launch aims at (about 4 resident per SM on the H200's 132
@@ -120,8 +120,8 @@ pub fn w4_batches(rows: usize, k: usize, max_tiles: usize) -> usize {
 }
 
 /// INT4 expert GEMMs (`moe_gate_up_w4` with `nmat` 2, `moe_down_w4` with 1) over
-/// `n * nmat` weight rows of `k` weights: grid (ceil(slots / (groups * nb)), max_tiles),
-/// block 128. Needs K % 128 == 0 (one scale per 16-byte chunk) and N % 8 == 0 (a batch of
+/// `n * nmat` weight rows of `k` weights: grid (ceil(slots / (groups * nb)), max_tiles,
+/// ROWS_PER_TILE token groups), block 128. Needs K % 128 == 0 (one scale per 16-byte chunk) and N % 8 == 0 (a batch of
 /// `W4_U` rows is all real or all past the end).
 pub fn moe_w4(n: usize, k: usize, nmat: usize, max_tiles: usize, what: &str) -> Result<Shape> {
     if k == 0
@@ -137,12 +137,15 @@ pub fn moe_w4(n: usize, k: usize, nmat: usize, max_tiles: usize, what: &str) -> 
     let rows = n * nmat;
     let groups = W4_BLOCK as usize / w4_lanes(k);
     let nb = w4_batches(rows, k, max_tiles);
-    grid_2d(
+    let mut s = grid_2d(
         (rows / W4_U as usize).div_ceil(groups * nb),
         max_tiles,
         W4_BLOCK,
         what,
-    )
+    )?;
+    // z: the tile's token groups (ROWS_PER_TILE / W4_TS of them do work; the rest exit).
+    s.grid.2 = ROWS_PER_TILE;
+    Ok(s)
 }
 
 /// One block of `block` threads per row.
@@ -285,8 +288,8 @@ mod tests {
         assert_eq!(w4_lanes(384), 8);
         assert_eq!(w4_lanes(8192), 128);
         // M = 1 at GLM shapes: 8 tiles x 64 blocks, 16 batches of 4 rows a block.
-        assert_eq!(moe_w4(2048, 4096, 2, 8, "t").unwrap().grid, (64, 8, 1));
-        assert_eq!(moe_w4(4096, 2048, 1, 8, "t").unwrap().grid, (64, 8, 1));
+        assert_eq!(moe_w4(2048, 4096, 2, 8, "t").unwrap().grid, (64, 8, 8));
+        assert_eq!(moe_w4(4096, 2048, 1, 8, "t").unwrap().grid, (64, 8, 8));
         assert_eq!(w4_batches(4096, 4096, 8), 16);
         assert_eq!(w4_batches(4096, 2048, 8), 8);
         // models/tiny decode (2 tiles): one batch a group.
