@@ -93,3 +93,19 @@ fn a_cuda_manifest_without_a_gpu_is_a_clean_error() {
         assert!(!rec.exists(), "no record for a run that never started");
     }
 }
+
+#[test]
+fn the_six_request_cuda_manifest_without_a_gpu_is_a_clean_error() {
+    let dir = std::env::temp_dir().join(format!("speclab-cli-cuda-six-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let rec = dir.join("r.json");
+    let ran = fails_cleanly_without_a_gpu(&[
+        "run",
+        "experiments/df2w-real-six-cuda.ron",
+        "--out",
+        rec.to_str().unwrap(),
+    ]);
+    if ran {
+        assert!(!rec.exists(), "no record for a run that never started");
+    }
+}

@@ -441,6 +441,18 @@ fn bad_real_manifests_are_clear_errors() {
             && e.contains("skip_missing_drafters"),
         "{e}"
     );
+    let e = bad("real_num_blocks_and_bytes.ron");
+    assert!(
+        e.contains("real.kv_cache_memory_bytes")
+            && e.contains("real.num_blocks (64)")
+            && e.contains("give one of them"),
+        "{e}"
+    );
+    let e = bad("real_bytes_too_small.ron");
+    assert!(
+        e.contains("real.kv_cache_memory_bytes") && e.contains("0 blocks"),
+        "{e}"
+    );
     let e = bad("real_with_sim_sections.ron");
     assert!(e.contains(": kv:") && e.contains("real engine"), "{e}");
     // bounds has nothing to bisect in a real manifest.
@@ -514,5 +526,43 @@ fn shipped_real_manifests_validate() {
                 "{m}"
             );
         }
+    }
+}
+
+/// The committed record of experiments/df2w-real-six.ron (six requests, prompts up to
+/// 4,000 tokens, the pool planned from bytes on models/tiny) is recomputed with the same
+/// results: the `none` cap WEDGED, `window_plus_two` COMPLETED with the spec-off outputs,
+/// and the planned pool (448,512 B a block, 401 blocks) in every leg. About 30 s.
+#[test]
+fn the_six_request_wedge_record_reproduces() {
+    let d = tmpdir("six");
+    let rec = d.join("df2w-real-six.json");
+    std::fs::copy(Path::new(ROOT).join("runs/df2w-real-six.json"), &rec).unwrap();
+    let before = std::fs::read(&rec).unwrap();
+    let out = bin()
+        .args(["run", "experiments/df2w-real-six.ron", "--out"])
+        .arg(&rec)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("REPRODUCED"), "{stdout}");
+    assert_eq!(stdout.matches(": matched").count(), 5, "{stdout}");
+    assert_eq!(std::fs::read(&rec).unwrap(), before, "the record changed");
+    let v: serde_json::Value = serde_json::from_slice(&before).unwrap();
+    let status: Vec<String> = legs(&v)
+        .iter()
+        .map(|l| l["status"].as_str().unwrap_or("?").to_string())
+        .collect();
+    assert_eq!(status, ["COMPLETED", "WEDGED", "COMPLETED"]);
+    for l in legs(&v) {
+        let p = &l["real"]["kv_plan"];
+        assert_eq!(p["bytes_per_block"], 448_512, "{}", l["id"]);
+        assert_eq!(p["num_blocks"], 401, "{}", l["id"]);
+        assert_eq!(l["num_blocks"], 401);
     }
 }

@@ -46,6 +46,19 @@ pub fn skip_reason() -> Option<String> {
     }
 }
 
+/// Free and total bytes of device `ordinal`'s memory now (cuMemGetInfo on its primary
+/// context); a clean error, never a loader panic, when no device is usable.
+pub fn mem_info(ordinal: usize) -> Result<(u64, u64)> {
+    if let Some(why) = skip_reason() {
+        return Err(CudaError::NoDevice(why));
+    }
+    let ctx = CudaContext::new(ordinal).map_err(|e| CudaError::driver("CudaContext::new", e))?;
+    let (free, total) = ctx
+        .mem_get_info()
+        .map_err(|e| CudaError::driver("cuMemGetInfo", e))?;
+    Ok((free as u64, total as u64))
+}
+
 /// NVRTC architecture for a compute capability: `sm_90a` for 9.0 (wgmma/setmaxnreg
 /// need the `a` target), else `sm_XY`.
 pub fn arch_for(major: i32, minor: i32) -> String {

@@ -465,3 +465,95 @@ impl DrafterFactory for DrafterSpec {
         })
     }
 }
+
+#[cfg(test)]
+mod pool_plan_tests {
+    //! The pool planned from bytes (`speclab_engine::exec::plan_run_pool`) against what the
+    //! stores really allocate, for models/tiny + models/dflash2-tiny's actual configs.
+    use super::*;
+    use crate::dflash2::{DFlash2, DFlash2Weights, DraftMode};
+    use speclab_engine::exec::{plan_run_pool, EngineOptions};
+    use speclab_engine::kv::KvCacheManager;
+    use speclab_engine::model::kv_store::KvGeometry;
+    use speclab_engine::model::{KvStore, ModelConfig};
+    use std::path::Path;
+
+    fn configs() -> (ModelConfig, crate::DFlash2Config) {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let t = ModelConfig::from_file(&root.join("models/tiny/config.json")).unwrap();
+        let d =
+            crate::DFlash2Config::from_file(&root.join("models/dflash2-tiny/config.json")).unwrap();
+        (t, d)
+    }
+
+    #[test]
+    fn planned_pool_equals_the_stores_allocation_for_models_tiny() {
+        let (tcfg, dcfg) = configs();
+        let w = DFlash2Weights::random(&dcfg, 7).unwrap();
+        let opts = EngineOptions::default();
+        let bytes = 180_000_000u64;
+        // Spec-off: the target's groups only.
+        let none = DrafterSpec::none();
+        let p = plan_run_pool(&tcfg, &none, &opts, bytes).unwrap();
+        // full: 3 layers (2 attention + MTP) x 16 x 2 (K,V) x 2 kv heads x 64 x 4 B;
+        // kda_state: 6 KDA layers x (3 x 3 x 256 + 4 x 64 x 64) x 4 B.
+        let full = 3 * 16 * 2 * 2 * 64 * 4;
+        let state = 6 * (3 * 3 * 256 + 4 * 64 * 64) * 4;
+        assert_eq!(p.plan.groups.len(), 2);
+        assert_eq!(p.plan.groups[0].bytes_per_block, full);
+        assert_eq!(p.plan.groups[1].bytes_per_block, state);
+        assert_eq!(p.plan.bytes_per_block, 448_512);
+        assert_eq!(p.plan.num_blocks, 401);
+        assert_eq!(p.drafter_store_bytes_per_block, 0);
+        for cap in [CapPolicy::None, CapPolicy::WindowPlusTwo] {
+            let spec = DrafterSpec::dflash(w.clone(), &tcfg, 7, DraftMode::V2, 16, cap).unwrap();
+            let p = plan_run_pool(&tcfg, &spec, &opts, bytes).unwrap();
+            let drafter = 3 * 16 * 2 * 2 * 64 * 4;
+            assert_eq!(p.plan.groups.len(), 3);
+            assert_eq!(p.plan.groups[2].bytes_per_block, drafter);
+            assert_eq!(p.plan.bytes_per_block, state.max(full).max(drafter));
+            assert_eq!(p.plan.num_blocks as u64, bytes / p.plan.bytes_per_block);
+            // The run's manager with the planned pool, and the stores built on it.
+            let mut layout = tcfg.kv_layout(16, 7, p.plan.num_blocks).unwrap();
+            layout.groups.extend(spec.kv_groups().unwrap());
+            let kv = KvCacheManager::new(&layout, p.plan.num_blocks).unwrap();
+            let n = p.plan.num_blocks as usize;
+            let host = KvStore::new(&tcfg, &kv).unwrap();
+            assert_eq!(host.bytes(), n * p.target_store_bytes_per_block as usize);
+            assert_eq!(
+                4 * host.floats_per_block() as u64,
+                p.target_store_bytes_per_block
+            );
+            // The CUDA engine's device pool is sized by the same geometry.
+            let geo = KvGeometry::new(&tcfg, &kv).unwrap();
+            assert_eq!(
+                4 * geo.total_floats().unwrap() as u64,
+                p.target_store_bytes()
+            );
+            let g = DFlash2::find_group(&kv).unwrap();
+            let d = DFlash2::new(w.clone(), &tcfg, &kv, g).unwrap();
+            assert_eq!(
+                d.store().bytes(),
+                n * p.drafter_store_bytes_per_block as usize
+            );
+            assert_eq!(
+                (host.bytes() + d.store().bytes()) as u64,
+                p.allocated_bytes()
+            );
+        }
+    }
+
+    #[test]
+    fn a_budget_below_one_block_is_an_error() {
+        let (tcfg, _) = configs();
+        let e = plan_run_pool(
+            &tcfg,
+            &DrafterSpec::none(),
+            &EngineOptions::default(),
+            448_511,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("0 blocks"), "{e}");
+    }
+}

@@ -195,12 +195,49 @@ pub fn judge(e: &Expectation, rec: &RunRecord) -> (String, &'static str) {
     if let Some(want) = e.peak_running {
         return judge_peak_running(want, &legs);
     }
+    if let Some(want) = e.outputs_equal_control {
+        return judge_outputs_equal_control(want, rec, &legs);
+    }
     if let Some(st) = &e.status {
         let got: Vec<&str> = legs.iter().map(|l| status_word(l.status)).collect();
         let ok = got.iter().all(|g| g.eq_ignore_ascii_case(st));
         return (got.join(", "), if ok { "matched" } else { "NOT matched" });
     }
     ("nothing to compare".into(), "not measured")
+}
+
+/// `outputs_equal_control`: in every matching real leg, exactly `want` requests give the
+/// spec-off leg's greedy output (same concurrency; output digests).
+fn judge_outputs_equal_control(
+    want: u64,
+    rec: &RunRecord,
+    legs: &[&LegRecord],
+) -> (String, &'static str) {
+    let mut got = Vec::new();
+    for l in legs {
+        let Some(r) = l.real.as_ref() else {
+            return ("not a real leg".into(), "not measured");
+        };
+        let control = rec.legs.iter().filter_map(|c| c.real.as_ref()).find(|c| {
+            c.drafter == "none" && c.temperature == 0.0 && c.concurrency == r.concurrency
+        });
+        let Some(c) = control else {
+            return ("no control leg".into(), "not measured");
+        };
+        if r.temperature != 0.0 {
+            return ("not greedy".into(), "not measured");
+        }
+        let equal = r
+            .output_digests
+            .iter()
+            .zip(&c.output_digests)
+            .filter(|(a, b)| a == b)
+            .count() as u64;
+        got.push((equal, r.output_digests.len()));
+    }
+    let ok = got.iter().all(|&(e, _)| e == want);
+    let obs: Vec<String> = got.iter().map(|(e, n)| format!("{e}/{n} equal")).collect();
+    (obs.join(", "), if ok { "matched" } else { "NOT matched" })
 }
 
 /// `peak_running`: every matching leg's most requests in one step equals `want`.
@@ -390,6 +427,8 @@ fn render_comparison(md: &mut String, rec: &RunRecord, m: &Manifest) {
             format!("no wedge across {}-{}", thousands(lo), thousands(hi))
         } else if let Some(n) = e.peak_running {
             format!("{n} running per step at most")
+        } else if let Some(n) = e.outputs_equal_control {
+            format!("{n} requests with the spec-off greedy output")
         } else {
             e.status.clone().unwrap_or_default()
         };
@@ -563,10 +602,21 @@ fn real_setup(md: &mut String, real: &RealSpec, rec: &RunRecord) {
                 .unwrap_or_default();
             format!("{rows} of `{}` in `{f}`{trunc}", p.tensor)
         }
-        (None, Some(g)) => format!(
-            "{} random prompts of {} tokens (seed {})",
-            g.count, g.len, g.seed
-        ),
+        (None, Some(g)) => match g.min_len {
+            Some(_) => format!(
+                "{} random prompts of {} tokens (seed {})",
+                g.count,
+                (0..g.count)
+                    .map(|i| g.len_of(i).to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                g.seed
+            ),
+            None => format!(
+                "{} random prompts of {} tokens (seed {})",
+                g.count, g.len, g.seed
+            ),
+        },
         (None, None) => "-".into(),
     };
     let _ = writeln!(md, "- prompts: {prompts}");
@@ -609,19 +659,79 @@ fn real_setup(md: &mut String, real: &RealSpec, rec: &RunRecord) {
             .join(", "),
         real.seed
     );
+    let pool = match (real.num_blocks, real.kv_cache_memory_bytes) {
+        (Some(n), _) => format!("{n} blocks"),
+        (None, Some(b)) => format!(
+            "planned per leg from kv_cache_memory_bytes {} B (below)",
+            thousands(b)
+        ),
+        (None, None) => "sized per leg so every request fits at once".into(),
+    };
+    let caps = if real.caps.is_empty() {
+        format!("cap `{}`", crate::manifest::cap_name(real.cap))
+    } else {
+        let c: Vec<String> = real
+            .caps
+            .iter()
+            .map(|&c| format!("`{}`", crate::manifest::cap_name(c)))
+            .collect();
+        format!("caps {}", c.join(", "))
+    };
     let _ = writeln!(
         md,
-        "- engine: vLLM-faithful FCFS scheduler, max_num_batched_tokens {}, KV block size {}, pool {}; DFlash window group block {} cap `{}`",
+        "- engine: vLLM-faithful FCFS scheduler, max_num_batched_tokens {}, KV block size {}, pool {pool}; DFlash window group block {} {caps}",
         real.max_num_batched_tokens,
         real.block_size,
-        real.num_blocks.map(|n| format!("{n} blocks")).unwrap_or_else(|| "sized per leg so every request fits at once".into()),
         real.drafter_block_size,
-        crate::manifest::cap_name(real.cap)
     );
+    kv_plan_lines(md, rec);
     for n in &rec.notes {
         let _ = writeln!(md, "- note: {n}");
     }
     let _ = writeln!(md);
+}
+
+/// The pools planned from `kv_cache_memory_bytes`, one line per distinct plan (legs sharing it named).
+fn kv_plan_lines(md: &mut String, rec: &RunRecord) {
+    let mut plans: Vec<(&speclab_engine::exec::RunPoolPlan, Vec<&str>)> = Vec::new();
+    for l in &rec.legs {
+        if let Some(p) = l.real.as_ref().and_then(|r| r.kv_plan.as_ref()) {
+            match plans.iter_mut().find(|(q, _)| *q == p) {
+                Some((_, ids)) => ids.push(&l.id),
+                None => plans.push((p, vec![&l.id])),
+            }
+        }
+    }
+    for (p, ids) in plans {
+        let groups: Vec<String> = p
+            .plan
+            .groups
+            .iter()
+            .map(|g| {
+                format!(
+                    "{} {} x {} B = {} B",
+                    g.name,
+                    g.num_layers,
+                    thousands(g.page_size_bytes),
+                    thousands(g.bytes_per_block)
+                )
+            })
+            .collect();
+        let ids: Vec<String> = ids.iter().map(|i| format!("`{i}`")).collect();
+        let _ = writeln!(
+            md,
+            "- planned pool ({}): pages per block {}; bytes_per_block {} B (the largest group's); num_blocks = {} // {} = {} (stores allocate {} B a block: target {} + drafter {})",
+            ids.join(", "),
+            groups.join(", "),
+            thousands(p.plan.bytes_per_block),
+            thousands(p.plan.kv_cache_memory_bytes),
+            thousands(p.plan.bytes_per_block),
+            p.plan.num_blocks,
+            thousands(p.target_store_bytes_per_block + p.drafter_store_bytes_per_block),
+            thousands(p.target_store_bytes_per_block),
+            thousands(p.drafter_store_bytes_per_block)
+        );
+    }
 }
 
 /// "k/n" requests whose greedy output equals the spec-off leg's (same concurrency), from digests.

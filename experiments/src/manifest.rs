@@ -216,6 +216,10 @@ pub struct Expectation {
     /// step schedules this many (needs `measure.concurrency`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_running: Option<u64>,
+    /// The reference says: this many requests of the (real, greedy) leg give the spec-off
+    /// leg's output, token for token (the record's output digests; real manifests).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outputs_equal_control: Option<u64>,
 }
 
 /// Scheduler settings (vLLM names).
@@ -512,6 +516,7 @@ impl Manifest {
             self.check_no_sim_sections(path)?;
             crate::manifest_check::check_real_top(self, path)?;
             crate::manifest_check::check_real(real, path)?;
+            crate::manifest_check::check_real_expectations(self, real, path)?;
             return real.validate(path);
         }
         crate::manifest_check::check_sizes(self, path)?;
@@ -629,7 +634,6 @@ impl Manifest {
             ("workload", self.workload != Workload::default()),
             ("sweep", self.sweep != Sweep::default()),
             ("measure", self.measure != Measure::default()),
-            ("expectations", !self.expectations.is_empty()),
         ];
         match given.iter().find(|(_, g)| *g) {
             Some((f, _)) => Err(Self::invalid(

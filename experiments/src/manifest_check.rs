@@ -327,11 +327,12 @@ fn check_expectations(m: &Manifest, path: &Path, leg_ids: &[String]) -> Result<(
             && e.starts.is_none()
             && e.speedup.is_none()
             && e.peak_running.is_none()
+            && e.outputs_equal_control.is_none()
         {
             return Err(bad(
                 path,
                 &format!("expectations[{i}]"),
-                "states nothing to compare: give bound_about, no_wedge_in, status, peak_at_most, max_concurrency_about, kv_cache_tokens_about, starts, peak_running or speedup",
+                "states nothing to compare: give bound_about, no_wedge_in, status, peak_at_most, max_concurrency_about, kv_cache_tokens_about, starts, peak_running, speedup or (real manifests) outputs_equal_control",
             ));
         }
         if e.tolerance.is_some() && e.bound_about.is_none() && e.kv_cache_tokens_about.is_none() {
@@ -368,6 +369,37 @@ fn check_expectations(m: &Manifest, path: &Path, leg_ids: &[String]) -> Result<(
     Ok(())
 }
 
+/// Expectations of a real manifest: only `status` and `outputs_equal_control` (the other
+/// kinds read simulated measurements), each naming some real leg.
+pub fn check_real_expectations(
+    m: &Manifest,
+    real: &crate::real::RealSpec,
+    path: &Path,
+) -> Result<()> {
+    for (i, e) in m.expectations.iter().enumerate() {
+        let sim_only = [
+            ("bound_about", e.bound_about.is_some()),
+            ("tolerance", e.tolerance.is_some()),
+            ("no_wedge_in", e.no_wedge_in.is_some()),
+            ("peak_at_most", e.peak_at_most.is_some()),
+            ("max_concurrency_about", e.max_concurrency_about.is_some()),
+            ("kv_cache_tokens_about", e.kv_cache_tokens_about.is_some()),
+            ("speedup", e.speedup.is_some()),
+            ("starts", e.starts.is_some()),
+            ("peak_running", e.peak_running.is_some()),
+        ];
+        if let Some((k, _)) = sim_only.iter().find(|(_, g)| *g) {
+            return Err(bad(
+                path,
+                &format!("expectations[{i}].{k}"),
+                "reads simulated measurements; a real manifest's expectations give status or outputs_equal_control",
+            ));
+        }
+    }
+    let ids: Vec<String> = real.legs().into_iter().map(|l| l.id).collect();
+    check_expectations(m, path, &ids)
+}
+
 /// Every simulated-manifest field takes effect (module doc), and every leg's pool (also
 /// one sized from bytes) is within [`speclab_engine::kv::pool::MAX_NUM_BLOCKS`].
 pub fn check_fields(m: &Manifest, path: &Path, legs: &[crate::manifest::Leg]) -> Result<()> {
@@ -382,6 +414,17 @@ pub fn check_fields(m: &Manifest, path: &Path, legs: &[crate::manifest::Leg]) ->
                 "leg {}: the pool would have {} blocks, above the supported maximum {max}",
                 l.id, l.num_blocks
             ),
+        ));
+    }
+    if let Some(i) = m
+        .expectations
+        .iter()
+        .position(|e| e.outputs_equal_control.is_some())
+    {
+        return Err(bad(
+            path,
+            &format!("expectations[{i}].outputs_equal_control"),
+            "compares real legs' outputs; a simulated manifest has none",
         ));
     }
     let ids: Vec<String> = legs.iter().map(|l| l.id.clone()).collect();

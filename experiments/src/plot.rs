@@ -74,9 +74,13 @@ pub fn tau_series(rec: &RunRecord) -> Vec<Series> {
         .collect()
 }
 
-/// A plot is drawn when some series has two or more N values (a sweep over N).
+/// A plot is drawn when some series has two or more distinct N values (a sweep over N;
+/// legs at one N that differ only in their cap are no sweep).
 pub fn has_n_sweep(rec: &RunRecord) -> bool {
-    tau_series(rec).iter().any(|s| s.points.len() >= 2)
+    tau_series(rec).iter().any(|s| {
+        let ns: std::collections::BTreeSet<u32> = s.points.iter().map(|p| p.0).collect();
+        ns.len() >= 2
+    })
 }
 
 /// Render the two-panel SVG (tau vs N, acceptance rate vs N); None without an N sweep.

@@ -6,7 +6,10 @@
 //! `num_speculative_tokens` x concurrency (vLLM `max_num_seqs`) x temperature. It expands
 //! into [`RealLeg`]s in that order, with stable ids (`drafter=mtp n=3 c=4 t=1.0`); `N`
 //! collapses to 0 for the `none` drafter (one leg per concurrency x temperature), and a
-//! per-drafter N list (`num_speculative_tokens_for`) can replace the shared one.
+//! per-drafter N list (`num_speculative_tokens_for`) can replace the shared one. A cap
+//! axis (`caps`) runs each DFlash leg once per cap (` cap=<name>` ends its id). The pool is
+//! `num_blocks`, or planned per leg from `kv_cache_memory_bytes` (vLLM
+//! `--kv-cache-memory-bytes`; `speclab_engine::exec::plan_run_pool`), never both.
 //!
 //! Paths in the manifest are relative to the current directory of the `speclab`
 //! process (run from the repository root), not to the manifest file.
@@ -33,7 +36,9 @@ pub use speclab_drafters::DrafterKind as RealDrafter;
 
 /// Seeded random prompts: `count` prompts of `len` ordinary tokens (the special ids at
 /// the end of the vocabulary excluded), ChaCha8 seeded with `seed` — the same prompts as
-/// `speclab verify-lossless --random-prompts count:len --seed seed`.
+/// `speclab verify-lossless --random-prompts count:len --seed seed`. With `min_len`,
+/// prompt `i` has `min_len + i (len - min_len) / (count - 1)` tokens instead (lengths
+/// spread evenly from `min_len` up to `len`, drawn from the same seeded stream).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GeneratedPrompts {
@@ -41,6 +46,21 @@ pub struct GeneratedPrompts {
     pub len: usize,
     #[serde(default)]
     pub seed: u64,
+    /// The shortest prompt's length (lengths spread up to `len`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_len: Option<usize>,
+}
+
+impl GeneratedPrompts {
+    /// The length of prompt `i`.
+    pub fn len_of(&self, i: usize) -> usize {
+        match self.min_len {
+            Some(lo) if self.count > 1 && lo < self.len => {
+                lo + i * (self.len - lo) / (self.count - 1)
+            }
+            _ => self.len,
+        }
+    }
 }
 
 /// Where the prompts come from: `file` (+ `tensor`, `offset`, `count`, `truncate`) or
@@ -112,9 +132,15 @@ pub struct RealSpec {
     #[serde(default = "default_block_size")]
     pub block_size: u32,
     /// Blocks in the pool (default: every request at its full length at once, as
-    /// `speclab generate` sizes it).
+    /// `speclab generate` sizes it). Exclusive with `kv_cache_memory_bytes`.
     #[serde(default)]
     pub num_blocks: Option<u32>,
+    /// The pool from a byte budget instead (vLLM `--kv-cache-memory-bytes`): each leg's
+    /// layout (the target's groups + the drafter's) is planned by
+    /// `speclab_engine::exec::plan_run_pool` — the largest group's page per block, `num_blocks
+    /// = bytes // bytes_per_block` — and the leg records the plan. Exclusive with `num_blocks`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache_memory_bytes: Option<u64>,
     /// Cap below the model's `max_position_embeddings`.
     #[serde(default)]
     pub max_model_len: Option<u64>,
@@ -133,6 +159,10 @@ pub struct RealSpec {
     /// Cap policy of the DFlash drafter's sliding-window group.
     #[serde(default = "default_cap")]
     pub cap: CapPolicy,
+    /// A cap axis instead of `cap`: every DFlash leg runs once per listed cap (its id ends
+    /// in ` cap=<name>`); legs without a DFlash drafter run once. Empty: `cap` alone.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub caps: Vec<CapPolicy>,
     /// n-gram bounds (vLLM `prompt_lookup_min` / `prompt_lookup_max`).
     #[serde(default = "default_ngram")]
     pub ngram_min: usize,
@@ -205,6 +235,8 @@ pub struct RealLeg {
     pub num_speculative_tokens: u32,
     pub concurrency: usize,
     pub temperature: f32,
+    /// Cap policy of the DFlash drafter's sliding-window group in this leg.
+    pub cap: CapPolicy,
 }
 
 /// A temperature as written in leg ids: `0.0`, `1.0`, `0.7`.
@@ -295,16 +327,28 @@ impl RealSpec {
             .collect();
         let mut legs = Vec::new();
         for &d in self.drafters.iter().filter(|d| !skipped.contains(d)) {
+            // (cap, id suffix): the cap axis applies to DFlash drafters only.
+            let caps: Vec<(CapPolicy, String)> = if self.caps.is_empty() || !d.is_dflash() {
+                vec![(self.cap, String::new())]
+            } else {
+                self.caps
+                    .iter()
+                    .map(|&c| (c, format!(" cap={}", crate::manifest::cap_name(c))))
+                    .collect()
+            };
             for n in self.ns_for(d) {
-                for &c in &self.concurrency {
-                    for &t in &self.temperatures {
-                        legs.push(RealLeg {
-                            id: leg_id(d, n, c, t),
-                            drafter: d,
-                            num_speculative_tokens: n,
-                            concurrency: c,
-                            temperature: t,
-                        });
+                for (cap, suffix) in &caps {
+                    for &c in &self.concurrency {
+                        for &t in &self.temperatures {
+                            legs.push(RealLeg {
+                                id: format!("{}{suffix}", leg_id(d, n, c, t)),
+                                drafter: d,
+                                num_speculative_tokens: n,
+                                concurrency: c,
+                                temperature: t,
+                                cap: *cap,
+                            });
+                        }
                     }
                 }
             }
@@ -317,6 +361,7 @@ impl RealSpec {
         let bad = |f: &str, m: String| invalid(path, f, m);
         let (cfg, mml) = self.check_target(path)?;
         self.check_scalars(path)?;
+        self.check_kv_bytes(path, &cfg)?;
         self.check_axes(path)?;
         let skipped: Vec<RealDrafter> = self
             .skipped_drafters()
@@ -398,7 +443,39 @@ impl RealSpec {
         if self.num_blocks == Some(0) {
             return Err(bad("real.num_blocks", "must be > 0".into()));
         }
+        if let (Some(n), Some(b)) = (self.num_blocks, self.kv_cache_memory_bytes) {
+            return Err(bad(
+                "real.kv_cache_memory_bytes",
+                format!("given with real.num_blocks ({n}); give one of them: num_blocks (vLLM num_gpu_blocks_override) or kv_cache_memory_bytes ({b}, vLLM --kv-cache-memory-bytes, planned into blocks)"),
+            ));
+        }
+        if self.kv_cache_memory_bytes == Some(0) {
+            return Err(bad("real.kv_cache_memory_bytes", "must be > 0".into()));
+        }
+        for (i, c) in self.caps.iter().enumerate() {
+            if self.caps[..i].contains(c) {
+                return Err(bad(
+                    &format!("real.caps[{i}]"),
+                    format!("`{}` is listed twice", crate::manifest::cap_name(*c)),
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// The pool of a byte budget for the target alone (spec-off layout): at least one
+    /// block, or an error naming `real.kv_cache_memory_bytes`.
+    fn check_kv_bytes(&self, path: &Path, cfg: &ModelConfig) -> Result<()> {
+        let Some(bytes) = self.kv_cache_memory_bytes else {
+            return Ok(());
+        };
+        let bad = |m: String| invalid(path, "real.kv_cache_memory_bytes", m);
+        let layout = cfg
+            .kv_layout(self.block_size, 0, 1)
+            .map_err(|e| bad(e.to_string()))?;
+        speclab_engine::kv::planning::plan_pool(&layout, bytes)
+            .map(|_| ())
+            .map_err(|e| bad(e.to_string()))
     }
 
     /// The sweep axes and the per-drafter maps.
@@ -580,10 +657,15 @@ impl RealSpec {
                 if g.count == 0 || g.len == 0 {
                     return Err(bad("real.prompts.generated", format!("need count >= 1 and len >= 1, got count {} len {}", g.count, g.len)));
                 }
+                if let Some(lo) = g.min_len {
+                    if lo == 0 || lo > g.len {
+                        return Err(bad("real.prompts.generated.min_len", format!("{lo} must be in 1..={} (len, the longest prompt)", g.len)));
+                    }
+                }
                 use rand::{Rng, SeedableRng};
                 let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(g.seed);
                 let hi = cfg.vocab_size.saturating_sub(speclab_engine::model::config::NUM_SPECIAL).max(1) as u32;
-                (0..g.count).map(|_| (0..g.len).map(|_| rng.random_range(0..hi)).collect()).collect()
+                (0..g.count).map(|i| (0..g.len_of(i)).map(|_| rng.random_range(0..hi)).collect()).collect()
             }
             (Some(file), None) => {
                 let fp = Path::new(file);
@@ -737,6 +819,67 @@ mod tests {
                 "drafter=dflash2 n=7 c=1 t=0.0"
             ]
         );
+    }
+
+    #[test]
+    fn six_manifests_expand_a_cap_axis_and_spread_prompt_lengths() {
+        use crate::manifest::Manifest;
+        for (name, text) in [
+            ("df2w-real-six.ron", include_str!("../df2w-real-six.ron")),
+            (
+                "df2w-real-six-cuda.ron",
+                include_str!("../df2w-real-six-cuda.ron"),
+            ),
+        ] {
+            let m: Manifest = crate::manifest::parse_ron(Path::new(name), text).unwrap();
+            let r = m.real.unwrap();
+            assert_eq!(
+                (r.num_blocks, r.kv_cache_memory_bytes),
+                (None, Some(180_000_000))
+            );
+            let legs = r.legs();
+            let ids: Vec<&str> = legs.iter().map(|l| l.id.as_str()).collect();
+            assert_eq!(
+                ids,
+                [
+                    "drafter=none n=0 c=6 t=0.0",
+                    "drafter=dflash2 n=7 c=6 t=0.0 cap=none",
+                    "drafter=dflash2 n=7 c=6 t=0.0 cap=window_plus_two"
+                ]
+            );
+            assert_eq!(legs[1].cap, CapPolicy::None);
+            assert_eq!(legs[2].cap, CapPolicy::WindowPlusTwo);
+            let g = r.prompts.generated.unwrap();
+            let lens: Vec<usize> = (0..g.count).map(|i| g.len_of(i)).collect();
+            assert_eq!(lens, [2048, 2438, 2828, 3219, 3609, 4000]);
+            // Both fields together, and a repeated cap, name the file and the field.
+            let both = RealSpec {
+                num_blocks: Some(64),
+                ..r.clone()
+            };
+            let e = both.check_scalars(Path::new(name)).unwrap_err().to_string();
+            assert!(
+                e.contains(name) && e.contains("real.kv_cache_memory_bytes"),
+                "{e}"
+            );
+            let twice = RealSpec {
+                caps: vec![CapPolicy::None, CapPolicy::None],
+                ..r
+            };
+            let e = twice
+                .check_scalars(Path::new(name))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("real.caps[1]"), "{e}");
+        }
+        // Without min_len every prompt has `len` tokens (old manifests unchanged).
+        let g = GeneratedPrompts {
+            count: 3,
+            len: 9,
+            seed: 0,
+            min_len: None,
+        };
+        assert_eq!((0..3).map(|i| g.len_of(i)).collect::<Vec<_>>(), [9, 9, 9]);
     }
 
     #[test]

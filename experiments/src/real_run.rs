@@ -6,7 +6,9 @@
 //! (`speclab_drafters::DrafterSpec`), its requests (every prompt queued at once, `max_tokens`
 //! each), the scheduler (the same FCFS scheduler and config as `speclab generate`, with
 //! `max_num_seqs` = the leg's concurrency) and the pool (sized like `speclab generate`:
-//! every request at its full length at once, unless `num_blocks` is given), runs the
+//! every request at its full length at once, unless `num_blocks` is given or planned from
+//! `kv_cache_memory_bytes` by `speclab_engine::exec::plan_run_pool`; with `device: cuda`
+//! the planned target store is checked against the device's free memory), runs the
 //! engine, and turns the [`EngineRun`] into a [`LegRecord`] with a [`RealLegRecord`].
 //! [`RealRunner::verify_leg`] runs `verify_lossless` (greedy, with vs without the drafter).
 //!
@@ -20,8 +22,10 @@ use std::time::Instant;
 
 use speclab_drafters::{DFlash2Weights, DraftMode, DrafterSpec};
 use speclab_engine::exec::{
-    generate_on, verify_lossless_on, EngineOptions, EngineRequest, EngineRun, LosslessReport,
+    generate_on, plan_run_pool, verify_lossless_on, EngineOptions, EngineRequest, EngineRun,
+    LosslessReport, RunPoolPlan,
 };
+use speclab_engine::kv::CapPolicy;
 use speclab_engine::model::ModelWeights;
 use speclab_engine::spec::SamplingParams;
 use speclab_engine::EngineError;
@@ -112,8 +116,13 @@ impl<'a> RealRunner<'a> {
             .collect()
     }
 
-    /// The drafter of a leg.
-    pub fn drafter(&self, d: RealDrafter, n: u32) -> speclab_engine::Result<DrafterSpec> {
+    /// The drafter of a leg (`cap`: its DFlash sliding-window group's cap policy).
+    pub fn drafter(
+        &self,
+        d: RealDrafter,
+        n: u32,
+        cap: CapPolicy,
+    ) -> speclab_engine::Result<DrafterSpec> {
         let s = self.spec;
         let n = n as usize;
         let cfg = &self.target.cfg;
@@ -133,12 +142,14 @@ impl<'a> RealRunner<'a> {
                 } else {
                     DraftMode::V1
                 };
-                DrafterSpec::dflash(w, cfg, n, mode, s.drafter_block_size, s.cap)
+                DrafterSpec::dflash(w, cfg, n, mode, s.drafter_block_size, cap)
             }
         }
     }
 
-    /// Engine options of a leg (the drafter factory's default pool unless given, as
+    /// Engine options of a leg: the pool is `num_blocks`, or planned from
+    /// `kv_cache_memory_bytes` for this leg's layout (returned beside the options), or
+    /// else the drafter factory's default (every request at its full length, as
     /// `speclab generate` sizes it).
     pub fn options(
         &self,
@@ -146,13 +157,13 @@ impl<'a> RealRunner<'a> {
         spec: &DrafterSpec,
         temperature: f32,
         collect_router: bool,
-    ) -> EngineOptions {
+    ) -> speclab_engine::Result<(EngineOptions, Option<RunPoolPlan>)> {
         let s = self.spec;
         let mml = s
             .max_model_len
             .unwrap_or(self.target.cfg.max_position_embeddings as u64);
         let need = spec.default_num_blocks(s.block_size, mml, reqs);
-        EngineOptions {
+        let mut opts = EngineOptions {
             block_size: s.block_size,
             num_blocks: s.num_blocks.unwrap_or(need),
             max_model_len: s.max_model_len,
@@ -162,7 +173,37 @@ impl<'a> RealRunner<'a> {
             collect_router,
             max_steps: s.max_steps,
             check_allocator: true,
+        };
+        let plan = match s.kv_cache_memory_bytes {
+            Some(bytes) => {
+                let p = plan_run_pool(&self.target.cfg, spec, &opts, bytes)?;
+                opts.num_blocks = p.plan.num_blocks;
+                Some(p)
+            }
+            None => None,
+        };
+        Ok((opts, plan))
+    }
+
+    /// With `device: cuda` and a planned pool: the target's store for it must fit the
+    /// device's free memory now (cuMemGetInfo); on the CPU nothing is checked.
+    fn check_device_memory(&self, plan: Option<&RunPoolPlan>) -> Result<()> {
+        let (crate::real::RealDevice::Cuda, Some(p)) = (self.spec.device, plan) else {
+            return Ok(());
+        };
+        let (free, total) = speclab_cuda::device::mem_info(0)
+            .map_err(|e| ExperimentError::engine("real.device cuda", EngineError::from(e)))?;
+        let need = p.target_store_bytes();
+        if need > free {
+            return Err(ExperimentError::engine(
+                "real.kv_cache_memory_bytes",
+                EngineError::InsufficientKvMemory(format!(
+                    "the planned pool ({} blocks x {} B of the target's store = {need} B) does not fit the device's free memory ({free} of {total} B)",
+                    p.plan.num_blocks, p.target_store_bytes_per_block
+                )),
+            ));
         }
+        Ok(())
     }
 
     /// MoE layers x routed experts of the target: the most (layer, expert) pairs a step can touch.
@@ -188,10 +229,13 @@ impl<'a> RealRunner<'a> {
         let ctx = format!("leg {}", leg.id);
         let eng = |e| ExperimentError::engine(ctx.clone(), e);
         let spec = self
-            .drafter(leg.drafter, leg.num_speculative_tokens)
+            .drafter(leg.drafter, leg.num_speculative_tokens, leg.cap)
             .map_err(eng)?;
         let reqs = self.requests();
-        let opts = self.options(&reqs, &spec, leg.temperature, self.spec.collect_router);
+        let (opts, plan) = self
+            .options(&reqs, &spec, leg.temperature, self.spec.collect_router)
+            .map_err(eng)?;
+        self.check_device_memory(plan.as_ref())?;
         let mut make = fcfs_factory(leg.concurrency, self.spec.max_num_batched_tokens);
         let backend = self.backend();
         let run = generate_on(
@@ -203,7 +247,8 @@ impl<'a> RealRunner<'a> {
             &mut make,
         )
         .map_err(eng)?;
-        let real = self.real_record(leg, &reqs, &opts, &run);
+        let mut real = self.real_record(leg, &reqs, &opts, &run);
+        real.kv_plan = plan;
         let status = if run.wedged.is_some() {
             LegStatus::Wedged
         } else if !run.rejected.is_empty() {
@@ -227,7 +272,7 @@ impl<'a> RealRunner<'a> {
         Ok(LegRecord {
             id: leg.id.clone(),
             block_size: Some(self.spec.block_size),
-            cap: cap_name(self.spec.cap).to_string(),
+            cap: cap_name(leg.cap).to_string(),
             num_blocks: opts.num_blocks,
             usable_blocks: run.kv_usable_blocks,
             group_names: vec![],
@@ -333,6 +378,7 @@ impl<'a> RealRunner<'a> {
                 .map(|r| digest_tokens(&r.output))
                 .collect(),
             allocator_violation: run.allocator_violation.clone(),
+            kv_plan: None,
         }
     }
 
@@ -346,9 +392,10 @@ impl<'a> RealRunner<'a> {
         let id = format!("drafter={} n={n} c={c}", d.name());
         let eng = |e| ExperimentError::engine(format!("verify-lossless {id}"), e);
         let t0 = Instant::now();
-        let spec = self.drafter(d, n).map_err(eng)?;
+        let spec = self.drafter(d, n, self.spec.cap).map_err(eng)?;
         let reqs = self.requests();
-        let opts = self.options(&reqs, &spec, 0.0, false);
+        let (opts, plan) = self.options(&reqs, &spec, 0.0, false).map_err(eng)?;
+        self.check_device_memory(plan.as_ref())?;
         let mut make = fcfs_factory(c, self.spec.max_num_batched_tokens);
         let backend = self.backend();
         let report = verify_lossless_on(

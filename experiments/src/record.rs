@@ -227,6 +227,10 @@ pub struct RealLegRecord {
     pub output_digests: Vec<String>,
     /// The engine's allocator check, if it failed.
     pub allocator_violation: Option<String>,
+    /// The pool planned from `real.kv_cache_memory_bytes` (per-group pages,
+    /// bytes_per_block, num_blocks, the stores' bytes per block); absent with `num_blocks`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_plan: Option<speclab_engine::exec::RunPoolPlan>,
 }
 
 /// FNV-1a 64 of token ids (little-endian u32 bytes), as 16 hex digits.

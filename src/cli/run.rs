@@ -232,6 +232,7 @@ fn run_one(o: &RunOpts<'_>, m: Manifest, mpath: PathBuf, text: String) -> anyhow
         eprintln!("{verdict}");
     } else {
         print_run(&outcome.record, &out);
+        print_expectations(&m, &outcome.record);
         outln!("{verdict}");
     }
     Ok(ExitCode::SUCCESS)
@@ -352,6 +353,17 @@ fn print_run(rec: &RunRecord, out: &Path) {
     }
     for n in &rec.notes {
         outln!("note: {n}");
+    }
+}
+
+/// The manifest's expectations judged on the record (as the finding's comparison table).
+fn print_expectations(m: &Manifest, rec: &RunRecord) {
+    if !m.is_real() {
+        return;
+    }
+    for e in &m.expectations {
+        let (obs, verdict) = findings::judge(e, rec);
+        outln!("expectation `{}`: {obs}: {verdict}", e.leg);
     }
 }
 

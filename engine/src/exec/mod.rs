@@ -63,6 +63,7 @@ pub use lossless::{
     LosslessReport, Mismatch,
 };
 pub use run::{
-    generate, generate_observed, generate_on, DrafterFactory, EngineOptions, EngineRequest,
-    EngineRun, GenerateParts, RequestStats, SchedulerFactory, SchedulerParams,
+    generate, generate_observed, generate_on, plan_run_pool, DrafterFactory, EngineOptions,
+    EngineRequest, EngineRun, GenerateParts, RequestStats, RunPoolPlan, SchedulerFactory,
+    SchedulerParams,
 };

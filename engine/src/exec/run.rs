@@ -254,14 +254,21 @@ fn run_layout(
     drafter: &dyn DrafterFactory,
     opts: &EngineOptions,
 ) -> Result<crate::kv::KvLayout> {
+    layout_for(&target.cfg, drafter, opts)
+}
+
+/// [`run_layout`] from the target's config alone.
+fn layout_for(
+    cfg: &ModelConfig,
+    drafter: &dyn DrafterFactory,
+    opts: &EngineOptions,
+) -> Result<crate::kv::KvLayout> {
     let n = drafter.num_speculative_tokens();
     let n32 = u32::try_from(n).map_err(|_| EngineError::InvalidDrafterConfig {
         drafter: "any".into(),
         reason: format!("num_speculative_tokens {n} too large"),
     })?;
-    let mut layout = target
-        .cfg
-        .kv_layout(opts.block_size, n32, opts.num_blocks)?;
+    let mut layout = cfg.kv_layout(opts.block_size, n32, opts.num_blocks)?;
     if let Some(m) = opts.max_model_len {
         if m == 0 || m > u64::from(layout.max_model_len) {
             return Err(EngineError::InvalidLayout {
@@ -277,6 +284,66 @@ fn run_layout(
     layout.groups.extend(drafter.kv_groups()?);
     layout.resolve_groups()?;
     Ok(layout)
+}
+
+/// The pool of a run sized from a byte budget: the layout [`generate_on`] builds (the
+/// target's `full` / `kda_state` groups, then the drafter's groups) planned by
+/// [`crate::kv::planning::plan_pool`] (vLLM's rule: the largest group's page per block),
+/// with what this engine's stores really allocate per block beside it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunPoolPlan {
+    #[serde(flatten)]
+    pub plan: crate::kv::planning::PoolPlan,
+    /// Bytes per block of the target's store (host `KvStore`, device pool of speclab-cuda):
+    /// its groups alias one block, so the largest target group's page (`KvGeometry`).
+    pub target_store_bytes_per_block: u64,
+    /// Bytes per block of the drafter's own stores (DFlash2's `DraftKvStore` keeps its
+    /// pages apart from the target's instead of aliasing them): the sum of its groups' pages.
+    pub drafter_store_bytes_per_block: u64,
+}
+
+impl RunPoolPlan {
+    /// Bytes the engine's stores allocate for the planned pool (target + drafter).
+    pub fn allocated_bytes(&self) -> u64 {
+        u64::from(self.plan.num_blocks)
+            .saturating_mul(self.target_store_bytes_per_block + self.drafter_store_bytes_per_block)
+    }
+    /// Bytes of the target's store for the planned pool (what the CUDA engine puts on the device).
+    pub fn target_store_bytes(&self) -> u64 {
+        u64::from(self.plan.num_blocks).saturating_mul(self.target_store_bytes_per_block)
+    }
+}
+
+/// Plan the pool of a run of `drafter` on a target with config `cfg` from
+/// `kv_cache_memory_bytes` (vLLM `--kv-cache-memory-bytes`); `opts.num_blocks` is ignored.
+pub fn plan_run_pool(
+    cfg: &ModelConfig,
+    drafter: &dyn DrafterFactory,
+    opts: &EngineOptions,
+    kv_cache_memory_bytes: u64,
+) -> Result<RunPoolPlan> {
+    use crate::model::config::{FULL_GROUP, STATE_GROUP};
+    let layout = layout_for(cfg, drafter, opts)?; // its num_blocks is replaced by the plan
+    let plan = crate::kv::planning::plan_pool(&layout, kv_cache_memory_bytes)?;
+    let is_target = |n: &str| n == FULL_GROUP || n == STATE_GROUP;
+    let target_store_bytes_per_block = plan
+        .groups
+        .iter()
+        .filter(|g| is_target(&g.name))
+        .map(|g| g.bytes_per_block)
+        .max()
+        .unwrap_or(0);
+    let drafter_store_bytes_per_block = plan
+        .groups
+        .iter()
+        .filter(|g| !is_target(&g.name))
+        .map(|g| g.bytes_per_block)
+        .sum();
+    Ok(RunPoolPlan {
+        plan,
+        target_store_bytes_per_block,
+        drafter_store_bytes_per_block,
+    })
 }
 
 /// Generate for `requests` on the CPU reference backend ([`generate_on`]).

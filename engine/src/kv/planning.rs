@@ -13,11 +13,78 @@
 //! formula), whatever the runtime admission does: that mismatch is the root
 //! of the DFlash2 wedge. Here the check is done in blocks of the shared pool.
 //!
-//! Invariant: `resolve_num_blocks` never returns 0.
+//! [`plan_pool`] is the one place a byte budget (vLLM `--kv-cache-memory-bytes`)
+//! becomes a pool: per group the page bytes the engine's stores allocate for one block
+//! (`num_layers x page_size_bytes`, the `memory` the model and drafter declare and their
+//! stores check), `bytes_per_block` = the largest group's page, and `num_blocks =
+//! bytes // bytes_per_block` (vLLM `vllm/v1/core/kv_cache_utils.py::get_kv_cache_configs`
+//! -> `kv_cache_planning.py::_get_kv_cache_bytes_per_block` / `get_num_blocks`).
+//!
+//! Invariant: `resolve_num_blocks` and `plan_pool` never return 0 blocks.
+
+use serde::{Deserialize, Serialize};
 
 use super::layout::{GroupKind, KvLayout, ResolvedGroup};
 use crate::util::cdiv;
 use crate::{EngineError, Result};
+
+/// One KV group's page in a pool plan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupPage {
+    pub name: String,
+    /// Layers whose page one block id of this group indexes.
+    pub num_layers: u32,
+    /// Bytes of one layer's page (one block).
+    pub page_size_bytes: u64,
+    /// `num_layers x page_size_bytes`: this group's bytes of one pool block.
+    pub bytes_per_block: u64,
+}
+
+/// A pool sized from a byte budget ([`plan_pool`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolPlan {
+    /// The budget (vLLM `kv_cache_memory_bytes`).
+    pub kv_cache_memory_bytes: u64,
+    /// Per group, in layout order.
+    pub groups: Vec<GroupPage>,
+    /// The largest group's bytes per block (vLLM `_get_kv_cache_bytes_per_block`).
+    pub bytes_per_block: u64,
+    /// `kv_cache_memory_bytes // bytes_per_block` (null block included, as in vLLM).
+    pub num_blocks: u32,
+}
+
+/// Size the pool of `layout` from `kv_cache_memory_bytes` the way vLLM sizes a hybrid
+/// model's shared pool (module doc); `layout.num_blocks` is ignored.
+///
+/// Source: vLLM 0.33.0 `vllm/v1/core/kv_cache_utils.py::get_kv_cache_configs` (groups of
+/// one unified pool), `vllm/v1/core/kv_cache_planning.py::_get_kv_cache_bytes_per_block`
+/// (max over groups of the sum of the group's layer page sizes) and `get_num_blocks`
+/// (`available_memory // bytes_per_block`).
+pub fn plan_pool(layout: &KvLayout, kv_cache_memory_bytes: u64) -> Result<PoolPlan> {
+    let mut l = layout.clone();
+    l.num_blocks = None;
+    l.kv_cache_memory_bytes = Some(kv_cache_memory_bytes);
+    let resolved = l.resolve_groups()?;
+    let bytes_per_block = bytes_per_block(&resolved)?;
+    let groups = resolved
+        .iter()
+        .filter_map(|g| {
+            g.memory.map(|m| GroupPage {
+                name: g.name.clone(),
+                num_layers: m.num_layers,
+                page_size_bytes: m.page_size_bytes,
+                bytes_per_block: u64::from(m.num_layers).saturating_mul(m.page_size_bytes),
+            })
+        })
+        .collect();
+    let num_blocks = resolve_num_blocks(&l)?;
+    Ok(PoolPlan {
+        kv_cache_memory_bytes,
+        groups,
+        bytes_per_block,
+        num_blocks,
+    })
+}
 
 /// Bytes of one pool block: max over groups of `num_layers * page_size_bytes`.
 pub fn bytes_per_block(groups: &[ResolvedGroup]) -> Result<u64> {
@@ -40,6 +107,13 @@ pub fn resolve_num_blocks(layout: &KvLayout) -> Result<u32> {
         (Some(n), _) => u64::from(n),
         (None, Some(bytes)) => {
             let bpb = bytes_per_block(&groups)?;
+            if bpb == 0 {
+                return Err(EngineError::InvalidLayout {
+                    field: "groups".into(),
+                    reason: "every group has 0 bytes per block: nothing to size the pool by"
+                        .into(),
+                });
+            }
             bytes / bpb
         }
         (None, None) => {
