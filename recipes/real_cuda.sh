@@ -16,7 +16,7 @@ OUT=$(mktemp -d)
 source recipes/cuda_env.sh
 BIN=target/gpu-check/speclab
 rc=0
-for m in df2w-real-above-fixed df2w-real-above-none df2w-real-below-none quality-spot; do
+for m in df2w-real-above-fixed df2w-real-above-none df2w-real-below-none df2w-real-six quality-spot; do
   timeout 200 $BIN run experiments/$m-cuda.ron --out "$OUT/$m-cuda.json" > "$OUT/$m.log" 2>&1 || { rc=1; echo "$m failed: $(tail -2 "$OUT/$m.log")"; }
   tail -1 "$OUT/$m.log"
 done
