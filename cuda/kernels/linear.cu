@@ -462,8 +462,12 @@ __device__ __forceinline__ float w4_v(u32 a, u32 mask) {
 #endif
 
 // acc[i][t] += x_t[chunk] . W[row i, chunk] for the nt <= W4_TS tokens held in xr.
-__device__ __forceinline__ void w4_fma(float acc[W4_U][W4_TS], const W4Batch& b,
-                                       const float xr[W4_TS][32], int nt) {
+// NT (compile time) tokens: a tile pass with fewer tokens than W4_TS runs the NT = 1
+// instantiation, so no predicated-off FMAs take issue slots (ncu: 6.4 instructions a weight
+// at M = 1 with the token count tested at run time).
+template <int NT>
+__device__ __forceinline__ void w4_fma_n(float acc[W4_U][W4_TS], const W4Batch& b,
+                                         const float xr[W4_TS][32]) {
 #if W4_FOLD
     float cx[W4_TS];
 #pragma unroll
@@ -485,7 +489,7 @@ __device__ __forceinline__ void w4_fma(float acc[W4_U][W4_TS], const W4Batch& b,
                                 w4_v(v1, 0x00780000u), w4_v(v3, 0x00780000u)};
 #pragma unroll
             for (int t = 0; t < W4_TS; ++t) {
-                if (t < nt) {
+                if (t < NT) {
                     const float* xv = &xr[t][j * 8];
                     a15[t] = fmaf(xv[0], f[0], a15[t]);
                     a15[t] = fmaf(xv[1], f[1], a15[t]);
@@ -518,7 +522,7 @@ __device__ __forceinline__ void w4_fma(float acc[W4_U][W4_TS], const W4Batch& b,
             dequant8(word, sc, w);
 #pragma unroll
             for (int t = 0; t < W4_TS; ++t) {
-                if (t < nt) {
+                if (t < NT) {
 #pragma unroll
                     for (int u = 0; u < 8; ++u)
                         part[j % W4_ILP][t] = fmaf(xr[t][j * 8 + u], w[u], part[j % W4_ILP][t]);
@@ -534,6 +538,15 @@ __device__ __forceinline__ void w4_fma(float acc[W4_U][W4_TS], const W4Batch& b,
         }
     }
 #endif
+}
+
+__device__ __forceinline__ void w4_fma(float acc[W4_U][W4_TS], const W4Batch& b,
+                                       const float xr[W4_TS][32], int nt) {
+    if (nt >= W4_TS) {
+        w4_fma_n<W4_TS>(acc, b, xr);
+    } else {
+        w4_fma_n<1>(acc, b, xr);  // W4_TS <= 2 (kernels.rs TUNABLES)
+    }
 }
 
 // The 32 activations of chunk c for tokens xrow[0 .. nt) (rows of K floats), 0 beyond nt.
