@@ -15,6 +15,12 @@ def e2e(path):
     an = d.get("anchors", {})
     eager = {r["batch"]: r["decode_tok_s"] for r in an.get("e2e_ref", {}).get("rows", [])}
     graph = {r["batch"]: r["graph_tok_s"] for r in an.get("e2e_graph", {}).get("rows", [])}
+    # Records without the anchors' JSON: the per-row anchor figures `bench e2e --anchors` stored.
+    for r in rows:
+        if r.get("anchor_eager_tok_s") is not None:
+            eager.setdefault(r["concurrency"], r["anchor_eager_tok_s"])
+        if r.get("anchor_graph_tok_s") is not None:
+            graph.setdefault(r["concurrency"], r["anchor_graph_tok_s"])
     print(f"Record `{path}` (commit {d.get('git_commit')}): copy {d['copy_gb_s']:.0f} GB/s, "
           f"weights {d['weight_bytes'] / 1e6:.1f} MB, launch {d['launch_us_eager']:.2f} us eager / "
           f"{d['launch_us']:.2f} us in a graph; all outputs equal: {d['outputs_all_match']}.\n")
