@@ -274,14 +274,19 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 //   W4_STAGES-deep cp.async pipeline in shared memory (W4_STAGES - 1 batches = 192 B a
 //   lane in flight without holding registers; a lane reads back only its own copies, so
 //   cp.async.wait_group is the only synchronization).  The previous version of this
-//   kernel (registers only, one batch ahead) was latency bound at 29% of the copy
-//   bandwidth (runs/bench-moe-regx.json).
+//   kernel (registers only, one batch ahead) reached 29% of the copy bandwidth at M = 1
+//   (runs/bench-moe-regx.json).
 // - Dequantization: common.cuh dequant8 (1 LOP3 + 1 FFMA per weight, exact q * scale).
 // - Reduction of the W4_U x W4_TS partial sums over the group: xor shuffles when L <= 32;
-//   for L = 64 / 128 a transposing warp reduction (9 shuffles for 8 values), then the
-//   warps' partials through a double-buffered shared array (one __syncthreads a batch).
-// - The tile's token rows (up to 8, moe.cu moe_align) are taken W4_TS at a time; a tile
-//   with more than W4_TS rows streams its rows again (from L2) for each further pair.
+//   for L = 64 / 128 a transposing warp reduction (9 shuffles for 8 values) into a shared
+//   array of every batch's warp partials, summed by the block's threads after one barrier
+//   a pass (w4_finish).
+// - The tile's token rows (up to 8, moe.cu moe_align) are taken W4_TS at a time, token
+//   group z in block z of the grid (W4_ZSPLIT; the groups past the tile's rows exit), so a
+//   tile's passes run in parallel blocks; each pass streams the tile's weights (the
+//   repeats from L2).  A pass's token count is a template parameter (w4_fma_n).
+// - Where the time goes (runs/ncu-final-m1.txt): instruction issue, 6.4 instructions a
+//   weight at M = 1, not DRAM bandwidth (35% of peak).
 // Requirements (host-checked, cuda/src/ops.rs + launch.rs): K % 128 == 0, N % 8 == 0,
 // x rows 16-byte aligned (x stride = K).
 
