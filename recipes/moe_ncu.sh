@@ -13,11 +13,15 @@ mkdir -p "$OUT"
 source recipes/cuda_env.sh
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 [ -n "$NCU" ] || { echo "no ncu"; exit 3; }
+# DETAILS=1 adds --print-details all and the scheduler / instruction sections (the stall
+# breakdown of runs/ncu-final-m*.txt); SPECLAB_KERNEL_DEFINES passes through to the bench.
+EXTRA=()
+[ "${DETAILS:-0}" = 1 ] && EXTRA=(--print-details all --section SchedulerStats --section InstructionStats)
 for m in 1 16; do
-  timeout 170 "$NCU" --clock-control none -k regex:'moe_.*_w4' -c 2 \
+  timeout 170 "$NCU" --clock-control none -k regex:'moe_.*_w4' -c 2 "${EXTRA[@]}" \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
     target/gpu-check/speclab bench moe --m $m --routing uniform --iters 1 --copies 1 --check-pairs 8 \
     --out /tmp/ncu-m$m.json > "$OUT/ncu_m$m.txt" 2>&1
   echo "M=$m ncu exit $?"
-  grep -E "moe_|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Warp Cycles Per Issued|Stall|One or More Eligible|L2 Hit" "$OUT/ncu_m$m.txt" | head -60
+  grep -E "moe_.*w4 \(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Warp Cycles Per Issued|Issued Warp|Stall [A-Z]|One or More Eligible|Executed Instructions  |L2 Hit" "$OUT/ncu_m$m.txt" | head -60
 done

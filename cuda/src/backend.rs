@@ -340,11 +340,8 @@ impl CudaBackend {
         };
         // Graphs for greedy decode / verify steps (their outputs are the argmax ids and the
         // hidden rows); steps that return logits, and prefill chunks, run eagerly.
-        if opts.greedy_ids && graph_sized(batch.iter().map(|c| c.tokens.len())) {
-            self.launch_step(&m, kind)?;
-        } else {
-            self.run(&m, kind)?;
-        }
+        let graphable = opts.greedy_ids && graph_sized(batch.iter().map(|c| c.tokens.len()));
+        self.launch_step(&m, kind, graphable)?;
         self.note_pending(batch);
         self.read_target(&m, last, collect, opts)
     }
@@ -368,7 +365,7 @@ impl CudaBackend {
             collect: Collect::default(),
             argmax: true,
         };
-        self.launch_step(&m, kind)?;
+        self.launch_step(&m, kind, true)?;
         let t3 = std::time::Instant::now();
         self.note_pending(batch);
         let r = if last { m.num_seqs } else { m.t_total };
@@ -440,9 +437,10 @@ impl CudaBackend {
         prof
     }
 
-    /// Run one step: replayed as a CUDA graph when graphs are on, else eagerly.
-    fn launch_step(&mut self, m: &StepMeta, kind: StepKind) -> Result<()> {
-        if self.opts.use_graphs {
+    /// Run one step: replayed as a CUDA graph when graphs are on and the step is
+    /// `graphable`, else eagerly.
+    fn launch_step(&mut self, m: &StepMeta, kind: StepKind, graphable: bool) -> Result<()> {
+        if graphable && self.opts.use_graphs {
             self.run_graph((m.t_total, m.num_seqs, kind), m, kind)
         } else {
             self.run(m, kind)
@@ -701,11 +699,8 @@ impl CudaBackend {
             collect,
             argmax: opts.greedy_ids,
         };
-        if opts.greedy_ids && graph_sized(batch.iter().map(|c| c.next_tokens.len())) {
-            self.launch_step(&m, kind)?;
-        } else {
-            self.run(&m, kind)?;
-        }
+        let graphable = opts.greedy_ids && graph_sized(batch.iter().map(|c| c.next_tokens.len()));
+        self.launch_step(&m, kind, graphable)?;
         let t = m.t_total;
         let r = if last { m.num_seqs } else { t };
         let (logits, argmax) = if opts.greedy_ids {
