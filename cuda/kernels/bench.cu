@@ -7,10 +7,9 @@
 // valid repacked INT4 word (8 nibbles q + 8), so words are raw hashes.
 //
 // Reference: one warp per (checked pair, output column), the most literal reading of the
-// layout (cuda/src/repack.rs): element k of row `row` is nibble slot
-// (k % 8 & 1) * 4 + (k % 8) / 2 of word k / 8 (the inverse of INTERLEAVE = [0,2,4,6,1,3,5,7]),
-// minus 8, times the bf16 scale of group k / 128; sums in f64.  Independent of moe_align's
-// tiles and of the tuned kernels' lane groups and dequantization trick.
+// layout (cuda/src/repack.rs; ref_w4 below), sums in f64 of f64 activations.  Independent
+// of moe_align's tiles, of the tuned kernels' mma fragments, split activations and
+// dequantization trick.
 
 __device__ __forceinline__ u32 lowbias32(u32 x) {
     x ^= x >> 16;
@@ -56,14 +55,27 @@ extern "C" __global__ void bench_fill_f32(float* __restrict__ out, long long n, 
         out[i] = lo + (hi - lo) * unit_f(hash2(seed, (unsigned long long)i));
 }
 
-// Weight k of repacked INT4 row `row` (rows of K / 8 words, K / 128 scales), literally.
+// Weight k of row `row` of expert e's repacked INT4 matrix (R rows of K), literally
+// (cuda/src/repack.rs, "the device INT4 layout"): row block row / 64, mma tile i = row % 64
+// / 16, fragment row g = row % 8 (h = row % 16 / 8 picks g or g + 8); k16 step k / 16,
+// lane-in-group t = k % 8 / 2, register j = h + 2 (k % 16 / 8), half e = k % 2; the word of
+// lane 4 g + t and tile i, nibble slot j + 4 e, minus 8, times the bf16 scale of group
+// k / 128 at [e, row block, group, g, 2 i + h].
 __device__ __forceinline__ double ref_w4(const u32* __restrict__ q, const bf16_bits* __restrict__ s,
-                                         size_t row, int K, int k) {
-    const u32 word = q[row * (size_t)(K / 8) + k / 8];
-    const int e = k % 8;
-    const int slot = (e & 1) * 4 + (e >> 1);
-    const int qv = (int)((word >> (4 * slot)) & 0xFu) - 8;
-    return (double)qv * (double)bf16_to_f32(s[row * (size_t)(K / 128) + k / 128]);
+                                         size_t e, int R, int row, int K, int k) {
+    const size_t rb = e * (size_t)(R / 64) + row / 64;
+    const int i = row % 64 / 16, h = row % 16 / 8, g = row % 8;
+    const int kk = k % 16, t = kk % 8 / 2, j = h + 2 * (kk / 8), el = kk % 2;
+    const u32 word = q[((rb * (K / 16) + k / 16) * 32 + 4 * g + t) * 4 + i];
+    const int qv = (int)((word >> (4 * (j + 4 * el))) & 0xFu) - 8;
+    const bf16_bits sc = s[((rb * (K / 128) + k / 128) * 8 + g) * 8 + 2 * i + h];
+    return (double)qv * (double)bf16_to_f32(sc);
+}
+
+// Row of the fused gate/up matrix holding matrix m (0 gate, 1 up) of output column n: tile
+// rows g hold gates, g + 8 ups of columns 32 (row / 64) + 8 (row % 64 / 16) + g.
+__device__ __forceinline__ int ref_gate_up_row(int n, int m) {
+    return n / 32 * 64 + n % 32 / 8 * 16 + m * 8 + n % 8;
 }
 
 __device__ __forceinline__ double warp_sum_d(double v) {
@@ -74,7 +86,7 @@ __device__ __forceinline__ double warp_sum_d(double v) {
 
 // h_ref[i, n] = silu(g) * u for checked pair p = pairs[i] (expert ids[p], token p / topk),
 // g / u = x[token] . Wg / Wu of column n, in f64.  Shapes: h_ref [npairs, N] f32,
-// x [T, K], q13 [E, N, 2, K/8], s13 [E, N, 2, K/128], ids [P], pairs [npairs].
+// x [T, K], q13 / s13 in the device INT4 layout (2N rows), ids [P], pairs [npairs].
 // Launch: grid (ceil(N / 4), npairs), block 128.
 extern "C" __global__ void moe_ref_gate_up_w4(float* __restrict__ h_ref,
                                               const float* __restrict__ x,
@@ -88,13 +100,13 @@ extern "C" __global__ void moe_ref_gate_up_w4(float* __restrict__ h_ref,
     if (n >= N) return;
     const int i = blockIdx.y;
     const int p = pairs[i];
-    const size_t row = ((size_t)ids[p] * N + n) * 2;
+    const size_t e = (size_t)ids[p];
     const float* xr = x + (size_t)(p / topk) * K;
     double g = 0.0, u = 0.0;
     for (int k = lane; k < K; k += WARP) {
         const double xv = xr[k];
-        g += xv * ref_w4(q13, s13, row, K, k);
-        u += xv * ref_w4(q13, s13, row + 1, K, k);
+        g += xv * ref_w4(q13, s13, e, 2 * N, ref_gate_up_row(n, 0), K, k);
+        u += xv * ref_w4(q13, s13, e, 2 * N, ref_gate_up_row(n, 1), K, k);
     }
     g = warp_sum_d(g);
     u = warp_sum_d(u);
@@ -102,7 +114,7 @@ extern "C" __global__ void moe_ref_gate_up_w4(float* __restrict__ h_ref,
 }
 
 // y_ref[i, n] = wts[p] * (h_ref[i] . Wd[ids[p], n]) in f64.  Shapes: y_ref [npairs, N],
-// h_ref [npairs, K], qd [E, N, K/8], sd [E, N, K/128], wts / ids [P], pairs [npairs].
+// h_ref [npairs, K], qd / sd in the device INT4 layout (N rows), wts / ids [P], pairs [npairs].
 // Launch: grid (ceil(N / 4), npairs), block 128.
 extern "C" __global__ void moe_ref_down_w4(float* __restrict__ y_ref,
                                            const float* __restrict__ h_ref,
@@ -116,10 +128,10 @@ extern "C" __global__ void moe_ref_down_w4(float* __restrict__ y_ref,
     if (n >= N) return;
     const int i = blockIdx.y;
     const int p = pairs[i];
-    const size_t row = (size_t)ids[p] * N + n;
     const float* hr = h_ref + (size_t)i * K;
     double acc = 0.0;
-    for (int k = lane; k < K; k += WARP) acc += (double)hr[k] * ref_w4(qd, sd, row, K, k);
+    for (int k = lane; k < K; k += WARP)
+        acc += (double)hr[k] * ref_w4(qd, sd, (size_t)ids[p], N, n, K, k);
     acc = warp_sum_d(acc);
     if (lane == 0) y_ref[(size_t)i * N + n] = (float)((double)wts[p] * acc);
 }

@@ -69,42 +69,6 @@ __device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
     return r;
 }
 
-// Per-group constants of the INT4 dequantization (issue 12), from the bf16 group scale s:
-// c_b = s * 2^(16 - b) and k_b = 128 c_b + 8 s for nibble bit positions b = 16, 12, 8.
-// Every product is exact in f32: s has 8 significant bits and 136, 2056, 32776 span 5,
-// 9 and 13 bits (so no constant needs more than 21 bits).
-struct W4Scale {
-    float c16, c12, c8, k16, k12, k8;
-};
-__device__ __forceinline__ W4Scale w4_scale(float s) {
-    return W4Scale{s, s * 16.0f, s * 256.0f, s * 136.0f, s * 2056.0f, s * 32776.0f};
-}
-
-// One nibble at bits [b, b + 4) of `a` placed in the mantissa of f32 128.0 (0x43000000) by
-// one lop3 gives v = 128 + n 2^(b - 16) exactly; fma(v, c_b, -k_b) is then exactly
-// (n - 8) s = q s (the fused product is exact and the result is representable), so one
-// LOP3 + one FFMA per weight, versus shift + lop3 + widen + sub + mul before.
-__device__ __forceinline__ float w4_at(u32 a, u32 mask, float c, float k) {
-    return fmaf(__uint_as_float(lop3_and_or(a, mask, 0x43000000u)), c, -k);
-}
-
-// Dequantize one repacked INT4 word (cuda/src/repack.rs: nibble slot s holds element
-// INTERLEAVE[s] = [0,2,4,6,1,3,5,7][s], stored as q + 8) into 8 f32 weights q * scale in
-// natural element order, exactly (docs/model.md §1.3). The three views r << 8, r, r >> 12
-// put every slot at bit 8, 12 or 16, the positions whose constants are exact (w4_scale).
-// Host model: repack::dequant8_model (tested bit for bit against the CPU's unpack_nibble).
-__device__ __forceinline__ void dequant8(u32 r, const W4Scale& s, float out[8]) {
-    const u32 a = r << 8, c = r >> 12;
-    out[0] = w4_at(a, 0x00000f00u, s.c8, s.k8);   // slot 0
-    out[2] = w4_at(a, 0x0000f000u, s.c12, s.k12); // slot 1
-    out[4] = w4_at(r, 0x00000f00u, s.c8, s.k8);   // slot 2
-    out[6] = w4_at(r, 0x0000f000u, s.c12, s.k12); // slot 3
-    out[1] = w4_at(r, 0x000f0000u, s.c16, s.k16); // slot 4
-    out[3] = w4_at(c, 0x00000f00u, s.c8, s.k8);   // slot 5
-    out[5] = w4_at(c, 0x0000f000u, s.c12, s.k12); // slot 6
-    out[7] = w4_at(c, 0x000f0000u, s.c16, s.k16); // slot 7
-}
-
 // 8 consecutive bf16 weights (one 16-byte load) widened to f32.
 __device__ __forceinline__ void widen8(uint4 v, float out[8]) {
     out[0] = bf16lo(v.x); out[1] = bf16hi(v.x);

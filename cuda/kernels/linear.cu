@@ -255,137 +255,74 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 }
 
 // ---------------------------------------------------------------------------------------
-// INT4 (W4A16) routed experts, issue 12: tuned for decode / verify batches at GLM-5.3-Flash
-// shapes (hidden 4096, moe-intermediate 2048, 288 experts top-8), where the layer is a
-// stream of expert weights (M = 1: 8 experts x 12.6 MB) and each expert sees few tokens.
+// INT4 (W4A16) routed experts on tensor cores, issue 12: tuned for decode / verify batches
+// at GLM-5.3-Flash shapes (hidden 4096, moe-intermediate 2048, 288 experts top-8), where
+// the layer is a stream of expert weights (M = 1: 8 experts x 12.6 MB) and each expert
+// sees few tokens.
 //
-// Scheme (a split-K GEMV after vLLM csrc/moe/marlin_moe_wna16's weight streaming and
-// gptq_marlin's lop3 dequantization, kept on f32 CUDA cores for the engine's f32
-// numerics, docs/model.md §1).  The previous cp.async version was bound by the L1 /
-// shared-memory path (runs/ncu-moe-w4-m1.txt): each 16 B of weights needed 128 B of f32
-// activations per token from L1.  Here the activations live in registers:
-// - A "lane group" of L lanes (L = the largest power of two <= min(128, K / 32)) spans a
-//   whole weight row: lane g owns the 16-byte chunks c = g, g + L, ... (one uint4 = 4
-//   words = 32 weights of one 128-group, so one scale).  At GLM shapes CH = K / 32 / L = 1,
-//   so a lane holds the 32 activations of its chunk for W4_TS tokens in registers for the
-//   whole block and reuses them for every weight row it streams (models/tiny: L = 8 / 4,
-//   16 / 32 groups a block; CH > 1 reloads the activations per chunk, from L1).
-// - A block (128 threads = 128 / L groups) walks batches of W4_U rows per group through a
-//   W4_STAGES-deep cp.async pipeline in shared memory (W4_STAGES - 1 batches = 192 B a
-//   lane in flight without holding registers; a lane reads back only its own copies, so
-//   cp.async.wait_group is the only synchronization).  The previous version of this
-//   kernel (registers only, one batch ahead) reached 29% of the copy bandwidth at M = 1
-//   (runs/bench-moe-regx.json).
-// - Dequantization: common.cuh dequant8 (1 LOP3 + 1 FFMA per weight, exact q * scale).
-// - Reduction of the W4_U x W4_TS partial sums over the group: xor shuffles when L <= 32;
-//   for L = 64 / 128 a transposing warp reduction (9 shuffles for 8 values) into a shared
-//   array of every batch's warp partials, summed by the block's threads after one barrier
-//   a pass (w4_finish).
-// - The tile's token rows (up to 8, moe.cu moe_align) are taken W4_TS at a time, token
-//   group z in block z of the grid (W4_ZSPLIT; the groups past the tile's rows exit), so a
-//   tile's passes run in parallel blocks; each pass streams the tile's weights (the
-//   repeats from L2).  A pass's token count is a template parameter (w4_fma_n).
-// - Where the time goes (runs/ncu-final-m1.txt): instruction issue, 6.4 instructions a
-//   weight at M = 1, not DRAM bandwidth (35% of peak).
-// Requirements (host-checked, cuda/src/ops.rs + launch.rs): K % 128 == 0, N % 8 == 0,
-// x rows 16-byte aligned (x stride = K).
+// Scheme (vLLM csrc/moe/marlin_moe_wna16 and gptq_marlin: weights pre-shuffled into mma
+// fragment order, a multi-stage cp.async pipeline, lop3 dequantization to bf16 pairs,
+// mma.sync m16n8k16 with f32 accumulation; the arrangement here is the engine's own).  The
+// previous f32 CUDA-core split-K GEMV executed 6.4 instructions a weight and was
+// issue-bound at 36% of copy bandwidth (runs/ncu-final-m1.txt).
+// - One moe_align tile (up to 8 pairs of one expert) is the mma's N = 8 columns.
+// - A warp owns a row block of 64 weight rows (W4_RT = 4 mma tiles of 16) over a K range
+//   of whole 128-groups; the block's W4_WARPS warps split K ks ways (w4_ksplit) and cover
+//   W4_WARPS / ks row blocks.
+// - Weights (cuda/src/repack.rs, "the device INT4 layout"): per (expert, row block, k16
+//   step) 32 lanes x uint4, word i of lane (g, t) = the A fragment of mma tile i, nibble
+//   slot j + 4 e = element e of register j, so (w >> 4 j) & 0x000f000f | 0x43004300 is the
+//   bf16 pair 128 + n of register j (Marlin's trick), stored as q + 8.  They stream
+//   through a W4_STAGES-deep cp.async ring of half 128-groups (4 k16 steps, 64 B a lane,
+//   plus the group's 8 scales of the lane's rows) in dynamic shared memory, private to
+//   each lane (cp.async.wait_group is the only synchronization); the activations (the B
+//   operand) of the next half group are loaded into registers while the current one is
+//   multiplied.
+// - Exact numerics: n - 8 is an exact bf16; each f32 activation is split into W4_XS bf16
+//   terms (W4_XS 3: hi + mid + lo, which sum to the f32 value exactly; 2: 16 significant
+//   bits), products are exact, accumulation is f32, and a 128-group's partial is scaled by
+//   its f32 scale on the accumulator.  So the result is the f32 dot product of
+//   docs/model.md §1.3 up to summation order.
+// - Packed columns: when a tile's pairs times W4_XS fit the 8 columns (1-2 pairs for
+//   W4_XS 3, the common case of decode), column g carries term g % W4_XS of pair
+//   g / W4_XS, so one mma a k16 step does the work; the terms are summed in the epilogue.
+//   Otherwise column g is pair g and each term is one mma.
+// - Epilogue: every warp's accumulators go to shared memory; the block's threads sum the
+//   K slices (in warp order: deterministic) and the terms, and write coalesced rows.
+// - gate/up (NMAT 2) reads f32 activations and splits them in registers; it writes h in
+//   the split layout the down-projection reads directly (w4_h_word), silu(g) * u split
+//   into W4_XS bf16 terms, exact for W4_XS 3.
+// Requirements (host-checked, cuda/src/launch.rs moe_w4): K % 128 == 0, rows (N * NMAT)
+// % 64 == 0, x rows 8-byte aligned; dynamic shared memory W4_SMEM bytes.
 
-#define W4_U 4
-#define W4_BLOCK 128
+#define W4_RT 4
+#define W4_WARPS 8
+// Stages the host reserves shared memory for (W4_STAGES <= this).
+#define W4_STAGES_MAX 4
+// uint4 a lane a stage: 4 k16 steps of weights + the group's scales.
+#define W4_SLOT 5
 // Tunable at NVRTC time (SPECLAB_KERNEL_DEFINES, cuda/README.md); the host's launch
 // shapes do not depend on them.
-#ifndef W4_TS
-#define W4_TS 2
+#ifndef W4_MINB
+#define W4_MINB 2
+#endif
+// bf16 terms an activation is split into: 3 exact, 2 = 16 significant bits.
+#ifndef W4_XS
+#define W4_XS 3
 #endif
 #ifndef W4_STAGES
 #define W4_STAGES 4
 #endif
-#ifndef W4_MINB
-#define W4_MINB 4
-#endif
-// 1: the folded dequantization (w4_fma_fold below); 0: exact q * scale per weight.
-#ifndef W4_FOLD
-#define W4_FOLD 0
-#endif
-// 1: block z of the grid takes the tile's token group z (passes run in parallel blocks);
-// 0: block z = 0 walks every pass of the tile, the others exit.
-// Independent accumulator chains a row and token (2: odd words into a second chain).
-#ifndef W4_ILP
-#define W4_ILP 1
-#endif
-#ifndef W4_ZSPLIT
-#define W4_ZSPLIT 1
-#endif
-// Most batches a lane group walks (launch.rs W4_MAX_BATCHES bounds the grid's nb).
-#define W4_MAX_BATCHES 16
 
-// Lanes per group for a row of K weights (mirrored by cuda/src/launch.rs w4_lanes).
-__device__ __forceinline__ int w4_lanes(int K) {
-    const int chunks = K / 32;
-    int l = 1;
-    while (l < W4_BLOCK && 2 * l <= chunks) l *= 2;
-    return l;
+// Warps splitting K (mirrored by cuda/src/launch.rs w4_ksplit): the largest power of two
+// <= min(W4_WARPS, K / 128).
+__device__ __forceinline__ int w4_ksplit(int K) {
+    int ks = 1;
+    while (2 * ks <= W4_WARPS && 2 * ks <= K / 128) ks *= 2;
+    return ks;
 }
 
-// One 16-byte streaming load of weights (read once: no L1 allocation).
-__device__ __forceinline__ uint4 ld_stream16(const u32* p) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
-
-// Sum of v over the L lanes of this lane's group (L a power of two <= 32, groups aligned).
-__device__ __forceinline__ float group_sum(float v, int L) {
-    for (int o = L >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
-    return v;
-}
-
-// Transposing warp reduction of V values (V a power of two <= 32): each halving step
-// swaps half the values with the partner lane, so V = 8 costs 4 + 2 + 1 + 2 = 9 shuffles,
-// not 40.  Afterwards every lane holds the warp's sum of value `idx`; the lanes with
-// lane % (32 / V) == 0 hold the V values once each.
-template <int V>
-__device__ __forceinline__ float warp_sum_t(float v[V], int& idx) {
-    const int lane = threadIdx.x & 31;
-    idx = 0;
-    int o = 16;
-#pragma unroll
-    for (int n = V; n > 1; n >>= 1) {
-        const bool hi = lane & o;
-#pragma unroll
-        for (int i = 0; i < n / 2; ++i) {
-            const float send = hi ? v[i] : v[i + n / 2];
-            v[i] = (hi ? v[i + n / 2] : v[i]) + __shfl_xor_sync(FULL_MASK, send, o);
-        }
-        idx += hi ? n / 2 : 0;
-        o >>= 1;
-    }
-    float r = v[0];
-    for (; o > 0; o >>= 1) r += __shfl_xor_sync(FULL_MASK, r, o);
-    return r;
-}
-
-// The W4_U weight chunks (and their scales) of one batch for one lane.
-struct W4Batch {
-    uint4 q[W4_U];
-    bf16_bits s[W4_U];
-};
-
-// Load chunk c of rows row0 .. row0 + W4_U - 1 (K weights a row; s: K / 128 scales a row).
-__device__ __forceinline__ void w4_load(W4Batch& b, const u32* __restrict__ qw,
-                                        const bf16_bits* __restrict__ s, size_t row0, int K,
-                                        int c) {
-#pragma unroll
-    for (int i = 0; i < W4_U; ++i) {
-        const size_t row = row0 + i;
-        b.q[i] = ld_stream16(qw + row * (size_t)(K / 8) + (size_t)c * 4);
-        b.s[i] = __ldg(s + row * (size_t)(K / 128) + (c >> 2));
-    }
-}
-
-// Asynchronous 16- / 4-byte copies global -> shared (sm_80+ cp.async, as Marlin's
+// Asynchronous 16-byte copy global -> shared, L2 only (sm_80+ cp.async, as Marlin's
 // multi-stage pipeline: vLLM csrc/quantization/gptq_marlin/marlin.cuh cp_async4).
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 a;
@@ -396,10 +333,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(smem)), "l"(gmem)
                  : "memory");
 }
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(smem)), "l"(gmem)
-                 : "memory");
-}
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
@@ -408,363 +341,331 @@ __device__ __forceinline__ void cp_async_wait_stages() {
     asm volatile("cp.async.wait_group %0;" ::"n"(W4_STAGES - 1) : "memory");
 }
 
-// The weight pipeline: W4_STAGES batches of this lane's W4_U chunks and the aligned
-// 32-bit pair holding each chunk's bf16 scale.  Each thread reads back only what it copied
-// itself, so cp.async.wait_group is the only synchronization.  The bytes in flight live
-// here, not in registers (W4_STAGES 4: 40 KB a block, 3 batches = 192 B a lane in flight).
-struct W4Stages {
-    uint4 q[W4_STAGES][W4_U][W4_BLOCK];
-    u32 s[W4_STAGES][W4_U][W4_BLOCK];
+// The bf16 pair (element 0 low) of register j of an A fragment word, exactly n - 8.
+__device__ __forceinline__ u32 w4_frag(u32 w, int j) {
+    const u32 p = lop3_and_or(w >> (4 * j), 0x000f000fu, 0x43004300u);  // 128 + n
+    u32 d;
+    // p * 1.0 - 136.0 in bf16x2 (0x3f80 = 1.0, 0xc308 = -136.0): exact.
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(p), "r"(0x3f803f80u), "r"(0xc308c308u));
+    return d;
+}
+
+// bf16x2 {lo, hi} (round to nearest even).
+__device__ __forceinline__ u32 pack_bf2(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// The W4_XS bf16x2 terms of the f32 pair (a, b): t[0] + t[1] (+ t[2]) = (a, b).
+__device__ __forceinline__ void split_bf2(float a, float b, u32 t[W4_XS]) {
+#pragma unroll
+    for (int i = 0; i < W4_XS; ++i) {
+        t[i] = pack_bf2(a, b);
+        a -= bf16lo(t[i]);
+        b -= bf16hi(t[i]);
+    }
+}
+
+// D = A B + D, m16n8k16, bf16 inputs, f32 accumulators (PTX ISA, "mma.m16n8k16").
+__device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// u32 index of the split activations of element k of row p (rows of K elements): per
+// (row, k16 step, lane-in-group t) 2 W4_XS words, term x's pair at 2 x + (k % 16 >= 8),
+// element k % 2 in the pair's half.  The h buffer of P rows holds P K W4_XS / 2 words.
+__device__ __forceinline__ size_t w4_h_word(int p, int k, int K, int x) {
+    const int kk = k & 15;
+    return (((size_t)p * (K / 16) + k / 16) * 4 + (kk & 7) / 2) * (2 * W4_XS) + 2 * x + kk / 8;
+}
+
+// The B operand of half group `hg` (k16 steps 4 hg .. 4 hg + 3) for this lane's column.
+// NMAT 2: f32 activations of row `row`: v[u] = elements (2t, 2t + 1, 2t + 8, 2t + 9).
+// NMAT 1: split h words; packed: term `xl` only, else every term.
+template <int NMAT, bool PK>
+struct W4B {
+    static constexpr int W = NMAT == 2 ? 4 : (PK ? 2 : 2 * W4_XS);
+    u32 v[4][W];
 };
 
-// Issue the copies of chunk c of rows row0 .. row0 + W4_U - 1 into stage `st`.  Scale
-// buffers have an even length (N % 8 == 0), so the aligned pair never leaves them.
-__device__ __forceinline__ void w4_issue(W4Stages& sm, int st, const u32* __restrict__ qw,
-                                         const bf16_bits* __restrict__ s, size_t row0, int K,
-                                         int c) {
-    const int t = threadIdx.x;
+template <int NMAT, bool PK>
+__device__ __forceinline__ void w4_load_b(W4B<NMAT, PK>& b, const float* __restrict__ x,
+                                          const u32* __restrict__ hs, int row, int xl, int K,
+                                          int hg, int t) {
 #pragma unroll
-    for (int i = 0; i < W4_U; ++i) {
-        const size_t row = row0 + i;
-        cp_async16(&sm.q[st][i][t], qw + row * (size_t)(K / 8) + (size_t)c * 4);
-        const size_t si = row * (size_t)(K / 128) + (c >> 2);
-        cp_async4(&sm.s[st][i][t], s + (si & ~(size_t)1));
-    }
-}
-
-// Stage `st` (copied by this thread for rows row0 ..) as a batch.
-__device__ __forceinline__ void w4_take(W4Batch& b, const W4Stages& sm, int st, size_t row0,
-                                        int K, int c) {
-    const int t = threadIdx.x;
+    for (int u = 0; u < 4; ++u) {
+        const int k = (hg * 4 + u) * 16 + 2 * t;
+        if (row < 0) {
 #pragma unroll
-    for (int i = 0; i < W4_U; ++i) {
-        b.q[i] = sm.q[st][i][t];
-        const size_t si = (row0 + i) * (size_t)(K / 128) + (c >> 2);
-        const u32 pair = sm.s[st][i][t];
-        b.s[i] = (bf16_bits)(si & 1 ? pair >> 16 : pair & 0xffffu);
-    }
-}
-
-#if W4_FOLD
-// Folded dequantization (2 instructions a weight instead of 3, not exact): the views
-// r << 15, r << 7, r >> 1, r >> 9 put nibble slots (2m, 2m + 1) at bits 15 and 19, one lop3
-// into the mantissa of 128.0 gives v = 128 + n / 2 or 128 + 8 n (n = q + 8), and the dot
-// product accumulates x v directly: sum x w = s (2 A15 + A19 / 8 - (264 X15 + 24 X19))
-// with X15 / X19 the activation sums of the two slot classes (per lane and pass).  The
-// rounding of x v costs up to 2^-16 / n relative to x n (bf16 weights: 2^-9).
-__device__ __forceinline__ float w4_fold_c(const float x[32]) {
-    float a = 0.0f, b = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        a += x[j * 8 + 0] + x[j * 8 + 4] + x[j * 8 + 1] + x[j * 8 + 5];
-        b += x[j * 8 + 2] + x[j * 8 + 6] + x[j * 8 + 3] + x[j * 8 + 7];
-    }
-    return 264.0f * a + 24.0f * b;
-}
-__device__ __forceinline__ float w4_v(u32 a, u32 mask) {
-    return __uint_as_float(lop3_and_or(a, mask, 0x43000000u));
-}
-#endif
-
-// acc[i][t] += x_t[chunk] . W[row i, chunk] for the nt <= W4_TS tokens held in xr.
-// NT (compile time) tokens: a tile pass with fewer tokens than W4_TS runs the NT = 1
-// instantiation, so no predicated-off FMAs take issue slots (ncu: 6.4 instructions a weight
-// at M = 1 with the token count tested at run time).
-template <int NT>
-__device__ __forceinline__ void w4_fma_n(float acc[W4_U][W4_TS], const W4Batch& b,
-                                         const float xr[W4_TS][32]) {
-#if W4_FOLD
-    float cx[W4_TS];
-#pragma unroll
-    for (int t = 0; t < W4_TS; ++t) cx[t] = w4_fold_c(xr[t]);
-#pragma unroll
-    for (int i = 0; i < W4_U; ++i) {
-        const float sc = bf16_to_f32(b.s[i]);
-        float a15[W4_TS], a19[W4_TS];
-#pragma unroll
-        for (int t = 0; t < W4_TS; ++t) a15[t] = a19[t] = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const u32 r = j == 0 ? b.q[i].x : j == 1 ? b.q[i].y : j == 2 ? b.q[i].z : b.q[i].w;
-            // (element at bit 15, element at bit 19) of each view (repack.rs INTERLEAVE).
-            const u32 v0 = r << 15, v1 = r << 7, v2 = r >> 1, v3 = r >> 9;
-            const float f[8] = {w4_v(v0, 0x00078000u), w4_v(v2, 0x00078000u),
-                                w4_v(v0, 0x00780000u), w4_v(v2, 0x00780000u),
-                                w4_v(v1, 0x00078000u), w4_v(v3, 0x00078000u),
-                                w4_v(v1, 0x00780000u), w4_v(v3, 0x00780000u)};
-#pragma unroll
-            for (int t = 0; t < W4_TS; ++t) {
-                if (t < NT) {
-                    const float* xv = &xr[t][j * 8];
-                    a15[t] = fmaf(xv[0], f[0], a15[t]);
-                    a15[t] = fmaf(xv[1], f[1], a15[t]);
-                    a19[t] = fmaf(xv[2], f[2], a19[t]);
-                    a19[t] = fmaf(xv[3], f[3], a19[t]);
-                    a15[t] = fmaf(xv[4], f[4], a15[t]);
-                    a15[t] = fmaf(xv[5], f[5], a15[t]);
-                    a19[t] = fmaf(xv[6], f[6], a19[t]);
-                    a19[t] = fmaf(xv[7], f[7], a19[t]);
-                }
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < W4_TS; ++t)
-            acc[i][t] = fmaf(sc, fmaf(2.0f, a15[t], fmaf(0.125f, a19[t], -cx[t])), acc[i][t]);
-    }
-#else
-#pragma unroll
-    for (int i = 0; i < W4_U; ++i) {
-        const W4Scale sc = w4_scale(bf16_to_f32(b.s[i]));
-        float part[W4_ILP][W4_TS];
-#pragma unroll
-        for (int c = 0; c < W4_ILP; ++c)
-#pragma unroll
-            for (int t = 0; t < W4_TS; ++t) part[c][t] = c == 0 ? acc[i][t] : 0.0f;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const u32 word = j == 0 ? b.q[i].x : j == 1 ? b.q[i].y : j == 2 ? b.q[i].z : b.q[i].w;
-            float w[8];
-            dequant8(word, sc, w);
-#pragma unroll
-            for (int t = 0; t < W4_TS; ++t) {
-                if (t < NT) {
-#pragma unroll
-                    for (int u = 0; u < 8; ++u)
-                        part[j % W4_ILP][t] = fmaf(xr[t][j * 8 + u], w[u], part[j % W4_ILP][t]);
-                }
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < W4_TS; ++t) {
-            float a = part[0][t];
-#pragma unroll
-            for (int c = 1; c < W4_ILP; ++c) a += part[c][t];
-            acc[i][t] = a;
-        }
-    }
-#endif
-}
-
-__device__ __forceinline__ void w4_fma(float acc[W4_U][W4_TS], const W4Batch& b,
-                                       const float xr[W4_TS][32], int nt) {
-    if (nt >= W4_TS) {
-        w4_fma_n<W4_TS>(acc, b, xr);
-    } else {
-        w4_fma_n<1>(acc, b, xr);  // W4_TS <= 2 (kernels.rs TUNABLES)
-    }
-}
-
-// The 32 activations of chunk c for tokens xrow[0 .. nt) (rows of K floats), 0 beyond nt.
-__device__ __forceinline__ void w4_load_x(float xr[W4_TS][32], const float* __restrict__ x,
-                                          const int xrow[W4_TS], int nt, int K, int c) {
-#pragma unroll
-    for (int t = 0; t < W4_TS; ++t) {
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-            if (t < nt) {
-                load8(x + (size_t)xrow[t] * K + (size_t)c * 32 + v * 8, &xr[t][v * 8]);
-            } else {
-#pragma unroll
-                for (int u = 0; u < 8; ++u) xr[t][v * 8 + u] = 0.0f;
-            }
-        }
-    }
-}
-
-// Where a reduced value goes: NMAT = 2: h[p, n] = silu(gate) * up for output column n =
-// row0 / 2 + j (rows 2n, 2n + 1); NMAT = 1: y[p, n] = w_p * v for n = row0 + j.
-struct W4Out {
-    float* out;
-    const float* topk_w;  // NMAT = 1 only
-    int prow[W4_TS];      // pair ids of the tokens (by value: stays in registers)
-    int nt, N;
-};
-
-template <int NMAT>
-__device__ __forceinline__ void w4_store(const W4Out& o, const float red[W4_U * W4_TS],
-                                         size_t row0) {
-#pragma unroll
-    for (int j = 0; j < W4_U / NMAT; ++j) {
-#pragma unroll
-        for (int t = 0; t < W4_TS; ++t) {
-            if (t >= o.nt) continue;
-            const int p = o.prow[t];
-            if (NMAT == 2) {
-                const float g = red[(2 * j) * W4_TS + t], u = red[(2 * j + 1) * W4_TS + t];
-                o.out[(size_t)p * o.N + row0 / 2 + j] = silu_f(g) * u;
-            } else {
-                o.out[(size_t)p * o.N + row0 + j] = o.topk_w[p] * red[j * W4_TS + t];
-            }
-        }
-    }
-}
-
-// The outputs of a pass for L > 32: red [W4_MAX_BATCHES][W4_BLOCK / 32][W4_U * W4_TS]
-// holds every warp's reduced partials of batch b; a group's value is the sum over its W
-// warps.  The block's threads share the (batch, group, column, token) outputs.
-template <int NMAT>
-__device__ __forceinline__ void w4_finish(const W4Out& o, const float* red, int b0, int nb,
-                                          int G, int W, int slots) {
-    constexpr int V = W4_U * W4_TS, PER = (W4_U / NMAT) * W4_TS;
-    for (int q = threadIdx.x; q < nb * G * PER; q += W4_BLOCK) {
-        const int b = q / (G * PER), g = q / PER % G, j = q % PER / W4_TS, t = q % W4_TS;
-        const int slot = (b0 + b) * G + g;
-        if (t >= o.nt || slot >= slots) continue;
-        int p = o.prow[0];
-#pragma unroll
-        for (int u = 1; u < W4_TS; ++u) p = u == t ? o.prow[u] : p;
-        const float* rb = red + (b * (W4_BLOCK / 32) + g * W) * V;
-        const size_t row0 = (size_t)slot * W4_U;
-        float a0 = 0.0f, a1 = 0.0f;
-        for (int w = 0; w < W; ++w) {
-            a0 += rb[w * V + (NMAT * j) * W4_TS + t];
-            if (NMAT == 2) a1 += rb[w * V + (2 * j + 1) * W4_TS + t];
-        }
-        if (NMAT == 2) {
-            o.out[(size_t)p * o.N + row0 / 2 + j] = silu_f(a0) * a1;
+            for (int w = 0; w < W4B<NMAT, PK>::W; ++w) b.v[u][w] = 0u;
+        } else if (NMAT == 2) {
+            const float* p = x + (size_t)row * K + k;
+            const uint2 lo = __ldg(reinterpret_cast<const uint2*>(p));
+            const uint2 hi = __ldg(reinterpret_cast<const uint2*>(p + 8));
+            b.v[u][0] = lo.x;
+            b.v[u][1] = lo.y;
+            b.v[u][2] = hi.x;
+            b.v[u][3] = hi.y;
         } else {
-            o.out[(size_t)p * o.N + row0 + j] = o.topk_w[p] * a0;
+            const uint2* p = reinterpret_cast<const uint2*>(hs + w4_h_word(row, k, K, PK ? xl : 0));
+#pragma unroll
+            for (int i = 0; i < W4B<NMAT, PK>::W / 2; ++i) {
+                const uint2 v = __ldg(p + i);
+                b.v[u][2 * i] = v.x;
+                b.v[u][2 * i + 1] = v.y;
+            }
         }
     }
 }
 
-// One block's rows of one tile (expert e): weight rows [R_e) = N * NMAT rows of K weights.
-// Grid (ceil(R / (G W4_U nb)), max_tiles) with nb = batches a group walks (from gridDim).
+// The bf16x2 B registers of step u: bb[m] for each of the step's mmas (1 packed, W4_XS not).
+template <int NMAT, bool PK>
+__device__ __forceinline__ void w4_b_regs(u32 bb[PK ? 1 : W4_XS][2], const W4B<NMAT, PK>& b,
+                                          int u, int xl) {
+    if (NMAT == 2) {
+        u32 lo[W4_XS], hi[W4_XS];
+        split_bf2(__uint_as_float(b.v[u][0]), __uint_as_float(b.v[u][1]), lo);
+        split_bf2(__uint_as_float(b.v[u][2]), __uint_as_float(b.v[u][3]), hi);
+        if (PK) {
+            u32 l = lo[0], h = hi[0];
+#pragma unroll
+            for (int i = 1; i < W4_XS; ++i) {
+                l = xl == i ? lo[i] : l;
+                h = xl == i ? hi[i] : h;
+            }
+            bb[0][0] = l;
+            bb[0][1] = h;
+        } else {
+#pragma unroll
+            for (int i = 0; i < (PK ? 1 : W4_XS); ++i) {
+                bb[i][0] = lo[i];
+                bb[i][1] = hi[i];
+            }
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < (PK ? 1 : W4_XS); ++i) {
+            bb[i][0] = b.v[u][2 * i];
+            bb[i][1] = b.v[u][2 * i + 1];
+        }
+    }
+}
+
+// part += W x over one half group: 4 k16 steps x W4_RT tiles x (1 or W4_XS) mmas; the
+// weights of step u are this lane's uint4 st[u * 32] of the stage.
+template <int NMAT, bool PK>
+__device__ __forceinline__ void w4_half(float part[W4_RT][4], const uint4* st,
+                                        const W4B<NMAT, PK>& b, int xl) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        u32 bb[PK ? 1 : W4_XS][2];
+        w4_b_regs<NMAT, PK>(bb, b, u, xl);
+        const uint4 a = st[u * WARP];
+        const u32 w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int i = 0; i < W4_RT; ++i) {
+            const u32 f[4] = {w4_frag(w[i], 0), w4_frag(w[i], 1), w4_frag(w[i], 2),
+                              w4_frag(w[i], 3)};
+#pragma unroll
+            for (int m = 0; m < (PK ? 1 : W4_XS); ++m) mma_bf16(part[i], f, bb[m][0], bb[m][1]);
+        }
+    }
+}
+
+// Per-lane state of the walk over one row block's K range.
+struct W4Lane {
+    const uint4* q;   // this lane's weight words of k16 step 0 (step s at + 32 s)
+    const uint4* sc;  // this lane's scale uint4 of group 0 (group g at + 8 g)
+    uint4* st;        // this lane's slots: stage j at + j W4_SLOT 32
+};
+
+// Copy half group hg into stage slot j: 4 weight uint4s and the group's scales.
+__device__ __forceinline__ void w4_issue(const W4Lane& l, int hg, int j) {
+    uint4* d = l.st + j * W4_SLOT * WARP;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) cp_async16(d + u * WARP, l.q + (size_t)(hg * 4 + u) * WARP);
+    cp_async16(d + 4 * WARP, l.sc + (size_t)(hg / 2) * 8);
+}
+
+// acc = sum over half groups [h0, h1) (h0 even) of scale * W x.
+template <int NMAT, bool PK>
+__device__ __forceinline__ void w4_walk(float acc[W4_RT][4], const W4Lane& l,
+                                        const float* __restrict__ x,
+                                        const u32* __restrict__ hs, int row, int xl, int K,
+                                        int h0, int h1, int t) {
+    const int nh = h1 - h0;
+#pragma unroll
+    for (int j = 0; j < W4_STAGES - 1; ++j) {
+        if (j < nh) w4_issue(l, h0 + j, j);
+        cp_async_commit();
+    }
+    W4B<NMAT, PK> bc, bn;
+    w4_load_b<NMAT, PK>(bc, x, hs, row, xl, K, h0, t);
+    float part[W4_RT][4];
+#pragma unroll
+    for (int i = 0; i < W4_RT; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) part[i][c] = 0.0f;
+    for (int j = 0; j < nh; ++j) {
+        const int nx = j + W4_STAGES - 1;
+        if (nx < nh) w4_issue(l, h0 + nx, nx % W4_STAGES);
+        cp_async_commit();
+        if (j + 1 < nh) w4_load_b<NMAT, PK>(bn, x, hs, row, xl, K, h0 + j + 1, t);
+        cp_async_wait_stages();  // half group j has landed
+        const uint4* st = l.st + (j % W4_STAGES) * W4_SLOT * WARP;
+        w4_half<NMAT, PK>(part, st, bc, xl);
+        if (j & 1) {
+            // Group end.  Scale word i: (row g, row g + 8) of tile i = accumulators (0, 1), (2, 3).
+            const uint4 sv = st[4 * WARP];
+            const u32 s[4] = {sv.x, sv.y, sv.z, sv.w};
+#pragma unroll
+            for (int i = 0; i < W4_RT; ++i) {
+                const float s0 = bf16lo(s[i]), s1 = bf16hi(s[i]);
+                acc[i][0] = fmaf(s0, part[i][0], acc[i][0]);
+                acc[i][1] = fmaf(s0, part[i][1], acc[i][1]);
+                acc[i][2] = fmaf(s1, part[i][2], acc[i][2]);
+                acc[i][3] = fmaf(s1, part[i][3], acc[i][3]);
+#pragma unroll
+                for (int c = 0; c < 4; ++c) part[i][c] = 0.0f;
+            }
+        }
+        bc = bn;
+    }
+}
+
+// Accumulator (row r of tile i, column v) of warp w from red [W4_WARPS][W4_RT 4][32]: lane
+// 4 (r % 8) + v / 2, accumulator (v & 1) + 2 (r / 8) (the PTX C-fragment table).
+__device__ __forceinline__ float w4_red(const float* red, int w, int i, int r, int v) {
+    return red[(w * W4_RT * 4 + i * 4 + (v & 1) + 2 * (r / 8)) * WARP + (r % 8) * 4 + v / 2];
+}
+
+// Value of (row r of tile i, pair slot q) of the block's row block rbl: the sum over its ks
+// K-slice warps (in order) and, packed, over pair q's W4_XS columns.
+__device__ __forceinline__ float w4_value(const float* red, int rbl, int ks, int i, int r, int q,
+                                          bool pk) {
+    float v = 0.0f;
+    for (int x = 0; x < (pk ? W4_XS : 1); ++x) {
+        const int col = pk ? q * W4_XS + x : q;
+        for (int w = 0; w < ks; ++w) v += w4_red(red, rbl * ks + w, i, r, col);
+    }
+    return v;
+}
+
+// The block's outputs.  NMAT 2: tile i of row block rb holds gate (row g) and up (row g + 8)
+// of output column n = 32 rb + 8 i + g; h[p, n] = silu(gate) * up, split.  NMAT 1: row
+// 64 rb + 16 i + r is output column n; y[p, n] = topk_w[p] * value.
 template <int NMAT>
-__device__ __forceinline__ void w4_gemv(float* __restrict__ out, const float* __restrict__ x,
-                                        const u32* __restrict__ qw,
-                                        const bf16_bits* __restrict__ s,
-                                        const float* __restrict__ topk_w,
-                                        const int* __restrict__ sorted,
-                                        const int* __restrict__ tile_expert, int div, int N,
-                                        int K) {
+__device__ __forceinline__ void w4_epilogue(const float* red, float* __restrict__ y,
+                                            u32* __restrict__ hs,
+                                            const float* __restrict__ topk_w, const int* tp,
+                                            int np, bool pk, int ks, int nrb, int N) {
+    const int per = W4_WARPS / ks, cols = NMAT == 2 ? 32 : 64;
+    for (int it = threadIdx.x; it < per * cols * np; it += blockDim.x) {
+        const int q = it / (per * cols), rbl = it / cols % per, j = it % cols;
+        const int rb = blockIdx.x * per + rbl;
+        if (rb >= nrb) continue;
+        const int p = tp[q];
+        if (NMAT == 2) {
+            const int i = j / 8, g = j % 8, n = 32 * rb + j;
+            float v = silu_f(w4_value(red, rbl, ks, i, g, q, pk)) *
+                      w4_value(red, rbl, ks, i, g + 8, q, pk);
+            unsigned short* h16 = reinterpret_cast<unsigned short*>(hs);
+#pragma unroll
+            for (int xi = 0; xi < W4_XS; ++xi) {
+                const u32 b = pack_bf2(v, 0.0f);
+                h16[2 * w4_h_word(p, n, N, xi) + (n & 1)] = (unsigned short)(b & 0xffffu);
+                v -= bf16lo(b);
+            }
+        } else {
+            const float v = w4_value(red, rbl, ks, j / 16, j % 16, q, pk);
+            y[(size_t)p * N + 64 * rb + j] = topk_w[p] * v;
+        }
+    }
+}
+
+// One block: tile blockIdx.y (expert e, up to 8 pairs) x W4_WARPS / ks row blocks.
+// R = N * NMAT weight rows of K; q [E, R / 64, K / 16, 32, 4] words, sc
+// [E, R / 64, K / 128, 8, 8] bf16.
+template <int NMAT>
+__device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ hs,
+                                       const float* __restrict__ x, const u32* __restrict__ hin,
+                                       const uint4* __restrict__ qw,
+                                       const uint4* __restrict__ scw,
+                                       const float* __restrict__ topk_w,
+                                       const int* __restrict__ sorted,
+                                       const int* __restrict__ tile_expert, int div, int N,
+                                       int K) {
     const int tile = blockIdx.y;
     const int e = tile_expert[tile];
     if (e < 0) return;  // uniform per block
-    const int L = w4_lanes(K), G = W4_BLOCK / L, chunks = K / 32;
-    const int CH = (chunks + L - 1) / L;
-    const int g = threadIdx.x / L, lane = threadIdx.x % L, warp = threadIdx.x >> 5;
-    const int R = N * NMAT, slots = R / W4_U;  // R % 8 == 0
-    const int nb = (slots + G * gridDim.x - 1) / (G * gridDim.x);
-    // Each warp's reduced partials of every batch; summed over the group's warps once a
-    // pass, after one barrier (no barrier a batch).
-    __shared__ float red[W4_MAX_BATCHES][W4_BLOCK / 32][W4_U * W4_TS];
-    __shared__ W4Stages sm;
-    // The tile's pairs: moe_align fills a tile front to back (its expert's segment is
-    // padded at the end), so the real pairs are the first nr (uniform per block).
-    const int* tp = sorted + (size_t)tile * ROWS_PER_TILE;
-    int nr = 0;
+    extern __shared__ uint4 w4_smem[];
+    float* red = reinterpret_cast<float*>(w4_smem + W4_WARPS * W4_STAGES_MAX * W4_SLOT * WARP);
+    __shared__ int tp[ROWS_PER_TILE];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int ks = w4_ksplit(K), groups = K / 128, nrb = N * NMAT / 64;
+    const int kw = warp % ks, rb = blockIdx.x * (W4_WARPS / ks) + warp / ks;
+    if (threadIdx.x < ROWS_PER_TILE) tp[threadIdx.x] = sorted[(size_t)tile * ROWS_PER_TILE + threadIdx.x];
+    __syncthreads();
+    // moe_align fills a tile front to back, so the real pairs are the first np.
+    int np = 0;
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_TILE; ++r) nr += tp[r] >= 0;
-#if W4_ZSPLIT
-    const int t_begin = blockIdx.z * W4_TS, t_end = min(nr, t_begin + W4_TS);
-#else
-    const int t_begin = 0, t_end = blockIdx.z == 0 ? nr : 0;
-#endif
-    if (t_begin >= t_end) return;  // uniform per block, before any barrier
-    const size_t ebase = (size_t)e * R;
-    // One batch a group (models/tiny's small experts): its weights stay in registers for
-    // every pass over the tile's tokens instead of streaming again each pass.
-    const bool hold = CH == 1 && nb == 1 && !W4_ZSPLIT;
-    W4Batch held;
-    if (hold) {
-        const int slot = blockIdx.x * G + g;
-        w4_load(held, qw, s, ebase + (slot < slots ? slot * W4_U : 0), K, lane);
-    }
-    for (int t0 = t_begin; t0 < t_end; t0 += W4_TS) {
-        const int nt = min(W4_TS, t_end - t0);
-        W4Out o{out, topk_w, {}, nt, N};
-        int xrow[W4_TS];
+    for (int r = 0; r < ROWS_PER_TILE; ++r) np += tp[r] >= 0;
+    const bool pk = np * W4_XS <= ROWS_PER_TILE;  // uniform per block
+    // This lane's B column: pair slot q (packed: of term xl).
+    const int q = pk ? g / W4_XS : g, xl = pk ? g % W4_XS : 0;
+    const int row = q < np ? (NMAT == 2 ? tp[q] / div : tp[q]) : -1;
+    float acc[W4_RT][4];
 #pragma unroll
-        for (int t = 0; t < W4_TS; ++t) {
-            o.prow[t] = t < nt ? tp[t0 + t] : 0;
-            xrow[t] = o.prow[t] / div;
-        }
-        float xr[W4_TS][32];
-        if (CH == 1) w4_load_x(xr, x, xrow, nt, K, lane);
-        // Batch b of group g: rows (blockIdx.x * nb + b) * G * W4_U + g * W4_U + i.
-        auto row_of = [&](int b) -> int {
-            const int slot = (blockIdx.x * nb + b) * G + g;
-            return slot < slots ? slot * W4_U : 0;
-        };
-        // CH == 1: rows of batch nx into stage nx % W4_STAGES, W4_STAGES - 1 batches ahead.
-        if (CH == 1 && !hold) {
+    for (int i = 0; i < W4_RT; ++i)
 #pragma unroll
-            for (int st = 0; st < W4_STAGES - 1; ++st) {
-                if (st < nb) w4_issue(sm, st, qw, s, ebase + row_of(st), K, lane);
-                cp_async_commit();
-            }
-        }
-        for (int b = 0; b < nb; ++b) {
-            const int slot = (blockIdx.x * nb + b) * G + g;
-            const bool real = slot < slots;  // uniform per group
-            const size_t row0 = (size_t)row_of(b);
-            float acc[W4_U][W4_TS];
-#pragma unroll
-            for (int i = 0; i < W4_U; ++i)
-#pragma unroll
-                for (int t = 0; t < W4_TS; ++t) acc[i][t] = 0.0f;
-            W4Batch cur;
-            if (hold) {
-                w4_fma(acc, held, xr, nt);
-            } else if (CH == 1) {
-                const int nx = b + W4_STAGES - 1;
-                if (nx < nb) w4_issue(sm, nx % W4_STAGES, qw, s, ebase + row_of(nx), K, lane);
-                cp_async_commit();
-                cp_async_wait_stages();  // batch b has landed
-                w4_take(cur, sm, b % W4_STAGES, ebase + row0, K, lane);
-                w4_fma(acc, cur, xr, nt);
-            } else {
-                for (int c = lane; c < chunks; c += L) {
-                    w4_load_x(xr, x, xrow, nt, K, c);
-                    w4_load(cur, qw, s, ebase + row0, K, c);
-                    w4_fma(acc, cur, xr, nt);
-                }
-            }
-            float v[W4_U * W4_TS];
-#pragma unroll
-            for (int i = 0; i < W4_U; ++i)
-#pragma unroll
-                for (int t = 0; t < W4_TS; ++t) v[i * W4_TS + t] = acc[i][t];
-            if (L <= 32) {
-#pragma unroll
-                for (int k = 0; k < W4_U * W4_TS; ++k) v[k] = group_sum(v[k], L);
-                if (real && lane == 0) w4_store<NMAT>(o, v, row0);
-            } else {
-                // L = 64 or 128: the warp's partials of batch b into red[b].
-                int idx;
-                const float r = warp_sum_t<W4_U * W4_TS>(v, idx);
-                if ((threadIdx.x & 31) % (32 / (W4_U * W4_TS)) == 0) red[b][warp][idx] = r;
-            }
-        }
-        if (L > 32) {
-            // Every lane reaches both barriers (L, nb and the pass count are uniform).
-            __syncthreads();
-            w4_finish<NMAT>(o, &red[0][0][0], blockIdx.x * nb, nb, G, L / 32, slots);
-            __syncthreads();  // red is rewritten by the next pass
+        for (int c = 0; c < 4; ++c) acc[i][c] = 0.0f;
+    if (rb < nrb) {  // uniform per warp
+        const size_t blk = (size_t)e * nrb + rb;
+        const W4Lane l{qw + blk * (K / 16) * WARP + lane, scw + blk * groups * 8 + g,
+                       w4_smem + warp * W4_STAGES_MAX * W4_SLOT * WARP + lane};
+        const int h0 = 2 * (kw * groups / ks), h1 = 2 * ((kw + 1) * groups / ks);
+        if (pk) {
+            w4_walk<NMAT, true>(acc, l, x, hin, row, xl, K, h0, h1, t);
+        } else {
+            w4_walk<NMAT, false>(acc, l, x, hin, row, xl, K, h0, h1, t);
         }
     }
+#pragma unroll
+    for (int i = 0; i < W4_RT; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) red[(warp * W4_RT * 4 + i * 4 + c) * WARP + lane] = acc[i][c];
+    __syncthreads();  // every thread reaches it
+    w4_epilogue<NMAT>(red, y, hs, topk_w, tp, np, pk, ks, nrb, N);
 }
 
 // Routed experts gate/up + SiLU, INT4: h[p, n] = silu(x[p / topk] . Wg[e, n]) *
-// (x[p / topk] . Wu[e, n]) for every pair p of tile blockIdx.y (expert e).
-// Shapes: x [T, K] f32 (post-norm), q13 [E, N, 2, K/8] u32, s13 [E, N, 2, K/128] bf16,
-// h [P, N] f32 (N = moe_intermediate_size).
-// Launch: grid (blocks over 2N rows, max_tiles), block 128 (launch.rs moe_w4).
-extern "C" __global__ void __launch_bounds__(W4_BLOCK, W4_MINB) moe_gate_up_w4(
-    float* __restrict__ h, const float* __restrict__ x, const u32* __restrict__ q13,
+// (x[p / topk] . Wu[e, n]) for every pair p of tile blockIdx.y (expert e), written split
+// (w4_h_word, K = N).  Shapes: x [T, K] f32 (post-norm), q13 [E, 2N / 64, K / 16, 32, 4]
+// u32, s13 [E, 2N / 64, K / 128, 8, 8] bf16 (cuda/src/repack.rs), h [P, N W4_XS / 2] u32
+// words (N = moe_intermediate_size).
+// Launch: grid (ceil(2N / 64 / (W4_WARPS / ks)), max_tiles), block 32 W4_WARPS, dynamic
+// shared memory W4_SMEM (launch.rs moe_w4).
+extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up_w4(
+    u32* __restrict__ h, const float* __restrict__ x, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
     const int* __restrict__ tile_expert, int topk, int N, int K) {
-    w4_gemv<2>(h, x, q13, s13, nullptr, sorted, tile_expert, topk, N, K);
+    w4_mma<2>(nullptr, h, x, nullptr, reinterpret_cast<const uint4*>(q13),
+              reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K);
 }
 
 // Routed experts down-projection with the router weight applied: y[p, n] = w_p *
-// (h[p] . Wd[e, n]).  Shapes: h [P, K] (K = moe_intermediate_size), qd [E, N, K/8] u32,
-// sd [E, N, K/128] bf16, topk_w [P], y [P, N] (N = hidden).
-// Launch: grid (blocks over N rows, max_tiles), block 128 (launch.rs moe_w4).
-extern "C" __global__ void __launch_bounds__(W4_BLOCK, W4_MINB) moe_down_w4(
-    float* __restrict__ y, const float* __restrict__ h, const u32* __restrict__ qd,
+// (h[p] . Wd[e, n]).  Shapes: h [P, K W4_XS / 2] u32 words (gate/up's split output, K =
+// moe_intermediate_size), qd [E, N / 64, K / 16, 32, 4] u32, sd [E, N / 64, K / 128, 8, 8]
+// bf16, topk_w [P], y [P, N] f32 (N = hidden).
+// Launch: as moe_gate_up_w4 with N rows.
+extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_down_w4(
+    float* __restrict__ y, const u32* __restrict__ h, const u32* __restrict__ qd,
     const bf16_bits* __restrict__ sd, const float* __restrict__ topk_w,
     const int* __restrict__ sorted, const int* __restrict__ tile_expert, int N, int K) {
-    w4_gemv<1>(y, h, qd, sd, topk_w, sorted, tile_expert, 1, N, K);
+    w4_mma<1>(y, nullptr, nullptr, h, reinterpret_cast<const uint4*>(qd),
+              reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, N, K);
 }

@@ -69,20 +69,29 @@ pub fn arch_for(major: i32, minor: i32) -> String {
     }
 }
 
-/// The INT4 expert GEMMs (split-K GEMVs, activations in registers: cuda/kernels/linear.cu).
+/// The INT4 expert GEMMs (tensor-core mma over pre-shuffled fragments: cuda/kernels/linear.cu).
 pub const W4_KERNELS: [&str; 2] = ["moe_gate_up_w4", "moe_down_w4"];
 
 /// Shared-memory carveout (percent of the SM's 228 KB) asked for the INT4 GEMMs: all of
-/// it, room for 4 blocks of their ~41 KB cp.async stages (4 blocks is what their 128
-/// registers allow); they read no reused data through L1.
+/// it, room for 2 blocks of their 96 KB cp.async ring + accumulator array (2 blocks of
+/// 256 threads is what their 128 registers allow); weights bypass L1 (cp.async.cg).
 pub const W4_CARVEOUT_PERCENT: i32 = 100;
 
 fn prefer_shared(f: &CudaFunction, name: &str) -> Result<()> {
+    use cudarc::driver::sys::CUfunction_attribute_enum as A;
+    // Required: more than 48 KB of dynamic shared memory must be opted into.
     f.set_attribute(
-        cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-        W4_CARVEOUT_PERCENT,
+        A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        crate::launch::W4_SMEM as i32,
     )
-    .map_err(|e| CudaError::driver(format!("shared-memory carveout of {name}"), e))
+    .map_err(|e| CudaError::driver(format!("dynamic shared memory of {name}"), e))?;
+    // A hint: if a driver refuses it the kernels still run (with fewer resident blocks,
+    // which the bench record's occupancy shows).
+    let _ = f.set_attribute(
+        A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+        W4_CARVEOUT_PERCENT,
+    );
+    Ok(())
 }
 
 /// A device context, its one stream, and every kernel of the engine.
@@ -141,9 +150,7 @@ impl Gpu {
                     .load_function(entry)
                     .map_err(|e| CudaError::driver(format!("load_function {entry}"), e))?;
                 if W4_KERNELS.contains(&entry) {
-                    // A hint: if a driver refuses it the kernels still run (with fewer
-                    // resident blocks, which the bench record's occupancy shows).
-                    let _ = prefer_shared(&f, entry);
+                    prefer_shared(&f, entry)?;
                 }
                 funcs.insert(entry, f);
             }
@@ -168,6 +175,7 @@ impl Gpu {
         let one = crate::launch::Shape {
             grid: (1, 1, 1),
             block: (1, 1, 1),
+            smem: 0,
         };
         unsafe { crate::ops::launch(self, "spin_wait", one, &args)? };
         let e = self.timing_event()?;
@@ -209,9 +217,9 @@ impl Gpu {
     }
 
     /// Resident blocks an SM of kernel `name` at `block` threads (no dynamic shared memory).
-    pub fn blocks_per_sm(&self, name: &str, block: u32) -> Result<u32> {
+    pub fn blocks_per_sm(&self, name: &str, block: u32, smem: u32) -> Result<u32> {
         self.func(name)?
-            .occupancy_max_active_blocks_per_multiprocessor(block, 0, None)
+            .occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)
             .map_err(|e| CudaError::driver(format!("occupancy of {name}"), e))
     }
 

@@ -13,17 +13,22 @@ use crate::error::{CudaError, Result};
 pub const LIN_WARPS: u32 = 4;
 /// Rows per GEMM tile (`ROWS_PER_TILE`, `MOE_TILE`).
 pub const ROWS_PER_TILE: u32 = 8;
-/// Weight rows a lane group of the INT4 expert GEMMs streams per batch (`W4_U`).
-pub const W4_U: u32 = 4;
-/// Tokens whose activations an INT4 expert GEMM lane holds in registers (`W4_TS`).
-pub const W4_TS: u32 = 2;
-/// Threads per block of the INT4 expert GEMMs (`W4_BLOCK`).
-pub const W4_BLOCK: u32 = 128;
-/// Blocks an INT4 expert GEMM launch aims at (about 4 resident per SM on the H200's 132
-/// SMs): fewer batches per block until the grid reaches it, so small M still fills the GPU.
-pub const W4_TARGET_BLOCKS: usize = 512;
-/// Most batches one lane group walks (bounds a block's serial work at large M).
-pub const W4_MAX_BATCHES: usize = 16;
+/// mma tiles of 16 rows a warp of the INT4 expert GEMMs owns (`W4_RT`): a row block of 64.
+pub const W4_RT: u32 = 4;
+/// Warps per block of the INT4 expert GEMMs (`W4_WARPS`).
+pub const W4_WARPS: u32 = 8;
+/// Most bf16 terms the INT4 gate/up kernel splits an `h` element into (linear.cu `W4_XS`
+/// <= 3): the `h` scratch holds `P Im W4_XS_MAX / 2` words.
+pub const W4_XS_MAX: usize = 3;
+/// Weight stages the INT4 GEMMs' shared memory is sized for (`W4_STAGES_MAX`).
+pub const W4_STAGES_MAX: u32 = 4;
+/// uint4s a lane a stage (`W4_SLOT`: 4 k16 steps of weights + the group's scales).
+pub const W4_SLOT: u32 = 5;
+/// Dynamic shared memory of an INT4 GEMM block: the cp.async ring
+/// `[W4_WARPS][W4_STAGES_MAX][W4_SLOT][32]` uint4 and the accumulator array
+/// `[W4_WARPS][W4_RT 4][32]` f32 (linear.cu `w4_mma`).
+pub const W4_SMEM: u32 =
+    W4_WARPS * W4_STAGES_MAX * W4_SLOT * 32 * 16 + W4_WARPS * W4_RT * 4 * 32 * 4;
 /// Largest k of `moe_topk` / `moe_combine` (`TOPK_MAX`).
 pub const TOPK_MAX: usize = 8;
 /// Largest expert count of `moe_topk` / `moe_align` (`EXPERTS_MAX`).
@@ -38,6 +43,8 @@ pub const KC_MAX: usize = 8;
 pub struct Shape {
     pub grid: (u32, u32, u32),
     pub block: (u32, u32, u32),
+    /// Dynamic shared memory bytes.
+    pub smem: u32,
 }
 
 impl Shape {
@@ -46,7 +53,7 @@ impl Shape {
         cudarc::driver::LaunchConfig {
             grid_dim: self.grid,
             block_dim: self.block,
-            shared_mem_bytes: 0,
+            shared_mem_bytes: self.smem,
         }
     }
 }
@@ -70,6 +77,7 @@ pub fn grid_2d(x: usize, y: usize, block: u32, what: &str) -> Result<Shape> {
     Ok(Shape {
         grid: (to_u32(x, what)?, to_u32(y, what)?, 1),
         block: (block, 1, 1),
+        smem: 0,
     })
 }
 
@@ -93,58 +101,39 @@ pub fn moe_gemm(n: usize, max_tiles: usize, what: &str) -> Result<Shape> {
     )
 }
 
-/// Lanes per group of the INT4 expert GEMMs for rows of `k` weights (kernel `w4_lanes`):
-/// the largest power of two `<= min(128, k / 32)` (a row has `k / 32` 16-byte chunks).
-pub fn w4_lanes(k: usize) -> usize {
-    let chunks = k / 32;
-    let mut l = 1;
-    while l < W4_BLOCK as usize && 2 * l <= chunks {
-        l *= 2;
+/// Warps splitting K in the INT4 expert GEMMs (kernel `w4_ksplit`): the largest power of
+/// two `<= min(W4_WARPS, k / 128)`.
+pub fn w4_ksplit(k: usize) -> usize {
+    let mut ks = 1;
+    while 2 * ks <= W4_WARPS as usize && 2 * ks <= k / 128 {
+        ks *= 2;
     }
-    l
-}
-
-/// Batches of `W4_U` rows each lane group of a block walks (kernel `w4_gemv` derives the
-/// same from `gridDim.x`): the largest power of two `<= W4_MAX_BATCHES` that still gives
-/// `W4_TARGET_BLOCKS` blocks over `max_tiles` tiles, at least 1.
-pub fn w4_batches(rows: usize, k: usize, max_tiles: usize) -> usize {
-    let groups = W4_BLOCK as usize / w4_lanes(k);
-    let slots = rows / W4_U as usize;
-    let mut nb = 1;
-    while 2 * nb <= W4_MAX_BATCHES
-        && slots.div_ceil(groups * 2 * nb) * max_tiles >= W4_TARGET_BLOCKS
-    {
-        nb *= 2;
-    }
-    nb
+    ks
 }
 
 /// INT4 expert GEMMs (`moe_gate_up_w4` with `nmat` 2, `moe_down_w4` with 1) over
-/// `n * nmat` weight rows of `k` weights: grid (ceil(slots / (groups * nb)), max_tiles,
-/// ROWS_PER_TILE token groups), block 128. Needs K % 128 == 0 (one scale per 16-byte chunk) and N % 8 == 0 (a batch of
-/// `W4_U` rows is all real or all past the end).
+/// `n * nmat` weight rows of `k` weights: row blocks of 64 rows, `W4_WARPS / ks` of them a
+/// block (ks = [`w4_ksplit`]), grid (ceil(row blocks / that), max_tiles), block
+/// 32 W4_WARPS. Needs K % 128 == 0 and `n * nmat` % 64 == 0 (the repacked layout).
 pub fn moe_w4(n: usize, k: usize, nmat: usize, max_tiles: usize, what: &str) -> Result<Shape> {
     if k == 0
         || !k.is_multiple_of(128)
         || n == 0
-        || !n.is_multiple_of(8)
         || !(1..=2).contains(&nmat)
+        || !(n * nmat).is_multiple_of(64)
     {
         return Err(CudaError::Unsupported(format!(
-            "{what}: INT4 expert GEMM with N = {n}, K = {k} (needs K % 128 == 0, N % 8 == 0)"
+            "{what}: INT4 expert GEMM with N = {n}, K = {k}, {nmat} matrices (needs K % 128 == 0, N x matrices % 64 == 0)"
         )));
     }
-    let rows = n * nmat;
-    let groups = W4_BLOCK as usize / w4_lanes(k);
-    let nb = w4_batches(rows, k, max_tiles);
+    let per_block = W4_WARPS as usize / w4_ksplit(k);
     let mut s = grid_2d(
-        (rows / W4_U as usize).div_ceil(groups * nb),
+        (n * nmat / 64).div_ceil(per_block),
         max_tiles,
-        W4_BLOCK,
+        32 * W4_WARPS,
         what,
     )?;
-    // z: the tile's token groups (ROWS_PER_TILE / W4_TS of them do work; the rest exit).
-    s.grid.2 = ROWS_PER_TILE;
+    s.smem = W4_SMEM;
     Ok(s)
 }
 
@@ -214,10 +203,13 @@ mod tests {
         assert_eq!(define("ROWS_PER_TILE"), Some(ROWS_PER_TILE as usize));
         assert_eq!(define("MOE_TILE"), Some(ROWS_PER_TILE as usize));
         assert_eq!(define("TOPK_MAX"), Some(TOPK_MAX));
-        assert_eq!(define("W4_U"), Some(W4_U as usize));
-        assert_eq!(define("W4_TS"), Some(W4_TS as usize));
-        assert_eq!(define("W4_BLOCK"), Some(W4_BLOCK as usize));
-        assert_eq!(define("W4_MAX_BATCHES"), Some(W4_MAX_BATCHES));
+        assert_eq!(define("W4_RT"), Some(W4_RT as usize));
+        assert_eq!(define("W4_WARPS"), Some(W4_WARPS as usize));
+        assert!(define("W4_XS").unwrap() <= W4_XS_MAX);
+        assert!(define("W4_STAGES").unwrap() <= W4_STAGES_MAX as usize);
+        assert_eq!(define("W4_STAGES_MAX"), Some(W4_STAGES_MAX as usize));
+        assert_eq!(define("W4_SLOT"), Some(W4_SLOT as usize));
+        assert_eq!(W4_SMEM, 98_304);
         assert_eq!(define("EXPERTS_MAX"), Some(EXPERTS_MAX));
         assert_eq!(define("HEAD_DIM_MAX"), Some(HEAD_DIM_MAX));
         assert_eq!(define("KC_MAX"), Some(KC_MAX));
@@ -251,25 +243,18 @@ mod tests {
         assert_eq!(moe_max_tiles(64 * 8, 288), (512 + 288 * 7usize).div_ceil(8));
     }
 
-    /// Model of kernel `w4_gemv`'s walk: `nb` from the grid as the kernel derives it, then
-    /// slot `(bx * nb + b) * G + g` of block `bx`, batch `b`, group `g` (real when below
-    /// `rows / W4_U`). Returns how often each row is owned.
-    fn w4_rows_owned(rows: usize, k: usize, grid_x: usize) -> Vec<u8> {
-        let groups = W4_BLOCK as usize / w4_lanes(k);
-        let slots = rows / W4_U as usize;
-        let nb = slots.div_ceil(groups * grid_x);
-        // The kernel's shared partials hold W4_MAX_BATCHES batches.
-        assert!(nb <= W4_MAX_BATCHES, "rows {rows} k {k}: nb {nb}");
-        let mut owned = vec![0u8; rows];
+    /// Model of kernel `w4_mma`'s walk: block x, warp w owns row block
+    /// `x (W4_WARPS / ks) + w / ks` (real when below `rows / 64`) and 128-groups
+    /// `[kw G / ks, (kw + 1) G / ks)` with `kw = w % ks`. Counts each (row block, group).
+    fn w4_owned(rows: usize, k: usize, grid_x: usize) -> Vec<u8> {
+        let (ks, groups, nrb) = (w4_ksplit(k), k / 128, rows / 64);
+        let mut owned = vec![0u8; nrb * groups];
         for bx in 0..grid_x {
-            for b in 0..nb {
-                for g in 0..groups {
-                    let slot = (bx * nb + b) * groups + g;
-                    if slot < slots {
-                        let r0 = slot * W4_U as usize;
-                        owned[r0..r0 + W4_U as usize]
-                            .iter_mut()
-                            .for_each(|o| *o += 1);
+            for w in 0..W4_WARPS as usize {
+                let (kw, rb) = (w % ks, bx * (W4_WARPS as usize / ks) + w / ks);
+                if rb < nrb {
+                    for grp in kw * groups / ks..(kw + 1) * groups / ks {
+                        owned[rb * groups + grp] += 1;
                     }
                 }
             }
@@ -278,97 +263,31 @@ mod tests {
     }
 
     #[test]
-    fn w4_blocks_cover_every_row_once() {
-        // GLM-5.3-Flash: a group of 128 lanes for K = 4096 (one chunk a lane), 64 for
-        // K = 2048; models/tiny: 8 / 4 lanes.
-        assert_eq!(w4_lanes(4096), 128);
-        assert_eq!(w4_lanes(2048), 64);
-        assert_eq!(w4_lanes(256), 8);
-        assert_eq!(w4_lanes(128), 4);
-        assert_eq!(w4_lanes(384), 8);
-        assert_eq!(w4_lanes(8192), 128);
-        // M = 1 at GLM shapes: 8 tiles x 64 blocks, 16 batches of 4 rows a block.
-        assert_eq!(moe_w4(2048, 4096, 2, 8, "t").unwrap().grid, (64, 8, 8));
-        assert_eq!(moe_w4(4096, 2048, 1, 8, "t").unwrap().grid, (64, 8, 8));
-        assert_eq!(w4_batches(4096, 4096, 8), 16);
-        assert_eq!(w4_batches(4096, 2048, 8), 8);
-        // models/tiny decode (2 tiles): one batch a group.
-        assert_eq!(w4_batches(256, 256, 2), 1);
-        for k in (128..=8192).step_by(128) {
-            let l = w4_lanes(k);
-            assert!(l.is_power_of_two() && l <= 128 && l <= k / 32, "k {k}");
-            assert!(l == 128 || 2 * l > k / 32, "k {k}: not the largest");
-            for nmat in [1, 2] {
-                for n in (8..=600).step_by(8) {
-                    for tiles in [1, 3, 40] {
-                        let s = moe_w4(n, k, nmat, tiles, "t").unwrap();
-                        assert_eq!(s.grid.1 as usize, tiles);
-                        let owned = w4_rows_owned(n * nmat, k, s.grid.0 as usize);
-                        assert!(owned.iter().all(|&o| o == 1), "n {n} k {k} nmat {nmat}");
-                    }
-                }
+    fn w4_blocks_cover_every_row_block_and_group_once() {
+        assert_eq!(w4_ksplit(4096), 8);
+        assert_eq!(w4_ksplit(2048), 8);
+        assert_eq!(w4_ksplit(256), 2);
+        assert_eq!(w4_ksplit(128), 1);
+        assert_eq!(w4_ksplit(384), 2);
+        // GLM-5.3-Flash: 64 row blocks, one a block; models/tiny: one block a tile.
+        assert_eq!(moe_w4(2048, 4096, 2, 8, "t").unwrap().grid, (64, 8, 1));
+        assert_eq!(moe_w4(4096, 2048, 1, 8, "t").unwrap().grid, (64, 8, 1));
+        assert_eq!(moe_w4(128, 256, 2, 3, "t").unwrap().grid, (1, 3, 1));
+        assert_eq!(moe_w4(256, 128, 1, 3, "t").unwrap().grid, (1, 3, 1));
+        assert_eq!(moe_w4(256, 128, 1, 3, "t").unwrap().block, (256, 1, 1));
+        assert_eq!(moe_w4(256, 128, 1, 3, "t").unwrap().smem, W4_SMEM);
+        assert_eq!(gemm(5, 8, "x").unwrap().smem, 0);
+        for k in [128usize, 256, 384, 640, 1152, 2048, 4096] {
+            for (n, nmat) in [(32, 2), (64, 1), (96, 2), (192, 1), (2048, 2), (4096, 1)] {
+                let s = moe_w4(n, k, nmat, 1, "t").unwrap();
+                let owned = w4_owned(n * nmat, k, s.grid.0 as usize);
+                assert!(owned.iter().all(|&c| c == 1), "n {n} k {k} nmat {nmat}");
             }
         }
         assert!(moe_w4(2048, 4000, 2, 1, "t").is_err());
         assert!(moe_w4(2044, 4096, 2, 1, "t").is_err());
+        assert!(moe_w4(96, 4096, 1, 1, "t").is_err());
         assert!(moe_w4(2048, 4096, 3, 1, "t").is_err());
-    }
-
-    /// Host model of the INT4 kernels' walk over one weight row (linear.cu `w4_gemv`): lane
-    /// g of a group of L takes chunks g, g + L, ... of `k / 32`; chunk c's scale is scale
-    /// `row * k/128 + c/4`; words dequantized by the kernel's bit trick. Returns the row's
-    /// dot product with `x`, summed as the group does.
-    fn w4_row_dot_model(q: &[u32], s: &[u16], row: usize, k: usize, x: &[f32]) -> f64 {
-        let l = w4_lanes(k);
-        let mut total = 0.0f64;
-        for g in 0..l {
-            for c in (g..k / 32).step_by(l) {
-                let sc = f32::from_bits(u32::from(s[row * (k / 128) + c / 4]) << 16);
-                for j in 0..4 {
-                    let w = crate::repack::dequant8_model(q[row * (k / 8) + c * 4 + j], sc);
-                    for (t, wt) in w.iter().enumerate() {
-                        total += f64::from(x[c * 32 + j * 8 + t]) * f64::from(*wt);
-                    }
-                }
-            }
-        }
-        total
-    }
-
-    #[test]
-    fn w4_chunk_walk_covers_every_weight_once_with_its_scale() {
-        use speclab_engine::model::w4a16::unpack_nibble;
-        for k in [128usize, 256, 384, 1152, 2048, 4096] {
-            // 8 rows: scale buffers hold N % 8 == 0 rows, so the aligned pair never leaves them.
-            let rows = 8;
-            let words: Vec<u32> = (0..rows * k / 8)
-                .map(|i| (i as u32).wrapping_mul(0x9e37_79b9) ^ 0x5bd1_e995)
-                .collect();
-            let q: Vec<u32> = words
-                .iter()
-                .map(|&w| crate::repack::repack_word(w))
-                .collect();
-            // Distinct power-of-two-ish scales per group, so a wrong group shows.
-            let s: Vec<u16> = (0..rows * k / 128)
-                .map(|i| 0x3b80u16 + (i % 13) as u16 * 0x10)
-                .collect();
-            let x: Vec<f32> = (0..k)
-                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
-                .collect();
-            for row in 0..rows {
-                let mut want = 0.0f64;
-                for kk in 0..k {
-                    let sc = f32::from_bits(u32::from(s[row * (k / 128) + kk / 128]) << 16);
-                    let wv = unpack_nibble(words[row * (k / 8) + kk / 8], kk % 8) as f32 * sc;
-                    want += f64::from(x[kk]) * f64::from(wv);
-                }
-                let got = w4_row_dot_model(&q, &s, row, k, &x);
-                assert!(
-                    (got - want).abs() <= 1e-9 * want.abs().max(1.0),
-                    "k {k} row {row}: {got} vs {want}"
-                );
-            }
-        }
     }
 
     #[test]

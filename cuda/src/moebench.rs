@@ -492,7 +492,7 @@ impl DevDraw {
 
 /// Step buffers of one M.
 struct Scratch {
-    /// Shape: [P, Im].
+    /// Shape: [P, Im W4_XS_MAX / 2] (split words, linear.cu `w4_h_word`).
     h: DevBuf<f32>,
     /// Shape: [P, H].
     y: DevBuf<f32>,
@@ -513,7 +513,7 @@ impl Scratch {
     fn new(g: &Gpu, s: &MoeShape, m: usize) -> Result<Self> {
         let (st, p) = (&g.stream, m * s.topk);
         Ok(Self {
-            h: DevBuf::zeros(st, p * s.inter, "h")?,
+            h: DevBuf::zeros(st, p * s.inter * launch::W4_XS_MAX / 2, "h")?,
             y: DevBuf::zeros(st, p * s.hidden, "y")?,
             logits: DevBuf::zeros(st, m * s.experts, "logits")?,
             ids: DevBuf::zeros(st, p, "topk ids")?,
@@ -817,8 +817,16 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
     }
     let g = Gpu::new(0)?;
     let occ = [
-        g.blocks_per_sm(crate::device::W4_KERNELS[0], 128)?,
-        g.blocks_per_sm(crate::device::W4_KERNELS[1], 128)?,
+        g.blocks_per_sm(
+            crate::device::W4_KERNELS[0],
+            32 * launch::W4_WARPS,
+            launch::W4_SMEM,
+        )?,
+        g.blocks_per_sm(
+            crate::device::W4_KERNELS[1],
+            32 * launch::W4_WARPS,
+            launch::W4_SMEM,
+        )?,
     ];
     let regs = [
         g.regs_and_local(crate::device::W4_KERNELS[0])?,

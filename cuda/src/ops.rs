@@ -594,7 +594,14 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
         "sorted",
     )?;
     let tiles = ptr(r.tile_expert, 0, r.max_tiles, "tile_expert")?;
-    let h = ptr(a.h, 0, p * im, "moe h")?;
+    // INT4: h holds gate/up's split output, W4_XS <= W4_XS_MAX bf16 terms an element.
+    let int4 = matches!(a.w, ExpertPtrs::Int4 { .. });
+    let h_len = if int4 {
+        p * im * launch::W4_XS_MAX / 2
+    } else {
+        p * im
+    };
+    let h = ptr(a.h, 0, h_len, "moe h")?;
     let x = ptr(a.x, 0, r.t * hd, "moe x")?;
     let y = ptr(a.y, 0, p * hd, "moe y")?;
     let wts = ptr(r.wts, 0, p, "moe wts")?;
@@ -634,7 +641,6 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
         int(im, "N")?,
         int(hd, "K")?,
     ]);
-    let int4 = matches!(a.w, ExpertPtrs::Int4 { .. });
     let gu_shape = if int4 {
         launch::moe_w4(im, hd, 2, r.max_tiles, gu_name)?
     } else {
@@ -645,16 +651,16 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     } else {
         launch::moe_gemm(hd, r.max_tiles, dn_name)?
     };
-    // SAFETY: h [P, Im], x [T, H], the expert weights [E, Im, 2, H] (as words / scales),
-    // sorted [8 max_tiles], tile_expert [max_tiles] checked; pair ids in `sorted` are < P
-    // and tile experts < E (moe_align's output over ids < E). The INT4 kernels touch
-    // rows of columns < N only (N % 8 == 0, checked by moe_w4: a lane group past N reads
-    // column 0 and writes nothing; launch.rs tests the column cover).
+    // SAFETY: h [P, Im] (INT4: P Im W4_XS_MAX / 2 words), x [T, H], the expert weights
+    // [E, Im, 2, H] (as words / scales), sorted [8 max_tiles], tile_expert [max_tiles]
+    // checked; pair ids in `sorted` are < P and tile experts < E (moe_align's output over
+    // ids < E). The INT4 kernels touch whole row blocks of 64 rows only (2 Im, H % 64 == 0,
+    // checked by moe_w4; launch.rs tests the row-block cover).
     unsafe { launch(g, gu_name, gu_shape, &args)? };
     let mut args = vec![y, h];
     args.extend(dn_w);
     args.extend([wts, sorted, tiles, int(hd, "N")?, int(im, "K")?]);
-    // SAFETY: y [P, H], h [P, Im], weights [E, H, Im], wts [P] checked; indices as above.
+    // SAFETY: y [P, H], h as above, weights [E, H, Im], wts [P] checked; indices as above.
     unsafe { launch(g, dn_name, dn_shape, &args) }
 }
 
@@ -787,6 +793,7 @@ pub fn attention(g: &Gpu, kv: &Paged<'_>, a: &Attention<'_>) -> Result<()> {
         grid: (int_u32(a.t)?, int_u32(nh)?, 1),
         // 32 * ATT_WARPS (attention.cu).
         block: (512, 1, 1),
+        smem: 0,
     };
     unsafe { launch(g, "paged_attention", shape, &args) }
 }
@@ -911,6 +918,7 @@ pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
     let shape = launch::Shape {
         grid: (int_u32(nl)?, int_u32(s.num_seqs)?, 1),
         block: (int_u32(dl)?, 1, 1),
+        smem: 0,
     };
     // SAFETY: o [T, C], y, fg [T, 2C], xin (b at b_col + nl <= in_width), A_log [nl],
     // dt_bias [C], pool checked; S elements of head h lie at conv_len + h dl^2 + i dl + j

@@ -6,21 +6,30 @@
 //! lop3 dequantization (vLLM `csrc/quantization/gptq_marlin/dequant.h`,
 //! `marlin_repack`), adapted to the engine's f32 CUDA-core kernels.
 //!
-//! **The device INT4 layout** (built once at load, `cuda/kernels/linear.cu` reads it):
-//! - Words: the compressed-tensors word of elements `8w .. 8w + 8` of a row, with its
-//!   nibbles permuted so that nibble slot `s` holds element [`INTERLEAVE`]`[s]`
-//!   (`[0, 2, 4, 6, 1, 3, 5, 7]`), still as `q + 8`. Then `(word >> 4j) & 0x000f000f`
-//!   holds elements `2j` (low half) and `2j + 1` (high half) (Marlin's bf16-pair trick).
-//!   The engine's f32 kernels use the order differently (issue 12, kernels/common.cuh
-//!   `dequant8`): the views `r << 8`, `r`, `r >> 12` put every slot at bit 8, 12 or 16,
-//!   one `lop3` ORs a nibble into the mantissa of f32 128.0, and one FMA with exact
-//!   per-group constants gives `q * scale` exactly: 1 LOP3 + 1 FFMA per weight.
-//! - Routed experts' gate and up are fused: `q13 [E, N, 2, K / 8]` (for output column n,
-//!   the gate row, then the up row, so one warp streams both), scales
-//!   `s13 [E, N, 2, K / 128]` as bf16 bits; down `qd [E, H, Im / 8]`, `sd [E, H, Im / 128]`.
-//! - Every value is exactly the checkpoint's: [`unpack_experts`] inverts the repack
-//!   bit for bit (tested), so `w = (q) * scale` on the device equals the CPU's
-//!   dequantized f32 weight exactly.
+//! **The device INT4 layout** (built once at load, `cuda/kernels/linear.cu` `w4_mma` reads
+//! it): the A fragments of `mma.sync.m16n8k16` (PTX ISA, "Matrix Fragments for
+//! mma.m16n8k16 with floating point type"), pre-shuffled so that one lane loads its
+//! fragments of four 16-row mma tiles with one 16-byte load (Marlin's idea, vLLM
+//! `marlin_repack`; the details here are the engine's own):
+//! - Each expert matrix has `R` rows (`R % 64 == 0`) of `K` weights (`K % 128 == 0`).
+//!   Row `r` lies in row block `r / 64`, mma tile `i = r % 64 / 16`, fragment row
+//!   `g = r % 8`, half `h = r % 16 / 8` (rows `g` and `g + 8` of the tile).
+//! - Weight `k` lies in k16 step `k / 16`, lane-in-group `t = k % 8 / 2`, fragment
+//!   register `j = h + 2 (k % 16 / 8)`, half `e = k % 2` (the PTX table: a0..a7 of lane
+//!   `4 g + t`).
+//! - Words: `q [E, R / 64, K / 16, 32 lanes, 4 tiles]` u32; word `(lane 4 g + t, tile i)`
+//!   holds register `j`'s element `e` in nibble slot `j + 4 e` as `q + 8`, so
+//!   `(w >> 4 j) & 0x000f000f | 0x43004300` is the bf16 pair `128 + n` of register `j`
+//!   (Marlin's bf16 trick, `dequant.h`).
+//! - Scales: `s [E, R / 64, K / 128, 8 (g), 8 (2 i + h)]` bf16 bits: one 16-byte load
+//!   gives a lane the scales of its eight rows for one 128-group.
+//! - gate and up are fused into one matrix of `2 N` rows ([`fused_row`]): tile rows `g`
+//!   hold gates and `g + 8` ups of output column `32 (r / 64) + 8 i + g`, so one lane
+//!   holds both halves of a SwiGLU output. Down has `R = H` rows in natural order.
+//! - Every value is exactly the checkpoint's: [`unpack_experts`] inverts the repack bit
+//!   for bit (tested), and the kernel's bf16 weights `n - 8` are exact, its activations
+//!   split into bf16 terms that sum to the f32 value (3 terms; [`split_model`]), so the
+//!   device computes the f32 dot product of docs/model.md §1.3 up to summation order.
 //!
 //! Dense weights travel as bf16 bit patterns (`u16`), which requires each f32 weight to
 //! be bf16-exact (true for every weight loaded from a checkpoint or made by
@@ -31,93 +40,83 @@ use speclab_engine::model::Linear;
 
 use crate::error::{CudaError, Result};
 
-/// Nibble slot `s` of a repacked word holds element `INTERLEAVE[s]` of its 8 elements.
-pub const INTERLEAVE: [u32; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
-
 /// Group size of the INT4 scales along K (docs/model.md §8).
 pub const GROUP: usize = 128;
 
-/// Repack one compressed-tensors word into the device nibble order.
-pub fn repack_word(w: u32) -> u32 {
-    let mut r = 0u32;
-    for (s, &e) in INTERLEAVE.iter().enumerate() {
-        r |= ((w >> (4 * e)) & 0xF) << (4 * s as u32);
+/// Weight rows of one row block (4 mma tiles of 16; a warp's rows in `w4_mma`).
+pub const ROW_BLOCK: usize = 64;
+
+/// bf16 terms the kernel splits an activation into (linear.cu `W4_XS` default).
+pub const SPLIT_TERMS: usize = 3;
+
+/// Row of the device matrix holding matrix `m` (< `nmat`) of output column `n`: for
+/// `nmat` 2 (gate 0, up 1) tile rows `g` are gates and `g + 8` ups of column
+/// `32 (row / 64) + 8 (row % 64 / 16) + g`; for `nmat` 1 the row is `n`.
+pub fn fused_row(n: usize, m: usize, nmat: usize) -> usize {
+    if nmat == 1 {
+        n
+    } else {
+        n / 32 * 64 + n % 32 / 8 * 16 + m * 8 + n % 8
     }
-    r
 }
 
-/// Inverse of [`repack_word`].
-pub fn unpack_word(r: u32) -> u32 {
-    let mut w = 0u32;
-    for (s, &e) in INTERLEAVE.iter().enumerate() {
-        w |= ((r >> (4 * s as u32)) & 0xF) << (4 * e);
-    }
-    w
+/// Word index (in one expert matrix of `r` rows of `k`) and nibble slot of weight
+/// `(row, kidx)`.
+pub fn word_slot(k: usize, row: usize, kidx: usize) -> (usize, u32) {
+    let (rb, i, h, g) = (row / 64, row % 64 / 16, row % 16 / 8, row % 8);
+    let kk = kidx % 16;
+    let (t, j, e) = (kk % 8 / 2, h + 2 * (kk / 8), kk % 2);
+    let word = ((rb * (k / 16) + kidx / 16) * 32 + 4 * g + t) * 4 + i;
+    (word, (j + 4 * e) as u32)
 }
 
-/// The exact per-group constants of the kernel's `w4_scale` (kernels/common.cuh):
-/// `(c16, c12, c8, k16, k12, k8)` with `c_b = s 2^(16-b)`, `k_b = 128 c_b + 8 s`.
-pub fn w4_scale_model(s: f32) -> [f32; 6] {
-    [s, s * 16.0, s * 256.0, s * 136.0, s * 2056.0, s * 32776.0]
+/// Scale index (in one expert matrix) of row `row`, 128-group `grp`.
+pub fn scale_index(k: usize, row: usize, grp: usize) -> usize {
+    let (rb, i, h, g) = (row / 64, row % 64 / 16, row % 16 / 8, row % 8);
+    ((rb * (k / GROUP) + grp) * 8 + g) * 8 + 2 * i + h
 }
 
-/// One weight as the kernel's `w4_at` computes it: the nibble under `mask` of `a` ORed
-/// into the mantissa of 128.0, then one fused multiply-add.
-fn w4_at_model(a: u32, mask: u32, c: f32, k: f32) -> f32 {
-    f32::from_bits((a & mask) | 0x4300_0000).mul_add(c, -k)
+/// Host model of the kernel's `w4_frag`: the two weights `(n - 8)` of register `j` of a
+/// fragment word, via the bf16 pair `128 + n` and an exact subtraction of 136.
+pub fn frag_model(w: u32, j: u32) -> [f32; 2] {
+    let p = ((w >> (4 * j)) & 0x000f_000f) | 0x4300_4300;
+    let lo = f32::from_bits((p & 0xffff) << 16);
+    let hi = f32::from_bits(p & 0xffff_0000);
+    [lo - 136.0, hi - 136.0]
 }
 
-/// Host model of the kernel's `dequant8` (the same bit operations and the same fused
-/// multiply-adds): 8 f32 weights in natural element order from a repacked word and its
-/// f32 scale.
-pub fn dequant8_model(r: u32, scale: f32) -> [f32; 8] {
-    let [c16, c12, c8, k16, k12, k8] = w4_scale_model(scale);
-    let (a, c) = (r << 8, r >> 12);
-    [
-        w4_at_model(a, 0x0000_0f00, c8, k8),
-        w4_at_model(r, 0x000f_0000, c16, k16),
-        w4_at_model(a, 0x0000_f000, c12, k12),
-        w4_at_model(c, 0x0000_0f00, c8, k8),
-        w4_at_model(r, 0x0000_0f00, c8, k8),
-        w4_at_model(c, 0x0000_f000, c12, k12),
-        w4_at_model(r, 0x0000_f000, c12, k12),
-        w4_at_model(c, 0x000f_0000, c16, k16),
-    ]
+/// Round-to-nearest-even f32 -> bf16 (the kernel's `cvt.rn.bf16x2.f32`), widened back.
+pub fn bf16_rn(x: f32) -> f32 {
+    let b = x.to_bits();
+    let r = b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000;
+    f32::from_bits(r)
+}
+
+/// Host model of the kernel's `split_bf2`: `terms` bf16 values whose sum approximates `x`
+/// (exactly for 3 terms and any normal `x`).
+pub fn split_model(x: f32, terms: usize) -> Vec<f32> {
+    let mut r = x;
+    (0..terms)
+        .map(|_| {
+            let t = bf16_rn(r);
+            r -= t;
+            t
+        })
+        .collect()
+}
+
+/// Host mirror of linear.cu `w4_h_word`: the u32 index of term `x` of element `kidx` of
+/// row `p` in the split activations (rows of `k` elements, `terms` terms); the element is
+/// half `kidx % 2` of that word.
+pub fn h_word(p: usize, kidx: usize, k: usize, x: usize, terms: usize) -> usize {
+    let kk = kidx % 16;
+    ((p * (k / 16) + kidx / 16) * 4 + kk % 8 / 2) * (2 * terms) + 2 * x + kk / 8
 }
 
 /// The bf16 bit pattern of `x`, if `x` is exactly a bf16 value.
 pub fn bf16_bits_exact(x: f32) -> Option<u16> {
     let b = x.to_bits();
     (b & 0xffff == 0).then_some((b >> 16) as u16)
-}
-
-/// Host model of the kernel's folded dequantization (`W4_FOLD`, kernels/linear.cu
-/// `w4_fma_fold`): `sum_e x[e] w[e]` of one repacked word with scale `s`, from the views
-/// `r << 15, r << 7, r >> 1, r >> 9`, `v = 128 + n / 2` (bit 15) or `128 + 8 n` (bit 19),
-/// and `s (2 A15 + A19 / 8 - (264 X15 + 24 X19))`, in f32 as the kernel rounds it.
-pub fn fold_dot_model(r: u32, scale: f32, x: &[f32; 8]) -> f32 {
-    let v = |a: u32, mask: u32| f32::from_bits((a & mask) | 0x4300_0000);
-    let (v0, v1, v2, v3) = (r << 15, r << 7, r >> 1, r >> 9);
-    let (m15, m19) = (0x0007_8000, 0x0078_0000);
-    let f = [
-        v(v0, m15),
-        v(v2, m15),
-        v(v0, m19),
-        v(v2, m19),
-        v(v1, m15),
-        v(v3, m15),
-        v(v1, m19),
-        v(v3, m19),
-    ];
-    let (mut a15, mut a19) = (0.0f32, 0.0f32);
-    for e in [0, 1, 4, 5] {
-        a15 = x[e].mul_add(f[e], a15);
-    }
-    for e in [2, 3, 6, 7] {
-        a19 = x[e].mul_add(f[e], a19);
-    }
-    let c = 264.0 * (x[0] + x[4] + x[1] + x[5]) + 24.0 * (x[2] + x[6] + x[3] + x[7]);
-    scale * 2.0f32.mul_add(a15, 0.125f32.mul_add(a19, -c))
 }
 
 /// bf16 bit patterns of a slice; an error names `what` and the first inexact index.
@@ -191,9 +190,9 @@ pub struct Int4Experts {
     pub k: usize,
     /// Matrices per expert and column: 2 (gate, up fused) or 1 (down).
     pub nmat: usize,
-    /// Shape: [e, n, nmat, k / 8] repacked words.
+    /// Shape: [e, n nmat / 64, k / 16, 32, 4] fragment words (module docs).
     pub q: Vec<u32>,
-    /// Shape: [e, n, nmat, k / 128] bf16 bits.
+    /// Shape: [e, n nmat / 64, k / 128, 8, 8] bf16 bits (module docs).
     pub s: Vec<u16>,
 }
 
@@ -214,15 +213,15 @@ pub fn repack_experts(mats: &[Vec<&Linear>], what: &str) -> Result<Int4Experts> 
         .and_then(|m| m.first())
         .ok_or_else(|| CudaError::Input(format!("{what}: no experts")))?;
     let (n, k, nmat) = (first.out_features(), first.in_features(), mats[0].len());
-    if k % GROUP != 0 {
+    if k % GROUP != 0 || (n * nmat) % ROW_BLOCK != 0 {
         return Err(CudaError::Unsupported(format!(
-            "{what}: K = {k} is not a multiple of {GROUP}"
+            "{what}: INT4 experts of {nmat} x [{n}, {k}] (the device layout needs K % {GROUP} == 0 and {nmat} N % {ROW_BLOCK} == 0)"
         )));
     }
-    let (kw, kg) = (k / 8, k / GROUP);
+    let (kw, kg, rows) = (k / 8, k / GROUP, n * nmat);
     let e = mats.len();
-    let mut q = vec![0u32; e * n * nmat * kw];
-    let mut s = vec![0u16; e * n * nmat * kg];
+    let mut q = vec![0u32; e * rows * kw];
+    let mut s = vec![0u16; e * rows * kg];
     for (ei, ms) in mats.iter().enumerate() {
         if ms.len() != nmat {
             return Err(CudaError::Input(format!(
@@ -230,6 +229,7 @@ pub fn repack_experts(mats: &[Vec<&Linear>], what: &str) -> Result<Int4Experts> 
                 ms.len()
             )));
         }
+        let (qe, se) = (ei * rows * kw, ei * rows * kg);
         for (mi, l) in ms.iter().enumerate() {
             if l.out_features() != n || l.in_features() != k {
                 return Err(CudaError::Input(format!(
@@ -238,15 +238,16 @@ pub fn repack_experts(mats: &[Vec<&Linear>], what: &str) -> Result<Int4Experts> 
             }
             let (packed, scale) = w4_parts(l, what)?;
             for r in 0..n {
-                let row = (ei * n + r) * nmat + mi;
-                for (d, &w) in q[row * kw..(row + 1) * kw]
-                    .iter_mut()
-                    .zip(&packed[r * kw..(r + 1) * kw])
-                {
-                    *d = repack_word(w);
+                let row = fused_row(r, mi, nmat);
+                for kidx in 0..k {
+                    let nib = (packed[r * kw + kidx / 8] >> (4 * (kidx % 8))) & 0xF;
+                    let (w, slot) = word_slot(k, row, kidx);
+                    q[qe + w] |= nib << (4 * slot);
                 }
                 let sb = to_bf16(&scale[r * kg..(r + 1) * kg], what)?;
-                s[row * kg..(row + 1) * kg].copy_from_slice(&sb);
+                for (grp, &b) in sb.iter().enumerate() {
+                    s[se + scale_index(k, row, grp)] = b;
+                }
             }
         }
     }
@@ -263,20 +264,20 @@ pub fn repack_experts(mats: &[Vec<&Linear>], what: &str) -> Result<Int4Experts> 
 /// Inverse of [`repack_experts`] for one matrix: the compressed-tensors words `[n, k/8]`
 /// and f32 scales `[n, k/128]` of matrix `m` of expert `e`.
 pub fn unpack_experts(x: &Int4Experts, e: usize, m: usize) -> (Vec<u32>, Vec<f32>) {
-    let (kw, kg) = (x.k / 8, x.k / GROUP);
-    let mut words = Vec::with_capacity(x.n * kw);
+    let (kw, kg, rows) = (x.k / 8, x.k / GROUP, x.n * x.nmat);
+    let (qe, se) = (e * rows * kw, e * rows * kg);
+    let mut words = vec![0u32; x.n * kw];
     let mut scales = Vec::with_capacity(x.n * kg);
     for r in 0..x.n {
-        let row = (e * x.n + r) * x.nmat + m;
-        words.extend(
-            x.q[row * kw..(row + 1) * kw]
-                .iter()
-                .map(|&w| unpack_word(w)),
-        );
+        let row = fused_row(r, m, x.nmat);
+        for kidx in 0..x.k {
+            let (w, slot) = word_slot(x.k, row, kidx);
+            let nib = (x.q[qe + w] >> (4 * slot)) & 0xF;
+            words[r * kw + kidx / 8] |= nib << (4 * (kidx % 8));
+        }
         scales.extend(
-            x.s[row * kg..(row + 1) * kg]
-                .iter()
-                .map(|&b| f32::from_bits(u32::from(b) << 16)),
+            (0..kg)
+                .map(|grp| f32::from_bits(u32::from(x.s[se + scale_index(x.k, row, grp)]) << 16)),
         );
     }
     (words, scales)
@@ -285,87 +286,188 @@ pub fn unpack_experts(x: &Int4Experts, e: usize, m: usize) -> (Vec<u32>, Vec<f32
 #[cfg(test)]
 mod tests {
     use super::*;
-    use speclab_engine::model::w4a16::{quantize_rtn, unpack_nibble};
-
-    #[test]
-    fn word_repack_is_a_bijection_with_marlin_order() {
-        // Element e stored as value e: the repacked word lists [0,2,4,6,1,3,5,7].
-        let w = 0x7654_3210u32;
-        assert_eq!(repack_word(w), 0x7531_6420);
-        for w in [0u32, 1, 0xdead_beef, 0xffff_ffff, 0x1234_5678, 0x8000_0001] {
-            assert_eq!(unpack_word(repack_word(w)), w);
-            assert_eq!(repack_word(unpack_word(w)), w);
-        }
-    }
-
-    #[test]
-    fn folded_dequant_model_matches_the_exact_dot_closely() {
-        use speclab_engine::model::w4a16::unpack_nibble;
-        let mut worst = 0.0f64;
-        for i in 0..20_000u32 {
-            let w = i.wrapping_mul(0x9e37_79b9) ^ (i << 7);
-            let scale = f32::from_bits((0x3b80u32 + (i % 29) * 0x10) << 16);
-            let x: [f32; 8] =
-                std::array::from_fn(|e| (((i as usize * 31 + e * 17) % 97) as f32 - 48.0) / 16.0);
-            let exact: f64 = (0..8)
-                .map(|e| f64::from(x[e]) * f64::from(unpack_nibble(w, e) as f32 * scale))
-                .sum();
-            let mag: f64 = (0..8)
-                .map(|e| (f64::from(x[e]) * f64::from(unpack_nibble(w, e) as f32 * scale)).abs())
-                .sum();
-            let got = f64::from(fold_dot_model(repack_word(w), scale, &x));
-            worst = worst.max((got - exact).abs() / mag.max(1e-30));
-        }
-        // A wrong slot or constant is off by O(1); the rounding bound is ~2^-16.
-        assert!(worst < 1e-4, "worst relative error {worst}");
-    }
-
-    #[test]
-    fn kernel_dequant_model_equals_the_cpu_dequant() {
-        let mut scales = vec![1.0f32, 0.0078125, 3.5, half_bf16(0.013), -half_bf16(0.37)];
-        // Every bf16 mantissa at a few exponents, both signs, and tiny / huge ones.
-        for m in 0..128u32 {
-            for e in [100u32, 120, 127, 131] {
-                let b = (e << 23) | (m << 16);
-                scales.push(f32::from_bits(b));
-                scales.push(-f32::from_bits(b));
-            }
-        }
-        let mut words = vec![0x7654_3210u32, 0xfedc_ba98, 0x0f1e_2d3c, 0x8888_8888, 0];
-        // Every nibble value in every element position.
-        for v in 0..16u32 {
-            words.push(v * 0x1111_1111);
-            words.push(v | ((15 - v) << 28) | (v << 12));
-        }
-        for &w in &words {
-            for &s in &scales {
-                let got = dequant8_model(repack_word(w), s);
-                for (i, g) in got.iter().enumerate() {
-                    let want = unpack_nibble(w, i) as f32 * s;
-                    // Bit for bit, except that a zero weight may be +0 where the CPU has -0.
-                    assert!(
-                        g.to_bits() == want.to_bits() || (*g == 0.0 && want == 0.0),
-                        "word {w:#x} elem {i} scale {s}: {g} vs {want}"
-                    );
-                }
-            }
-        }
-    }
+    use speclab_engine::model::w4a16::quantize_rtn;
 
     fn half_bf16(x: f32) -> f32 {
         f32::from_bits(x.to_bits() & 0xffff_0000)
     }
 
+    fn w4_linear(n: usize, k: usize, seed: usize) -> Linear {
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| half_bf16((((i * 31 + seed * 17) % 97) as f32 - 48.0) / 40.0))
+            .collect();
+        quantize_rtn(&w, n, k).unwrap().to_linear().unwrap()
+    }
+
     #[test]
-    fn experts_repack_roundtrip_and_layout() {
-        let (n, k) = (6, 256);
-        let mk = |seed: usize| {
-            let w: Vec<f32> = (0..n * k)
-                .map(|i| half_bf16((((i * 31 + seed * 17) % 97) as f32 - 48.0) / 40.0))
+    fn layout_indices_are_bijections() {
+        let (rows, k) = (128, 256);
+        let mut seen = vec![0u8; rows * k];
+        for row in 0..rows {
+            for kidx in 0..k {
+                let (w, slot) = word_slot(k, row, kidx);
+                seen[w * 8 + slot as usize] += 1;
+            }
+        }
+        assert!(seen.iter().all(|&c| c == 1));
+        let mut seen = vec![0u8; rows * k / GROUP];
+        for row in 0..rows {
+            for grp in 0..k / GROUP {
+                seen[scale_index(k, row, grp)] += 1;
+            }
+        }
+        assert!(seen.iter().all(|&c| c == 1));
+        let mut seen = vec![0u8; 2 * (2 * 128 * 3 / 2)];
+        for p in 0..2 {
+            for kidx in 0..128 {
+                for x in 0..3 {
+                    seen[2 * h_word(p, kidx, 128, x, 3) + kidx % 2] += 1;
+                }
+            }
+        }
+        assert!(seen.iter().all(|&c| c == 1));
+        let mut rows_seen = vec![0u8; 128];
+        for n in 0..64 {
+            for m in 0..2 {
+                rows_seen[fused_row(n, m, 2)] += 1;
+            }
+        }
+        assert!(rows_seen.iter().all(|&c| c == 1));
+    }
+
+    #[test]
+    fn three_bf16_terms_are_exact_two_are_close() {
+        let mut worst2 = 0.0f64;
+        for i in 0..100_000u32 {
+            let x = f32::from_bits(0x3000_0000 + i.wrapping_mul(0x9e37_79b9) % 0x1e00_0000)
+                * if i % 2 == 0 { 1.0 } else { -1.0 };
+            let t3 = split_model(x, 3);
+            assert!(t3.iter().all(|&t| half_bf16(t) == t));
+            assert_eq!(t3[0] + t3[1] + t3[2], x, "{x:e}");
+            let t2 = split_model(x, 2);
+            let e = f64::from(x) - f64::from(t2[0]) - f64::from(t2[1]);
+            worst2 = worst2.max(e.abs() / f64::from(x.abs()));
+        }
+        assert!(worst2 <= 2f64.powi(-16), "{worst2:e}");
+        assert_eq!(bf16_rn(1.0 + 1.0 / 256.0), 1.0); // tie to even
+        assert_eq!(bf16_rn(1.0 + 3.0 / 256.0), 1.0 + 4.0 / 256.0);
+    }
+
+    /// The kernel's walk (linear.cu `w4_mma`) simulated lane by lane on the host: each
+    /// lane's fragment words read at the kernel's indices, dequantized by the model of
+    /// `w4_frag`, assembled into the mma's A and B matrices by the PTX ISA's fragment
+    /// tables (a_i: row g + 8 (i / 2 % 2), column 2 t + i % 2 + 8 (i / 4); b_i: row
+    /// 2 t + i % 2 + 8 (i / 2), column g; c_i: row g + 8 (i / 2), column 2 t + i % 2),
+    /// multiplied, scaled per 128-group by the lane's scale word, and stored by the kernel's
+    /// epilogue mapping; compared with the CPU's dequantized dot products.
+    fn simulate(x: &Int4Experts, e: usize, act: &[Vec<f64>]) -> Vec<Vec<f64>> {
+        let (k, rows, kg) = (x.k, x.n * x.nmat, x.k / GROUP);
+        let (qe, se) = (e * rows * k / 8, e * rows * kg);
+        // out[slot][output row of the matrix pair]: raw accumulators per fused row.
+        let mut acc = vec![vec![0.0f64; rows]; 8];
+        for rb in 0..rows / 64 {
+            for grp in 0..kg {
+                let mut part = vec![[[0.0f64; 4]; 4]; 32];
+                for u in 0..8 {
+                    let st = grp * 8 + u;
+                    for i in 0..4 {
+                        let mut a = [[0.0f64; 16]; 16];
+                        let mut b = [[0.0f64; 8]; 16];
+                        for lane in 0..32 {
+                            let (g, t) = (lane / 4, lane % 4);
+                            let w = x.q[qe + ((rb * (k / 16) + st) * 32 + lane) * 4 + i];
+                            for ai in 0..8 {
+                                let v = frag_model(w, (ai / 2) as u32)[ai % 2];
+                                a[g + 8 * (ai / 2 % 2)][2 * t + ai % 2 + 8 * (ai / 4)] =
+                                    f64::from(v);
+                            }
+                            for bi in 0..4 {
+                                let kk = 2 * t + bi % 2 + 8 * (bi / 2);
+                                b[kk][g] = act[g][st * 16 + kk];
+                            }
+                        }
+                        for lane in 0..32 {
+                            let (g, t) = (lane / 4, lane % 4);
+                            for ci in 0..4 {
+                                let (r, c) = (g + 8 * (ci / 2), 2 * t + ci % 2);
+                                part[lane][i][ci] +=
+                                    (0..16).map(|kk| a[r][kk] * b[kk][c]).sum::<f64>();
+                            }
+                        }
+                    }
+                }
+                for lane in 0..32 {
+                    let (g, t) = (lane / 4, lane % 4);
+                    let sc = |i: usize, h: usize| {
+                        let b = x.s[se + ((rb * kg + grp) * 8 + g) * 8 + 2 * i + h];
+                        f64::from(f32::from_bits(u32::from(b) << 16))
+                    };
+                    for i in 0..4 {
+                        for ci in 0..4 {
+                            let h = ci / 2;
+                            let row = rb * 64 + 16 * i + 8 * h + g;
+                            acc[2 * t + ci % 2][row] += sc(i, h) * part[lane][i][ci];
+                        }
+                    }
+                }
+            }
+        }
+        // The epilogue: nmat 2: row 64 rb + 16 i + 8 h + g is matrix h of column
+        // 32 rb + 8 i + g; nmat 1: output column = row.
+        let mut out = vec![vec![0.0f64; x.n * x.nmat]; 8];
+        for (slot, a) in acc.iter().enumerate() {
+            for (row, &v) in a.iter().enumerate() {
+                let (rb, i, h, g) = (row / 64, row % 64 / 16, row % 16 / 8, row % 8);
+                let idx = if x.nmat == 2 {
+                    (32 * rb + 8 * i + g) * 2 + h
+                } else {
+                    row
+                };
+                out[slot][idx] = v;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn simulated_kernel_walk_equals_the_cpu_dot_products() {
+        for (n, k, nmat) in [(32, 256, 2), (64, 128, 1), (128, 384, 1)] {
+            let ls: Vec<Linear> = (0..2 * nmat).map(|j| w4_linear(n, k, j)).collect();
+            let mats: Vec<Vec<&Linear>> = (0..2)
+                .map(|e| (0..nmat).map(|m| &ls[e * nmat + m]).collect())
                 .collect();
-            quantize_rtn(&w, n, k).unwrap().to_linear().unwrap()
-        };
-        let ls: Vec<Linear> = (0..6).map(mk).collect();
+            let x = repack_experts(&mats, "test").unwrap();
+            let act: Vec<Vec<f64>> = (0..8)
+                .map(|p| {
+                    (0..k)
+                        .map(|j| (((p * 13 + j * 7) % 23) as f64 - 11.0) / 8.0)
+                        .collect()
+                })
+                .collect();
+            for e in 0..2 {
+                let got = simulate(&x, e, &act);
+                for m in 0..nmat {
+                    let w = ls[e * nmat + m].weight_f32();
+                    for (p, a) in act.iter().enumerate() {
+                        for c in 0..n {
+                            let want: f64 = (0..k).map(|j| a[j] * f64::from(w[c * k + j])).sum();
+                            let idx = if nmat == 2 { c * 2 + m } else { c };
+                            let g = got[p][idx];
+                            assert!(
+                                (g - want).abs() < 1e-9,
+                                "n {n} k {k} e {e} m {m} p {p} c {c}: {g} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn experts_repack_roundtrip_and_errors() {
+        let (n, k) = (32, 256);
+        let ls: Vec<Linear> = (0..6).map(|s| w4_linear(n, k, s)).collect();
         let mats: Vec<Vec<&Linear>> = vec![
             vec![&ls[0], &ls[1]],
             vec![&ls[2], &ls[3]],
@@ -386,13 +488,14 @@ mod tests {
                 }
             }
         }
-        // Row (e=1, col 2, up) sits at ((1 * n + 2) * 2 + 1) in the fused layout.
-        let row = (n + 2) * 2 + 1;
-        if let Linear::W4A16 { packed, .. } = &ls[3] {
-            assert_eq!(x.q[row * k / 8], repack_word(packed[2 * k / 8]));
-        }
-        let dense = Linear::dense(n, k, vec![0.0; n * k]).unwrap();
+        let dense = Linear::dense(64, k, vec![0.0; 64 * k]).unwrap();
         assert!(repack_experts(&[vec![&dense]], "mixed").is_err());
+        // 2 x 24 rows is not a whole row block of 64.
+        let odd = w4_linear(24, k, 9);
+        let err = repack_experts(&[vec![&odd, &odd]], "odd")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("odd") && err.contains("64"), "{err}");
     }
 
     #[test]
