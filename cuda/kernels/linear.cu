@@ -267,7 +267,7 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 // issue-bound at 36% of copy bandwidth (runs/ncu-final-m1.txt).
 // - One moe_align tile (up to 8 pairs of one expert) is the mma's N = 8 columns.
 // - A warp owns a row block of 64 weight rows (W4_RT = 4 mma tiles of 16) over a K range
-//   of whole 128-groups; the block's W4_WARPS warps split K ks ways (w4_ksplit) and cover
+//   of whole half 128-groups; the block's W4_WARPS warps split K ks ways (w4_ksplit) and cover
 //   W4_WARPS / ks row blocks.
 // - Weights (cuda/src/repack.rs, "the device INT4 layout"): per (expert, row block, k16
 //   step) 32 lanes x uint4, word i of lane (g, t) = the A fragment of mma tile i, nibble
@@ -289,9 +289,11 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 //   Otherwise column g is pair g and each term is one mma.
 // - Epilogue: every warp's accumulators go to shared memory; the block's threads sum the
 //   K slices (in warp order: deterministic) and the terms, and write coalesced rows.
-// - gate/up (NMAT 2) reads f32 activations and splits them in registers; it writes h in
-//   the split layout the down-projection reads directly (w4_h_word), silu(g) * u split
-//   into W4_XS bf16 terms, exact for W4_XS 3.
+// - Both kernels read their B operand pre-split (w4_h_word): gate/up from moe_split_x of
+//   the post-norm input, down from gate/up's output h (silu(g) * u split into W4_XS bf16
+//   terms, exact for W4_XS 3).
+// - K is split between warps in half groups, so small K (models/tiny: 128, 256) still
+//   spreads over the block's warps; each half is scaled on the accumulator on its own.
 // Requirements (host-checked, cuda/src/launch.rs moe_w4): K % 128 == 0, rows (N * NMAT)
 // % 64 == 0, x rows 8-byte aligned; dynamic shared memory W4_SMEM bytes.
 
@@ -315,10 +317,10 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 #endif
 
 // Warps splitting K (mirrored by cuda/src/launch.rs w4_ksplit): the largest power of two
-// <= min(W4_WARPS, K / 128).
+// <= min(W4_WARPS, K / 64), so each warp walks at least one half group.
 __device__ __forceinline__ int w4_ksplit(int K) {
     int ks = 1;
-    while (2 * ks <= W4_WARPS && 2 * ks <= K / 128) ks *= 2;
+    while (2 * ks <= W4_WARPS && 2 * ks <= K / 64) ks *= 2;
     return ks;
 }
 
@@ -383,37 +385,49 @@ __device__ __forceinline__ size_t w4_h_word(int p, int k, int K, int x) {
     return (((size_t)p * (K / 16) + k / 16) * 4 + (kk & 7) / 2) * (2 * W4_XS) + 2 * x + kk / 8;
 }
 
-// The B operand of half group `hg` (k16 steps 4 hg .. 4 hg + 3) for this lane's column.
-// NMAT 2: f32 activations of row `row`: v[u] = elements (2t, 2t + 1, 2t + 8, 2t + 9).
-// NMAT 1: split h words; packed: term `xl` only, else every term.
-template <int NMAT, bool PK>
+// Split activations x [T, K] f32 -> xs [T, K W4_XS / 2] u32 words (w4_h_word), the B
+// operand of moe_gate_up_w4.  Shapes: x [T, K] (K % 16 == 0, rows 8-byte aligned).
+// Launch: grid (ceil(T K / 64 / 128)), block 128: one thread per (row, k16 step, t).
+extern "C" __global__ void moe_split_x(u32* __restrict__ xs, const float* __restrict__ x, int T,
+                                       int K) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)T * (K / 16) * 4) return;
+    const int t = (int)(i % 4), s = (int)(i / 4 % (K / 16)), row = (int)(i / 4 / (K / 16));
+    const float* p = x + (size_t)row * K + s * 16 + 2 * t;
+    const float2 lo = *reinterpret_cast<const float2*>(p);
+    const float2 hi = *reinterpret_cast<const float2*>(p + 8);
+    u32 a[W4_XS], c[W4_XS];
+    split_bf2(lo.x, lo.y, a);
+    split_bf2(hi.x, hi.y, c);
+    u32* d = xs + w4_h_word(row, s * 16 + 2 * t, K, 0);
+#pragma unroll
+    for (int j = 0; j < W4_XS; ++j) {
+        d[2 * j] = a[j];
+        d[2 * j + 1] = c[j];
+    }
+}
+
+// The B operand of half group `hg` (k16 steps 4 hg .. 4 hg + 3) for this lane's column:
+// split words of row `row` (-1: zeros); packed: term `xl` only, else every term.
+template <bool PK>
 struct W4B {
-    static constexpr int W = NMAT == 2 ? 4 : (PK ? 2 : 2 * W4_XS);
+    static constexpr int W = PK ? 2 : 2 * W4_XS;
     u32 v[4][W];
 };
 
-template <int NMAT, bool PK>
-__device__ __forceinline__ void w4_load_b(W4B<NMAT, PK>& b, const float* __restrict__ x,
-                                          const u32* __restrict__ hs, int row, int xl, int K,
-                                          int hg, int t) {
+template <bool PK>
+__device__ __forceinline__ void w4_load_b(W4B<PK>& b, const u32* __restrict__ hs, int row,
+                                          int xl, int K, int hg, int t) {
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-        const int k = (hg * 4 + u) * 16 + 2 * t;
         if (row < 0) {
 #pragma unroll
-            for (int w = 0; w < W4B<NMAT, PK>::W; ++w) b.v[u][w] = 0u;
-        } else if (NMAT == 2) {
-            const float* p = x + (size_t)row * K + k;
-            const uint2 lo = __ldg(reinterpret_cast<const uint2*>(p));
-            const uint2 hi = __ldg(reinterpret_cast<const uint2*>(p + 8));
-            b.v[u][0] = lo.x;
-            b.v[u][1] = lo.y;
-            b.v[u][2] = hi.x;
-            b.v[u][3] = hi.y;
+            for (int w = 0; w < W4B<PK>::W; ++w) b.v[u][w] = 0u;
         } else {
+            const int k = (hg * 4 + u) * 16 + 2 * t;
             const uint2* p = reinterpret_cast<const uint2*>(hs + w4_h_word(row, k, K, PK ? xl : 0));
 #pragma unroll
-            for (int i = 0; i < W4B<NMAT, PK>::W / 2; ++i) {
+            for (int i = 0; i < W4B<PK>::W / 2; ++i) {
                 const uint2 v = __ldg(p + i);
                 b.v[u][2 * i] = v.x;
                 b.v[u][2 * i + 1] = v.y;
@@ -422,48 +436,14 @@ __device__ __forceinline__ void w4_load_b(W4B<NMAT, PK>& b, const float* __restr
     }
 }
 
-// The bf16x2 B registers of step u: bb[m] for each of the step's mmas (1 packed, W4_XS not).
-template <int NMAT, bool PK>
-__device__ __forceinline__ void w4_b_regs(u32 bb[PK ? 1 : W4_XS][2], const W4B<NMAT, PK>& b,
-                                          int u, int xl) {
-    if (NMAT == 2) {
-        u32 lo[W4_XS], hi[W4_XS];
-        split_bf2(__uint_as_float(b.v[u][0]), __uint_as_float(b.v[u][1]), lo);
-        split_bf2(__uint_as_float(b.v[u][2]), __uint_as_float(b.v[u][3]), hi);
-        if (PK) {
-            u32 l = lo[0], h = hi[0];
-#pragma unroll
-            for (int i = 1; i < W4_XS; ++i) {
-                l = xl == i ? lo[i] : l;
-                h = xl == i ? hi[i] : h;
-            }
-            bb[0][0] = l;
-            bb[0][1] = h;
-        } else {
-#pragma unroll
-            for (int i = 0; i < (PK ? 1 : W4_XS); ++i) {
-                bb[i][0] = lo[i];
-                bb[i][1] = hi[i];
-            }
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < (PK ? 1 : W4_XS); ++i) {
-            bb[i][0] = b.v[u][2 * i];
-            bb[i][1] = b.v[u][2 * i + 1];
-        }
-    }
-}
-
 // part += W x over one half group: 4 k16 steps x W4_RT tiles x (1 or W4_XS) mmas; the
 // weights of step u are this lane's uint4 st[u * 32] of the stage.
-template <int NMAT, bool PK>
+template <bool PK>
 __device__ __forceinline__ void w4_half(float part[W4_RT][4], const uint4* st,
-                                        const W4B<NMAT, PK>& b, int xl) {
+                                        const W4B<PK>& b) {
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-        u32 bb[PK ? 1 : W4_XS][2];
-        w4_b_regs<NMAT, PK>(bb, b, u, xl);
+        const u32* bb = &b.v[u][0];  // mma m: (bb[2 m], bb[2 m + 1])
         const uint4 a = st[u * WARP];
         const u32 w[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
@@ -471,7 +451,7 @@ __device__ __forceinline__ void w4_half(float part[W4_RT][4], const uint4* st,
             const u32 f[4] = {w4_frag(w[i], 0), w4_frag(w[i], 1), w4_frag(w[i], 2),
                               w4_frag(w[i], 3)};
 #pragma unroll
-            for (int m = 0; m < (PK ? 1 : W4_XS); ++m) mma_bf16(part[i], f, bb[m][0], bb[m][1]);
+            for (int m = 0; m < (PK ? 1 : W4_XS); ++m) mma_bf16(part[i], f, bb[2 * m], bb[2 * m + 1]);
         }
     }
 }
@@ -491,47 +471,47 @@ __device__ __forceinline__ void w4_issue(const W4Lane& l, int hg, int j) {
     cp_async16(d + 4 * WARP, l.sc + (size_t)(hg / 2) * 8);
 }
 
-// acc = sum over half groups [h0, h1) (h0 even) of scale * W x.
-template <int NMAT, bool PK>
+// Issue the first W4_STAGES - 1 half groups of [h0, h1) (one commit each, empty or not).
+__device__ __forceinline__ void w4_prologue(const W4Lane& l, int h0, int h1) {
+#pragma unroll
+    for (int j = 0; j < W4_STAGES - 1; ++j) {
+        if (j < h1 - h0) w4_issue(l, h0 + j, j);
+        cp_async_commit();
+    }
+}
+
+// acc += sum over half groups [h0, h1) of scale * W x, after w4_prologue(l, h0, h1).  Each
+// half is scaled on its own (both halves of a group share its scale).
+template <bool PK>
 __device__ __forceinline__ void w4_walk(float acc[W4_RT][4], const W4Lane& l,
-                                        const float* __restrict__ x,
                                         const u32* __restrict__ hs, int row, int xl, int K,
                                         int h0, int h1, int t) {
     const int nh = h1 - h0;
-#pragma unroll
-    for (int j = 0; j < W4_STAGES - 1; ++j) {
-        if (j < nh) w4_issue(l, h0 + j, j);
-        cp_async_commit();
-    }
-    W4B<NMAT, PK> bc, bn;
-    w4_load_b<NMAT, PK>(bc, x, hs, row, xl, K, h0, t);
-    float part[W4_RT][4];
-#pragma unroll
-    for (int i = 0; i < W4_RT; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) part[i][c] = 0.0f;
+    W4B<PK> bc, bn;
+    w4_load_b<PK>(bc, hs, row, xl, K, h0, t);
     for (int j = 0; j < nh; ++j) {
         const int nx = j + W4_STAGES - 1;
         if (nx < nh) w4_issue(l, h0 + nx, nx % W4_STAGES);
         cp_async_commit();
-        if (j + 1 < nh) w4_load_b<NMAT, PK>(bn, x, hs, row, xl, K, h0 + j + 1, t);
+        if (j + 1 < nh) w4_load_b<PK>(bn, hs, row, xl, K, h0 + j + 1, t);
         cp_async_wait_stages();  // half group j has landed
         const uint4* st = l.st + (j % W4_STAGES) * W4_SLOT * WARP;
-        w4_half<NMAT, PK>(part, st, bc, xl);
-        if (j & 1) {
-            // Group end.  Scale word i: (row g, row g + 8) of tile i = accumulators (0, 1), (2, 3).
-            const uint4 sv = st[4 * WARP];
-            const u32 s[4] = {sv.x, sv.y, sv.z, sv.w};
+        float part[W4_RT][4];
 #pragma unroll
-            for (int i = 0; i < W4_RT; ++i) {
-                const float s0 = bf16lo(s[i]), s1 = bf16hi(s[i]);
-                acc[i][0] = fmaf(s0, part[i][0], acc[i][0]);
-                acc[i][1] = fmaf(s0, part[i][1], acc[i][1]);
-                acc[i][2] = fmaf(s1, part[i][2], acc[i][2]);
-                acc[i][3] = fmaf(s1, part[i][3], acc[i][3]);
+        for (int i = 0; i < W4_RT; ++i)
 #pragma unroll
-                for (int c = 0; c < 4; ++c) part[i][c] = 0.0f;
-            }
+            for (int c = 0; c < 4; ++c) part[i][c] = 0.0f;
+        w4_half<PK>(part, st, bc);
+        // Scale word i: (row g, row g + 8) of tile i = accumulators (0, 1), (2, 3).
+        const uint4 sv = st[4 * WARP];
+        const u32 s[4] = {sv.x, sv.y, sv.z, sv.w};
+#pragma unroll
+        for (int i = 0; i < W4_RT; ++i) {
+            const float s0 = bf16lo(s[i]), s1 = bf16hi(s[i]);
+            acc[i][0] = fmaf(s0, part[i][0], acc[i][0]);
+            acc[i][1] = fmaf(s0, part[i][1], acc[i][1]);
+            acc[i][2] = fmaf(s1, part[i][2], acc[i][2]);
+            acc[i][3] = fmaf(s1, part[i][3], acc[i][3]);
         }
         bc = bn;
     }
@@ -592,7 +572,7 @@ __device__ __forceinline__ void w4_epilogue(const float* red, float* __restrict_
 // [E, R / 64, K / 128, 8, 8] bf16.
 template <int NMAT>
 __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ hs,
-                                       const float* __restrict__ x, const u32* __restrict__ hin,
+                                       const u32* __restrict__ xs,
                                        const uint4* __restrict__ qw,
                                        const uint4* __restrict__ scw,
                                        const float* __restrict__ topk_w,
@@ -606,8 +586,16 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
     float* red = reinterpret_cast<float*>(w4_smem + W4_WARPS * W4_STAGES_MAX * W4_SLOT * WARP);
     __shared__ int tp[ROWS_PER_TILE];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int ks = w4_ksplit(K), groups = K / 128, nrb = N * NMAT / 64;
+    const int ks = w4_ksplit(K), halves = K / 64, nrb = N * NMAT / 64;
     const int kw = warp % ks, rb = blockIdx.x * (W4_WARPS / ks) + warp / ks;
+    const bool live = rb < nrb;  // uniform per warp
+    const size_t blk = (size_t)e * nrb + (live ? rb : 0);
+    const W4Lane l{qw + blk * (K / 16) * WARP + lane, scw + blk * (K / 128) * 8 + g,
+                   w4_smem + warp * W4_STAGES_MAX * W4_SLOT * WARP + lane};
+    const int h0 = kw * halves / ks, h1 = (kw + 1) * halves / ks;
+    // The weights depend only on the expert: their copies start before the tile's pairs
+    // are read.
+    if (live) w4_prologue(l, h0, h1);
     if (threadIdx.x < ROWS_PER_TILE) tp[threadIdx.x] = sorted[(size_t)tile * ROWS_PER_TILE + threadIdx.x];
     __syncthreads();
     // moe_align fills a tile front to back, so the real pairs are the first np.
@@ -615,7 +603,8 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
 #pragma unroll
     for (int r = 0; r < ROWS_PER_TILE; ++r) np += tp[r] >= 0;
     const bool pk = np * W4_XS <= ROWS_PER_TILE;  // uniform per block
-    // This lane's B column: pair slot q (packed: of term xl).
+    // This lane's B column: pair slot q (packed: of term xl); the B rows are tokens
+    // (gate/up: xs) or pairs (down: h).
     const int q = pk ? g / W4_XS : g, xl = pk ? g % W4_XS : 0;
     const int row = q < np ? (NMAT == 2 ? tp[q] / div : tp[q]) : -1;
     float acc[W4_RT][4];
@@ -623,15 +612,11 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
     for (int i = 0; i < W4_RT; ++i)
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[i][c] = 0.0f;
-    if (rb < nrb) {  // uniform per warp
-        const size_t blk = (size_t)e * nrb + rb;
-        const W4Lane l{qw + blk * (K / 16) * WARP + lane, scw + blk * groups * 8 + g,
-                       w4_smem + warp * W4_STAGES_MAX * W4_SLOT * WARP + lane};
-        const int h0 = 2 * (kw * groups / ks), h1 = 2 * ((kw + 1) * groups / ks);
+    if (live) {
         if (pk) {
-            w4_walk<NMAT, true>(acc, l, x, hin, row, xl, K, h0, h1, t);
+            w4_walk<true>(acc, l, xs, row, xl, K, h0, h1, t);
         } else {
-            w4_walk<NMAT, false>(acc, l, x, hin, row, xl, K, h0, h1, t);
+            w4_walk<false>(acc, l, xs, row, xl, K, h0, h1, t);
         }
     }
 #pragma unroll
@@ -644,16 +629,17 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
 
 // Routed experts gate/up + SiLU, INT4: h[p, n] = silu(x[p / topk] . Wg[e, n]) *
 // (x[p / topk] . Wu[e, n]) for every pair p of tile blockIdx.y (expert e), written split
-// (w4_h_word, K = N).  Shapes: x [T, K] f32 (post-norm), q13 [E, 2N / 64, K / 16, 32, 4]
+// (w4_h_word, K = N).  Shapes: xs [T, K W4_XS / 2] u32 words (moe_split_x of the
+// post-norm input), q13 [E, 2N / 64, K / 16, 32, 4]
 // u32, s13 [E, 2N / 64, K / 128, 8, 8] bf16 (cuda/src/repack.rs), h [P, N W4_XS / 2] u32
 // words (N = moe_intermediate_size).
 // Launch: grid (ceil(2N / 64 / (W4_WARPS / ks)), max_tiles), block 32 W4_WARPS, dynamic
 // shared memory W4_SMEM (launch.rs moe_w4).
 extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up_w4(
-    u32* __restrict__ h, const float* __restrict__ x, const u32* __restrict__ q13,
+    u32* __restrict__ h, const u32* __restrict__ xs, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
     const int* __restrict__ tile_expert, int topk, int N, int K) {
-    w4_mma<2>(nullptr, h, x, nullptr, reinterpret_cast<const uint4*>(q13),
+    w4_mma<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
               reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K);
 }
 
@@ -666,6 +652,6 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_down_w4
     float* __restrict__ y, const u32* __restrict__ h, const u32* __restrict__ qd,
     const bf16_bits* __restrict__ sd, const float* __restrict__ topk_w,
     const int* __restrict__ sorted, const int* __restrict__ tile_expert, int N, int K) {
-    w4_mma<1>(y, nullptr, nullptr, h, reinterpret_cast<const uint4*>(qd),
+    w4_mma<1>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
               reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, N, K);
 }

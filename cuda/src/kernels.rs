@@ -68,6 +68,7 @@ pub const SOURCES: &[KernelSource] = &[
             "linear_norm_bf16",
             "linear_pair_bf16",
             "swiglu_dense_bf16",
+            "moe_split_x",
             "moe_gate_up_w4",
             "moe_gate_up_bf16",
             "moe_down_w4",

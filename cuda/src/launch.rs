@@ -101,11 +101,16 @@ pub fn moe_gemm(n: usize, max_tiles: usize, what: &str) -> Result<Shape> {
     )
 }
 
+/// `moe_split_x` over `t` rows of `k`: one thread per (row, k16 step, lane-in-group).
+pub fn moe_split(t: usize, k: usize, what: &str) -> Result<Shape> {
+    grid_2d((t * k / 64).div_ceil(128), 1, 128, what)
+}
+
 /// Warps splitting K in the INT4 expert GEMMs (kernel `w4_ksplit`): the largest power of
-/// two `<= min(W4_WARPS, k / 128)`.
+/// two `<= min(W4_WARPS, k / 64)` (a warp walks whole half 128-groups).
 pub fn w4_ksplit(k: usize) -> usize {
     let mut ks = 1;
-    while 2 * ks <= W4_WARPS as usize && 2 * ks <= k / 128 {
+    while 2 * ks <= W4_WARPS as usize && 2 * ks <= k / 64 {
         ks *= 2;
     }
     ks
@@ -245,9 +250,10 @@ mod tests {
 
     /// Model of kernel `w4_mma`'s walk: block x, warp w owns row block
     /// `x (W4_WARPS / ks) + w / ks` (real when below `rows / 64`) and 128-groups
-    /// `[kw G / ks, (kw + 1) G / ks)` with `kw = w % ks`. Counts each (row block, group).
+    /// `[kw G / ks, (kw + 1) G / ks)` with `kw = w % ks`, `G = k / 64` half groups.
+    /// Counts each (row block, half group).
     fn w4_owned(rows: usize, k: usize, grid_x: usize) -> Vec<u8> {
-        let (ks, groups, nrb) = (w4_ksplit(k), k / 128, rows / 64);
+        let (ks, groups, nrb) = (w4_ksplit(k), k / 64, rows / 64);
         let mut owned = vec![0u8; nrb * groups];
         for bx in 0..grid_x {
             for w in 0..W4_WARPS as usize {
@@ -266,14 +272,16 @@ mod tests {
     fn w4_blocks_cover_every_row_block_and_group_once() {
         assert_eq!(w4_ksplit(4096), 8);
         assert_eq!(w4_ksplit(2048), 8);
-        assert_eq!(w4_ksplit(256), 2);
-        assert_eq!(w4_ksplit(128), 1);
-        assert_eq!(w4_ksplit(384), 2);
-        // GLM-5.3-Flash: 64 row blocks, one a block; models/tiny: one block a tile.
+        assert_eq!(w4_ksplit(256), 4);
+        assert_eq!(w4_ksplit(128), 2);
+        assert_eq!(w4_ksplit(384), 4);
+        // GLM-5.3-Flash: 64 row blocks, one a block; models/tiny: 2 / 1 blocks a tile.
         assert_eq!(moe_w4(2048, 4096, 2, 8, "t").unwrap().grid, (64, 8, 1));
         assert_eq!(moe_w4(4096, 2048, 1, 8, "t").unwrap().grid, (64, 8, 1));
-        assert_eq!(moe_w4(128, 256, 2, 3, "t").unwrap().grid, (1, 3, 1));
+        assert_eq!(moe_w4(128, 256, 2, 3, "t").unwrap().grid, (2, 3, 1));
         assert_eq!(moe_w4(256, 128, 1, 3, "t").unwrap().grid, (1, 3, 1));
+        assert_eq!(moe_split(3, 256, "t").unwrap().grid, (1, 1, 1));
+        assert_eq!(moe_split(64, 4096, "t").unwrap().grid, (32, 1, 1));
         assert_eq!(moe_w4(256, 128, 1, 3, "t").unwrap().block, (256, 1, 1));
         assert_eq!(moe_w4(256, 128, 1, 3, "t").unwrap().smem, W4_SMEM);
         assert_eq!(gemm(5, 8, "x").unwrap().smem, 0);

@@ -494,6 +494,8 @@ impl DevDraw {
 struct Scratch {
     /// Shape: [P, Im W4_XS_MAX / 2] (split words, linear.cu `w4_h_word`).
     h: DevBuf<f32>,
+    /// Shape: [M, H W4_XS_MAX / 2] (the split input, `moe_split_x`).
+    xs: DevBuf<f32>,
     /// Shape: [P, H].
     y: DevBuf<f32>,
     /// Shape: [M, E].
@@ -514,6 +516,7 @@ impl Scratch {
         let (st, p) = (&g.stream, m * s.topk);
         Ok(Self {
             h: DevBuf::zeros(st, p * s.inter * launch::W4_XS_MAX / 2, "h")?,
+            xs: DevBuf::zeros(st, m * s.hidden * launch::W4_XS_MAX / 2, "xs")?,
             y: DevBuf::zeros(st, p * s.hidden, "y")?,
             logits: DevBuf::zeros(st, m * s.experts, "logits")?,
             ids: DevBuf::zeros(st, p, "topk ids")?,
@@ -536,6 +539,7 @@ fn experts_call(
     let ex = ops::Experts {
         w: c.experts(),
         x: &d.x,
+        xs: &sc.xs,
         h: &sc.h,
         y: &sc.y,
         hidden: s.hidden,

@@ -573,6 +573,8 @@ pub struct Experts<'a> {
     pub w: ExpertPtrs<'a>,
     /// Shape: [T, H] post-norm input.
     pub x: &'a DevBuf<f32>,
+    /// Shape: [T, H W4_XS_MAX / 2] scratch: the split input of the INT4 kernels.
+    pub xs: &'a DevBuf<f32>,
     /// Shape: [P, Im] scratch.
     pub h: &'a DevBuf<f32>,
     /// Shape: [P, H] output.
@@ -632,7 +634,22 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
             vec![ptr(wd, 0, e * hd * im, "wd")?],
         ),
     };
-    let mut args = vec![h, x];
+    let mut args = if int4 {
+        let xs = ptr(a.xs, 0, r.t * hd * launch::W4_XS_MAX / 2, "moe xs")?;
+        let split = [xs, x, int(r.t, "T")?, int(hd, "K")?];
+        // SAFETY: xs [T, H W4_XS_MAX / 2] words, x [T, H] checked; H % 128 == 0 (above).
+        unsafe {
+            launch(
+                g,
+                "moe_split_x",
+                launch::moe_split(r.t, hd, "moe_split_x")?,
+                &split,
+            )?
+        };
+        vec![h, xs]
+    } else {
+        vec![h, x]
+    };
     args.extend(gu_w);
     args.extend([
         sorted,

@@ -326,7 +326,7 @@ mod tests {
             }
         }
         assert!(seen.iter().all(|&c| c == 1));
-        let mut rows_seen = vec![0u8; 128];
+        let mut rows_seen = [0u8; 128];
         for n in 0..64 {
             for m in 0..2 {
                 rows_seen[fused_row(n, m, 2)] += 1;
@@ -360,6 +360,8 @@ mod tests {
     /// 2 t + i % 2 + 8 (i / 2), column g; c_i: row g + 8 (i / 2), column 2 t + i % 2),
     /// multiplied, scaled per 128-group by the lane's scale word, and stored by the kernel's
     /// epilogue mapping; compared with the CPU's dequantized dot products.
+    // Index loops on purpose: they mirror the kernel's (lane, tile, register) indices.
+    #[allow(clippy::needless_range_loop)]
     fn simulate(x: &Int4Experts, e: usize, act: &[Vec<f64>]) -> Vec<Vec<f64>> {
         let (k, rows, kg) = (x.k, x.n * x.nmat, x.k / GROUP);
         let (qe, se) = (e * rows * k / 8, e * rows * kg);

@@ -507,6 +507,7 @@ impl CudaBackend {
         let ex = ops::Experts {
             w,
             x: &ws.a,
+            xs: &ws.xs_moe,
             h: &ws.h_moe,
             y: &ws.y_pairs,
             hidden: h,

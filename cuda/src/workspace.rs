@@ -83,6 +83,8 @@ pub struct Workspace {
     pub h_dense: DevBuf<f32>,
     /// Routed SwiGLU intermediate. Shape: [t_cap * k, moe_inter * W4_XS_MAX / 2] (f32 for bf16 experts; INT4: split bf16 words, linear.cu `w4_h_word`).
     pub h_moe: DevBuf<f32>,
+    /// The routed experts' split input (INT4, `moe_split_x`). Shape: [t_cap, H * W4_XS_MAX / 2].
+    pub xs_moe: DevBuf<f32>,
     /// Router-weighted expert outputs. Shape: [t_cap * k, H].
     pub y_pairs: DevBuf<f32>,
     /// Shared expert output. Shape: [t_cap, H].
@@ -127,6 +129,7 @@ impl Workspace {
             kda_out: f(t_cap * z.c, "kda_out")?,
             h_dense: f(t_cap * z.dense_inter, "h_dense")?,
             h_moe: f(p * z.moe_inter * crate::launch::W4_XS_MAX / 2, "h_moe")?,
+            xs_moe: f(t_cap * z.hidden * crate::launch::W4_XS_MAX / 2, "xs_moe")?,
             y_pairs: f(p * z.hidden, "y_pairs")?,
             shared_out: f(t_cap * z.hidden, "shared_out")?,
             router_logits: f(t_cap * z.experts, "router_logits")?,
