@@ -16,9 +16,9 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin
 # DETAILS=1 adds --print-details all and the scheduler / instruction sections (the stall
 # breakdown of runs/ncu-final-m*.txt); SPECLAB_KERNEL_DEFINES passes through to the bench.
 EXTRA=()
-[ "${DETAILS:-0}" = 1 ] && EXTRA=(--print-details all --section SchedulerStats --section InstructionStats)
+[ "${DETAILS:-0}" = 1 ] && EXTRA=(--print-details all --section SchedulerStats --section InstructionStats --section ComputeWorkloadAnalysis)
 for m in 1 16; do
-  timeout 170 "$NCU" --clock-control none -k regex:'moe_.*_w4' -c 2 "${EXTRA[@]}" \
+  timeout 170 "$NCU" --clock-control none -k regex:'moe_(.*_w4|split_x)' -c 3 "${EXTRA[@]}" \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
     target/gpu-check/speclab bench moe --m $m --routing uniform --iters 1 --copies 1 --check-pairs 8 \
     --out /tmp/ncu-m$m.json > "$OUT/ncu_m$m.txt" 2>&1

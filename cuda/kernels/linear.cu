@@ -299,8 +299,8 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 
 #define W4_RT 4
 #define W4_WARPS 8
-// Stages the host reserves shared memory for (W4_STAGES <= this).
-#define W4_STAGES_MAX 4
+// Weight stages: a double buffer (more stages measured slower, runs/moe-variants/).
+#define W4_STAGES 2
 // uint4 a lane a stage: 4 k16 steps of weights + the group's scales.
 #define W4_SLOT 5
 // Tunable at NVRTC time (SPECLAB_KERNEL_DEFINES, cuda/README.md); the host's launch
@@ -312,17 +312,7 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 #ifndef W4_XS
 #define W4_XS 3
 #endif
-#ifndef W4_STAGES
-#define W4_STAGES 4
-#endif
 
-// Warps splitting K (mirrored by cuda/src/launch.rs w4_ksplit): the largest power of two
-// <= min(W4_WARPS, K / 64), so each warp walks at least one half group.
-__device__ __forceinline__ int w4_ksplit(int K) {
-    int ks = 1;
-    while (2 * ks <= W4_WARPS && 2 * ks <= K / 64) ks *= 2;
-    return ks;
-}
 
 // Asynchronous 16-byte copy global -> shared, L2 only (sm_80+ cp.async, as Marlin's
 // multi-stage pipeline: vLLM csrc/quantization/gptq_marlin/marlin.cuh cp_async4).
@@ -331,16 +321,12 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
 }
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(smem)), "l"(gmem)
-                 : "memory");
-}
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
-// Wait until at most W4_STAGES - 1 committed groups are pending.
-__device__ __forceinline__ void cp_async_wait_stages() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(W4_STAGES - 1) : "memory");
+// Wait until at most one committed group is pending.
+__device__ __forceinline__ void cp_async_wait_one() {
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
 }
 
 // The bf16 pair (element 0 low) of register j of an A fragment word, exactly n - 8.
@@ -387,7 +373,7 @@ __device__ __forceinline__ size_t w4_h_word(int p, int k, int K, int x) {
 
 // Split activations x [T, K] f32 -> xs [T, K W4_XS / 2] u32 words (w4_h_word), the B
 // operand of moe_gate_up_w4.  Shapes: x [T, K] (K % 16 == 0, rows 8-byte aligned).
-// Launch: grid (ceil(T K / 64 / 128)), block 128: one thread per (row, k16 step, t).
+// Launch: grid (ceil(T K / 4 / 128)), block 128: one thread per (row, k16 step, t).
 extern "C" __global__ void moe_split_x(u32* __restrict__ xs, const float* __restrict__ x, int T,
                                        int K) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -408,7 +394,8 @@ extern "C" __global__ void moe_split_x(u32* __restrict__ xs, const float* __rest
 }
 
 // The B operand of half group `hg` (k16 steps 4 hg .. 4 hg + 3) for this lane's column:
-// split words of row `row` (-1: zeros); packed: term `xl` only, else every term.
+// split words; packed: term `xl` only, else every term.  `bp` = this lane's words of
+// k16 step 0 (w4_h_word(row, 2 t, K, xl) as uint2); a step is 4 W4_XS uint2 further.
 template <bool PK>
 struct W4B {
     static constexpr int W = PK ? 2 : 2 * W4_XS;
@@ -416,22 +403,15 @@ struct W4B {
 };
 
 template <bool PK>
-__device__ __forceinline__ void w4_load_b(W4B<PK>& b, const u32* __restrict__ hs, int row,
-                                          int xl, int K, int hg, int t) {
+__device__ __forceinline__ void w4_load_b(W4B<PK>& b, const uint2* __restrict__ bp, int hg) {
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-        if (row < 0) {
+        const uint2* p = bp + (size_t)(hg * 4 + u) * (4 * W4_XS);
 #pragma unroll
-            for (int w = 0; w < W4B<PK>::W; ++w) b.v[u][w] = 0u;
-        } else {
-            const int k = (hg * 4 + u) * 16 + 2 * t;
-            const uint2* p = reinterpret_cast<const uint2*>(hs + w4_h_word(row, k, K, PK ? xl : 0));
-#pragma unroll
-            for (int i = 0; i < W4B<PK>::W / 2; ++i) {
-                const uint2 v = __ldg(p + i);
-                b.v[u][2 * i] = v.x;
-                b.v[u][2 * i + 1] = v.y;
-            }
+        for (int i = 0; i < W4B<PK>::W / 2; ++i) {
+            const uint2 v = __ldg(p + i);
+            b.v[u][2 * i] = v.x;
+            b.v[u][2 * i + 1] = v.y;
         }
     }
 }
@@ -461,59 +441,70 @@ struct W4Lane {
     const uint4* q;   // this lane's weight words of k16 step 0 (step s at + 32 s)
     const uint4* sc;  // this lane's scale uint4 of group 0 (group g at + 8 g)
     uint4* st;        // this lane's slots: stage j at + j W4_SLOT 32
+    u32 st_addr;      // the shared address of st
 };
 
 // Copy half group hg into stage slot j: 4 weight uint4s and the group's scales.
 __device__ __forceinline__ void w4_issue(const W4Lane& l, int hg, int j) {
-    uint4* d = l.st + j * W4_SLOT * WARP;
+    const u32 d = l.st_addr + j * (W4_SLOT * WARP * 16);
+    const uint4* q = l.q + (size_t)hg * (4 * WARP);
 #pragma unroll
-    for (int u = 0; u < 4; ++u) cp_async16(d + u * WARP, l.q + (size_t)(hg * 4 + u) * WARP);
-    cp_async16(d + 4 * WARP, l.sc + (size_t)(hg / 2) * 8);
+    for (int u = 0; u < 4; ++u)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d + u * WARP * 16),
+                     "l"(q + u * WARP)
+                     : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d + 4 * WARP * 16),
+                 "l"(l.sc + (size_t)(hg / 2) * 8)
+                 : "memory");
 }
 
-// Issue the first W4_STAGES - 1 half groups of [h0, h1) (one commit each, empty or not).
-__device__ __forceinline__ void w4_prologue(const W4Lane& l, int h0, int h1) {
+// acc += scale * W x over the half group in stage slot j with B operand b.  Each half is
+// scaled on its own (both halves of a group share its scale).
+template <bool PK>
+__device__ __forceinline__ void w4_take(float acc[W4_RT][4], const W4Lane& l, int j,
+                                        const W4B<PK>& b) {
+    const uint4* st = l.st + j * W4_SLOT * WARP;
+    float part[W4_RT][4];
 #pragma unroll
-    for (int j = 0; j < W4_STAGES - 1; ++j) {
-        if (j < h1 - h0) w4_issue(l, h0 + j, j);
-        cp_async_commit();
+    for (int i = 0; i < W4_RT; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) part[i][c] = 0.0f;
+    w4_half<PK>(part, st, b);
+    // Scale word i: (row g, row g + 8) of tile i = accumulators (0, 1), (2, 3).
+    const uint4 sv = st[4 * WARP];
+    const u32 s[4] = {sv.x, sv.y, sv.z, sv.w};
+#pragma unroll
+    for (int i = 0; i < W4_RT; ++i) {
+        const float s0 = bf16lo(s[i]), s1 = bf16hi(s[i]);
+        acc[i][0] = fmaf(s0, part[i][0], acc[i][0]);
+        acc[i][1] = fmaf(s0, part[i][1], acc[i][1]);
+        acc[i][2] = fmaf(s1, part[i][2], acc[i][2]);
+        acc[i][3] = fmaf(s1, part[i][3], acc[i][3]);
     }
 }
 
-// acc += sum over half groups [h0, h1) of scale * W x, after w4_prologue(l, h0, h1).  Each
-// half is scaled on its own (both halves of a group share its scale).
+// acc += sum over half groups [h0, h1) of scale * W x, after the copy of half h0 into
+// slot 0 was issued and committed.  Double buffer, unrolled by two so the slots and the
+// two B operands are fixed registers: while half j is multiplied, half j + 1's weights
+// (cp.async) and B operand (registers) are in flight.
 template <bool PK>
 __device__ __forceinline__ void w4_walk(float acc[W4_RT][4], const W4Lane& l,
-                                        const u32* __restrict__ hs, int row, int xl, int K,
-                                        int h0, int h1, int t) {
-    const int nh = h1 - h0;
-    W4B<PK> bc, bn;
-    w4_load_b<PK>(bc, hs, row, xl, K, h0, t);
-    for (int j = 0; j < nh; ++j) {
-        const int nx = j + W4_STAGES - 1;
-        if (nx < nh) w4_issue(l, h0 + nx, nx % W4_STAGES);
+                                        const uint2* __restrict__ bp, int h0, int h1) {
+    W4B<PK> b0, b1;
+    w4_load_b<PK>(b0, bp, h0);
+    for (int h = h0; h < h1; h += 2) {
+        const bool two = h + 1 < h1;
+        if (two) w4_issue(l, h + 1, 1);
         cp_async_commit();
-        if (j + 1 < nh) w4_load_b<PK>(bn, hs, row, xl, K, h0 + j + 1, t);
-        cp_async_wait_stages();  // half group j has landed
-        const uint4* st = l.st + (j % W4_STAGES) * W4_SLOT * WARP;
-        float part[W4_RT][4];
-#pragma unroll
-        for (int i = 0; i < W4_RT; ++i)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) part[i][c] = 0.0f;
-        w4_half<PK>(part, st, bc);
-        // Scale word i: (row g, row g + 8) of tile i = accumulators (0, 1), (2, 3).
-        const uint4 sv = st[4 * WARP];
-        const u32 s[4] = {sv.x, sv.y, sv.z, sv.w};
-#pragma unroll
-        for (int i = 0; i < W4_RT; ++i) {
-            const float s0 = bf16lo(s[i]), s1 = bf16hi(s[i]);
-            acc[i][0] = fmaf(s0, part[i][0], acc[i][0]);
-            acc[i][1] = fmaf(s0, part[i][1], acc[i][1]);
-            acc[i][2] = fmaf(s1, part[i][2], acc[i][2]);
-            acc[i][3] = fmaf(s1, part[i][3], acc[i][3]);
-        }
-        bc = bn;
+        if (two) w4_load_b<PK>(b1, bp, h + 1);
+        cp_async_wait_one();  // half h has landed
+        w4_take<PK>(acc, l, 0, b0);
+        if (!two) break;
+        if (h + 2 < h1) w4_issue(l, h + 2, 0);
+        cp_async_commit();
+        if (h + 2 < h1) w4_load_b<PK>(b0, bp, h + 2);
+        cp_async_wait_one();  // half h + 1 has landed
+        w4_take<PK>(acc, l, 1, b1);
     }
 }
 
@@ -578,24 +569,26 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
                                        const float* __restrict__ topk_w,
                                        const int* __restrict__ sorted,
                                        const int* __restrict__ tile_expert, int div, int N,
-                                       int K) {
+                                       int K, int ks) {
     const int tile = blockIdx.y;
     const int e = tile_expert[tile];
     if (e < 0) return;  // uniform per block
     extern __shared__ uint4 w4_smem[];
-    float* red = reinterpret_cast<float*>(w4_smem + W4_WARPS * W4_STAGES_MAX * W4_SLOT * WARP);
+    float* red = reinterpret_cast<float*>(w4_smem + W4_WARPS * W4_STAGES * W4_SLOT * WARP);
     __shared__ int tp[ROWS_PER_TILE];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int ks = w4_ksplit(K), halves = K / 64, nrb = N * NMAT / 64;
+    const int halves = K / 64, nrb = N * NMAT / 64;
     const int kw = warp % ks, rb = blockIdx.x * (W4_WARPS / ks) + warp / ks;
     const bool live = rb < nrb;  // uniform per warp
     const size_t blk = (size_t)e * nrb + (live ? rb : 0);
-    const W4Lane l{qw + blk * (K / 16) * WARP + lane, scw + blk * (K / 128) * 8 + g,
-                   w4_smem + warp * W4_STAGES_MAX * W4_SLOT * WARP + lane};
+    uint4* st = w4_smem + warp * W4_STAGES * W4_SLOT * WARP + lane;
+    const W4Lane l{qw + blk * (K / 16) * WARP + lane, scw + blk * (K / 128) * 8 + g, st,
+                   smem_addr(st)};
     const int h0 = kw * halves / ks, h1 = (kw + 1) * halves / ks;
-    // The weights depend only on the expert: their copies start before the tile's pairs
-    // are read.
-    if (live) w4_prologue(l, h0, h1);
+    // The weights depend only on the expert: their first copy starts before the tile's
+    // pairs are read.
+    if (live && h0 < h1) w4_issue(l, h0, 0);
+    cp_async_commit();
     if (threadIdx.x < ROWS_PER_TILE) tp[threadIdx.x] = sorted[(size_t)tile * ROWS_PER_TILE + threadIdx.x];
     __syncthreads();
     // moe_align fills a tile front to back, so the real pairs are the first np.
@@ -604,9 +597,13 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
     for (int r = 0; r < ROWS_PER_TILE; ++r) np += tp[r] >= 0;
     const bool pk = np * W4_XS <= ROWS_PER_TILE;  // uniform per block
     // This lane's B column: pair slot q (packed: of term xl); the B rows are tokens
-    // (gate/up: xs) or pairs (down: h).
+    // (gate/up: xs) or pairs (down: h).  A column past the tile's pairs reads pair 0's
+    // row: column n of the mma only feeds column n of its result, which the epilogue
+    // never reads for such a column.
     const int q = pk ? g / W4_XS : g, xl = pk ? g % W4_XS : 0;
-    const int row = q < np ? (NMAT == 2 ? tp[q] / div : tp[q]) : -1;
+    const int pq = tp[q < np ? q : 0];
+    const int row = NMAT == 2 ? pq / div : pq;
+    const uint2* bp = reinterpret_cast<const uint2*>(xs + w4_h_word(row, 2 * t, K, xl));
     float acc[W4_RT][4];
 #pragma unroll
     for (int i = 0; i < W4_RT; ++i)
@@ -614,9 +611,9 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
         for (int c = 0; c < 4; ++c) acc[i][c] = 0.0f;
     if (live) {
         if (pk) {
-            w4_walk<true>(acc, l, xs, row, xl, K, h0, h1, t);
+            w4_walk<true>(acc, l, bp, h0, h1);
         } else {
-            w4_walk<false>(acc, l, xs, row, xl, K, h0, h1, t);
+            w4_walk<false>(acc, l, bp, h0, h1);
         }
     }
 #pragma unroll
@@ -638,9 +635,9 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
 extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up_w4(
     u32* __restrict__ h, const u32* __restrict__ xs, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
-    const int* __restrict__ tile_expert, int topk, int N, int K) {
+    const int* __restrict__ tile_expert, int topk, int N, int K, int ks) {
     w4_mma<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
-              reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K);
+              reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K, ks);
 }
 
 // Routed experts down-projection with the router weight applied: y[p, n] = w_p *
@@ -651,7 +648,7 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up
 extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_down_w4(
     float* __restrict__ y, const u32* __restrict__ h, const u32* __restrict__ qd,
     const bf16_bits* __restrict__ sd, const float* __restrict__ topk_w,
-    const int* __restrict__ sorted, const int* __restrict__ tile_expert, int N, int K) {
+    const int* __restrict__ sorted, const int* __restrict__ tile_expert, int N, int K, int ks) {
     w4_mma<1>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
-              reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, N, K);
+              reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, N, K, ks);
 }

@@ -20,15 +20,17 @@ pub const W4_WARPS: u32 = 8;
 /// Most bf16 terms the INT4 gate/up kernel splits an `h` element into (linear.cu `W4_XS`
 /// <= 3): the `h` scratch holds `P Im W4_XS_MAX / 2` words.
 pub const W4_XS_MAX: usize = 3;
-/// Weight stages the INT4 GEMMs' shared memory is sized for (`W4_STAGES_MAX`).
-pub const W4_STAGES_MAX: u32 = 4;
+/// Weight stages of the INT4 GEMMs (`W4_STAGES`, a double buffer).
+pub const W4_STAGES: u32 = 2;
+/// Blocks an INT4 expert GEMM launch aims at (2 resident per SM on the H200's 132 SMs,
+/// about one wave): [`w4_ks`] splits K no further than needed to reach it.
+pub const W4_TARGET_BLOCKS: usize = 256;
 /// uint4s a lane a stage (`W4_SLOT`: 4 k16 steps of weights + the group's scales).
 pub const W4_SLOT: u32 = 5;
 /// Dynamic shared memory of an INT4 GEMM block: the cp.async ring
-/// `[W4_WARPS][W4_STAGES_MAX][W4_SLOT][32]` uint4 and the accumulator array
+/// `[W4_WARPS][W4_STAGES][W4_SLOT][32]` uint4 and the accumulator array
 /// `[W4_WARPS][W4_RT 4][32]` f32 (linear.cu `w4_mma`).
-pub const W4_SMEM: u32 =
-    W4_WARPS * W4_STAGES_MAX * W4_SLOT * 32 * 16 + W4_WARPS * W4_RT * 4 * 32 * 4;
+pub const W4_SMEM: u32 = W4_WARPS * W4_STAGES * W4_SLOT * 32 * 16 + W4_WARPS * W4_RT * 4 * 32 * 4;
 /// Largest k of `moe_topk` / `moe_combine` (`TOPK_MAX`).
 pub const TOPK_MAX: usize = 8;
 /// Largest expert count of `moe_topk` / `moe_align` (`EXPERTS_MAX`).
@@ -103,14 +105,22 @@ pub fn moe_gemm(n: usize, max_tiles: usize, what: &str) -> Result<Shape> {
 
 /// `moe_split_x` over `t` rows of `k`: one thread per (row, k16 step, lane-in-group).
 pub fn moe_split(t: usize, k: usize, what: &str) -> Result<Shape> {
-    grid_2d((t * k / 64).div_ceil(128), 1, 128, what)
+    grid_2d((t * k / 4).div_ceil(128), 1, 128, what)
 }
 
-/// Warps splitting K in the INT4 expert GEMMs (kernel `w4_ksplit`): the largest power of
-/// two `<= min(W4_WARPS, k / 64)` (a warp walks whole half 128-groups).
-pub fn w4_ksplit(k: usize) -> usize {
+/// Warps splitting K in the INT4 expert GEMMs (the kernels' `ks` argument), for
+/// `rows` weight rows of `k` over `max_tiles` tiles: the smallest power of two whose grid
+/// reaches [`W4_TARGET_BLOCKS`] (longer walks amortize a warp's start-up latency), at most
+/// `min(W4_WARPS, k / 64)` (a warp walks whole half 128-groups; small layers such as
+/// models/tiny's take the most, for parallelism).
+pub fn w4_ks(rows: usize, k: usize, max_tiles: usize) -> usize {
+    let kmax = (W4_WARPS as usize).min(k / 64).max(1);
     let mut ks = 1;
-    while 2 * ks <= W4_WARPS as usize && 2 * ks <= k / 64 {
+    while 2 * ks <= kmax {
+        let per_block = W4_WARPS as usize / ks;
+        if (rows / 64).div_ceil(per_block) * max_tiles >= W4_TARGET_BLOCKS {
+            break;
+        }
         ks *= 2;
     }
     ks
@@ -118,9 +128,16 @@ pub fn w4_ksplit(k: usize) -> usize {
 
 /// INT4 expert GEMMs (`moe_gate_up_w4` with `nmat` 2, `moe_down_w4` with 1) over
 /// `n * nmat` weight rows of `k` weights: row blocks of 64 rows, `W4_WARPS / ks` of them a
-/// block (ks = [`w4_ksplit`]), grid (ceil(row blocks / that), max_tiles), block
-/// 32 W4_WARPS. Needs K % 128 == 0 and `n * nmat` % 64 == 0 (the repacked layout).
-pub fn moe_w4(n: usize, k: usize, nmat: usize, max_tiles: usize, what: &str) -> Result<Shape> {
+/// block (ks = [`w4_ks`], returned beside the shape: the kernels' last argument), grid
+/// (ceil(row blocks / that), max_tiles), block 32 W4_WARPS, dynamic shared memory
+/// [`W4_SMEM`]. Needs K % 128 == 0 and `n * nmat` % 64 == 0 (the repacked layout).
+pub fn moe_w4(
+    n: usize,
+    k: usize,
+    nmat: usize,
+    max_tiles: usize,
+    what: &str,
+) -> Result<(Shape, usize)> {
     if k == 0
         || !k.is_multiple_of(128)
         || n == 0
@@ -131,7 +148,8 @@ pub fn moe_w4(n: usize, k: usize, nmat: usize, max_tiles: usize, what: &str) -> 
             "{what}: INT4 expert GEMM with N = {n}, K = {k}, {nmat} matrices (needs K % 128 == 0, N x matrices % 64 == 0)"
         )));
     }
-    let per_block = W4_WARPS as usize / w4_ksplit(k);
+    let ks = w4_ks(n * nmat, k, max_tiles);
+    let per_block = W4_WARPS as usize / ks;
     let mut s = grid_2d(
         (n * nmat / 64).div_ceil(per_block),
         max_tiles,
@@ -139,7 +157,7 @@ pub fn moe_w4(n: usize, k: usize, nmat: usize, max_tiles: usize, what: &str) -> 
         what,
     )?;
     s.smem = W4_SMEM;
-    Ok(s)
+    Ok((s, ks))
 }
 
 /// One block of `block` threads per row.
@@ -211,10 +229,9 @@ mod tests {
         assert_eq!(define("W4_RT"), Some(W4_RT as usize));
         assert_eq!(define("W4_WARPS"), Some(W4_WARPS as usize));
         assert!(define("W4_XS").unwrap() <= W4_XS_MAX);
-        assert!(define("W4_STAGES").unwrap() <= W4_STAGES_MAX as usize);
-        assert_eq!(define("W4_STAGES_MAX"), Some(W4_STAGES_MAX as usize));
+        assert_eq!(define("W4_STAGES"), Some(W4_STAGES as usize));
         assert_eq!(define("W4_SLOT"), Some(W4_SLOT as usize));
-        assert_eq!(W4_SMEM, 98_304);
+        assert_eq!(W4_SMEM, 57_344);
         assert_eq!(define("EXPERTS_MAX"), Some(EXPERTS_MAX));
         assert_eq!(define("HEAD_DIM_MAX"), Some(HEAD_DIM_MAX));
         assert_eq!(define("KC_MAX"), Some(KC_MAX));
@@ -249,11 +266,11 @@ mod tests {
     }
 
     /// Model of kernel `w4_mma`'s walk: block x, warp w owns row block
-    /// `x (W4_WARPS / ks) + w / ks` (real when below `rows / 64`) and 128-groups
-    /// `[kw G / ks, (kw + 1) G / ks)` with `kw = w % ks`, `G = k / 64` half groups.
-    /// Counts each (row block, half group).
-    fn w4_owned(rows: usize, k: usize, grid_x: usize) -> Vec<u8> {
-        let (ks, groups, nrb) = (w4_ksplit(k), k / 64, rows / 64);
+    /// `x (W4_WARPS / ks) + w / ks` (real when below `rows / 64`) and half groups
+    /// `[kw G / ks, (kw + 1) G / ks)` with `kw = w % ks`, `G = k / 64`. Counts each
+    /// (row block, half group).
+    fn w4_owned(rows: usize, k: usize, grid_x: usize, ks: usize) -> Vec<u8> {
+        let (groups, nrb) = (k / 64, rows / 64);
         let mut owned = vec![0u8; nrb * groups];
         for bx in 0..grid_x {
             for w in 0..W4_WARPS as usize {
@@ -269,27 +286,36 @@ mod tests {
     }
 
     #[test]
-    fn w4_blocks_cover_every_row_block_and_group_once() {
-        assert_eq!(w4_ksplit(4096), 8);
-        assert_eq!(w4_ksplit(2048), 8);
-        assert_eq!(w4_ksplit(256), 4);
-        assert_eq!(w4_ksplit(128), 2);
-        assert_eq!(w4_ksplit(384), 4);
-        // GLM-5.3-Flash: 64 row blocks, one a block; models/tiny: 2 / 1 blocks a tile.
-        assert_eq!(moe_w4(2048, 4096, 2, 8, "t").unwrap().grid, (64, 8, 1));
-        assert_eq!(moe_w4(4096, 2048, 1, 8, "t").unwrap().grid, (64, 8, 1));
-        assert_eq!(moe_w4(128, 256, 2, 3, "t").unwrap().grid, (2, 3, 1));
-        assert_eq!(moe_w4(256, 128, 1, 3, "t").unwrap().grid, (1, 3, 1));
-        assert_eq!(moe_split(3, 256, "t").unwrap().grid, (1, 1, 1));
-        assert_eq!(moe_split(64, 4096, "t").unwrap().grid, (32, 1, 1));
-        assert_eq!(moe_w4(256, 128, 1, 3, "t").unwrap().block, (256, 1, 1));
-        assert_eq!(moe_w4(256, 128, 1, 3, "t").unwrap().smem, W4_SMEM);
+    fn w4_blocks_cover_every_row_block_and_half_group_once() {
+        // GLM-5.3-Flash M = 1 (8 tiles): K split 4 ways, 256 blocks (one wave at 2 a SM);
+        // M = 16 (128 tiles): whole-K walks; models/tiny: the most warps on K.
+        assert_eq!(w4_ks(4096, 4096, 8), 4);
+        assert_eq!(moe_w4(2048, 4096, 2, 8, "t").unwrap().0.grid, (32, 8, 1));
+        assert_eq!(moe_w4(4096, 2048, 1, 8, "t").unwrap().0.grid, (32, 8, 1));
+        assert_eq!(w4_ks(4096, 4096, 128), 1);
+        assert_eq!(w4_ks(256, 256, 2), 4);
+        assert_eq!(w4_ks(256, 128, 40), 2);
+        assert_eq!(moe_w4(128, 256, 2, 3, "t").unwrap().0.grid, (2, 3, 1));
+        let (s, ks) = moe_w4(256, 128, 1, 3, "t").unwrap();
+        assert_eq!(
+            (s.grid, s.block, s.smem, ks),
+            ((1, 3, 1), (256, 1, 1), W4_SMEM, 2)
+        );
         assert_eq!(gemm(5, 8, "x").unwrap().smem, 0);
+        // T K / 16 steps x 4 lanes-in-group, 128 threads a block.
+        assert_eq!(moe_split(3, 256, "t").unwrap().grid, (2, 1, 1));
+        assert_eq!(moe_split(64, 4096, "t").unwrap().grid, (512, 1, 1));
         for k in [128usize, 256, 384, 640, 1152, 2048, 4096] {
             for (n, nmat) in [(32, 2), (64, 1), (96, 2), (192, 1), (2048, 2), (4096, 1)] {
-                let s = moe_w4(n, k, nmat, 1, "t").unwrap();
-                let owned = w4_owned(n * nmat, k, s.grid.0 as usize);
-                assert!(owned.iter().all(|&c| c == 1), "n {n} k {k} nmat {nmat}");
+                for tiles in [1, 8, 300] {
+                    let (s, ks) = moe_w4(n, k, nmat, tiles, "t").unwrap();
+                    assert!(ks.is_power_of_two() && ks <= k / 64 && ks <= W4_WARPS as usize);
+                    let owned = w4_owned(n * nmat, k, s.grid.0 as usize, ks);
+                    assert!(
+                        owned.iter().all(|&c| c == 1),
+                        "n {n} k {k} nmat {nmat} tiles {tiles}"
+                    );
+                }
             }
         }
         assert!(moe_w4(2048, 4000, 2, 1, "t").is_err());

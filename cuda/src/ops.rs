@@ -634,6 +634,17 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
             vec![ptr(wd, 0, e * hd * im, "wd")?],
         ),
     };
+    // Shapes first (every check before any launch). INT4: the warps splitting K ride as the kernels' last argument.
+    let (gu_shape, gu_ks) = if int4 {
+        launch::moe_w4(im, hd, 2, r.max_tiles, gu_name)?
+    } else {
+        (launch::moe_gemm(im, r.max_tiles, gu_name)?, 0)
+    };
+    let (dn_shape, dn_ks) = if int4 {
+        launch::moe_w4(hd, im, 1, r.max_tiles, dn_name)?
+    } else {
+        (launch::moe_gemm(hd, r.max_tiles, dn_name)?, 0)
+    };
     let mut args = if int4 {
         let xs = ptr(a.xs, 0, r.t * hd * launch::W4_XS_MAX / 2, "moe xs")?;
         let split = [xs, x, int(r.t, "T")?, int(hd, "K")?];
@@ -658,16 +669,9 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
         int(im, "N")?,
         int(hd, "K")?,
     ]);
-    let gu_shape = if int4 {
-        launch::moe_w4(im, hd, 2, r.max_tiles, gu_name)?
-    } else {
-        launch::moe_gemm(im, r.max_tiles, gu_name)?
-    };
-    let dn_shape = if int4 {
-        launch::moe_w4(hd, im, 1, r.max_tiles, dn_name)?
-    } else {
-        launch::moe_gemm(hd, r.max_tiles, dn_name)?
-    };
+    if int4 {
+        args.push(int(gu_ks, "ks")?);
+    }
     // SAFETY: h [P, Im] (INT4: P Im W4_XS_MAX / 2 words), x [T, H], the expert weights
     // [E, Im, 2, H] (as words / scales), sorted [8 max_tiles], tile_expert [max_tiles]
     // checked; pair ids in `sorted` are < P and tile experts < E (moe_align's output over
@@ -677,6 +681,9 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     let mut args = vec![y, h];
     args.extend(dn_w);
     args.extend([wts, sorted, tiles, int(hd, "N")?, int(im, "K")?]);
+    if int4 {
+        args.push(int(dn_ks, "ks")?);
+    }
     // SAFETY: y [P, H], h as above, weights [E, H, Im], wts [P] checked; indices as above.
     unsafe { launch(g, dn_name, dn_shape, &args) }
 }
