@@ -25,6 +25,37 @@ pub const W4_STAGES: u32 = 2;
 /// Blocks an INT4 expert GEMM launch aims at (2 resident per SM on the H200's 132 SMs,
 /// about one wave): [`w4_ks`] splits K no further than needed to reach it.
 pub const W4_TARGET_BLOCKS: usize = 256;
+/// Environment variable overriding [`W4_TARGET_BLOCKS`] (a tuning knob, recorded by
+/// `bench moe`).
+pub const W4_TARGET_ENV: &str = "SPECLAB_W4_TARGET_BLOCKS";
+
+/// The INT4 GEMMs' target block count: [`W4_TARGET_ENV`] if set (1..=65536), else
+/// [`W4_TARGET_BLOCKS`].
+pub fn w4_target_blocks() -> Result<usize> {
+    match std::env::var(W4_TARGET_ENV) {
+        Err(_) => Ok(W4_TARGET_BLOCKS),
+        Ok(v) => parse_w4_target(&v),
+    }
+}
+
+/// A [`W4_TARGET_ENV`] value.
+pub fn parse_w4_target(v: &str) -> Result<usize> {
+    v.trim()
+        .parse::<usize>()
+        .ok()
+        .filter(|n| (1..=65_536).contains(n))
+        .ok_or_else(|| {
+            CudaError::Input(format!(
+                "{W4_TARGET_ENV}=`{v}`: expected a block count from 1 to 65536"
+            ))
+        })
+}
+
+/// A lower bound of the tiles `moe_align` fills for `t` tokens of `k` distinct experts
+/// each: every token's k experts differ (so >= k tiles) and a tile holds <= 8 pairs.
+pub fn moe_min_tiles(t: usize, k: usize) -> usize {
+    k.max((t * k).div_ceil(ROWS_PER_TILE as usize))
+}
 /// uint4s a lane a stage (`W4_SLOT`: 4 k16 steps of weights + the group's scales).
 pub const W4_SLOT: u32 = 5;
 /// Dynamic shared memory of an INT4 GEMM block: the cp.async ring
@@ -109,16 +140,17 @@ pub fn moe_split(t: usize, k: usize, what: &str) -> Result<Shape> {
 }
 
 /// Warps splitting K in the INT4 expert GEMMs (the kernels' `ks` argument), for
-/// `rows` weight rows of `k` over `max_tiles` tiles: the smallest power of two whose grid
-/// reaches [`W4_TARGET_BLOCKS`] (longer walks amortize a warp's start-up latency), at most
-/// `min(W4_WARPS, k / 64)` (a warp walks whole half 128-groups; small layers such as
+/// `rows` weight rows of `k` over at least `tiles` real tiles ([`moe_min_tiles`]: the
+/// grid's unused tiles exit at once, so they must not count): the smallest power of two
+/// whose real blocks reach `target` (longer walks amortize a warp's start-up latency), at
+/// most `min(W4_WARPS, k / 64)` (a warp walks whole half 128-groups; small layers such as
 /// models/tiny's take the most, for parallelism).
-pub fn w4_ks(rows: usize, k: usize, max_tiles: usize) -> usize {
+pub fn w4_ks(rows: usize, k: usize, tiles: usize, target: usize) -> usize {
     let kmax = (W4_WARPS as usize).min(k / 64).max(1);
     let mut ks = 1;
     while 2 * ks <= kmax {
         let per_block = W4_WARPS as usize / ks;
-        if (rows / 64).div_ceil(per_block) * max_tiles >= W4_TARGET_BLOCKS {
+        if (rows / 64).div_ceil(per_block) * tiles >= target {
             break;
         }
         ks *= 2;
@@ -126,18 +158,24 @@ pub fn w4_ks(rows: usize, k: usize, max_tiles: usize) -> usize {
     ks
 }
 
+/// What an INT4 expert GEMM launch knows about its tiles.
+#[derive(Debug, Clone, Copy)]
+pub struct W4Tiles {
+    /// The grid's tiles (`moe_max_tiles`).
+    pub max: usize,
+    /// A lower bound of the real ones ([`moe_min_tiles`]).
+    pub min: usize,
+    /// Target real blocks ([`w4_target_blocks`]).
+    pub target: usize,
+}
+
 /// INT4 expert GEMMs (`moe_gate_up_w4` with `nmat` 2, `moe_down_w4` with 1) over
 /// `n * nmat` weight rows of `k` weights: row blocks of 64 rows, `W4_WARPS / ks` of them a
 /// block (ks = [`w4_ks`], returned beside the shape: the kernels' last argument), grid
 /// (ceil(row blocks / that), max_tiles), block 32 W4_WARPS, dynamic shared memory
 /// [`W4_SMEM`]. Needs K % 128 == 0 and `n * nmat` % 64 == 0 (the repacked layout).
-pub fn moe_w4(
-    n: usize,
-    k: usize,
-    nmat: usize,
-    max_tiles: usize,
-    what: &str,
-) -> Result<(Shape, usize)> {
+pub fn moe_w4(n: usize, k: usize, nmat: usize, t: &W4Tiles, what: &str) -> Result<(Shape, usize)> {
+    let max_tiles = t.max;
     if k == 0
         || !k.is_multiple_of(128)
         || n == 0
@@ -148,7 +186,7 @@ pub fn moe_w4(
             "{what}: INT4 expert GEMM with N = {n}, K = {k}, {nmat} matrices (needs K % 128 == 0, N x matrices % 64 == 0)"
         )));
     }
-    let ks = w4_ks(n * nmat, k, max_tiles);
+    let ks = w4_ks(n * nmat, k, t.min.min(t.max), t.target);
     let per_block = W4_WARPS as usize / ks;
     let mut s = grid_2d(
         (n * nmat / 64).div_ceil(per_block),
@@ -287,16 +325,37 @@ mod tests {
 
     #[test]
     fn w4_blocks_cover_every_row_block_and_half_group_once() {
+        let tl = |max, min| W4Tiles {
+            max,
+            min,
+            target: W4_TARGET_BLOCKS,
+        };
         // GLM-5.3-Flash M = 1 (8 tiles): K split 4 ways, 256 blocks (one wave at 2 a SM);
-        // M = 16 (128 tiles): whole-K walks; models/tiny: the most warps on K.
-        assert_eq!(w4_ks(4096, 4096, 8), 4);
-        assert_eq!(moe_w4(2048, 4096, 2, 8, "t").unwrap().0.grid, (32, 8, 1));
-        assert_eq!(moe_w4(4096, 2048, 1, 8, "t").unwrap().0.grid, (32, 8, 1));
-        assert_eq!(w4_ks(4096, 4096, 128), 1);
-        assert_eq!(w4_ks(256, 256, 2), 4);
-        assert_eq!(w4_ks(256, 128, 40), 2);
-        assert_eq!(moe_w4(128, 256, 2, 3, "t").unwrap().0.grid, (2, 3, 1));
-        let (s, ks) = moe_w4(256, 128, 1, 3, "t").unwrap();
+        // M = 16 (>= 16 real tiles): 2 ways; models/tiny: the most warps on K.
+        assert_eq!(moe_min_tiles(1, 8), 8);
+        assert_eq!(moe_min_tiles(16, 8), 16);
+        assert_eq!(moe_min_tiles(3, 2), 2);
+        assert_eq!(w4_ks(4096, 4096, 8, 256), 4);
+        assert_eq!(w4_ks(4096, 4096, 8, 512), 8);
+        assert_eq!(
+            moe_w4(2048, 4096, 2, &tl(8, 8), "t").unwrap().0.grid,
+            (32, 8, 1)
+        );
+        assert_eq!(
+            moe_w4(4096, 2048, 1, &tl(8, 8), "t").unwrap().0.grid,
+            (32, 8, 1)
+        );
+        assert_eq!(w4_ks(4096, 4096, 16, 256), 2);
+        assert_eq!(w4_ks(4096, 4096, 128, 256), 1);
+        assert_eq!(w4_ks(256, 256, 2, 256), 4);
+        assert_eq!(w4_ks(256, 128, 40, 256), 2);
+        assert_eq!(
+            moe_w4(128, 256, 2, &tl(3, 2), "t").unwrap().0.grid,
+            (2, 3, 1)
+        );
+        // The bound past the grid's tiles is capped.
+        assert_eq!(moe_w4(2048, 4096, 2, &tl(8, 100), "t").unwrap().1, 4);
+        let (s, ks) = moe_w4(256, 128, 1, &tl(3, 2), "t").unwrap();
         assert_eq!(
             (s.grid, s.block, s.smem, ks),
             ((1, 3, 1), (256, 1, 1), W4_SMEM, 2)
@@ -308,7 +367,7 @@ mod tests {
         for k in [128usize, 256, 384, 640, 1152, 2048, 4096] {
             for (n, nmat) in [(32, 2), (64, 1), (96, 2), (192, 1), (2048, 2), (4096, 1)] {
                 for tiles in [1, 8, 300] {
-                    let (s, ks) = moe_w4(n, k, nmat, tiles, "t").unwrap();
+                    let (s, ks) = moe_w4(n, k, nmat, &tl(tiles, tiles.min(8)), "t").unwrap();
                     assert!(ks.is_power_of_two() && ks <= k / 64 && ks <= W4_WARPS as usize);
                     let owned = w4_owned(n * nmat, k, s.grid.0 as usize, ks);
                     assert!(
@@ -318,10 +377,10 @@ mod tests {
                 }
             }
         }
-        assert!(moe_w4(2048, 4000, 2, 1, "t").is_err());
-        assert!(moe_w4(2044, 4096, 2, 1, "t").is_err());
-        assert!(moe_w4(96, 4096, 1, 1, "t").is_err());
-        assert!(moe_w4(2048, 4096, 3, 1, "t").is_err());
+        assert!(moe_w4(2048, 4000, 2, &tl(1, 1), "t").is_err());
+        assert!(moe_w4(2044, 4096, 2, &tl(1, 1), "t").is_err());
+        assert!(moe_w4(96, 4096, 1, &tl(1, 1), "t").is_err());
+        assert!(moe_w4(2048, 4096, 3, &tl(1, 1), "t").is_err());
     }
 
     #[test]

@@ -635,13 +635,18 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
         ),
     };
     // Shapes first (every check before any launch). INT4: the warps splitting K ride as the kernels' last argument.
+    let w4t = launch::W4Tiles {
+        max: r.max_tiles,
+        min: launch::moe_min_tiles(r.t, r.k),
+        target: launch::w4_target_blocks()?,
+    };
     let (gu_shape, gu_ks) = if int4 {
-        launch::moe_w4(im, hd, 2, r.max_tiles, gu_name)?
+        launch::moe_w4(im, hd, 2, &w4t, gu_name)?
     } else {
         (launch::moe_gemm(im, r.max_tiles, gu_name)?, 0)
     };
     let (dn_shape, dn_ks) = if int4 {
-        launch::moe_w4(hd, im, 1, r.max_tiles, dn_name)?
+        launch::moe_w4(hd, im, 1, &w4t, dn_name)?
     } else {
         (launch::moe_gemm(hd, r.max_tiles, dn_name)?, 0)
     };
