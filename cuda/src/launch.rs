@@ -330,6 +330,11 @@ mod tests {
             min,
             target: W4_TARGET_BLOCKS,
         };
+        assert_eq!(parse_w4_target(" 512").unwrap(), 512);
+        for bad in ["0", "x", "-3", "70000", ""] {
+            let e = parse_w4_target(bad).unwrap_err().to_string();
+            assert!(e.contains(W4_TARGET_ENV) && e.contains("1 to 65536"), "{e}");
+        }
         // GLM-5.3-Flash M = 1 (8 tiles): K split 4 ways, 256 blocks (one wave at 2 a SM);
         // M = 16 (>= 16 real tiles): 2 ways; models/tiny: the most warps on K.
         assert_eq!(moe_min_tiles(1, 8), 8);
