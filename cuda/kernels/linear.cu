@@ -533,11 +533,11 @@ template <int NMAT>
 __device__ __forceinline__ void w4_epilogue(const float* red, float* __restrict__ y,
                                             u32* __restrict__ hs,
                                             const float* __restrict__ topk_w, const int* tp,
-                                            int np, bool pk, int ks, int nrb, int N) {
+                                            int np, bool pk, int ks, int nrb, int N, int bx) {
     const int per = W4_WARPS / ks, cols = NMAT == 2 ? 32 : 64;
     for (int it = threadIdx.x; it < per * cols * np; it += blockDim.x) {
         const int q = it / (per * cols), rbl = it / cols % per, j = it % cols;
-        const int rb = blockIdx.x * per + rbl;
+        const int rb = bx * per + rbl;
         if (rb >= nrb) continue;
         const int p = tp[q];
         if (NMAT == 2) {
@@ -558,7 +558,16 @@ __device__ __forceinline__ void w4_epilogue(const float* red, float* __restrict_
     }
 }
 
-// One block: tile blockIdx.y (expert e, up to 8 pairs) x W4_WARPS / ks row blocks.
+// Warps splitting K for `ntiles` real tiles (mirrored by cuda/src/launch.rs w4_ks): the
+// smallest power of two <= ks_hi whose blocks reach `target`.
+__device__ __forceinline__ int w4_ks(int nrb, int ntiles, int ks_hi, int target) {
+    int ks = 1;
+    while (ks < ks_hi && (nrb + W4_WARPS / ks - 1) / (W4_WARPS / ks) * ntiles < target) ks *= 2;
+    return ks;
+}
+
+// One block: item blockIdx.x of (real tile, group of W4_WARPS / ks row blocks), tile-major;
+// items past the real tiles exit at once (the grid is sized for ks_hi and every tile).
 // R = N * NMAT weight rows of K; q [E, R / 64, K / 16, 32, 4] words, sc
 // [E, R / 64, K / 128, 8, 8] bf16.
 template <int NMAT>
@@ -569,16 +578,20 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
                                        const float* __restrict__ topk_w,
                                        const int* __restrict__ sorted,
                                        const int* __restrict__ tile_expert, int div, int N,
-                                       int K, int ks) {
-    const int tile = blockIdx.y;
+                                       int K, int max_tiles, int ks_hi, int target) {
+    const int nrb = N * NMAT / 64;
+    const int ntiles = tile_expert[max_tiles];
+    const int ks = w4_ks(nrb, ntiles, ks_hi, target), per = W4_WARPS / ks;
+    const int xneed = (nrb + per - 1) / per;
+    if ((int)blockIdx.x >= ntiles * xneed) return;  // uniform per block
+    const int tile = blockIdx.x / xneed, bx = blockIdx.x % xneed;
     const int e = tile_expert[tile];
-    if (e < 0) return;  // uniform per block
     extern __shared__ uint4 w4_smem[];
     float* red = reinterpret_cast<float*>(w4_smem + W4_WARPS * W4_STAGES * W4_SLOT * WARP);
     __shared__ int tp[ROWS_PER_TILE];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int halves = K / 64, nrb = N * NMAT / 64;
-    const int kw = warp % ks, rb = blockIdx.x * (W4_WARPS / ks) + warp / ks;
+    const int halves = K / 64;
+    const int kw = warp % ks, rb = bx * per + warp / ks;
     const bool live = rb < nrb;  // uniform per warp
     const size_t blk = (size_t)e * nrb + (live ? rb : 0);
     uint4* st = w4_smem + warp * W4_STAGES * W4_SLOT * WARP + lane;
@@ -621,7 +634,7 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
 #pragma unroll
         for (int c = 0; c < 4; ++c) red[(warp * W4_RT * 4 + i * 4 + c) * WARP + lane] = acc[i][c];
     __syncthreads();  // every thread reaches it
-    w4_epilogue<NMAT>(red, y, hs, topk_w, tp, np, pk, ks, nrb, N);
+    w4_epilogue<NMAT>(red, y, hs, topk_w, tp, np, pk, ks, nrb, N, bx);
 }
 
 // Routed experts gate/up + SiLU, INT4: h[p, n] = silu(x[p / topk] . Wg[e, n]) *
@@ -630,14 +643,17 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
 // post-norm input), q13 [E, 2N / 64, K / 16, 32, 4]
 // u32, s13 [E, 2N / 64, K / 128, 8, 8] bf16 (cuda/src/repack.rs), h [P, N W4_XS / 2] u32
 // words (N = moe_intermediate_size).
-// Launch: grid (ceil(2N / 64 / (W4_WARPS / ks)), max_tiles), block 32 W4_WARPS, dynamic
+// tile_expert [max_tiles + 1] (moe_align: experts, then the count used).
+// Launch: grid (max_tiles ceil(2N / 64 / (W4_WARPS / ks_hi))), block 32 W4_WARPS, dynamic
 // shared memory W4_SMEM (launch.rs moe_w4).
 extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up_w4(
     u32* __restrict__ h, const u32* __restrict__ xs, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
-    const int* __restrict__ tile_expert, int topk, int N, int K, int ks) {
+    const int* __restrict__ tile_expert, int topk, int N, int K, int max_tiles, int ks_hi,
+    int target) {
     w4_mma<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
-              reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K, ks);
+              reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K,
+              max_tiles, ks_hi, target);
 }
 
 // Routed experts down-projection with the router weight applied: y[p, n] = w_p *
@@ -648,7 +664,9 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up
 extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_down_w4(
     float* __restrict__ y, const u32* __restrict__ h, const u32* __restrict__ qd,
     const bf16_bits* __restrict__ sd, const float* __restrict__ topk_w,
-    const int* __restrict__ sorted, const int* __restrict__ tile_expert, int N, int K, int ks) {
+    const int* __restrict__ sorted, const int* __restrict__ tile_expert, int N, int K,
+    int max_tiles, int ks_hi, int target) {
     w4_mma<1>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
-              reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, N, K, ks);
+              reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, N, K, max_tiles,
+              ks_hi, target);
 }

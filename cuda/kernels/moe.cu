@@ -121,9 +121,10 @@ extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restr
 // Sort the P = T * k routed pairs by expert.  sorted[0 .. P_pad) receives the pair ids
 // p = t * k + slot of expert 0, then expert 1, ..., each expert's segment padded with -1
 // to a multiple of 8 and in ascending p; tile_expert[i] = the expert of sorted positions
-// [8 i, 8 i + 8), -1 past the last tile.  P_pad <= p_pad_max = 8 * max_tiles with
+// [8 i, 8 i + 8), -1 past the last tile, and tile_expert[max_tiles] = the number of tiles
+// used (the INT4 GEMMs size their work by it).  P_pad <= p_pad_max = 8 * max_tiles with
 // max_tiles = ceil((P + min(E, P) * 7) / 8) (cuda/src/launch.rs::moe_max_tiles).
-// Shapes: ids [P] i32 (< E), sorted [p_pad_max] i32, tile_expert [max_tiles] i32.
+// Shapes: ids [P] i32 (< E), sorted [p_pad_max] i32, tile_expert [max_tiles + 1] i32.
 // Launch: grid (1), block 1024; E <= 1024.
 extern "C" __global__ void __launch_bounds__(1024) moe_align(int* __restrict__ sorted, int* __restrict__ tile_expert,
                                      const int* __restrict__ ids, int P, int E,
@@ -150,6 +151,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align(int* __restrict__ s
             acc += (count[e] + MOE_TILE - 1) / MOE_TILE * MOE_TILE;
         }
         offset[E] = acc;
+        tile_expert[max_tiles] = acc / MOE_TILE;
     }
     __syncthreads();
     for (int e = warp; e < E; e += nwarps) {

@@ -139,20 +139,25 @@ pub fn moe_split(t: usize, k: usize, what: &str) -> Result<Shape> {
     grid_2d((t * k / 4).div_ceil(128), 1, 128, what)
 }
 
-/// Warps splitting K in the INT4 expert GEMMs (the kernels' `ks` argument), for
-/// `rows` weight rows of `k` over at least `tiles` real tiles ([`moe_min_tiles`]: the
-/// grid's unused tiles exit at once, so they must not count): the smallest power of two
-/// whose real blocks reach `target` (longer walks amortize a warp's start-up latency), at
-/// most `min(W4_WARPS, k / 64)` (a warp walks whole half 128-groups; small layers such as
-/// models/tiny's take the most, for parallelism).
-pub fn w4_ks(rows: usize, k: usize, tiles: usize, target: usize) -> usize {
-    let kmax = (W4_WARPS as usize).min(k / 64).max(1);
+/// Warps splitting K in the INT4 expert GEMMs for `rows` weight rows of `k` over `tiles`
+/// real tiles, as the kernels choose it (linear.cu `w4_ks`, from moe_align's tile count):
+/// the smallest power of two whose blocks reach `target` (longer walks amortize a warp's
+/// start-up latency), at most `ks_hi`. The host's `ks_hi` is this with `ks_hi` =
+/// `min(W4_WARPS, k / 64)` (a warp walks whole half 128-groups) at [`moe_min_tiles`], so
+/// the grid covers any real tile count; small layers such as models/tiny's take the most
+/// warps on K, for parallelism.
+pub fn w4_ks(rows: usize, tiles: usize, ks_hi: usize, target: usize) -> usize {
     let mut ks = 1;
-    while 2 * ks <= kmax {
-        let per_block = W4_WARPS as usize / ks;
-        if (rows / 64).div_ceil(per_block) * tiles >= target {
-            break;
-        }
+    while ks < ks_hi && (rows / 64).div_ceil(W4_WARPS as usize / ks) * tiles < target {
+        ks *= 2;
+    }
+    ks
+}
+
+/// The largest K split of `k`: `min(W4_WARPS, k / 64)`, a power of two as W4_WARPS is.
+pub fn w4_ks_max(k: usize) -> usize {
+    let mut ks = 1;
+    while 2 * ks <= (W4_WARPS as usize).min(k / 64) {
         ks *= 2;
     }
     ks
@@ -171,9 +176,10 @@ pub struct W4Tiles {
 
 /// INT4 expert GEMMs (`moe_gate_up_w4` with `nmat` 2, `moe_down_w4` with 1) over
 /// `n * nmat` weight rows of `k` weights: row blocks of 64 rows, `W4_WARPS / ks` of them a
-/// block (ks = [`w4_ks`], returned beside the shape: the kernels' last argument), grid
-/// (ceil(row blocks / that), max_tiles), block 32 W4_WARPS, dynamic shared memory
-/// [`W4_SMEM`]. Needs K % 128 == 0 and `n * nmat` % 64 == 0 (the repacked layout).
+/// block for the kernels' K split `ks <= ks_hi` (returned beside the shape: an argument),
+/// a 1-D grid of max_tiles x ceil(row blocks / (W4_WARPS / ks_hi)) items (those past the
+/// real tiles exit), block 32 W4_WARPS, dynamic shared memory [`W4_SMEM`]. Needs
+/// K % 128 == 0 and `n * nmat` % 64 == 0 (the repacked layout).
 pub fn moe_w4(n: usize, k: usize, nmat: usize, t: &W4Tiles, what: &str) -> Result<(Shape, usize)> {
     let max_tiles = t.max;
     if k == 0
@@ -186,16 +192,16 @@ pub fn moe_w4(n: usize, k: usize, nmat: usize, t: &W4Tiles, what: &str) -> Resul
             "{what}: INT4 expert GEMM with N = {n}, K = {k}, {nmat} matrices (needs K % 128 == 0, N x matrices % 64 == 0)"
         )));
     }
-    let ks = w4_ks(n * nmat, k, t.min.min(t.max), t.target);
-    let per_block = W4_WARPS as usize / ks;
+    let ks_hi = w4_ks(n * nmat, t.min.min(max_tiles), w4_ks_max(k), t.target);
+    let per_block = W4_WARPS as usize / ks_hi;
     let mut s = grid_2d(
-        (n * nmat / 64).div_ceil(per_block),
-        max_tiles,
+        (n * nmat / 64).div_ceil(per_block) * max_tiles,
+        1,
         32 * W4_WARPS,
         what,
     )?;
     s.smem = W4_SMEM;
-    Ok((s, ks))
+    Ok((s, ks_hi))
 }
 
 /// One block of `block` threads per row.
@@ -303,24 +309,30 @@ mod tests {
         assert_eq!(moe_max_tiles(64 * 8, 288), (512 + 288 * 7usize).div_ceil(8));
     }
 
-    /// Model of kernel `w4_mma`'s walk: block x, warp w owns row block
-    /// `x (W4_WARPS / ks) + w / ks` (real when below `rows / 64`) and half groups
-    /// `[kw G / ks, (kw + 1) G / ks)` with `kw = w % ks`, `G = k / 64`. Counts each
-    /// (row block, half group).
-    fn w4_owned(rows: usize, k: usize, grid_x: usize, ks: usize) -> Vec<u8> {
+    /// Model of kernel `w4_mma`'s walk for `ntiles` real tiles: the kernel's K split
+    /// `ks = w4_ks(rows, ntiles, ks_hi, target)`; block b < ntiles xneed is tile
+    /// b / xneed, group bx = b % xneed; warp w owns row block `bx (W4_WARPS / ks) + w / ks`
+    /// (real when below `rows / 64`) and half groups `[kw G / ks, (kw + 1) G / ks)` with
+    /// `kw = w % ks`, `G = k / 64`. Counts each (tile, row block, half group); also returns
+    /// the blocks the kernel needs.
+    fn w4_owned(rows: usize, k: usize, ntiles: usize, ks_hi: usize) -> (Vec<u8>, usize) {
         let (groups, nrb) = (k / 64, rows / 64);
-        let mut owned = vec![0u8; nrb * groups];
-        for bx in 0..grid_x {
+        let ks = w4_ks(rows, ntiles, ks_hi, W4_TARGET_BLOCKS);
+        let per = W4_WARPS as usize / ks;
+        let xneed = nrb.div_ceil(per);
+        let mut owned = vec![0u8; ntiles * nrb * groups];
+        for b in 0..ntiles * xneed {
+            let (tile, bx) = (b / xneed, b % xneed);
             for w in 0..W4_WARPS as usize {
-                let (kw, rb) = (w % ks, bx * (W4_WARPS as usize / ks) + w / ks);
+                let (kw, rb) = (w % ks, bx * per + w / ks);
                 if rb < nrb {
                     for grp in kw * groups / ks..(kw + 1) * groups / ks {
-                        owned[rb * groups + grp] += 1;
+                        owned[(tile * nrb + rb) * groups + grp] += 1;
                     }
                 }
             }
         }
-        owned
+        (owned, ntiles * xneed)
     }
 
     #[test]
@@ -335,35 +347,27 @@ mod tests {
             let e = parse_w4_target(bad).unwrap_err().to_string();
             assert!(e.contains(W4_TARGET_ENV) && e.contains("1 to 65536"), "{e}");
         }
-        // GLM-5.3-Flash M = 1 (8 tiles): K split 4 ways, 256 blocks (one wave at 2 a SM);
-        // M = 16 (>= 16 real tiles): 2 ways; models/tiny: the most warps on K.
         assert_eq!(moe_min_tiles(1, 8), 8);
         assert_eq!(moe_min_tiles(16, 8), 16);
         assert_eq!(moe_min_tiles(3, 2), 2);
-        assert_eq!(w4_ks(4096, 4096, 8, 256), 4);
-        assert_eq!(w4_ks(4096, 4096, 8, 512), 8);
-        assert_eq!(
-            moe_w4(2048, 4096, 2, &tl(8, 8), "t").unwrap().0.grid,
-            (32, 8, 1)
-        );
-        assert_eq!(
-            moe_w4(4096, 2048, 1, &tl(8, 8), "t").unwrap().0.grid,
-            (32, 8, 1)
-        );
-        assert_eq!(w4_ks(4096, 4096, 16, 256), 2);
-        assert_eq!(w4_ks(4096, 4096, 128, 256), 1);
-        assert_eq!(w4_ks(256, 256, 2, 256), 4);
-        assert_eq!(w4_ks(256, 128, 40, 256), 2);
-        assert_eq!(
-            moe_w4(128, 256, 2, &tl(3, 2), "t").unwrap().0.grid,
-            (2, 3, 1)
-        );
-        // The bound past the grid's tiles is capped.
-        assert_eq!(moe_w4(2048, 4096, 2, &tl(8, 100), "t").unwrap().1, 4);
+        assert_eq!(w4_ks_max(4096), 8);
+        assert_eq!(w4_ks_max(384), 4);
+        assert_eq!(w4_ks_max(128), 2);
+        // GLM-5.3-Flash M = 1 (8 tiles): K split 4 ways, 256 blocks (one wave at 2 a SM);
+        // 106 real tiles (M = 16 uniform): whole-K walks; models/tiny: the most warps on K.
+        assert_eq!(w4_ks(4096, 8, 8, 256), 4);
+        assert_eq!(w4_ks(4096, 8, 8, 512), 8);
+        assert_eq!(w4_ks(4096, 106, 8, 256), 1);
+        assert_eq!(w4_ks(256, 2, 4, 256), 4);
+        let (s, ks) = moe_w4(2048, 4096, 2, &tl(8, 8), "t").unwrap();
+        assert_eq!((s.grid, ks), ((256, 1, 1), 4));
+        // M = 16: at least 16 tiles, so ks_hi = 2, over the 128-tile bound.
+        let (s, ks) = moe_w4(4096, 2048, 1, &tl(128, 16), "t").unwrap();
+        assert_eq!((s.grid, ks), ((16 * 128, 1, 1), 2));
         let (s, ks) = moe_w4(256, 128, 1, &tl(3, 2), "t").unwrap();
         assert_eq!(
             (s.grid, s.block, s.smem, ks),
-            ((1, 3, 1), (256, 1, 1), W4_SMEM, 2)
+            ((3, 1, 1), (256, 1, 1), W4_SMEM, 2)
         );
         assert_eq!(gemm(5, 8, "x").unwrap().smem, 0);
         // T K / 16 steps x 4 lanes-in-group, 128 threads a block.
@@ -371,14 +375,17 @@ mod tests {
         assert_eq!(moe_split(64, 4096, "t").unwrap().grid, (512, 1, 1));
         for k in [128usize, 256, 384, 640, 1152, 2048, 4096] {
             for (n, nmat) in [(32, 2), (64, 1), (96, 2), (192, 1), (2048, 2), (4096, 1)] {
-                for tiles in [1, 8, 300] {
-                    let (s, ks) = moe_w4(n, k, nmat, &tl(tiles, tiles.min(8)), "t").unwrap();
-                    assert!(ks.is_power_of_two() && ks <= k / 64 && ks <= W4_WARPS as usize);
-                    let owned = w4_owned(n * nmat, k, s.grid.0 as usize, ks);
-                    assert!(
-                        owned.iter().all(|&c| c == 1),
-                        "n {n} k {k} nmat {nmat} tiles {tiles}"
-                    );
+                for (max, min) in [(1, 1), (8, 8), (300, 8), (40, 20)] {
+                    let (s, ks_hi) = moe_w4(n, k, nmat, &tl(max, min), "t").unwrap();
+                    assert!(ks_hi.is_power_of_two() && ks_hi <= w4_ks_max(k));
+                    for ntiles in [min, (min + max) / 2, max] {
+                        let (owned, blocks) = w4_owned(n * nmat, k, ntiles, ks_hi);
+                        assert!(blocks <= s.grid.0 as usize, "n {n} k {k} tiles {ntiles}");
+                        assert!(
+                            owned.iter().all(|&c| c == 1),
+                            "n {n} k {k} nmat {nmat} tiles {ntiles}"
+                        );
+                    }
                 }
             }
         }

@@ -748,7 +748,7 @@ fn upload_draw(g: &Gpu, s: &MoeShape, m: usize, draw: Draw, seed: u32) -> Result
         ids: DevBuf::upload(st, &draw.ids, "draw ids")?,
         wts: DevBuf::upload(st, &draw.wts, "draw wts")?,
         sorted: DevBuf::zeros(st, launch::ROWS_PER_TILE as usize * mt, "sorted")?,
-        tiles: DevBuf::zeros(st, mt, "tiles")?,
+        tiles: DevBuf::zeros(st, mt + 1, "tiles")?,
         x: DevBuf::zeros(st, m * s.hidden, "x")?,
         draw,
     };

@@ -389,7 +389,7 @@ pub struct Routing<'a> {
     pub wts: &'a DevBuf<f32>,
     /// Shape: [8 * max_tiles] i32 pair ids by expert, -1 padding.
     pub sorted: &'a DevBuf<i32>,
-    /// Shape: [max_tiles] i32.
+    /// Shape: [max_tiles + 1] i32: each tile's expert, then the count of tiles used.
     pub tile_expert: &'a DevBuf<i32>,
     pub t: usize,
     pub k: usize,
@@ -534,13 +534,13 @@ pub fn moe_align(g: &Gpu, r: &Routing<'_>) -> Result<()> {
             launch::ROWS_PER_TILE as usize * r.max_tiles,
             "sorted",
         )?,
-        ptr(r.tile_expert, 0, r.max_tiles, "tile_expert")?,
+        ptr(r.tile_expert, 0, r.max_tiles + 1, "tile_expert")?,
         ptr(r.ids, 0, p, "ids")?,
         int(p, "P")?,
         int(r.e, "E")?,
         int(r.max_tiles, "max_tiles")?,
     ];
-    // SAFETY: sorted [8 * max_tiles], tile_expert [max_tiles], ids [P] checked; the
+    // SAFETY: sorted [8 * max_tiles], tile_expert [max_tiles + 1], ids [P] checked; the
     // kernel writes at most moe_max_tiles(P, E) <= max_tiles tiles (checked by
     // `r.check`; the bound is tested in launch.rs); ids < E (moe_topk's output, or
     // host-built ids checked by their builder, crate::moebench).
@@ -595,7 +595,7 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
         launch::ROWS_PER_TILE as usize * r.max_tiles,
         "sorted",
     )?;
-    let tiles = ptr(r.tile_expert, 0, r.max_tiles, "tile_expert")?;
+    let tiles = ptr(r.tile_expert, 0, r.max_tiles + 1, "tile_expert")?;
     // INT4: h holds gate/up's split output, W4_XS <= W4_XS_MAX bf16 terms an element.
     let int4 = matches!(a.w, ExpertPtrs::Int4 { .. });
     let h_len = if int4 {
@@ -634,7 +634,8 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
             vec![ptr(wd, 0, e * hd * im, "wd")?],
         ),
     };
-    // Shapes first (every check before any launch). INT4: the warps splitting K ride as the kernels' last argument.
+    // Shapes first (every check before any launch). INT4: the kernels pick the warps
+    // splitting K from the real tile count, up to the host's bound `ks_hi` (launch.rs).
     let w4t = launch::W4Tiles {
         max: r.max_tiles,
         min: launch::moe_min_tiles(r.t, r.k),
@@ -675,7 +676,11 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
         int(hd, "K")?,
     ]);
     if int4 {
-        args.push(int(gu_ks, "ks")?);
+        args.extend([
+            int(r.max_tiles, "max_tiles")?,
+            int(gu_ks, "ks_hi")?,
+            int(w4t.target, "target")?,
+        ]);
     }
     // SAFETY: h [P, Im] (INT4: P Im W4_XS_MAX / 2 words), x [T, H], the expert weights
     // [E, Im, 2, H] (as words / scales), sorted [8 max_tiles], tile_expert [max_tiles]
@@ -687,7 +692,11 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     args.extend(dn_w);
     args.extend([wts, sorted, tiles, int(hd, "N")?, int(im, "K")?]);
     if int4 {
-        args.push(int(dn_ks, "ks")?);
+        args.extend([
+            int(r.max_tiles, "max_tiles")?,
+            int(dn_ks, "ks_hi")?,
+            int(w4t.target, "target")?,
+        ]);
     }
     // SAFETY: y [P, H], h as above, weights [E, H, Im], wts [P] checked; indices as above.
     unsafe { launch(g, dn_name, dn_shape, &args) }

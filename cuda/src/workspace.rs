@@ -97,7 +97,7 @@ pub struct Workspace {
     pub wts: DevBuf<f32>,
     /// Pairs sorted by expert. Shape: [8 * max_tiles].
     pub sorted: DevBuf<i32>,
-    /// Expert of each tile. Shape: [max_tiles].
+    /// Expert of each tile, then the count of tiles used. Shape: [max_tiles + 1].
     pub tile_expert: DevBuf<i32>,
     /// Final hidden (post-norm, or the MTP head-norm output). Shape: [t_cap, H].
     pub hidden: DevBuf<f32>,
@@ -136,7 +136,7 @@ impl Workspace {
             ids: i(p, "ids")?,
             wts: f(p, "wts")?,
             sorted: i(8 * max_tiles, "sorted")?,
-            tile_expert: i(max_tiles, "tile_expert")?,
+            tile_expert: i(max_tiles + 1, "tile_expert")?,
             hidden: f(t_cap * z.hidden, "hidden")?,
             tmp: f(t_cap * z.hidden, "tmp")?,
             logits: f(t_cap * z.vocab, "logits")?,
