@@ -261,23 +261,27 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 // sees few tokens.
 //
 // Scheme (vLLM csrc/moe/marlin_moe_wna16 and gptq_marlin: weights pre-shuffled into mma
-// fragment order, a multi-stage cp.async pipeline, lop3 dequantization to bf16 pairs,
-// mma.sync m16n8k16 with f32 accumulation; the arrangement here is the engine's own).  The
-// previous f32 CUDA-core split-K GEMV executed 6.4 instructions a weight and was
-// issue-bound at 36% of copy bandwidth (runs/ncu-final-m1.txt).
+// fragment order, a cp.async pipeline, lop3 dequantization to bf16 pairs, mma.sync
+// m16n8k16 with f32 accumulation; the arrangement here is the engine's own).  The previous
+// f32 CUDA-core split-K GEMV executed 6.4 instructions a weight and was issue-bound at 36%
+// of copy bandwidth (runs/ncu-final-m1.txt); this one runs about 65 SASS instructions a
+// k16 step of 1024 weights a warp in its packed loop (2 a weight a lane).
 // - One moe_align tile (up to 8 pairs of one expert) is the mma's N = 8 columns.
 // - A warp owns a row block of 64 weight rows (W4_RT = 4 mma tiles of 16) over a K range
-//   of whole half 128-groups; the block's W4_WARPS warps split K ks ways (w4_ksplit) and cover
-//   W4_WARPS / ks row blocks.
+//   of whole half 128-groups; the block's W4_WARPS warps split K ks ways and cover
+//   W4_WARPS / ks row blocks.  ks (w4_ks) is chosen in the kernel from moe_align's count of
+//   real tiles: the smallest split whose blocks reach `target` (longer walks amortize a
+//   warp's start-up), at most the host's bound ks_hi; the 1-D grid of (tile, row-block
+//   group) items is sized for ks_hi and every tile, and items past the real ones exit.
 // - Weights (cuda/src/repack.rs, "the device INT4 layout"): per (expert, row block, k16
 //   step) 32 lanes x uint4, word i of lane (g, t) = the A fragment of mma tile i, nibble
 //   slot j + 4 e = element e of register j, so (w >> 4 j) & 0x000f000f | 0x43004300 is the
 //   bf16 pair 128 + n of register j (Marlin's trick), stored as q + 8.  They stream
-//   through a W4_STAGES-deep cp.async ring of half 128-groups (4 k16 steps, 64 B a lane,
-//   plus the group's 8 scales of the lane's rows) in dynamic shared memory, private to
-//   each lane (cp.async.wait_group is the only synchronization); the activations (the B
-//   operand) of the next half group are loaded into registers while the current one is
-//   multiplied.
+//   through a cp.async double buffer of half 128-groups (4 k16 steps, 64 B a lane, plus
+//   the group's 8 scales of the lane's rows) in dynamic shared memory, private to each
+//   lane (cp.async.wait_group is the only synchronization; 3 and 4 stages measured
+//   slower); the activations (the B operand) of the next half group are loaded into
+//   registers while the current one is multiplied.
 // - Exact numerics: n - 8 is an exact bf16; each f32 activation is split into W4_XS bf16
 //   terms (W4_XS 3: hi + mid + lo, which sum to the f32 value exactly; 2: 16 significant
 //   bits), products are exact, accumulation is f32, and a 128-group's partial is scaled by
