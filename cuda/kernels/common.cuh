@@ -69,6 +69,60 @@ __device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
     return r;
 }
 
+
+// ---------------------------------------------------------------------------------------
+// Split activations, the B operand of the INT4 expert GEMMs (linear.cu, issue 12): each f32
+// value as W4_XS bf16 terms in mma B-fragment order.  Here because moe.cu's fused router
+// writes them too (models/tiny: no separate launch).
+// bf16 terms an activation is split into: 3 exact, 2 = 16 significant bits.
+#ifndef W4_XS
+#define W4_XS 3
+#endif
+
+
+// bf16x2 {lo, hi} (round to nearest even).
+__device__ __forceinline__ u32 pack_bf2(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// The W4_XS bf16x2 terms of the f32 pair (a, b): t[0] + t[1] (+ t[2]) = (a, b).
+__device__ __forceinline__ void split_bf2(float a, float b, u32 t[W4_XS]) {
+#pragma unroll
+    for (int i = 0; i < W4_XS; ++i) {
+        t[i] = pack_bf2(a, b);
+        a -= bf16lo(t[i]);
+        b -= bf16hi(t[i]);
+    }
+}
+
+// u32 index of the split activations of element k of row p (rows of K elements): per
+// (row, k16 step, lane-in-group t) 2 W4_XS words, term x's pair at 2 x + (k % 16 >= 8),
+// element k % 2 in the pair's half.  The h buffer of P rows holds P K W4_XS / 2 words.
+__device__ __forceinline__ size_t w4_h_word(int p, int k, int K, int x) {
+    const int kk = k & 15;
+    return (((size_t)p * (K / 16) + k / 16) * 4 + (kk & 7) / 2) * (2 * W4_XS) + 2 * x + kk / 8;
+}
+
+// Item i = (k16 step i / 4, lane-in-group i % 4) of row `row` (f32 values xr, K of them,
+// 8-byte aligned): its four values (2t, 2t + 1, 2t + 8, 2t + 9) split into xs.
+__device__ __forceinline__ void w4_split_item(u32* __restrict__ xs, const float* __restrict__ xr,
+                                              int row, int K, int i) {
+    const int s = i / 4, t = i % 4;
+    const float2 lo = *reinterpret_cast<const float2*>(xr + s * 16 + 2 * t);
+    const float2 hi = *reinterpret_cast<const float2*>(xr + s * 16 + 2 * t + 8);
+    u32 a[W4_XS], c[W4_XS];
+    split_bf2(lo.x, lo.y, a);
+    split_bf2(hi.x, hi.y, c);
+    u32* d = xs + w4_h_word(row, s * 16 + 2 * t, K, 0);
+#pragma unroll
+    for (int j = 0; j < W4_XS; ++j) {
+        d[2 * j] = a[j];
+        d[2 * j + 1] = c[j];
+    }
+}
+
 // 8 consecutive bf16 weights (one 16-byte load) widened to f32.
 __device__ __forceinline__ void widen8(uint4 v, float out[8]) {
     out[0] = bf16lo(v.x); out[1] = bf16hi(v.x);

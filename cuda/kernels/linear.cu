@@ -312,12 +312,6 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 #ifndef W4_MINB
 #define W4_MINB 2
 #endif
-// bf16 terms an activation is split into: 3 exact, 2 = 16 significant bits.
-#ifndef W4_XS
-#define W4_XS 3
-#endif
-
-
 // Asynchronous 16-byte copy global -> shared, L2 only (sm_80+ cp.async, as Marlin's
 // multi-stage pipeline: vLLM csrc/quantization/gptq_marlin/marlin.cuh cp_async4).
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -342,23 +336,6 @@ __device__ __forceinline__ u32 w4_frag(u32 w, int j) {
     return d;
 }
 
-// bf16x2 {lo, hi} (round to nearest even).
-__device__ __forceinline__ u32 pack_bf2(float lo, float hi) {
-    u32 d;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-}
-
-// The W4_XS bf16x2 terms of the f32 pair (a, b): t[0] + t[1] (+ t[2]) = (a, b).
-__device__ __forceinline__ void split_bf2(float a, float b, u32 t[W4_XS]) {
-#pragma unroll
-    for (int i = 0; i < W4_XS; ++i) {
-        t[i] = pack_bf2(a, b);
-        a -= bf16lo(t[i]);
-        b -= bf16hi(t[i]);
-    }
-}
-
 // D = A B + D, m16n8k16, bf16 inputs, f32 accumulators (PTX ISA, "mma.m16n8k16").
 __device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
@@ -367,34 +344,15 @@ __device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// u32 index of the split activations of element k of row p (rows of K elements): per
-// (row, k16 step, lane-in-group t) 2 W4_XS words, term x's pair at 2 x + (k % 16 >= 8),
-// element k % 2 in the pair's half.  The h buffer of P rows holds P K W4_XS / 2 words.
-__device__ __forceinline__ size_t w4_h_word(int p, int k, int K, int x) {
-    const int kk = k & 15;
-    return (((size_t)p * (K / 16) + k / 16) * 4 + (kk & 7) / 2) * (2 * W4_XS) + 2 * x + kk / 8;
-}
-
 // Split activations x [T, K] f32 -> xs [T, K W4_XS / 2] u32 words (w4_h_word), the B
 // operand of moe_gate_up_w4.  Shapes: x [T, K] (K % 16 == 0, rows 8-byte aligned).
 // Launch: grid (ceil(T K / 4 / 128)), block 128: one thread per (row, k16 step, t).
 extern "C" __global__ void moe_split_x(u32* __restrict__ xs, const float* __restrict__ x, int T,
                                        int K) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)T * (K / 16) * 4) return;
-    const int t = (int)(i % 4), s = (int)(i / 4 % (K / 16)), row = (int)(i / 4 / (K / 16));
-    const float* p = x + (size_t)row * K + s * 16 + 2 * t;
-    const float2 lo = *reinterpret_cast<const float2*>(p);
-    const float2 hi = *reinterpret_cast<const float2*>(p + 8);
-    u32 a[W4_XS], c[W4_XS];
-    split_bf2(lo.x, lo.y, a);
-    split_bf2(hi.x, hi.y, c);
-    u32* d = xs + w4_h_word(row, s * 16 + 2 * t, K, 0);
-#pragma unroll
-    for (int j = 0; j < W4_XS; ++j) {
-        d[2 * j] = a[j];
-        d[2 * j + 1] = c[j];
-    }
+    if (i >= (long long)T * (K / 4)) return;
+    const int row = (int)(i / (K / 4));
+    w4_split_item(xs, x + (size_t)row * K, row, K, (int)(i % (K / 4)));
 }
 
 // The B operand of half group `hg` (k16 steps 4 hg .. 4 hg + 3) for this lane's column:

@@ -82,11 +82,14 @@ extern "C" __global__ void moe_topk(int* __restrict__ ids, float* __restrict__ w
 // The router GEMM fused with moe_topk for small routers (E <= 256): block t, warp w
 // computes logits[t, e] = x[t] . W[e] for e = w, w + 16, ... in linear_bf16's summation
 // order (lane-strided 8-wide words, then the xor warp sum), so the logits are
-// bit-identical to the unfused path's; then warp 0 picks as moe_topk. Shapes: x
+// bit-identical to the unfused path's; then warp 0 picks as moe_topk.  When xs is not
+// null the block also writes its row's split activations for the INT4 experts (common.cuh
+// w4_split_item, as linear.cu moe_split_x would; requires x_stride == K).  Shapes: x
 // [T, x_stride] f32 (first K used), W [E, K] bf16, bias [E], logits [T, E] (written),
-// ids / wts [T, k]; K % 8 == 0.  Launch: grid (T), block 512.
+// ids / wts [T, k], xs [T, K W4_XS / 2] u32 or null; K % 16 == 0.
+// Launch: grid (T), block 512.
 extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restrict__ wts,
-                                           float* __restrict__ logits,
+                                           float* __restrict__ logits, u32* __restrict__ xs,
                                            const float* __restrict__ x, int x_stride,
                                            const bf16_bits* __restrict__ W,
                                            const float* __restrict__ bias, int T, int E, int K,
@@ -98,6 +101,8 @@ extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restr
     const int t = blockIdx.x;
     if (t >= T) return;  // uniform per block
     const float* xr = x + (size_t)t * x_stride;
+    if (xs != nullptr)
+        for (int i = threadIdx.x; i < K / 4; i += blockDim.x) w4_split_item(xs, xr, t, K, i);
     for (int e = warp; e < E; e += nwarps) {
         float acc = 0.0f;
         for (int kw = lane; kw < K / 8; kw += WARP) {

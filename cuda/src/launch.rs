@@ -255,8 +255,10 @@ mod tests {
     use crate::kernels::SOURCES;
 
     fn define(name: &str) -> Option<usize> {
-        SOURCES.iter().find_map(|s| {
-            s.source.lines().find_map(|l| {
+        let prelude = [crate::kernels::PRELUDE];
+        let texts = SOURCES.iter().map(|s| s.source).chain(prelude);
+        texts.into_iter().find_map(|src| {
+            src.lines().find_map(|l| {
                 let rest = l.strip_prefix("#define ")?;
                 let mut it = rest.split_whitespace();
                 (it.next()? == name).then(|| it.next()?.parse().ok())?

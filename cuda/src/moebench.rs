@@ -542,6 +542,7 @@ fn experts_call(
         w: c.experts(),
         x: &d.x,
         xs: &sc.xs,
+        xs_ready: false,
         h: &sc.h,
         y: &sc.y,
         hidden: s.hidden,

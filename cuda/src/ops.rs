@@ -472,6 +472,9 @@ pub struct Router<'a> {
     pub logits: &'a DevBuf<f32>,
     /// Shape: [E].
     pub bias: &'a DevBuf<f32>,
+    /// Shape: [T, K W4_XS_MAX / 2]: the INT4 experts' split input, written on the way
+    /// (then [`Experts::xs_ready`]); `None` writes nothing.
+    pub xs: Option<&'a DevBuf<f32>>,
 }
 
 /// Largest router the fused kernel takes (its shared arrays).
@@ -495,10 +498,23 @@ pub fn moe_route_fused(
     }
     launch::check_gemm_operands(rt.k_dim, rt.k_dim, 0, "moe_router_topk")?;
     let p = r.t * r.k;
+    let xs = match rt.xs {
+        Some(b) if rt.k_dim.is_multiple_of(16) => {
+            ptr(b, 0, r.t * rt.k_dim * launch::W4_XS_MAX / 2, "router xs")?
+        }
+        Some(_) => {
+            return Err(CudaError::Unsupported(format!(
+                "fused router split with K = {} (needs K % 16 == 0)",
+                rt.k_dim
+            )))
+        }
+        None => Arg::P(0),
+    };
     let args = [
         ptr(r.ids, 0, p, "topk ids")?,
         ptr(r.wts, 0, p, "topk wts")?,
         ptr(rt.logits, 0, r.t * r.e, "router logits")?,
+        xs,
         ptr(rt.x, 0, r.t * rt.k_dim, "router input")?,
         int(rt.k_dim, "x stride")?,
         ptr(rt.w, 0, r.e * rt.k_dim, "router weight")?,
@@ -510,8 +526,9 @@ pub fn moe_route_fused(
         Arg::I(i32::from(norm_topk)),
         Arg::F(rsf),
     ];
-    // SAFETY: ids, wts [T*k], logits [T, E], x [T, K], W [E, K], bias [E] checked;
-    // k <= 8 and E <= 256 checked (the kernel's shared arrays), K % 8 == 0 checked.
+    // SAFETY: ids, wts [T*k], logits [T, E], x [T, K], W [E, K], bias [E], xs (null or
+    // [T, K W4_XS_MAX / 2] words, K % 16 == 0) checked; k <= 8 and E <= 256 checked (the
+    // kernel's shared arrays), K % 8 == 0 checked; x stride = K.
     unsafe {
         launch(
             g,
@@ -575,6 +592,8 @@ pub struct Experts<'a> {
     pub x: &'a DevBuf<f32>,
     /// Shape: [T, H W4_XS_MAX / 2] scratch: the split input of the INT4 kernels.
     pub xs: &'a DevBuf<f32>,
+    /// `xs` already holds the split of `x` (the fused router wrote it): no `moe_split_x`.
+    pub xs_ready: bool,
     /// Shape: [P, Im] scratch.
     pub h: &'a DevBuf<f32>,
     /// Shape: [P, H] output.
@@ -654,15 +673,17 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     let mut args = if int4 {
         let xs = ptr(a.xs, 0, r.t * hd * launch::W4_XS_MAX / 2, "moe xs")?;
         let split = [xs, x, int(r.t, "T")?, int(hd, "K")?];
-        // SAFETY: xs [T, H W4_XS_MAX / 2] words, x [T, H] checked; H % 128 == 0 (above).
-        unsafe {
-            launch(
-                g,
-                "moe_split_x",
-                launch::moe_split(r.t, hd, "moe_split_x")?,
-                &split,
-            )?
-        };
+        if !a.xs_ready {
+            // SAFETY: xs [T, H W4_XS_MAX / 2] words, x [T, H] checked; H % 128 == 0 (above).
+            unsafe {
+                launch(
+                    g,
+                    "moe_split_x",
+                    launch::moe_split(r.t, hd, "moe_split_x")?,
+                    &split,
+                )?
+            };
+        }
         vec![h, xs]
     } else {
         vec![h, x]

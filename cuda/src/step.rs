@@ -471,6 +471,9 @@ impl CudaBackend {
             max_tiles: crate::launch::moe_max_tiles(t * k, e),
         };
         let (norm, rsf) = (cfg.norm_topk_prob, cfg.routed_scaling_factor as f32);
+        // INT4 experts read a split copy of the input; the fused router writes it on the way.
+        let int4 = matches!(m.experts, DevExperts::Int4 { .. });
+        let fused_split = int4 && e <= ops::ROUTER_FUSED_E_MAX && h.is_multiple_of(16);
         if e <= ops::ROUTER_FUSED_E_MAX {
             let rt = ops::Router {
                 x: &ws.a,
@@ -478,6 +481,7 @@ impl CudaBackend {
                 k_dim: h,
                 logits: &ws.router_logits,
                 bias: &m.bias,
+                xs: fused_split.then_some(&ws.xs_moe),
             };
             ops::moe_route_fused(g, &r, &rt, norm, rsf)?;
         } else {
@@ -508,6 +512,7 @@ impl CudaBackend {
             w,
             x: &ws.a,
             xs: &ws.xs_moe,
+            xs_ready: fused_split,
             h: &ws.h_moe,
             y: &ws.y_pairs,
             hidden: h,
