@@ -74,7 +74,8 @@ __device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
 // Split activations, the B operand of the INT4 expert GEMMs (linear.cu, issue 12): each f32
 // value as W4_XS bf16 terms in mma B-fragment order.  Here because moe.cu's fused router
 // writes them too (models/tiny: no separate launch).
-// bf16 terms an activation is split into: 3 exact, 2 = 16 significant bits.
+// bf16 terms an activation is split into: 3 exact, 2 = 16 significant bits (tunable at
+// NVRTC time: SPECLAB_KERNEL_DEFINES, cuda/README.md).
 #ifndef W4_XS
 #define W4_XS 3
 #endif

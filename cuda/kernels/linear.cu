@@ -307,11 +307,9 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 #define W4_STAGES 2
 // uint4 a lane a stage: 4 k16 steps of weights + the group's scales.
 #define W4_SLOT 5
-// Tunable at NVRTC time (SPECLAB_KERNEL_DEFINES, cuda/README.md); the host's launch
-// shapes do not depend on them.
-#ifndef W4_MINB
+// Blocks an SM the registers are budgeted for (128 a thread; ptxas: 1 also takes 128, 3
+// spills at 80).
 #define W4_MINB 2
-#endif
 // Asynchronous 16-byte copy global -> shared, L2 only (sm_80+ cp.async, as Marlin's
 // multi-stage pipeline: vLLM csrc/quantization/gptq_marlin/marlin.cuh cp_async4).
 __device__ __forceinline__ u32 smem_addr(const void* p) {

@@ -24,12 +24,11 @@ pub const DEFAULT_ARCH: &str = "sm_90a";
 
 /// Environment variable naming the kernel cache directory.
 pub const CACHE_ENV: &str = "SPECLAB_KERNEL_CACHE";
-/// Environment variable of NVRTC-time kernel tunables, e.g. `W4_XS=2,W4_MINB=1`.
+/// Environment variable of NVRTC-time kernel tunables, e.g. `W4_XS=2`.
 pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// The tunables [`DEFINES_ENV`] may set, with their allowed range: compile-time knobs of
 /// the INT4 expert GEMMs that the host's launch shapes do not depend on (linear.cu).
-pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 2] =
-    [("W4_MINB", 1..=4), ("W4_XS", 2..=3)];
+pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 1] = [("W4_XS", 2..=3)];
 
 /// The prelude prepended to every source.
 pub const PRELUDE: &str = include_str!("../kernels/common.cuh");
@@ -366,11 +365,11 @@ mod tests {
     #[test]
     fn tunable_defines_parse_and_reject_bad_input() {
         assert_eq!(
-            parse_defines("W4_XS=2, W4_MINB=1").unwrap(),
-            vec!["-DW4_XS=2".to_string(), "-DW4_MINB=1".to_string()]
+            parse_defines("W4_XS=2, W4_XS=3").unwrap(),
+            vec!["-DW4_XS=2".to_string(), "-DW4_XS=3".to_string()]
         );
         assert!(parse_defines("").unwrap().is_empty());
-        for bad in ["W4_XS", "W4_RT=2", "W4_XS=x", "W4_XS=4", "W4_MINB=0"] {
+        for bad in ["W4_XS", "W4_RT=2", "W4_XS=x", "W4_XS=4", "W4_MINB=2"] {
             let e = parse_defines(bad).unwrap_err().to_string();
             assert!(e.contains(DEFINES_ENV) && e.contains(bad), "{bad}: {e}");
         }

@@ -32,10 +32,19 @@ pub const W4_TARGET_ENV: &str = "SPECLAB_W4_TARGET_BLOCKS";
 /// The INT4 GEMMs' target block count: [`W4_TARGET_ENV`] if set (1..=65536), else
 /// [`W4_TARGET_BLOCKS`].
 pub fn w4_target_blocks() -> Result<usize> {
-    match std::env::var(W4_TARGET_ENV) {
-        Err(_) => Ok(W4_TARGET_BLOCKS),
-        Ok(v) => parse_w4_target(&v),
-    }
+    // Read once: the MoE layers of every step ask.
+    static TARGET: std::sync::OnceLock<std::result::Result<usize, String>> =
+        std::sync::OnceLock::new();
+    TARGET
+        .get_or_init(|| match std::env::var(W4_TARGET_ENV) {
+            Err(_) => Ok(W4_TARGET_BLOCKS),
+            Ok(v) => parse_w4_target(&v).map_err(|e| match e {
+                CudaError::Input(m) => m,
+                other => other.to_string(),
+            }),
+        })
+        .clone()
+        .map_err(CudaError::Input)
 }
 
 /// A [`W4_TARGET_ENV`] value.

@@ -670,10 +670,22 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     } else {
         (launch::moe_gemm(hd, r.max_tiles, dn_name)?, 0)
     };
+    // The INT4 kernels' last arguments: the grid's tiles, the K-split bound, the target.
+    let w4_tail = |ks: usize| -> Result<Vec<Arg>> {
+        Ok(if int4 {
+            vec![
+                int(r.max_tiles, "max_tiles")?,
+                int(ks, "ks_hi")?,
+                int(w4t.target, "target")?,
+            ]
+        } else {
+            Vec::new()
+        })
+    };
     let mut args = if int4 {
         let xs = ptr(a.xs, 0, r.t * hd * launch::W4_XS_MAX / 2, "moe xs")?;
-        let split = [xs, x, int(r.t, "T")?, int(hd, "K")?];
         if !a.xs_ready {
+            let split = [xs, x, int(r.t, "T")?, int(hd, "K")?];
             // SAFETY: xs [T, H W4_XS_MAX / 2] words, x [T, H] checked; H % 128 == 0 (above).
             unsafe {
                 launch(
@@ -696,29 +708,17 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
         int(im, "N")?,
         int(hd, "K")?,
     ]);
-    if int4 {
-        args.extend([
-            int(r.max_tiles, "max_tiles")?,
-            int(gu_ks, "ks_hi")?,
-            int(w4t.target, "target")?,
-        ]);
-    }
+    args.extend(w4_tail(gu_ks)?);
     // SAFETY: h [P, Im] (INT4: P Im W4_XS_MAX / 2 words), x [T, H], the expert weights
-    // [E, Im, 2, H] (as words / scales), sorted [8 max_tiles], tile_expert [max_tiles]
-    // checked; pair ids in `sorted` are < P and tile experts < E (moe_align's output over
+    // [E, Im, 2, H] (as words / scales), sorted [8 max_tiles], tile_expert
+    // [max_tiles + 1] checked; pair ids in `sorted` are < P and tile experts < E (moe_align's output over
     // ids < E). The INT4 kernels touch whole row blocks of 64 rows only (2 Im, H % 64 == 0,
     // checked by moe_w4; launch.rs tests the row-block cover).
     unsafe { launch(g, gu_name, gu_shape, &args)? };
     let mut args = vec![y, h];
     args.extend(dn_w);
     args.extend([wts, sorted, tiles, int(hd, "N")?, int(im, "K")?]);
-    if int4 {
-        args.extend([
-            int(r.max_tiles, "max_tiles")?,
-            int(dn_ks, "ks_hi")?,
-            int(w4t.target, "target")?,
-        ]);
-    }
+    args.extend(w4_tail(dn_ks)?);
     // SAFETY: y [P, H], h as above, weights [E, H, Im], wts [P] checked; indices as above.
     unsafe { launch(g, dn_name, dn_shape, &args) }
 }

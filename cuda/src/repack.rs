@@ -46,9 +46,6 @@ pub const GROUP: usize = 128;
 /// Weight rows of one row block (4 mma tiles of 16; a warp's rows in `w4_mma`).
 pub const ROW_BLOCK: usize = 64;
 
-/// bf16 terms the kernel splits an activation into (linear.cu `W4_XS` default).
-pub const SPLIT_TERMS: usize = 3;
-
 /// Row of the device matrix holding matrix `m` (< `nmat`) of output column `n`: for
 /// `nmat` 2 (gate 0, up 1) tile rows `g` are gates and `g + 8` ups of column
 /// `32 (row / 64) + 8 (row % 64 / 16) + g`; for `nmat` 1 the row is `n`.

@@ -473,7 +473,7 @@ impl CudaBackend {
         let (norm, rsf) = (cfg.norm_topk_prob, cfg.routed_scaling_factor as f32);
         // INT4 experts read a split copy of the input; the fused router writes it on the way.
         let int4 = matches!(m.experts, DevExperts::Int4 { .. });
-        let fused_split = int4 && e <= ops::ROUTER_FUSED_E_MAX && h.is_multiple_of(16);
+        let fused_split = int4 && e <= ops::ROUTER_FUSED_E_MAX;
         if e <= ops::ROUTER_FUSED_E_MAX {
             let rt = ops::Router {
                 x: &ws.a,
