@@ -38,7 +38,7 @@ use std::ops::Range;
 
 use rand::{Rng, RngCore};
 use speclab_engine::backend::SharedHead;
-use speclab_engine::kv::{BlockId, CapPolicy, GroupKind, KvCacheManager, NULL_BLOCK};
+use speclab_engine::kv::{BlockId, KvCacheManager};
 use speclab_engine::model::attention::{apply_rope, rope_tables};
 use speclab_engine::model::moe::mlp;
 use speclab_engine::model::ops::{argmax, rmsnorm};
@@ -47,7 +47,9 @@ use speclab_engine::{EngineError, ReqSlot, Result};
 
 use super::config::{DFlash2Config, KV_GROUP_NAME};
 use super::conv::grouped_conv;
-use super::kv::DraftKvStore;
+use super::kv::{DraftGroup, DraftKvStore};
+#[cfg(test)]
+use super::selector::walk_greedy;
 use super::selector::{edge_scores, sample_index, softmax_temp, sorted_gap, topk_ids};
 use super::weights::{ConvWeights, DFlash2Weights, DraftLayer};
 
@@ -178,12 +180,8 @@ fn input_err(msg: String) -> EngineError {
 #[derive(Debug)]
 pub struct DFlash2 {
     w: DFlash2Weights,
-    /// Index of the drafter's sliding-window group in the manager's groups.
-    group: usize,
-    group_name: String,
-    block_size: usize,
-    /// Ring length in blocks (cap policy `WindowPlusTwo`), else positional tables.
-    ring_blocks: Option<usize>,
+    /// The drafter's sliding-window group and its block-table mapping.
+    grp: DraftGroup,
     store: DraftKvStore,
     /// Per request: positions appended (`n`).
     ctx_len: HashMap<ReqSlot, usize>,
@@ -204,59 +202,16 @@ impl DFlash2 {
         kv: &KvCacheManager,
         group: usize,
     ) -> Result<Self> {
-        let cfg = &weights.cfg;
-        cfg.validate()?;
-        cfg.check_target(target_cfg)?;
-        let groups = kv.groups();
-        let bad = |reason: String| EngineError::InvalidLayout {
-            field: format!("groups[{group}]"),
-            reason,
-        };
-        let g = groups.get(group).ok_or_else(|| {
-            bad(format!(
-                "the KV layout has {} groups; the DFlash2 drafter needs its own sliding-window group",
-                groups.len()
-            ))
-        })?;
-        if g.kind != GroupKind::SlidingWindow {
-            return Err(bad(format!(
-                "group `{}` is {:?}; the DFlash2 drafter's K/V need a sliding_window group (DFlash2Config::kv_group)",
-                g.name, g.kind
-            )));
-        }
-        if g.sliding_window != cfg.sliding_window as u64 {
-            return Err(bad(format!(
-                "group `{}` has sliding_window {}, the drafter's config sliding_window is {}",
-                g.name, g.sliding_window, cfg.sliding_window
-            )));
-        }
-        if let Some(m) = g.memory {
-            let page = 4 * cfg.kv_page_floats(g.block_size as usize) as u64;
-            if m.num_layers as usize != cfg.num_hidden_layers || m.page_size_bytes != page {
-                return Err(bad(format!(
-                    "group `{}` memory ({} layers x {} B) does not match the drafter ({} layers x {page} B f32 pages)",
-                    g.name, m.num_layers, m.page_size_bytes, cfg.num_hidden_layers
-                )));
-            }
-        }
-        let block_size =
-            usize::try_from(g.block_size).map_err(|_| bad("block_size exceeds usize".into()))?;
-        let ring_blocks = match g.cap {
-            CapPolicy::WindowPlusTwo => Some(g.admission_cap_blocks.unwrap_or(u64::MAX) as usize),
-            _ => None,
-        };
+        let grp = DraftGroup::new(&weights.cfg, target_cfg, kv, group)?;
         let store = DraftKvStore::new(
-            cfg.num_hidden_layers,
-            kv.pool().num_blocks() as usize,
-            block_size,
-            cfg.kv_row(),
+            weights.cfg.num_hidden_layers,
+            grp.num_blocks,
+            grp.block_size,
+            weights.cfg.kv_row(),
         )?;
         Ok(Self {
-            group_name: g.name.clone(),
             w: weights,
-            group,
-            block_size,
-            ring_blocks,
+            grp,
             store,
             ctx_len: HashMap::new(),
         })
@@ -272,7 +227,7 @@ impl DFlash2 {
     }
     /// Index of the drafter's group in the KV manager.
     pub fn group(&self) -> usize {
-        self.group
+        self.grp.index
     }
     /// The KV pages.
     pub fn store(&self) -> &DraftKvStore {
@@ -307,55 +262,6 @@ impl DFlash2 {
         )
     }
 
-    fn check_manager(&self, kv: &KvCacheManager) -> Result<()> {
-        let ok = kv.pool().num_blocks() as usize == self.store.num_blocks()
-            && kv.groups().get(self.group).is_some_and(|g| {
-                g.name == self.group_name && g.block_size as usize == self.block_size
-            });
-        if !ok {
-            return Err(input_err(format!(
-                "this KvCacheManager ({} blocks) is not the one the DFlash2 drafter was built for ({} blocks, group {} `{}`)",
-                kv.pool().num_blocks(),
-                self.store.num_blocks(),
-                self.group,
-                self.group_name
-            )));
-        }
-        Ok(())
-    }
-
-    /// Block and offset of position `pos` in a request's drafter-group table.
-    fn locate(&self, table: &[BlockId], slot: ReqSlot, pos: usize) -> Result<(BlockId, usize)> {
-        let bi = pos / self.block_size;
-        let idx = match self.ring_blocks {
-            Some(r) if r > 0 => bi % r,
-            _ => bi,
-        };
-        let b = *table.get(idx).ok_or_else(|| {
-            input_err(format!(
-                "request slot {}: DFlash2 KV group `{}` table has {} blocks, position {pos} needs block index {idx}; allocate with KvCacheManager::allocate_slots (lookahead N + 1) first",
-                slot.0,
-                self.group_name,
-                table.len()
-            ))
-        })?;
-        if b == NULL_BLOCK {
-            return Err(input_err(format!(
-                "request slot {}: DFlash2 context position {pos} is in block index {idx} of group `{}`, which the allocator replaced by the null block (evicted), but the drafter's window still needs it",
-                slot.0, self.group_name
-            )));
-        }
-        if b as usize >= self.store.num_blocks() {
-            return Err(input_err(format!(
-                "request slot {}: group `{}` table holds block {b}, outside the pool of {} blocks",
-                slot.0,
-                self.group_name,
-                self.store.num_blocks()
-            )));
-        }
-        Ok((b, pos % self.block_size))
-    }
-
     /// Append the target features (`[T, m * H]`, §3) of positions `start_pos ..
     /// start_pos + T` of request `slot`: compute their context K/V (§4) and write them into
     /// the drafter group's blocks (module doc for the protocol).
@@ -366,7 +272,7 @@ impl DFlash2 {
         start_pos: usize,
         features: &[f32],
     ) -> Result<()> {
-        self.check_manager(kv)?;
+        self.grp.check_manager(kv)?;
         let cfg = &self.w.cfg;
         let f = cfg.feature_dim();
         if features.is_empty() || !features.len().is_multiple_of(f) {
@@ -392,9 +298,9 @@ impl DFlash2 {
         // Rows at positions <= end - W are never visible to a future query (§7).
         let keep_from = start_pos.max((end + 1).saturating_sub(cfg.sliding_window));
         let rows = end - keep_from;
-        let table = kv.table(self.group, slot);
+        let table = kv.table(self.grp.index, slot);
         let slots: Vec<(BlockId, usize)> = (keep_from..end)
-            .map(|p| self.locate(table, slot, p))
+            .map(|p| self.grp.locate(table, slot, p))
             .collect::<Result<_>>()?;
         let eps = cfg.rms_norm_eps as f32;
         let (nkv, d) = (cfg.num_key_value_heads, cfg.head_dim);
@@ -429,7 +335,7 @@ impl DFlash2 {
         layer: usize,
         pos: usize,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
-        self.check_manager(kv)?;
+        self.grp.check_manager(kv)?;
         if layer >= self.w.cfg.num_hidden_layers {
             return Err(input_err(format!(
                 "drafter layer {layer} does not exist ({} layers)",
@@ -443,7 +349,7 @@ impl DFlash2 {
                 slot.0
             )));
         }
-        let (b, off) = self.locate(kv.table(self.group, slot), slot, pos)?;
+        let (b, off) = self.grp.locate(kv.table(self.grp.index, slot), slot, pos)?;
         let (k, v) = self.store.read(layer, b, off);
         Ok((k.to_vec(), v.to_vec()))
     }
@@ -458,16 +364,16 @@ impl DFlash2 {
         req: &DraftRequest,
         rng: Option<&mut dyn RngCore>,
     ) -> Result<Draft> {
-        self.check_manager(kv)?;
+        self.grp.check_manager(kv)?;
         let n = self.check_draft(target, req, rng.is_some())?;
         let cfg = &self.w.cfg;
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let nn = req.num_speculative_tokens;
         let q_rows = nn + 1;
         let ctx_start = (n + 1).saturating_sub(cfg.sliding_window);
-        let table = kv.table(self.group, req.slot);
+        let table = kv.table(self.grp.index, req.slot);
         let ctx_slots: Vec<(BlockId, usize)> = (ctx_start..n)
-            .map(|p| self.locate(table, req.slot, p))
+            .map(|p| self.grp.locate(table, req.slot, p))
             .collect::<Result<_>>()?;
         // x = embed_tokens[[anchor, MASK x N]]
         let mask = cfg.dflash_config.mask_token_id;
@@ -493,11 +399,7 @@ impl DFlash2 {
         };
         let rows = &logits[first * v..(first + nn) * v];
         let mut pick = Picked::new(req, nn);
-        if req.mode == DraftMode::V2 {
-            self.pick_v2(&hid[h..], rows, req, rng, &mut pick)?;
-        } else {
-            pick_v1(rows, v, req, rng, &mut pick);
-        }
+        pick_into(&self.w, &hid[h..], rows, req, rng, &mut pick)?;
         Ok(Draft {
             tokens: pick.tokens,
             q: pick.q,
@@ -631,76 +533,6 @@ impl DFlash2 {
         Ok(layer_out)
     }
 
-    /// v2 (§6.2): the selector walk over the top-k candidates of each row, with q.
-    /// `hid_rows` [N, H] and `rows` [N, V] are the block's prediction rows.
-    fn pick_v2(
-        &self,
-        hid_rows: &[f32],
-        rows: &[f32],
-        req: &DraftRequest,
-        mut rng: Option<&mut dyn RngCore>,
-        out: &mut Picked,
-    ) -> Result<()> {
-        let cfg = &self.w.cfg;
-        let (v, nn) = (cfg.vocab_size, req.num_speculative_tokens);
-        let sample_t = sample_temperature(req);
-        let lrow = |j: usize| &rows[j * v..(j + 1) * v];
-        let sel = self
-            .w
-            .selector
-            .as_ref()
-            .ok_or_else(|| input_err("selector weights missing (internal)".into()))?;
-        let k = cfg.dflash_config.selector_top_k;
-        let r = cfg.dflash_config.selector_rank;
-        let g = sel.hidden_proj.forward(hid_rows, nn)?; // [N, r]
-        let mut tr = SelectorTrace::default();
-        let mut prev_cand: Vec<u32> = vec![req.anchor_token; k];
-        let mut prev = 0usize;
-        for j in 0..nn {
-            let lr = lrow(j);
-            let cand = topk_ids(lr, k);
-            let unary: Vec<f32> = cand.iter().map(|&c| lr[c as usize]).collect();
-            let gj = &g[j * r..(j + 1) * r];
-            let realized = if req.trace {
-                let s = edge_scores(sel, r, &cand, &unary, gj, &prev_cand);
-                let row = s[prev * k..(prev + 1) * k].to_vec();
-                tr.edge_scores.extend_from_slice(&s);
-                row
-            } else {
-                edge_scores(sel, r, &cand, &unary, gj, &prev_cand[prev..prev + 1])
-            };
-            let p = softmax_temp(&realized, sample_t);
-            let c = match rng.as_deref_mut() {
-                Some(gen) if req.temperature > 0.0 => sample_index(&p, gen.random::<f32>()),
-                _ => argmax(&realized),
-            };
-            out.tokens.push(cand[c]);
-            if let Some(m) = out.margin.as_mut() {
-                m.push(sorted_gap(&realized, 0));
-            }
-            if let Some(qo) = out.q.as_mut() {
-                let mut qv = vec![0.0f32; v];
-                for (&ci, &pi) in cand.iter().zip(&p) {
-                    qv[ci as usize] = pi;
-                }
-                qo.push(qv);
-            }
-            if req.trace {
-                tr.cand_ids.extend_from_slice(&cand);
-                tr.cand_unary.extend_from_slice(&unary);
-                tr.choice.push(c as u32);
-                tr.realized.extend_from_slice(&realized);
-                tr.topk_gap.push(sorted_gap(lr, k - 1));
-            }
-            prev = c;
-            prev_cand = cand;
-        }
-        if req.trace {
-            out.selector = Some(tr);
-        }
-        Ok(())
-    }
-
     /// §5.2 for one layer: `a2 [Q, H]` -> `o_proj(attention) [Q, H]`. Context rows
     /// `ctx_k`/`ctx_v` `[S, nkv, d]` hold positions `ctx_start .. p0`.
     fn attention(
@@ -815,6 +647,124 @@ impl Picked {
     }
 }
 
+/// v2 (§6.2): the selector walk over the top-k candidates of each row, with q.
+/// `hid_rows` [N, H] and `rows` [N, V] are the block's prediction rows.
+fn pick_v2(
+    w: &DFlash2Weights,
+    hid_rows: &[f32],
+    rows: &[f32],
+    req: &DraftRequest,
+    mut rng: Option<&mut dyn RngCore>,
+    out: &mut Picked,
+) -> Result<()> {
+    let cfg = &w.cfg;
+    let (v, nn) = (cfg.vocab_size, req.num_speculative_tokens);
+    let sample_t = sample_temperature(req);
+    let lrow = |j: usize| &rows[j * v..(j + 1) * v];
+    let sel = w
+        .selector
+        .as_ref()
+        .ok_or_else(|| input_err("selector weights missing (internal)".into()))?;
+    let k = cfg.dflash_config.selector_top_k;
+    let r = cfg.dflash_config.selector_rank;
+    let g = sel.hidden_proj.forward(hid_rows, nn)?; // [N, r]
+    let mut tr = SelectorTrace::default();
+    let mut prev_cand: Vec<u32> = vec![req.anchor_token; k];
+    let mut prev = 0usize;
+    for j in 0..nn {
+        let lr = lrow(j);
+        let cand = topk_ids(lr, k);
+        let unary: Vec<f32> = cand.iter().map(|&c| lr[c as usize]).collect();
+        let gj = &g[j * r..(j + 1) * r];
+        let realized = if req.trace {
+            let s = edge_scores(sel, r, &cand, &unary, gj, &prev_cand);
+            let row = s[prev * k..(prev + 1) * k].to_vec();
+            tr.edge_scores.extend_from_slice(&s);
+            row
+        } else {
+            edge_scores(sel, r, &cand, &unary, gj, &prev_cand[prev..prev + 1])
+        };
+        let p = softmax_temp(&realized, sample_t);
+        let c = match rng.as_deref_mut() {
+            Some(gen) if req.temperature > 0.0 => sample_index(&p, gen.random::<f32>()),
+            _ => argmax(&realized),
+        };
+        out.tokens.push(cand[c]);
+        if let Some(m) = out.margin.as_mut() {
+            m.push(sorted_gap(&realized, 0));
+        }
+        if let Some(qo) = out.q.as_mut() {
+            let mut qv = vec![0.0f32; v];
+            for (&ci, &pi) in cand.iter().zip(&p) {
+                qv[ci as usize] = pi;
+            }
+            qo.push(qv);
+        }
+        if req.trace {
+            tr.cand_ids.extend_from_slice(&cand);
+            tr.cand_unary.extend_from_slice(&unary);
+            tr.choice.push(c as u32);
+            tr.realized.extend_from_slice(&realized);
+            tr.topk_gap.push(sorted_gap(lr, k - 1));
+        }
+        prev = c;
+        prev_cand = cand;
+    }
+    if req.trace {
+        out.selector = Some(tr);
+    }
+    Ok(())
+}
+
+/// §6 over prediction rows computed elsewhere (a device engine's block forward):
+/// `hid_rows` [N, H] (rows 1..=N of the block hidden) and `rows` [N, V] (their logits);
+/// the tokens and, when sampling, q. The same code as [`DFlash2::draft`]'s picker.
+pub fn pick_rows(
+    w: &DFlash2Weights,
+    hid_rows: &[f32],
+    rows: &[f32],
+    req: &DraftRequest,
+    rng: Option<&mut dyn RngCore>,
+) -> Result<(Vec<u32>, Option<Vec<Vec<f32>>>)> {
+    let (h, v, nn) = (
+        w.cfg.hidden_size,
+        w.cfg.vocab_size,
+        req.num_speculative_tokens,
+    );
+    if hid_rows.len() != nn * h || rows.len() != nn * v {
+        return Err(input_err(format!(
+            "pick_rows: {} hidden and {} logits values for N = {nn} rows (H = {h}, V = {v})",
+            hid_rows.len(),
+            rows.len()
+        )));
+    }
+    let mut pick = Picked::new(
+        &DraftRequest {
+            trace: false,
+            ..*req
+        },
+        nn,
+    );
+    pick_into(w, hid_rows, rows, req, rng, &mut pick)?;
+    Ok((pick.tokens, pick.q))
+}
+
+fn pick_into(
+    w: &DFlash2Weights,
+    hid_rows: &[f32],
+    rows: &[f32],
+    req: &DraftRequest,
+    rng: Option<&mut dyn RngCore>,
+    out: &mut Picked,
+) -> Result<()> {
+    if req.mode == DraftMode::V2 {
+        pick_v2(w, hid_rows, rows, req, rng, out)
+    } else {
+        pick_v1(rows, w.cfg.vocab_size, req, rng, out);
+        Ok(())
+    }
+}
+
 /// The temperature the pickers' softmax uses (1 when greedy).
 fn sample_temperature(req: &DraftRequest) -> f32 {
     if req.temperature > 0.0 {
@@ -859,6 +809,7 @@ mod tests {
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
     use speclab_engine::kv::manager::AllocArgs;
+    use speclab_engine::kv::CapPolicy;
     use speclab_engine::kv::AllocOutcome;
     use speclab_engine::model::ModelWeights;
     use speclab_engine::{RequestStatus, RequestView};
@@ -898,6 +849,68 @@ mod tests {
             .collect();
         d.append_context(&kv, ReqSlot(0), 0, &feats).unwrap();
         (kv, target, d)
+    }
+
+    #[test]
+    fn picks_from_rows_computed_elsewhere_equal_the_draft() {
+        let (kv, target, d) = setup();
+        let cfg = d.config().clone();
+        let (h, v, nn) = (cfg.hidden_size, cfg.vocab_size, 7);
+        for mode in [DraftMode::V1, DraftMode::V2] {
+            let req = DraftRequest {
+                slot: ReqSlot(0),
+                anchor_token: 11,
+                anchor_pos: 20,
+                num_speculative_tokens: nn,
+                mode,
+                temperature: 0.0,
+                trace: true,
+            };
+            let t = d.draft(&kv, &target, &req, None).unwrap();
+            let (hid, logits) = (t.hidden.unwrap(), t.logits.unwrap());
+            let (hid, rows) = (&hid[h..], &logits[v..]);
+            let plain = DraftRequest {
+                trace: false,
+                ..req
+            };
+            let (tokens, q) = pick_rows(d.weights(), hid, rows, &plain, None).unwrap();
+            assert_eq!(tokens, t.tokens, "{mode:?}");
+            assert!(q.is_none());
+            // The sampled pick reproduces the draft's sample with the same seed.
+            let hot = DraftRequest {
+                temperature: 0.7,
+                ..plain
+            };
+            let mut r1 = ChaCha8Rng::seed_from_u64(9);
+            let a = d.draft(&kv, &target, &hot, Some(&mut r1)).unwrap();
+            let mut r2 = ChaCha8Rng::seed_from_u64(9);
+            let (b, qb) = pick_rows(d.weights(), hid, rows, &hot, Some(&mut r2)).unwrap();
+            assert_eq!((a.tokens, a.q), (b, qb), "{mode:?}");
+            assert!(pick_rows(d.weights(), &hid[1..], rows, &plain, None).is_err());
+            if mode == DraftMode::V2 {
+                let sel = d.weights().selector.as_ref().unwrap();
+                let (k, r) = (
+                    cfg.dflash_config.selector_top_k,
+                    cfg.dflash_config.selector_rank,
+                );
+                let mut cand = Vec::new();
+                let mut unary = Vec::new();
+                for j in 0..nn {
+                    let row = &rows[j * v..(j + 1) * v];
+                    let c = super::super::selector::topk_ids(row, k);
+                    unary.extend(c.iter().map(|&i| row[i as usize]));
+                    cand.extend(c);
+                }
+                let g = sel.hidden_proj.forward(hid, nn).unwrap();
+                let w = walk_greedy(sel, r, 11, &cand, &unary, &g, k);
+                assert_eq!(w, t.tokens);
+                // A different anchor changes the first edge scores' predecessor.
+                assert_eq!(
+                    walk_greedy(sel, r, 11, &cand, &unary, &g, 0),
+                    Vec::<u32>::new()
+                );
+            }
+        }
     }
 
     #[test]

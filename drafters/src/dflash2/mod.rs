@@ -30,6 +30,9 @@ pub mod selector;
 pub mod weights;
 
 pub use config::{DFlash2Config, KV_GROUP_NAME};
-pub use forward::{target_features, DFlash2, Draft, DraftMode, DraftRequest, SelectorTrace};
-pub use kv::DraftKvStore;
+pub use forward::{
+    pick_rows, target_features, DFlash2, Draft, DraftMode, DraftRequest, SelectorTrace,
+};
+pub use kv::{DraftGroup, DraftKvStore};
+pub use selector::walk_greedy;
 pub use weights::DFlash2Weights;

@@ -15,6 +15,8 @@
 
 use std::cmp::Ordering;
 
+use speclab_engine::model::ops::argmax;
+
 use super::weights::SelectorWeights;
 
 /// The `k` largest entries of `row`, value-descending, equal values by lower index.
@@ -66,6 +68,40 @@ pub fn edge_scores(
         }
     }
     s
+}
+
+/// The greedy walk of §6.2 over candidates computed elsewhere (the CUDA engine's device
+/// top-k and `hidden_projection`): `cand` and `unary` [N, k] (value-descending, ties to
+/// the lower id, as [`topk_ids`]), `g` [N, r]; returns the N draft tokens. Given the
+/// same candidates this is exactly the greedy pick of `DFlash2::draft` (same
+/// [`edge_scores`], same first-maximum argmax).
+pub fn walk_greedy(
+    sel: &SelectorWeights,
+    r: usize,
+    anchor: u32,
+    cand: &[u32],
+    unary: &[f32],
+    g: &[f32],
+    k: usize,
+) -> Vec<u32> {
+    let nn = if k == 0 { 0 } else { cand.len() / k };
+    let mut out = Vec::with_capacity(nn);
+    let mut pred = anchor;
+    for j in 0..nn {
+        let cj = &cand[j * k..(j + 1) * k];
+        let s = edge_scores(
+            sel,
+            r,
+            cj,
+            &unary[j * k..(j + 1) * k],
+            &g[j * r..(j + 1) * r],
+            &[pred],
+        );
+        let c = argmax(&s);
+        out.push(cj[c]);
+        pred = cj[c];
+    }
+    out
 }
 
 /// `softmax(row / temp)` (max subtracted).
