@@ -1,6 +1,8 @@
 //! The device check in one process: parity (speclab_cuda::check::parity) then decode
 //! timing at batch 1 / 8 / 32 / 128 with CUDA graphs off and on; JSON to the path given
 //! by `--json PATH` (default `gpu_check.json`), a short table last on stdout.
+//! Parity includes the DFlash2 drafter on the device (`speclab_cuda::CudaDFlash2`, checkpoint
+//! `--drafter DIR`, default models/dflash2-tiny) against the CPU drafter through the step loop.
 //! `--parity-only` skips the timing (for runs under compute-sanitizer); `--steps N`
 //! sets the timed decode steps (default 50).
 //!
@@ -12,6 +14,11 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 use speclab_cuda::check::{self, CheckLine, ProfileRow, TimingRow};
+use speclab_drafters::DrafterSpec;
+use speclab_engine::exec::{generate_on, EngineOptions, EngineRequest, EngineRun};
+use speclab_engine::kv::CapPolicy;
+use speclab_engine::model::ModelWeights;
+use speclab_engine::spec::SamplingParams;
 
 #[derive(Serialize)]
 struct Report {
@@ -44,7 +51,12 @@ fn main() {
         std::process::exit(2);
     }
     let t0 = std::time::Instant::now();
-    let caught = std::panic::catch_unwind(|| check::parity(&model));
+    let drafter = PathBuf::from(arg("--drafter").unwrap_or_else(|| "models/dflash2-tiny".into()));
+    let caught = std::panic::catch_unwind(|| {
+        let mut l = check::parity(&model)?;
+        l.extend(dflash_parity(&model, &drafter)?);
+        Ok::<_, Box<dyn std::error::Error>>(l)
+    });
     let (parity, parity_error) = match caught {
         Ok(Ok(l)) => (l, None),
         Ok(Err(e)) => (Vec::new(), Some(e.to_string())),
@@ -145,4 +157,135 @@ fn print_profile(rows: &[ProfileRow]) {
             top.join("; ")
         );
     }
+}
+
+/// One step-loop run of `spec` (N = 7, greedy unless `temperature`), 5 requests at 3
+/// concurrent, prompts past the drafter's window; on the CPU or with the DFlash drafter
+/// on the device (`speclab_cuda::CudaDrafterSpec`).
+fn dflash_run(
+    target: &ModelWeights,
+    spec: &DrafterSpec,
+    cuda: bool,
+    temperature: f32,
+) -> Result<EngineRun, Box<dyn std::error::Error>> {
+    let v = target.cfg.vocab_size as u32;
+    let reqs: Vec<EngineRequest> = (0..5u32)
+        .map(|i| {
+            // A repeated phrase (so drafts get accepted) after a seeded prefix; lengths
+            // 40 .. 340 cross the 256-token window.
+            let len = 40 + 75 * i as usize;
+            let prompt = (0..len as u32)
+                .map(|t| {
+                    if t % 3 == 0 {
+                        (7 + 131 * (t % 17) + 11 * i) % v
+                    } else {
+                        (t * 2654435761u32 ^ i) % v
+                    }
+                })
+                .collect();
+            EngineRequest {
+                id: i as u64,
+                prompt,
+                max_tokens: 40,
+            }
+        })
+        .collect();
+    let opts = EngineOptions {
+        num_blocks: spec.default_num_blocks(16, target.cfg.max_position_embeddings as u64, &reqs),
+        sampling: if temperature > 0.0 {
+            SamplingParams::random(temperature)
+        } else {
+            SamplingParams::GREEDY
+        },
+        seed: 3,
+        ignore_eos: true,
+        ..EngineOptions::default()
+    };
+    let mut make = speclab_schedulers::fcfs_factory(3, 8192);
+    let run = if cuda {
+        let f = speclab_cuda::CudaFactory::default();
+        generate_on(
+            &f,
+            target,
+            &speclab_cuda::CudaDrafterSpec(spec.clone()),
+            &reqs,
+            &opts,
+            &mut make,
+        )?
+    } else {
+        generate_on(
+            &speclab_engine::backend::CpuBackend,
+            target,
+            spec,
+            &reqs,
+            &opts,
+            &mut make,
+        )?
+    };
+    Ok(run)
+}
+
+/// The DFlash2 (v2) and DFlash v1 drafters on the device against the CPU drafters: equal
+/// outputs, and equal accepted drafts at every step (the drafts themselves equal); a
+/// sampled device run completes.
+fn dflash_parity(
+    model: &std::path::Path,
+    drafter: &std::path::Path,
+) -> Result<Vec<CheckLine>, Box<dyn std::error::Error>> {
+    let target = ModelWeights::load(model)?;
+    let mut out = Vec::new();
+    let mut push = |name: String, value: f64| {
+        out.push(CheckLine {
+            pass: value == 0.0,
+            name,
+            value,
+            bound: 0.0,
+        });
+    };
+    for kind in ["dflash2", "dflash1"] {
+        let spec = DrafterSpec::load(
+            kind,
+            Some(drafter),
+            &target.cfg,
+            7,
+            CapPolicy::WindowPlusTwo,
+        )?;
+        let cpu = dflash_run(&target, &spec, false, 0.0)?;
+        let dev = dflash_run(&target, &spec, true, 0.0)?;
+        let differ = cpu
+            .requests
+            .iter()
+            .zip(&dev.requests)
+            .filter(|(a, b)| a.output != b.output)
+            .count();
+        push(
+            format!("{kind} N=7 on the device: requests whose output differs from the CPU's"),
+            differ as f64,
+        );
+        let acc = |r: &EngineRun| {
+            r.steps
+                .iter()
+                .map(|s| s.num_accepted_tokens)
+                .collect::<Vec<_>>()
+        };
+        let (a, b) = (acc(&cpu), acc(&dev));
+        let steps = a.iter().zip(&b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len());
+        push(
+            format!(
+                "{kind} N=7: steps whose accepted drafts differ (tau cpu {:.3} cuda {:.3})",
+                cpu.tau, dev.tau
+            ),
+            steps as f64,
+        );
+        let hot = dflash_run(&target, &spec, true, 0.8)?;
+        let unfinished = hot.requests.iter().filter(|r| r.finish.is_none()).count();
+        push(
+            format!(
+                "{kind} N=7 sampled (T 0.8) on the device: unfinished requests (tau {:.3})",
+                hot.tau
+            ),
+            unfinished as f64,
+        );
+    }
+    Ok(out)
 }

@@ -541,6 +541,8 @@ impl CudaBackend {
             self.ws.hidden.read(st, 0, t * h, "hidden")?
         };
         let per_layer_hidden = match (&self.per_layer, collect.hidden) {
+            // A drafter on this device reads them from `per_layer` (LayerHidden::Device).
+            (Some(_), true) if opts.hidden_on_device => None,
             (Some(p), true) => {
                 let cap = self.ws.t_cap * h;
                 let mut out = Vec::with_capacity((cfg.num_hidden_layers + 1) * t * h);

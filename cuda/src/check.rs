@@ -237,6 +237,7 @@ impl Rig {
         let all = ForwardOptions {
             logits: LogitsRows::All,
             collect_hidden: true,
+            hidden_on_device: false,
             collect_router: true,
             greedy_ids: false,
             skip_hidden: false,

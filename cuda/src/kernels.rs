@@ -85,6 +85,18 @@ pub const SOURCES: &[KernelSource] = &[
         entries: &["rope_kv_write", "paged_attention"],
     },
     KernelSource {
+        name: "dflash.cu",
+        source: include_str!("../kernels/dflash.cu"),
+        entries: &[
+            "df2_features",
+            "df2_ctx_write",
+            "df2_head_norm_rope",
+            "df2_conv",
+            "df2_attention",
+            "df2_topk",
+        ],
+    },
+    KernelSource {
         name: "bench.cu",
         source: include_str!("../kernels/bench.cu"),
         entries: &[

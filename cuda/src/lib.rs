@@ -17,7 +17,8 @@
 //! (the kernel sequence of a step), [`backend`] (the public backend), [`check`] (the
 //! device check: parity against the CPU engine and decode timing), [`seam`] (the
 //! engine's `TargetBackend` / `SharedHead` / `BackendFactory` for the CUDA backend),
-//! [`moebench`] (issue 12: one GLM-5.3-Flash MoE layer timed and checked on the device).
+//! [`moebench`] (issue 12: one GLM-5.3-Flash MoE layer timed and checked on the device),
+//! [`dflash`] / [`dflash_plan`] (the DFlash2 drafter on the device, beside the target).
 //!
 //! Invariants: numerics follow docs/model.md §1 (f32 compute; bf16 weights widened
 //! exactly; INT4 dequantized to exact f32 products); every launch's bounds are checked
@@ -28,6 +29,8 @@ pub mod backend;
 pub mod buf;
 pub mod check;
 pub mod device;
+pub mod dflash;
+pub mod dflash_plan;
 pub mod error;
 pub mod kernels;
 pub mod kvpool;
@@ -42,5 +45,6 @@ pub mod weights;
 pub mod workspace;
 
 pub use backend::{CudaBackend, CudaOptions};
+pub use dflash::{CudaDFlash2, CudaDrafterSpec};
 pub use error::{CudaError, Result};
 pub use seam::CudaFactory;

@@ -109,6 +109,9 @@ impl TargetBackend for CudaBackend {
     fn release(&mut self, slot: ReqSlot) {
         CudaBackend::release(self, slot)
     }
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
+    }
 }
 
 /// Builds [`CudaBackend`]s for the step loop (`--device cuda`).

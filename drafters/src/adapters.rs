@@ -3,7 +3,7 @@
 //! [`DFlash2Drafter`] wraps [`DFlash2`] (docs/dflash2.md §7) as a [`Drafter`]: after every
 //! target pass it appends the committed positions' target features (the residual stream
 //! after each of `target_layer_ids`, from `ForwardOut::per_layer_hidden`, which it asks
-//! for through [`Drafter::wants_layer_hidden`]) to its sliding-window KV, then drafts one
+//! for through [`Drafter::layer_hidden`]) to its sliding-window KV, then drafts one
 //! block from the anchor (the token just sampled, at position `n` = positions appended)
 //! and returns the block's first `min(N, max_draft)` tokens, plus q when sampling.
 //! DFlash v1 is the same drafter with the grouped convolutions and the selector off
@@ -27,7 +27,7 @@ use std::str::FromStr;
 use speclab_engine::exec::DrafterFactory;
 use speclab_engine::kv::{CapPolicy, GroupSpec, KvCacheManager};
 use speclab_engine::model::ModelConfig;
-use speclab_engine::{Drafter, EngineError, Proposal, ProposeCtx, ReqSlot, Result};
+use speclab_engine::{Drafter, EngineError, LayerHidden, Proposal, ProposeCtx, ReqSlot, Result};
 
 use crate::dflash2::{DFlash2, DFlash2Weights, DraftMode, DraftRequest};
 use crate::mtp::Mtp;
@@ -164,8 +164,8 @@ impl Drafter for DFlash2Drafter {
         DrafterKind::Dflash2.lookahead(self.num_speculative_tokens)
     }
 
-    fn wants_layer_hidden(&self) -> bool {
-        true
+    fn layer_hidden(&self) -> LayerHidden {
+        LayerHidden::Host
     }
 
     fn release(&mut self, slot: ReqSlot) {

@@ -66,6 +66,12 @@ pub trait TargetBackend: SharedHead {
     fn commit_state(&mut self, kv: &KvCacheManager, slot: ReqSlot, accepted: usize) -> Result<()>;
     /// Forget a request's model state (it finished, was preempted, or starts afresh).
     fn release(&mut self, slot: ReqSlot);
+    /// The backend itself, for a drafter built to run on the same device (the CUDA
+    /// DFlash2 reads the target's features and shares its embedding and head there).
+    /// `None` (the default): no such drafter can use this backend.
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
 }
 
 impl SharedHead for ModelWeights {

@@ -106,6 +106,19 @@ pub struct Proposal {
     pub probs: Option<Vec<Vec<f32>>>,
 }
 
+/// Where a drafter reads the target's per-layer hidden states ([`Drafter::layer_hidden`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LayerHidden {
+    /// It does not read them.
+    #[default]
+    None,
+    /// From [`ForwardOut::per_layer_hidden`](crate::model::ForwardOut) on the host.
+    Host,
+    /// In the device backend's own buffer (a drafter running on the same device, the
+    /// CUDA DFlash2): the backend keeps them there and need not copy them out.
+    Device,
+}
+
 /// Proposes draft tokens around a target model.
 ///
 /// Protocol (the model executor, `crate::exec`): after every target pass of a
@@ -124,10 +137,10 @@ pub trait Drafter {
     /// Lookahead slots the KV manager must reserve per decode step
     /// (vLLM: num_speculative_tokens, +1 for DFlash-style drafters, 0 without KV).
     fn lookahead_slots(&self) -> usize;
-    /// Whether the target forward must collect per-layer hidden states
-    /// (`ForwardOptions::collect_hidden`; DFlash2's target features).
-    fn wants_layer_hidden(&self) -> bool {
-        false
+    /// Whether (and where) the target forward must collect per-layer hidden states
+    /// (`ForwardOptions::collect_hidden` / `hidden_on_device`; DFlash2's target features).
+    fn layer_hidden(&self) -> LayerHidden {
+        LayerHidden::None
     }
     /// Forget a request's state (it finished or was preempted; its KV blocks belong
     /// to the KV manager and are freed there).

@@ -238,10 +238,16 @@ impl<'a> RealRunner<'a> {
         self.check_device_memory(plan.as_ref())?;
         let mut make = fcfs_factory(leg.concurrency, self.spec.max_num_batched_tokens);
         let backend = self.backend();
+        // `real.device: cuda` runs the DFlash drafters on the device too.
+        let on_device = speclab_cuda::CudaDrafterSpec(spec.clone());
+        let drafter: &dyn speclab_engine::exec::DrafterFactory = match self.spec.device {
+            crate::real::RealDevice::Cpu => &spec,
+            crate::real::RealDevice::Cuda => &on_device,
+        };
         let run = generate_on(
             backend.as_ref(),
             &self.target,
-            &spec,
+            drafter,
             &reqs,
             &opts,
             &mut make,

@@ -262,10 +262,16 @@ fn run_leg(
         DeviceArg::Cuda => &cuda,
         DeviceArg::Cpu => &cpu,
     };
+    // On the device the DFlash drafters run there too (speclab_cuda::CudaDFlash2).
+    let on_device = speclab_cuda::CudaDrafterSpec(spec.clone());
+    let drafter: &dyn speclab_engine::exec::DrafterFactory = match device {
+        DeviceArg::Cuda => &on_device,
+        DeviceArg::Cpu => &spec,
+    };
     let parts = GenerateParts {
         backend,
         target: cx.target,
-        drafter: &spec,
+        drafter,
         requests: &reqs,
         opts: &opts,
     };

@@ -121,8 +121,8 @@ impl Drafter for RecordingDrafter {
     fn lookahead_slots(&self) -> usize {
         self.inner.lookahead_slots()
     }
-    fn wants_layer_hidden(&self) -> bool {
-        self.inner.wants_layer_hidden()
+    fn layer_hidden(&self) -> speclab_engine::LayerHidden {
+        self.inner.layer_hidden()
     }
     fn release(&mut self, slot: ReqSlot) {
         self.inner.release(slot)

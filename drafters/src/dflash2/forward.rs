@@ -809,8 +809,8 @@ mod tests {
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
     use speclab_engine::kv::manager::AllocArgs;
-    use speclab_engine::kv::CapPolicy;
     use speclab_engine::kv::AllocOutcome;
+    use speclab_engine::kv::CapPolicy;
     use speclab_engine::model::ModelWeights;
     use speclab_engine::{RequestStatus, RequestView};
 

@@ -38,8 +38,8 @@ use crate::model::{ForwardOptions, ForwardOut, LogitsRows, SeqChunk};
 use crate::request::ReqSlot;
 use crate::spec::{seeded_rng, SamplingParams, SpecRng, Verified, VerifyCtx};
 use crate::traits::{
-    DraftReq, DraftStep, Drafter, Executor, Proposal, RequestId, ScheduledRequest, StepCtx,
-    StepOutput, StepPerf, StepResult,
+    DraftReq, DraftStep, Drafter, Executor, LayerHidden, Proposal, RequestId, ScheduledRequest,
+    StepCtx, StepOutput, StepPerf, StepResult,
 };
 use crate::{EngineError, Result};
 
@@ -283,7 +283,8 @@ impl ModelExecutor {
             } else {
                 LogitsRows::LastPerChunk
             },
-            collect_hidden: self.drafter.wants_layer_hidden(),
+            collect_hidden: self.drafter.layer_hidden() != LayerHidden::None,
+            hidden_on_device: self.drafter.layer_hidden() == LayerHidden::Device,
             collect_router: self.cfg.collect_router,
             greedy_ids: self.cfg.sampling.is_greedy(),
             skip_hidden: self.cfg.num_speculative_tokens == 0,

@@ -68,6 +68,10 @@ pub struct ForwardOptions {
     pub logits: LogitsRows,
     /// Fill [`ForwardOut::per_layer_hidden`].
     pub collect_hidden: bool,
+    /// With `collect_hidden`: the per-layer states are read on the device by a drafter
+    /// running there ([`crate::traits::LayerHidden::Device`]); a device backend keeps
+    /// them in its buffer and may leave `per_layer_hidden` empty. The CPU ignores it.
+    pub hidden_on_device: bool,
     /// Fill [`ForwardOut::router`].
     pub collect_router: bool,
     /// Fill [`ForwardOut::argmax`] (greedy decoding needs only the argmax of each

@@ -1,0 +1,1167 @@
+//! The DFlash2 drafter on the device (issue 11): its context K/V in device pages indexed
+//! by the KV manager's `drafter_swa` block ids, its block forward as device kernels, the
+//! target's features read where the CUDA backend left them.
+//!
+//! Source: docs/dflash2.md §3-§7 (the contract), `drafters/src/dflash2/forward.rs` (the
+//! CPU drafter this ports, and whose pickers it reuses), `cuda/kernels/dflash.cu` (the
+//! drafter's own kernels), vLLM's DFlash proposer (`v1/spec_decode/dflash`: the proposer
+//! lives beside the target on the device and reads its hidden states there).
+//!
+//! Per step ([`CudaDFlash2::propose_batch`]): (1) one batched context append for every
+//! request's committed rows: features gathered from the backend's per-layer buffer
+//! (`LayerHidden::Device`: the forward never copies them to the host), `fc`, then one GEMM
+//! for every layer's K/V with `hidden_norm` fused in, then `df2_ctx_write` (k_norm, RoPE,
+//! the pages); (2) one batched block forward over `B * (N + 1)` rows; (3) greedy: the
+//! device's top-k candidates (and the selector's `hidden_projection`) come back, a few
+//! floats a row, and the walk runs on the host with the CPU's own code
+//! (`speclab_drafters::dflash2::walk_greedy`); sampling: the prediction rows' hidden and
+//! logits come back and the CPU picker (`pick_rows`) draws with the request's RNG.
+//!
+//! Invariants: the device pages are written only by appends (a draft never modifies the
+//! cache, §7); every page slot was resolved on the host by `DraftGroup::locate`
+//! (`crate::dflash_plan`); numerics are f32 with bf16 weights widened exactly (§1), so
+//! the draft equals the CPU drafter's up to summation order; the weights are uploaded
+//! once, at the first step, on the backend's own context and stream.
+
+use std::collections::HashMap;
+
+use rand::RngCore;
+use speclab_drafters::adapters::{DrafterKind, DrafterSpec};
+use speclab_drafters::dflash2::{
+    pick_rows, walk_greedy, DFlash2, DFlash2Weights, DraftGroup, DraftMode, DraftRequest,
+};
+use speclab_engine::exec::DrafterFactory;
+use speclab_engine::kv::{GroupSpec, KvCacheManager};
+use speclab_engine::model::attention::rope_tables;
+use speclab_engine::model::ModelConfig;
+use speclab_engine::{
+    DraftReq, DraftStep, Drafter, EngineError, LayerHidden, Proposal, ProposeCtx, ReqSlot,
+};
+
+use crate::backend::CudaBackend;
+use crate::buf::DevBuf;
+use crate::device::Gpu;
+use crate::dflash_plan::{plan_append, plan_draft, AppendPlan, AppendReq, DraftAnchor, DraftPlan};
+use crate::error::{CudaError, Result};
+use crate::launch::{grid_2d, Shape};
+use crate::ops::{self, int, ptr, Arg, Mat};
+use crate::repack::{fuse_gate_up_bf16, stack_rows};
+
+/// One grouped conv module on the device.
+struct DevConv {
+    /// `kernel_projection` [2*K*G, H] bf16.
+    proj: DevBuf<u16>,
+    /// Shape: [2, K, H] f32.
+    base: DevBuf<f32>,
+}
+
+/// One drafter layer on the device.
+struct DevDraftLayer {
+    /// Shape: [H] f32.
+    input_norm: DevBuf<f32>,
+    /// Shape: [H] f32.
+    post_norm: DevBuf<f32>,
+    /// `[q; k; v]` stacked: [(nh + 2 nkv) d, H] bf16.
+    wqkv: DevBuf<u16>,
+    /// Shape: [d] f32.
+    q_norm: DevBuf<f32>,
+    /// Shape: [d] f32.
+    k_norm: DevBuf<f32>,
+    /// [H, nh d] bf16.
+    wo: DevBuf<u16>,
+    /// Gate / up fused: [I, 2, H] bf16.
+    w13: DevBuf<u16>,
+    /// [H, I] bf16.
+    wd: DevBuf<u16>,
+    attn_conv: Option<DevConv>,
+    mlp_conv: Option<DevConv>,
+}
+
+/// The drafter's weights, RoPE tables and context pages on the device.
+struct DevDraft {
+    /// [H, F] bf16.
+    fc: DevBuf<u16>,
+    /// Shape: [H] f32.
+    hidden_norm: DevBuf<f32>,
+    /// Every layer's `[k; v]` stacked (the context projections, §4): [Ld * 2 nkv d, H] bf16.
+    wkv: DevBuf<u16>,
+    /// Shape: [Ld, d] f32.
+    k_norms: DevBuf<f32>,
+    layers: Vec<DevDraftLayer>,
+    /// Shape: [H] f32.
+    norm: DevBuf<f32>,
+    /// `candidate_selector.hidden_projection` [r, H] bf16 (v2 checkpoints).
+    sel_proj: Option<DevBuf<u16>>,
+    /// Shape: [max_pos, d] f32 each.
+    rope_cos: DevBuf<f32>,
+    rope_sin: DevBuf<f32>,
+    /// Positions the RoPE tables cover.
+    max_pos: usize,
+    /// Per layer K then V, each [num_blocks * bs, nkv d]. Shape: [Ld * 2 * num_blocks * bs * nkv * d] f32.
+    pages: DevBuf<f32>,
+    /// Floats of one layer's K (= V) region: num_blocks * bs * nkv * d.
+    kv_region: usize,
+    bufs: Bufs,
+}
+
+/// Step buffers, grown on demand.
+struct Bufs {
+    /// Block rows the draft buffers hold.
+    r_cap: usize,
+    /// Context rows the append buffers hold.
+    t_cap: usize,
+    /// Shape: [r_cap, H] each.
+    x: DevBuf<f32>,
+    a1: DevBuf<f32>,
+    a2: DevBuf<f32>,
+    t: DevBuf<f32>,
+    hid: DevBuf<f32>,
+    /// Conv coefficients. Shape: [r_cap, 2*K*G].
+    proj: DevBuf<f32>,
+    /// Shape: [r_cap, (nh + 2 nkv) d].
+    qkv: DevBuf<f32>,
+    /// Shape: [r_cap, nh d].
+    o: DevBuf<f32>,
+    /// Shape: [r_cap, I].
+    hm: DevBuf<f32>,
+    /// Shape: [r_cap, V].
+    logits: DevBuf<f32>,
+    /// Candidates (ids as floats), unary scores, selector g. Shape: [r_cap, 2k + r].
+    pick: DevBuf<f32>,
+    /// Shape: [t_cap, F].
+    feats: DevBuf<f32>,
+    /// Shape: [t_cap, H].
+    c: DevBuf<f32>,
+    /// Shape: [t_cap, Ld * 2 nkv d].
+    kvc: DevBuf<f32>,
+    /// Metadata of one call. Shape: [len] i32.
+    meta: DevBuf<i32>,
+}
+
+fn zeros(g: &Gpu, n: usize, what: &str) -> Result<DevBuf<f32>> {
+    DevBuf::zeros(&g.stream, n.max(1), what)
+}
+
+impl Bufs {
+    fn new(
+        g: &Gpu,
+        cfg: &speclab_drafters::DFlash2Config,
+        r_cap: usize,
+        t_cap: usize,
+    ) -> Result<Self> {
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let d = &cfg.dflash_config;
+        let kg = 2 * d.conv_kernel_size * (h / d.conv_group_size.max(1));
+        let (nh, nkv, hd) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        let pick = 2 * d.selector_top_k.max(1) + d.selector_rank;
+        Ok(Self {
+            r_cap,
+            t_cap,
+            x: zeros(g, r_cap * h, "dflash2 x")?,
+            a1: zeros(g, r_cap * h, "dflash2 a1")?,
+            a2: zeros(g, r_cap * h, "dflash2 a2")?,
+            t: zeros(g, r_cap * h, "dflash2 t")?,
+            hid: zeros(g, r_cap * h, "dflash2 hidden")?,
+            proj: zeros(g, r_cap * kg, "dflash2 conv coefficients")?,
+            qkv: zeros(g, r_cap * (nh + 2 * nkv) * hd, "dflash2 qkv")?,
+            o: zeros(g, r_cap * nh * hd, "dflash2 attention out")?,
+            hm: zeros(g, r_cap * cfg.intermediate_size, "dflash2 mlp")?,
+            logits: zeros(g, r_cap * v, "dflash2 logits")?,
+            pick: zeros(g, r_cap * pick, "dflash2 candidates")?,
+            feats: zeros(g, t_cap * cfg.feature_dim(), "dflash2 features")?,
+            c: zeros(g, t_cap * h, "dflash2 context hidden")?,
+            kvc: zeros(
+                g,
+                t_cap * cfg.num_hidden_layers * 2 * cfg.kv_row(),
+                "dflash2 context kv",
+            )?,
+            meta: DevBuf::zeros(&g.stream, 1024, "dflash2 metadata")?,
+        })
+    }
+}
+
+fn up_f32(g: &Gpu, v: &[f32], what: &str) -> Result<DevBuf<f32>> {
+    DevBuf::upload(&g.stream, v, what)
+}
+fn up_lin(g: &Gpu, ls: &[&speclab_engine::model::Linear], what: &str) -> Result<DevBuf<u16>> {
+    DevBuf::upload(&g.stream, &stack_rows(ls, 0, what)?, what)
+}
+
+fn conv(
+    g: &Gpu,
+    c: &Option<speclab_drafters::dflash2::weights::ConvWeights>,
+    p: &str,
+) -> Result<Option<DevConv>> {
+    c.as_ref()
+        .map(|c| {
+            Ok(DevConv {
+                proj: up_lin(g, &[&c.proj], &format!("{p}.kernel_projection"))?,
+                base: up_f32(g, &c.base, &format!("{p}.base_kernel"))?,
+            })
+        })
+        .transpose()
+}
+
+impl DevDraft {
+    fn upload(g: &Gpu, w: &DFlash2Weights, grp: &DraftGroup) -> Result<Self> {
+        let cfg = &w.cfg;
+        let mut layers = Vec::with_capacity(w.layers.len());
+        let mut kv_rows = Vec::new();
+        let mut k_norms = Vec::new();
+        for (l, lw) in w.layers.iter().enumerate() {
+            let p = format!("layers.{l}");
+            kv_rows.push(&lw.k);
+            kv_rows.push(&lw.v);
+            k_norms.extend_from_slice(&lw.k_norm);
+            layers.push(DevDraftLayer {
+                input_norm: up_f32(g, &lw.input_norm, &p)?,
+                post_norm: up_f32(g, &lw.post_norm, &p)?,
+                wqkv: up_lin(g, &[&lw.q, &lw.k, &lw.v], &format!("{p}.self_attn.qkv"))?,
+                q_norm: up_f32(g, &lw.q_norm, &p)?,
+                k_norm: up_f32(g, &lw.k_norm, &p)?,
+                wo: up_lin(g, &[&lw.o], &format!("{p}.self_attn.o_proj"))?,
+                w13: DevBuf::upload(
+                    &g.stream,
+                    &fuse_gate_up_bf16(&lw.mlp.gate, &lw.mlp.up, &p)?,
+                    &p,
+                )?,
+                wd: up_lin(g, &[&lw.mlp.down], &format!("{p}.mlp.down_proj"))?,
+                attn_conv: conv(g, &lw.attn_conv, &format!("{p}.attention_conv"))?,
+                mlp_conv: conv(g, &lw.mlp_conv, &format!("{p}.mlp_conv"))?,
+            });
+        }
+        // RoPE over every position a block can reach: the context plus one block.
+        let max_pos = cfg.max_position_embeddings + cfg.block_size;
+        let (cos, sin) = rope_tables(0, max_pos, cfg.head_dim, cfg.rope_theta);
+        let kv_region = grp.num_blocks * grp.block_size * cfg.kv_row();
+        let pages = DevBuf::zeros(
+            &g.stream,
+            (cfg.num_hidden_layers * 2 * kv_region).max(1),
+            "dflash2 context pages",
+        )?;
+        Ok(Self {
+            fc: up_lin(g, &[&w.fc], "fc")?,
+            hidden_norm: up_f32(g, &w.hidden_norm, "hidden_norm")?,
+            wkv: up_lin(g, &kv_rows, "context k/v")?,
+            k_norms: up_f32(g, &k_norms, "k_norm")?,
+            layers,
+            norm: up_f32(g, &w.norm, "norm")?,
+            sel_proj: w
+                .selector
+                .as_ref()
+                .map(|s| up_lin(g, &[&s.hidden_proj], "candidate_selector.hidden_projection"))
+                .transpose()?,
+            rope_cos: up_f32(g, &cos, "dflash2 rope cos")?,
+            rope_sin: up_f32(g, &sin, "dflash2 rope sin")?,
+            max_pos,
+            pages,
+            kv_region,
+            bufs: Bufs::new(g, cfg, 8, 8)?,
+        })
+    }
+
+    /// Grow the step buffers to `r` block rows and `t` context rows.
+    fn ensure(
+        &mut self,
+        g: &Gpu,
+        cfg: &speclab_drafters::DFlash2Config,
+        r: usize,
+        t: usize,
+    ) -> Result<()> {
+        if r > self.bufs.r_cap || t > self.bufs.t_cap {
+            let grow = |x: usize, cap: usize| x.max(cap).next_power_of_two();
+            self.bufs = Bufs::new(g, cfg, grow(r, self.bufs.r_cap), grow(t, self.bufs.t_cap))?;
+        }
+        Ok(())
+    }
+}
+
+/// Upload `data` as the call's metadata; returns it for section offsets.
+fn upload_meta(g: &Gpu, meta: &mut DevBuf<i32>, data: &[i32]) -> Result<()> {
+    if data.len() > meta.len {
+        *meta = DevBuf::zeros(
+            &g.stream,
+            data.len().next_power_of_two(),
+            "dflash2 metadata",
+        )?;
+    }
+    meta.write(&g.stream, data, "dflash2 metadata")
+}
+
+fn shape(x: usize, y: usize, block: u32, what: &str) -> Result<Shape> {
+    grid_2d(x, y, block, what)
+}
+
+/// The CUDA DFlash2 (v2) / DFlash v1 drafter (module doc).
+pub struct CudaDFlash2 {
+    /// Host copy: config, the selector codebooks of the walk, the pickers.
+    w: DFlash2Weights,
+    mode: DraftMode,
+    num_speculative_tokens: usize,
+    grp: DraftGroup,
+    dev: Option<DevDraft>,
+    /// Per request: positions appended (`n`).
+    ctx_len: HashMap<ReqSlot, usize>,
+}
+
+impl std::fmt::Debug for CudaDFlash2 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDFlash2")
+            .field("mode", &self.mode)
+            .field("num_speculative_tokens", &self.num_speculative_tokens)
+            .field("uploaded", &self.dev.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+fn engine(e: CudaError) -> EngineError {
+    e.into()
+}
+
+impl CudaDFlash2 {
+    /// The drafter over `kv` (whose layout holds the `drafter_swa` group), validated as
+    /// the host drafter is. Nothing touches the device until the first step.
+    pub fn new(
+        w: DFlash2Weights,
+        target: &ModelConfig,
+        kv: &KvCacheManager,
+        num_speculative_tokens: usize,
+        mode: DraftMode,
+    ) -> speclab_engine::Result<Self> {
+        w.cfg.check_num_speculative_tokens(num_speculative_tokens)?;
+        if mode == DraftMode::V2 && !w.has_v2() {
+            return Err(EngineError::InvalidDrafterConfig {
+                drafter: "dflash2".into(),
+                reason: "mode v2 needs the conv + candidate-selector tensors, which this checkpoint does not have (v1-only)".into(),
+            });
+        }
+        if w.cfg.vocab_size >= 1 << 24 || w.cfg.head_dim > 128 || w.cfg.head_dim % 2 == 1 {
+            return Err(EngineError::Unsupported(format!(
+                "the CUDA DFlash2 drafter needs vocab_size < 2^24 and an even head_dim <= 128 (vocab {}, head_dim {})",
+                w.cfg.vocab_size, w.cfg.head_dim
+            )));
+        }
+        let group = DFlash2::find_group(kv).ok_or_else(|| EngineError::InvalidLayout {
+            field: "groups".into(),
+            reason: format!(
+                "the KV layout has no `{}` group; the DFlash2 drafter keeps its context K/V there",
+                speclab_drafters::dflash2::KV_GROUP_NAME
+            ),
+        })?;
+        let grp = DraftGroup::new(&w.cfg, target, kv, group)?;
+        Ok(Self {
+            w,
+            mode,
+            num_speculative_tokens,
+            grp,
+            dev: None,
+            ctx_len: HashMap::new(),
+        })
+    }
+
+    fn backend<'a>(
+        b: &'a mut dyn speclab_engine::backend::TargetBackend,
+    ) -> Result<&'a mut CudaBackend> {
+        b.as_any_mut()
+            .and_then(|a| a.downcast_mut::<CudaBackend>())
+            .ok_or_else(|| {
+                CudaError::Unsupported(
+                    "the CUDA DFlash2 drafter runs only beside the CUDA target backend (--device cuda)".into(),
+                )
+            })
+    }
+
+    /// (1): the batched context append of every request's committed rows.
+    fn append(
+        &mut self,
+        be: &CudaBackend,
+        kv: &KvCacheManager,
+        reqs: &[AppendReq],
+        t_fwd: usize,
+    ) -> Result<()> {
+        let plan = plan_append(&self.w.cfg, &self.grp, kv, &self.ctx_len, reqs)?;
+        let t = plan.rows.len();
+        if t > 0 {
+            if plan.rows.iter().any(|&r| r as usize >= t_fwd) {
+                return Err(CudaError::Input(
+                    "dflash2: a committed row lies outside the forward (internal)".into(),
+                ));
+            }
+            let dev = self
+                .dev
+                .as_mut()
+                .ok_or_else(|| CudaError::Input("dflash2: not uploaded (internal)".into()))?;
+            dev.ensure(&be.gpu, &self.w.cfg, 1, t)?;
+            run_append(&be.gpu, be, &self.w, dev, &plan)?;
+        }
+        for (s, n) in plan.new_len {
+            self.ctx_len.insert(s, n);
+        }
+        Ok(())
+    }
+
+    /// (2) + (3) for `anchors`: the draft tokens (N each) and, when sampling, q.
+    fn draft(
+        &mut self,
+        be: &CudaBackend,
+        kv: &KvCacheManager,
+        anchors: &[DraftAnchor],
+        temperature: f32,
+        rngs: &mut [Option<&mut dyn RngCore>],
+    ) -> Result<Vec<Proposal>> {
+        let nn = self.num_speculative_tokens;
+        let dev = self
+            .dev
+            .as_mut()
+            .ok_or_else(|| CudaError::Input("dflash2: not uploaded (internal)".into()))?;
+        let plan = plan_draft(
+            &self.w.cfg,
+            &self.grp,
+            kv,
+            &self.ctx_len,
+            anchors,
+            nn,
+            dev.max_pos,
+        )?;
+        let r = anchors.len() * (nn + 1);
+        dev.ensure(&be.gpu, &self.w.cfg, r, 1)?;
+        let fx = Fx {
+            g: &be.gpu,
+            be,
+            w: &self.w,
+            dev,
+            mode: self.mode,
+            q: nn + 1,
+            r,
+        };
+        fx.block(&plan)?;
+        if temperature > 0.0 {
+            return self.pick_sampled(be, anchors, temperature, rngs);
+        }
+        self.pick_greedy(be, anchors)
+    }
+
+    fn pick_greedy(&self, be: &CudaBackend, anchors: &[DraftAnchor]) -> Result<Vec<Proposal>> {
+        let dev = self
+            .dev
+            .as_ref()
+            .ok_or_else(|| CudaError::Input("dflash2: not uploaded (internal)".into()))?;
+        let (nn, q) = (self.num_speculative_tokens, self.num_speculative_tokens + 1);
+        let d = &self.w.cfg.dflash_config;
+        let (k, rank) = (self.topk(), d.selector_rank);
+        let stride = pick_stride(self.mode, k, rank);
+        let all = dev.bufs.pick.read(
+            &be.gpu.stream,
+            0,
+            anchors.len() * q * stride,
+            "dflash2 candidates",
+        )?;
+        let mut out = Vec::with_capacity(anchors.len());
+        for (b, a) in anchors.iter().enumerate() {
+            let (mut cand, mut unary, mut g) = (Vec::new(), Vec::new(), Vec::new());
+            for j in 1..q {
+                let row = &all[(b * q + j) * stride..(b * q + j + 1) * stride];
+                cand.extend(row[..k].iter().map(|&x| x as u32));
+                unary.extend_from_slice(&row[k..2 * k]);
+                if self.mode == DraftMode::V2 {
+                    g.extend_from_slice(&row[2 * k..2 * k + rank]);
+                }
+            }
+            let tokens = match (&self.w.selector, self.mode) {
+                (Some(sel), DraftMode::V2) => {
+                    walk_greedy(sel, rank, a.anchor, &cand, &unary, &g, k)
+                }
+                _ => cand,
+            };
+            debug_assert_eq!(tokens.len(), nn);
+            out.push(Proposal {
+                tokens,
+                probs: None,
+            });
+        }
+        Ok(out)
+    }
+
+    fn pick_sampled(
+        &self,
+        be: &CudaBackend,
+        anchors: &[DraftAnchor],
+        temperature: f32,
+        rngs: &mut [Option<&mut dyn RngCore>],
+    ) -> Result<Vec<Proposal>> {
+        let dev = self
+            .dev
+            .as_ref()
+            .ok_or_else(|| CudaError::Input("dflash2: not uploaded (internal)".into()))?;
+        let (nn, q) = (self.num_speculative_tokens, self.num_speculative_tokens + 1);
+        let (h, v) = (self.w.cfg.hidden_size, self.w.cfg.vocab_size);
+        let st = &be.gpu.stream;
+        let mut out = Vec::with_capacity(anchors.len());
+        for (b, a) in anchors.iter().enumerate() {
+            let hid = dev
+                .bufs
+                .hid
+                .read(st, (b * q + 1) * h, nn * h, "dflash2 hidden")?;
+            let rows = dev
+                .bufs
+                .logits
+                .read(st, (b * q + 1) * v, nn * v, "dflash2 logits")?;
+            let req = DraftRequest {
+                slot: a.slot,
+                anchor_token: a.anchor,
+                anchor_pos: self.ctx_len.get(&a.slot).copied().unwrap_or(0),
+                num_speculative_tokens: nn,
+                mode: self.mode,
+                temperature,
+                trace: false,
+            };
+            let rng = rngs
+                .get_mut(b)
+                .and_then(|r| r.as_mut())
+                .map(|r| &mut **r as &mut dyn RngCore);
+            if rng.is_none() {
+                return Err(CudaError::Input(
+                    "sampling drafts (temperature > 0) needs an RNG".into(),
+                ));
+            }
+            let (tokens, probs) = pick_rows(&self.w, &hid, &rows, &req, rng)?;
+            out.push(Proposal { tokens, probs });
+        }
+        Ok(out)
+    }
+
+    /// Candidates per row the device keeps: the selector's k (v2), 1 (v1: the argmax).
+    fn topk(&self) -> usize {
+        match self.mode {
+            DraftMode::V2 => self.w.cfg.dflash_config.selector_top_k,
+            DraftMode::V1 => 1,
+        }
+    }
+}
+
+/// Floats per row of the candidates buffer: ids, unary scores, and (v2) g.
+fn pick_stride(mode: DraftMode, k: usize, rank: usize) -> usize {
+    match mode {
+        DraftMode::V2 => 2 * k + rank,
+        DraftMode::V1 => 2 * k,
+    }
+}
+
+/// Context append on the device: features -> fc -> (hidden_norm fused) every layer's
+/// K/V -> k_norm + RoPE + pages.
+fn run_append(
+    g: &Gpu,
+    be: &CudaBackend,
+    w: &DFlash2Weights,
+    dev: &mut DevDraft,
+    plan: &AppendPlan,
+) -> Result<()> {
+    let cfg = &w.cfg;
+    let (h, f, t) = (cfg.hidden_size, cfg.feature_dim(), plan.rows.len());
+    let layers: Vec<i32> = cfg
+        .dflash_config
+        .target_layer_ids
+        .iter()
+        .map(|&i| i as i32 + 1)
+        .collect();
+    let mut meta = Vec::with_capacity(3 * t + layers.len());
+    for sec in [&plan.rows, &plan.pos, &plan.slot, &layers] {
+        meta.extend_from_slice(sec);
+    }
+    upload_meta(g, &mut dev.bufs.meta, &meta)?;
+    let pl = be.per_layer.as_ref().ok_or_else(|| {
+        CudaError::Input(
+            "dflash2: the target forward kept no per-layer hidden states (collect_hidden)".into(),
+        )
+    })?;
+    let th = be.w.cfg.hidden_size;
+    let layer_stride = be.ws.t_cap * th;
+    let b = &dev.bufs;
+    let m = &b.meta;
+    let args = [
+        ptr(&b.feats, 0, t * f, "features")?,
+        ptr(
+            pl,
+            0,
+            (be.w.cfg.num_hidden_layers + 1) * layer_stride,
+            "per-layer hidden",
+        )?,
+        ops::long(layer_stride),
+        ptr(m, 0, t, "rows")?,
+        ptr(m, 3 * t, layers.len(), "layers")?,
+        int(t, "T")?,
+        int(layers.len(), "m")?,
+        int(th, "H")?,
+    ];
+    // SAFETY: out [T, m*H] and per_layer [(L+1) * t_cap * H] checked; rows < T_fwd <= t_cap
+    // (checked by the caller) and layer slots <= L (DFlash2Config::check_target).
+    unsafe { ops::launch(g, "df2_features", shape(t, 1, 256, "df2_features")?, &args)? };
+    ops::linear(
+        g,
+        &ops::Linear {
+            y: Mat::rows(&b.c, h),
+            x: Mat::rows(&b.feats, f),
+            w: &dev.fc,
+            m: t,
+            n: h,
+            k: f,
+            accumulate: false,
+        },
+    )?;
+    let kvw = cfg.num_hidden_layers * 2 * cfg.kv_row();
+    ops::linear_norm(
+        g,
+        &ops::Linear {
+            y: Mat::rows(&b.kvc, kvw),
+            x: Mat::rows(&b.c, h),
+            w: &dev.wkv,
+            m: t,
+            n: kvw,
+            k: h,
+            accumulate: false,
+        },
+        &dev.hidden_norm,
+        cfg.rms_norm_eps as f32,
+    )?;
+    let (ld, nkv, d) = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim);
+    let args = [
+        ptr(&b.kvc, 0, t * kvw, "context kv")?,
+        ptr(m, t, t, "pos")?,
+        ptr(m, 2 * t, t, "slot")?,
+        ptr(&dev.k_norms, 0, ld * d, "k_norm")?,
+        ptr(&dev.rope_cos, 0, dev.max_pos * d, "rope cos")?,
+        ptr(&dev.rope_sin, 0, dev.max_pos * d, "rope sin")?,
+        ptr(&dev.pages, 0, ld * 2 * dev.kv_region, "pages")?,
+        ops::long(2 * dev.kv_region),
+        ops::long(dev.kv_region),
+        int(ld, "Ld")?,
+        int(nkv, "nkv")?,
+        int(d, "d")?,
+        Arg::F(cfg.rms_norm_eps as f32),
+        int(t, "T")?,
+    ];
+    // SAFETY: kv [T, Ld*2*row], pages [Ld * 2 * region] checked; pos < max_pos (positions
+    // < the target's context <= max_position_embeddings), slots < num_blocks * bs (DraftGroup::locate).
+    unsafe {
+        ops::launch(
+            g,
+            "df2_ctx_write",
+            shape(t, ld, 32 * nkv as u32, "df2_ctx_write")?,
+            &args,
+        )
+    }
+}
+
+/// The block forward's borrowed context.
+struct Fx<'a> {
+    g: &'a Gpu,
+    be: &'a CudaBackend,
+    w: &'a DFlash2Weights,
+    dev: &'a mut DevDraft,
+    mode: DraftMode,
+    /// Rows per block (N + 1).
+    q: usize,
+    /// Rows of the batch.
+    r: usize,
+}
+
+impl Fx<'_> {
+    /// §5 over every request's block, then the head and the device pick inputs.
+    fn block(self, plan: &DraftPlan) -> Result<()> {
+        let cfg = &self.w.cfg;
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let r = self.r;
+        let mut meta = Vec::with_capacity(2 * r + plan.info.len() + plan.ctx_slots.len());
+        for sec in [&plan.tokens, &plan.pos, &plan.info, &plan.ctx_slots] {
+            meta.extend_from_slice(sec);
+        }
+        upload_meta(self.g, &mut self.dev.bufs.meta, &meta)?;
+        let b = &self.dev.bufs;
+        ops::embed(
+            self.g,
+            &b.x,
+            &self.be.w.embed,
+            ptr(&b.meta, 0, r, "tokens")?,
+            r,
+            h,
+            v,
+        )?;
+        for l in 0..cfg.num_hidden_layers {
+            self.layer(l, plan)?;
+        }
+        let b = &self.dev.bufs;
+        let eps = cfg.rms_norm_eps as f32;
+        ops::rmsnorm(
+            self.g,
+            Mat::rows(&b.hid, h),
+            Mat::rows(&b.x, h),
+            &self.dev.norm,
+            r,
+            h,
+            eps,
+        )?;
+        ops::linear(
+            self.g,
+            &ops::Linear {
+                y: Mat::rows(&b.logits, v),
+                x: Mat::rows(&b.hid, h),
+                w: &self.be.w.lm_head,
+                m: r,
+                n: v,
+                k: h,
+                accumulate: false,
+            },
+        )?;
+        let dc = &cfg.dflash_config;
+        let k = if self.mode == DraftMode::V2 {
+            dc.selector_top_k
+        } else {
+            1
+        };
+        let stride = pick_stride(self.mode, k, dc.selector_rank);
+        let args = [
+            ptr(&b.pick, 0, r * stride, "candidates")?,
+            int(stride, "stride")?,
+            ptr(&b.logits, 0, r * v, "logits")?,
+            int(v, "V")?,
+            int(k, "k")?,
+            int(r, "R")?,
+        ];
+        // SAFETY: out [R, stride] (2k <= stride) and logits [R, V] checked.
+        unsafe { ops::launch(self.g, "df2_topk", shape(r, 1, 256, "df2_topk")?, &args)? };
+        if let (DraftMode::V2, Some(sp)) = (self.mode, &self.dev.sel_proj) {
+            let y = Mat {
+                buf: &b.pick,
+                off: 2 * k,
+                stride,
+            };
+            ops::linear(
+                self.g,
+                &ops::Linear {
+                    y,
+                    x: Mat::rows(&b.hid, h),
+                    w: sp,
+                    m: r,
+                    n: dc.selector_rank,
+                    k: h,
+                    accumulate: false,
+                },
+            )?;
+        }
+        Ok(())
+    }
+
+    fn conv(
+        &self,
+        out: &DevBuf<f32>,
+        y: &DevBuf<f32>,
+        c: &DevConv,
+        side: usize,
+        acc: bool,
+    ) -> Result<()> {
+        let cfg = &self.w.cfg;
+        let dc = &cfg.dflash_config;
+        let (h, k, gs) = (cfg.hidden_size, dc.conv_kernel_size, dc.conv_group_size);
+        let kg = 2 * k * (h / gs);
+        let b = &self.dev.bufs;
+        let args = [
+            ptr(out, 0, self.r * h, "conv out")?,
+            ptr(y, 0, self.r * h, "conv in")?,
+            ptr(&b.proj, 0, self.r * kg, "conv coefficients")?,
+            ptr(&c.base, 0, 2 * k * h, "conv base")?,
+            int(side, "side")?,
+            int(k, "K")?,
+            int(gs, "gs")?,
+            int(h, "H")?,
+            int(self.q, "Q")?,
+            int(self.r, "R")?,
+            Arg::I(i32::from(acc)),
+        ];
+        // SAFETY: out, y [R, H], proj [R, 2KG], base [2, K, H] checked; taps read rows
+        // r - tau >= r - j >= the block's first row.
+        unsafe {
+            ops::launch(
+                self.g,
+                "df2_conv",
+                shape(self.r, 1, 256, "df2_conv")?,
+                &args,
+            )
+        }
+    }
+
+    /// The conv coefficients of a module from its sublayer's normalised input `a1`.
+    fn coeffs(&self, c: &DevConv) -> Result<()> {
+        let cfg = &self.w.cfg;
+        let dc = &cfg.dflash_config;
+        let (h, kg) = (
+            cfg.hidden_size,
+            2 * dc.conv_kernel_size * (cfg.hidden_size / dc.conv_group_size),
+        );
+        let b = &self.dev.bufs;
+        ops::linear(
+            self.g,
+            &ops::Linear {
+                y: Mat::rows(&b.proj, kg),
+                x: Mat::rows(&b.a1, h),
+                w: &c.proj,
+                m: self.r,
+                n: kg,
+                k: h,
+                accumulate: false,
+            },
+        )
+    }
+
+    /// One decoder layer in place on `x` (§5; v1 skips the convolutions).
+    fn layer(&self, l: usize, plan: &DraftPlan) -> Result<()> {
+        let cfg = &self.w.cfg;
+        let lw = &self.dev.layers[l];
+        let b = &self.dev.bufs;
+        let (h, r, eps) = (cfg.hidden_size, self.r, cfg.rms_norm_eps as f32);
+        let (nh, nkv, d) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        let qkv_w = (nh + 2 * nkv) * d;
+        let v2 = self.mode == DraftMode::V2;
+        let ac = lw.attn_conv.as_ref().filter(|_| v2);
+        let mc = lw.mlp_conv.as_ref().filter(|_| v2);
+        // Attention sublayer.
+        ops::rmsnorm(
+            self.g,
+            Mat::rows(&b.a1, h),
+            Mat::rows(&b.x, h),
+            &lw.input_norm,
+            r,
+            h,
+            eps,
+        )?;
+        let a2 = match ac {
+            Some(c) => {
+                self.coeffs(c)?;
+                self.conv(&b.a2, &b.a1, c, 0, false)?;
+                &b.a2
+            }
+            None => &b.a1,
+        };
+        ops::linear(
+            self.g,
+            &ops::Linear {
+                y: Mat::rows(&b.qkv, qkv_w),
+                x: Mat::rows(a2, h),
+                w: &lw.wqkv,
+                m: r,
+                n: qkv_w,
+                k: h,
+                accumulate: false,
+            },
+        )?;
+        self.norm_rope(lw)?;
+        self.attention(l, plan)?;
+        match ac {
+            Some(c) => {
+                ops::linear(
+                    self.g,
+                    &ops::Linear {
+                        y: Mat::rows(&b.t, h),
+                        x: Mat::rows(&b.o, nh * d),
+                        w: &lw.wo,
+                        m: r,
+                        n: h,
+                        k: nh * d,
+                        accumulate: false,
+                    },
+                )?;
+                self.conv(&b.x, &b.t, c, 1, true)?;
+            }
+            None => ops::linear(
+                self.g,
+                &ops::Linear {
+                    y: Mat::rows(&b.x, h),
+                    x: Mat::rows(&b.o, nh * d),
+                    w: &lw.wo,
+                    m: r,
+                    n: h,
+                    k: nh * d,
+                    accumulate: true,
+                },
+            )?,
+        }
+        // MLP sublayer.
+        ops::rmsnorm(
+            self.g,
+            Mat::rows(&b.a1, h),
+            Mat::rows(&b.x, h),
+            &lw.post_norm,
+            r,
+            h,
+            eps,
+        )?;
+        let f2 = match mc {
+            Some(c) => {
+                self.coeffs(c)?;
+                self.conv(&b.a2, &b.a1, c, 0, false)?;
+                &b.a2
+            }
+            None => &b.a1,
+        };
+        let inter = cfg.intermediate_size;
+        ops::swiglu(
+            self.g,
+            &ops::Swiglu {
+                h: &b.hm,
+                x: Mat::rows(f2, h),
+                w13: &lw.w13,
+                m: r,
+                n: inter,
+                k: h,
+            },
+        )?;
+        match mc {
+            Some(c) => {
+                ops::linear(
+                    self.g,
+                    &ops::Linear {
+                        y: Mat::rows(&b.t, h),
+                        x: Mat::rows(&b.hm, inter),
+                        w: &lw.wd,
+                        m: r,
+                        n: h,
+                        k: inter,
+                        accumulate: false,
+                    },
+                )?;
+                self.conv(&b.x, &b.t, c, 1, true)
+            }
+            None => ops::linear(
+                self.g,
+                &ops::Linear {
+                    y: Mat::rows(&b.x, h),
+                    x: Mat::rows(&b.hm, inter),
+                    w: &lw.wd,
+                    m: r,
+                    n: h,
+                    k: inter,
+                    accumulate: true,
+                },
+            ),
+        }
+    }
+
+    fn norm_rope(&self, lw: &DevDraftLayer) -> Result<()> {
+        let cfg = &self.w.cfg;
+        let (nh, nkv, d) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        let qkv_w = (nh + 2 * nkv) * d;
+        let b = &self.dev.bufs;
+        let r = self.r;
+        let args = [
+            ptr(&b.qkv, 0, r * qkv_w, "qkv")?,
+            int(qkv_w, "stride")?,
+            ptr(&b.meta, r, r, "pos")?,
+            ptr(&lw.q_norm, 0, d, "q_norm")?,
+            ptr(&lw.k_norm, 0, d, "k_norm")?,
+            ptr(&self.dev.rope_cos, 0, self.dev.max_pos * d, "rope cos")?,
+            ptr(&self.dev.rope_sin, 0, self.dev.max_pos * d, "rope sin")?,
+            int(nh, "nh")?,
+            int(nkv, "nkv")?,
+            int(d, "d")?,
+            Arg::F(cfg.rms_norm_eps as f32),
+            int(r, "R")?,
+        ];
+        // SAFETY: qkv [R, (nh + 2nkv) d] checked; positions < max_pos (plan_draft).
+        unsafe {
+            ops::launch(
+                self.g,
+                "df2_head_norm_rope",
+                shape(r, nh + nkv, 32, "df2_head_norm_rope")?,
+                &args,
+            )
+        }
+    }
+
+    fn attention(&self, l: usize, plan: &DraftPlan) -> Result<()> {
+        let cfg = &self.w.cfg;
+        let (nh, nkv, d) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        let qkv_w = (nh + 2 * nkv) * d;
+        let b = &self.dev.bufs;
+        let (r, nb) = (self.r, self.r / self.q);
+        let region = self.dev.kv_region;
+        let info_off = 2 * r;
+        let slots_off = info_off + 3 * nb;
+        let args = [
+            ptr(&b.o, 0, r * nh * d, "attention out")?,
+            ptr(&b.qkv, 0, r * qkv_w, "qkv")?,
+            int(qkv_w, "stride")?,
+            ptr(&self.dev.pages, l * 2 * region, 2 * region, "layer pages")?,
+            ops::long(region),
+            ptr(&b.meta, slots_off, nb * plan.s_max, "context slots")?,
+            int(plan.s_max, "s_max")?,
+            ptr(&b.meta, info_off, 3 * nb, "info")?,
+            int(self.q, "Q")?,
+            int(nh, "nh")?,
+            int(nkv, "nkv")?,
+            int(d, "d")?,
+            int(cfg.sliding_window, "W")?,
+            Arg::F((d as f64).powf(-0.5) as f32),
+            int(r, "R")?,
+        ];
+        // SAFETY: o, qkv, this layer's 2 * region pages, slots [B, s_max], info [B, 3]
+        // checked; every slot < num_blocks * bs (DraftGroup::locate), S <= s_max.
+        unsafe {
+            ops::launch(
+                self.g,
+                "df2_attention",
+                shape(r, nh, 32, "df2_attention")?,
+                &args,
+            )
+        }
+    }
+}
+
+impl Drafter for CudaDFlash2 {
+    fn propose(&mut self, ctx: &mut ProposeCtx<'_>) -> speclab_engine::Result<Proposal> {
+        let t = ctx.target.as_mut().ok_or_else(|| EngineError::InvalidDrafterConfig {
+            drafter: "dflash2".into(),
+            reason: "the DFlash2 drafter needs the target pass (ProposeCtx::target) for its features".into(),
+        })?;
+        let mut step = DraftStep {
+            backend: &mut *t.backend,
+            kv: t.kv,
+            forward: t.forward,
+            sampling: ctx.sampling,
+        };
+        let mut reqs = [DraftReq {
+            request: ctx.request,
+            slot: ctx.slot,
+            tokens: ctx.tokens,
+            max_draft: ctx.max_draft,
+            rng: ctx.rng.as_mut().map(|r| &mut **r as &mut dyn RngCore),
+            rows: t.rows.clone(),
+            start_pos: t.start_pos,
+        }];
+        let mut out = self.propose_batch(&mut step, &mut reqs)?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    fn lookahead_slots(&self) -> usize {
+        DrafterKind::Dflash2.lookahead(self.num_speculative_tokens)
+    }
+
+    fn layer_hidden(&self) -> LayerHidden {
+        LayerHidden::Device
+    }
+
+    fn release(&mut self, slot: ReqSlot) {
+        self.ctx_len.remove(&slot);
+    }
+
+    fn propose_batch(
+        &mut self,
+        step: &mut DraftStep<'_>,
+        reqs: &mut [DraftReq<'_>],
+    ) -> speclab_engine::Result<Vec<Proposal>> {
+        self.grp.check_manager(step.kv)?;
+        let be = Self::backend(&mut *step.backend).map_err(engine)?;
+        if self.dev.is_none() {
+            self.dev = Some(DevDraft::upload(&be.gpu, &self.w, &self.grp).map_err(engine)?);
+        }
+        let appends: Vec<AppendReq> = reqs
+            .iter()
+            .map(|r| AppendReq {
+                slot: r.slot,
+                rows: r.rows.clone(),
+                start_pos: r.start_pos,
+            })
+            .collect();
+        self.append(be, step.kv, &appends, step.forward.num_tokens)
+            .map_err(engine)?;
+        let temperature = if step.sampling.is_greedy() {
+            0.0
+        } else {
+            step.sampling.temperature
+        };
+        let n_reqs = reqs.len();
+        let mut idx = Vec::new();
+        let mut anchors = Vec::new();
+        let mut rngs: Vec<Option<&mut dyn RngCore>> = Vec::new();
+        for (i, r) in reqs.iter_mut().enumerate() {
+            let want = r.max_draft.min(self.num_speculative_tokens);
+            if want == 0 {
+                continue;
+            }
+            idx.push((i, want));
+            anchors.push(DraftAnchor {
+                slot: r.slot,
+                anchor: r.tokens.last().copied().unwrap_or(0),
+                num_tokens: r.tokens.len(),
+            });
+            rngs.push(r.rng.as_mut().map(|g| &mut **g as &mut dyn RngCore));
+        }
+        let mut out = vec![Proposal::default(); n_reqs];
+        if anchors.is_empty() {
+            return Ok(out);
+        }
+        let props = self
+            .draft(be, step.kv, &anchors, temperature, &mut rngs)
+            .map_err(engine)?;
+        for ((i, want), mut p) in idx.into_iter().zip(props) {
+            p.tokens.truncate(want);
+            if let Some(q) = p.probs.as_mut() {
+                q.truncate(want);
+            }
+            out[i] = p;
+        }
+        Ok(out)
+    }
+}
+
+/// A [`DrafterSpec`] whose DFlash drafters run on the CUDA device (`--device cuda`);
+/// every other kind is the spec's own drafter.
+#[derive(Debug, Clone)]
+pub struct CudaDrafterSpec(pub DrafterSpec);
+
+impl DrafterFactory for CudaDrafterSpec {
+    fn num_speculative_tokens(&self) -> usize {
+        self.0.num_speculative_tokens()
+    }
+    fn kv_groups(&self) -> speclab_engine::Result<Vec<GroupSpec>> {
+        self.0.kv_groups()
+    }
+    fn build(
+        &self,
+        target: &ModelConfig,
+        kv: &KvCacheManager,
+    ) -> speclab_engine::Result<Box<dyn Drafter>> {
+        let s = &self.0;
+        match (s.kind, &s.dflash) {
+            (DrafterKind::Dflash2 | DrafterKind::Dflash1, Some(w)) => {
+                let mode = if s.kind == DrafterKind::Dflash2 {
+                    DraftMode::V2
+                } else {
+                    DraftMode::V1
+                };
+                Ok(Box::new(CudaDFlash2::new(
+                    w.clone(),
+                    target,
+                    kv,
+                    s.num_speculative_tokens,
+                    mode,
+                )?))
+            }
+            _ => s.build(target, kv),
+        }
+    }
+}
