@@ -80,7 +80,7 @@ pub struct HostTimes {
 /// Capture the launches `body` issues on the GPU's stream as a CUDA graph; returns it and
 /// the kernels it holds. Captured launches do not execute, so they are taken back from
 /// [`ops::KERNELS`] (a replay adds them again).
-fn capture(gpu: &Gpu, body: impl FnOnce() -> Result<()>) -> Result<(CudaGraph, u64)> {
+pub(crate) fn capture(gpu: &Gpu, body: impl FnOnce() -> Result<()>) -> Result<(CudaGraph, u64)> {
     let k0 = ops::kernels_executed();
     gpu.stream
         .begin_capture(CUstreamCaptureMode_enum::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -214,6 +214,11 @@ impl CudaBackend {
         self.w.bytes
     }
     /// Turn graph capture / replay on or off (off drops captured graphs).
+    /// Whether steps are replayed from CUDA graphs (the device drafter follows it).
+    pub fn graphs_on(&self) -> bool {
+        self.opts.use_graphs
+    }
+
     pub fn set_graphs(&mut self, on: bool) {
         self.opts.use_graphs = on;
         if !on {

@@ -102,6 +102,11 @@ struct DevDraft {
     /// Floats of one layer's K (= V) region: num_blocks * bs * nkv * d.
     kv_region: usize,
     bufs: Bufs,
+    /// The block forward captured per batch size `B` (with the kernels each holds);
+    /// dropped whenever the buffers it points into are reallocated.
+    graphs: HashMap<usize, (cudarc::driver::CudaGraph, u64)>,
+    /// The first capture / replay failure (the drafter then runs eagerly).
+    graph_error: Option<String>,
 }
 
 /// Step buffers, grown on demand.
@@ -261,6 +266,8 @@ impl DevDraft {
             pages,
             kv_region,
             bufs: Bufs::new(g, cfg, 8, 8)?,
+            graphs: HashMap::new(),
+            graph_error: None,
         })
     }
 
@@ -275,21 +282,25 @@ impl DevDraft {
         if r > self.bufs.r_cap || t > self.bufs.t_cap {
             let grow = |x: usize, cap: usize| x.max(cap).next_power_of_two();
             self.bufs = Bufs::new(g, cfg, grow(r, self.bufs.r_cap), grow(t, self.bufs.t_cap))?;
+            self.graphs.clear();
         }
         Ok(())
     }
 }
 
-/// Upload `data` as the call's metadata; returns it for section offsets.
-fn upload_meta(g: &Gpu, meta: &mut DevBuf<i32>, data: &[i32]) -> Result<()> {
-    if data.len() > meta.len {
-        *meta = DevBuf::zeros(
-            &g.stream,
-            data.len().next_power_of_two(),
-            "dflash2 metadata",
-        )?;
+impl DevDraft {
+    /// Upload `data` as the call's metadata (reallocating drops the captured graphs).
+    fn upload_meta(&mut self, g: &Gpu, data: &[i32]) -> Result<()> {
+        if data.len() > self.bufs.meta.len {
+            self.bufs.meta = DevBuf::zeros(
+                &g.stream,
+                data.len().next_power_of_two(),
+                "dflash2 metadata",
+            )?;
+            self.graphs.clear();
+        }
+        self.bufs.meta.write(&g.stream, data, "dflash2 metadata")
     }
-    meta.write(&g.stream, data, "dflash2 metadata")
 }
 
 fn shape(x: usize, y: usize, block: u32, what: &str) -> Result<Shape> {
@@ -429,16 +440,8 @@ impl CudaDFlash2 {
         )?;
         let r = anchors.len() * (nn + 1);
         dev.ensure(&be.gpu, &self.w.cfg, r, 1)?;
-        let fx = Fx {
-            g: &be.gpu,
-            be,
-            w: &self.w,
-            dev,
-            mode: self.mode,
-            q: nn + 1,
-            r,
-        };
-        fx.block(&plan)?;
+        dev.upload_meta(&be.gpu, &Fx::meta(&plan))?;
+        run_block(be, &self.w, dev, self.mode, &plan, anchors.len())?;
         if temperature > 0.0 {
             return self.pick_sampled(be, anchors, temperature, rngs);
         }
@@ -572,7 +575,7 @@ fn run_append(
     for sec in [&plan.rows, &plan.pos, &plan.slot, &layers] {
         meta.extend_from_slice(sec);
     }
-    upload_meta(g, &mut dev.bufs.meta, &meta)?;
+    dev.upload_meta(g, &meta)?;
     let pl = be.per_layer.as_ref().ok_or_else(|| {
         CudaError::Input(
             "dflash2: the target forward kept no per-layer hidden states (collect_hidden)".into(),
@@ -656,13 +659,68 @@ fn run_append(
     }
 }
 
+/// The block forward of `nb` requests: replayed from the graph captured for `nb` when
+/// the backend's graphs are on (captured at first use), else launched eagerly. A capture
+/// that fails turns the drafter's graphs off (recorded in `graph_error`) and runs eagerly.
+fn run_block(
+    be: &CudaBackend,
+    w: &DFlash2Weights,
+    dev: &mut DevDraft,
+    mode: DraftMode,
+    plan: &DraftPlan,
+    nb: usize,
+) -> Result<()> {
+    let q = plan.tokens.len() / nb.max(1);
+    let fx = |dev: &DevDraft| {
+        Fx {
+            g: &be.gpu,
+            be,
+            w,
+            dev,
+            mode,
+            s_max: plan.s_max,
+            q,
+            r: nb * q,
+        }
+        .kernels()
+    };
+    if !be.graphs_on() || dev.graph_error.is_some() {
+        return fx(dev);
+    }
+    if !dev.graphs.contains_key(&nb) {
+        let captured = crate::backend::capture(&be.gpu, || fx(dev)).and_then(|(g, n)| {
+            g.upload()
+                .map_err(|e| CudaError::driver("graph upload", e))?;
+            Ok((g, n))
+        });
+        match captured {
+            Ok(gn) => {
+                dev.graphs.insert(nb, gn);
+            }
+            Err(e) => {
+                dev.graph_error = Some(e.to_string());
+                return fx(dev);
+            }
+        }
+    }
+    let (g, n) = dev
+        .graphs
+        .get(&nb)
+        .ok_or_else(|| CudaError::Input("dflash2 graph vanished (internal)".into()))?;
+    ops::KERNELS.fetch_add(*n, std::sync::atomic::Ordering::Relaxed);
+    g.launch()
+        .map_err(|e| CudaError::driver("dflash2 graph launch", e))
+}
+
 /// The block forward's borrowed context.
 struct Fx<'a> {
     g: &'a Gpu,
     be: &'a CudaBackend,
     w: &'a DFlash2Weights,
-    dev: &'a mut DevDraft,
+    dev: &'a DevDraft,
     mode: DraftMode,
+    /// Context slots per request in the metadata (`W - 1`).
+    s_max: usize,
     /// Rows per block (N + 1).
     q: usize,
     /// Rows of the batch.
@@ -670,16 +728,23 @@ struct Fx<'a> {
 }
 
 impl Fx<'_> {
-    /// §5 over every request's block, then the head and the device pick inputs.
-    fn block(self, plan: &DraftPlan) -> Result<()> {
-        let cfg = &self.w.cfg;
-        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
-        let r = self.r;
-        let mut meta = Vec::with_capacity(2 * r + plan.info.len() + plan.ctx_slots.len());
+    /// The metadata of `plan` in the order the kernels read it (tokens, positions, info,
+    /// context slots).
+    fn meta(plan: &DraftPlan) -> Vec<i32> {
+        let mut meta =
+            Vec::with_capacity(2 * plan.tokens.len() + plan.info.len() + plan.ctx_slots.len());
         for sec in [&plan.tokens, &plan.pos, &plan.info, &plan.ctx_slots] {
             meta.extend_from_slice(sec);
         }
-        upload_meta(self.g, &mut self.dev.bufs.meta, &meta)?;
+        meta
+    }
+
+    /// §5 over every request's block, then the head and the device pick inputs (the
+    /// metadata already uploaded): the kernels a draft graph holds.
+    fn kernels(&self) -> Result<()> {
+        let cfg = &self.w.cfg;
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let r = self.r;
         let b = &self.dev.bufs;
         ops::embed(
             self.g,
@@ -691,7 +756,7 @@ impl Fx<'_> {
             v,
         )?;
         for l in 0..cfg.num_hidden_layers {
-            self.layer(l, plan)?;
+            self.layer(l)?;
         }
         let b = &self.dev.bufs;
         let eps = cfg.rms_norm_eps as f32;
@@ -817,7 +882,7 @@ impl Fx<'_> {
     }
 
     /// One decoder layer in place on `x` (§5; v1 skips the convolutions).
-    fn layer(&self, l: usize, plan: &DraftPlan) -> Result<()> {
+    fn layer(&self, l: usize) -> Result<()> {
         let cfg = &self.w.cfg;
         let lw = &self.dev.layers[l];
         let b = &self.dev.bufs;
@@ -862,7 +927,7 @@ impl Fx<'_> {
             },
         )?;
         self.norm_rope(lw)?;
-        self.attention(l, plan)?;
+        self.attention(l)?;
         match ac {
             Some(c) => {
                 ops::linear(
@@ -988,7 +1053,7 @@ impl Fx<'_> {
         }
     }
 
-    fn attention(&self, l: usize, plan: &DraftPlan) -> Result<()> {
+    fn attention(&self, l: usize) -> Result<()> {
         let cfg = &self.w.cfg;
         let (nh, nkv, d) = (
             cfg.num_attention_heads,
@@ -1007,8 +1072,8 @@ impl Fx<'_> {
             int(qkv_w, "stride")?,
             ptr(&self.dev.pages, l * 2 * region, 2 * region, "layer pages")?,
             ops::long(region),
-            ptr(&b.meta, slots_off, nb * plan.s_max, "context slots")?,
-            int(plan.s_max, "s_max")?,
+            ptr(&b.meta, slots_off, nb * self.s_max, "context slots")?,
+            int(self.s_max, "s_max")?,
             ptr(&b.meta, info_off, 3 * nb, "info")?,
             int(self.q, "Q")?,
             int(nh, "nh")?,
