@@ -43,7 +43,7 @@ extern "C" __global__ void gather_rows(float* __restrict__ out, const float* __r
 }
 
 // out[r] = argmax_j logits[r, j] (lowest index among equal maxima).
-// Shapes: logits [R, V] f32, out [R] u32.  Launch: grid (R), block 256.
+// Shapes: logits [R, V] f32, out [R] u32.  Launch: grid (R), block 1024 (any multiple of 32).
 extern "C" __global__ void argmax_rows(u32* __restrict__ out, const float* __restrict__ logits,
                                        int R, int V) {
     __shared__ float sv[32];
@@ -53,7 +53,18 @@ extern "C" __global__ void argmax_rows(u32* __restrict__ out, const float* __res
     const float* row = logits + (size_t)r * V;
     float bv = -INFINITY;
     int bi = 0;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) argmax_merge(bv, bi, row[j], j);
+    // Four independent loads in flight per thread (a dependent load-merge chain made this
+    // kernel latency-bound: 15.6 us for 8 rows of 8,200 at block 256, ncu 2026-12-02).
+    const int bd = blockDim.x;
+    int j = threadIdx.x;
+    for (; j + 3 * bd < V; j += 4 * bd) {
+        const float a0 = row[j], a1 = row[j + bd], a2 = row[j + 2 * bd], a3 = row[j + 3 * bd];
+        argmax_merge(bv, bi, a0, j);
+        argmax_merge(bv, bi, a1, j + bd);
+        argmax_merge(bv, bi, a2, j + 2 * bd);
+        argmax_merge(bv, bi, a3, j + 3 * bd);
+    }
+    for (; j < V; j += bd) argmax_merge(bv, bi, row[j], j);
     // A thread that saw nothing keeps (-inf, 0): it cannot beat a real -inf at index 0.
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {

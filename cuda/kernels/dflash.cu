@@ -120,80 +120,101 @@ extern "C" __global__ void df2_conv(float* __restrict__ out, const float* __rest
     }
 }
 
-// Non-causal sliding-window attention of one drafter layer (§5.2), one warp per
-// (block row, head), online softmax over chunks of 32 keys: context rows first (the
-// visible ones: positions >= P_j - W + 1), then the request's Q block rows.
-// info[b] = (p0, ctx_start, S): the anchor's position, the first context position held in
-// ctx_slots[b], and how many (positions ctx_start .. p0 - 1, S <= s_max).
+// Non-causal sliding-window attention of one drafter layer (§5.2). One block per (block
+// row r, KV head g), one warp per query head of the group (h = g * gq + warp): the keys
+// and values row r sees (context rows from P_r - W + 1, then the request's Q block rows)
+// stream through shared memory in tiles of 32, one key per lane for the scores, then an
+// online softmax (running max / sum per warp) and the value sum with each lane owning
+// d / 32 dims.  info[b] = (p0, ctx_start, S): the anchor's position, the first context
+// position in ctx_slots[b], and how many (positions ctx_start .. p0 - 1, S <= s_max).
 // Shapes: qkv [R, qkv_stride] (q [nh, d] at 0, k [nkv, d] at nh * d, v at (nh + nkv) * d),
 // pages: this layer's K at 0 and V at v_off, rows [*, nkv * d]; ctx_slots [B, s_max];
-// info [B, 3]; o [R, nh * d].  Launch: grid (R, nh), block 32.
+// info [B, 3]; o [R, nh * d].
+// Launch: grid (R, nkv), block 32 * (nh / nkv), dynamic smem df2_attention_smem(d, gq).
+#define DF2_TILE 32
 extern "C" __global__ void df2_attention(float* __restrict__ o, const float* __restrict__ qkv,
                                          int qkv_stride, const float* __restrict__ pages,
                                          long long v_off, const int* __restrict__ ctx_slots,
                                          int s_max, const int* __restrict__ info, int Q, int nh,
                                          int nkv, int d, int W, float scale, int R) {
-    __shared__ float qs[DF2_HEAD_DIM_MAX];
-    const int r = blockIdx.x, hh = blockIdx.y, lane = threadIdx.x & 31;
-    if (r >= R || hh >= nh) return;
-    const int b = r / Q, j = r % Q, g = hh / (nh / nkv), row = nkv * d;
+    extern __shared__ float sm[];
+    const int r = blockIdx.x, g = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int gq = nh / nkv, nt = blockDim.x, ds = d + 1;  // padded rows: no bank conflicts
+    if (r >= R || g >= nkv) return;
+    float* ks = sm;                    // [TILE, d + 1]
+    float* vs = ks + DF2_TILE * ds;    // [TILE, d + 1]
+    float* qs = vs + DF2_TILE * ds;    // [gq, d]
+    const int b = r / Q, j = r % Q, hh = g * gq + warp, row = nkv * d;
     const int p0 = info[b * 3], cs = info[b * 3 + 1], S = info[b * 3 + 2];
-    const int lo = max(p0 + j + 1 - W, cs) - cs;  // first visible context index
-    const int nctx = max(S - lo, 0), total = nctx + Q;
-    const float* qv = qkv + (size_t)r * qkv_stride + (size_t)hh * d;
-    for (int i = lane; i < d; i += WARP) qs[i] = qv[i];
-    __syncwarp();
-    const int nd = (d + WARP - 1) / WARP;  // <= 4 dims per lane
+    const int lo = min(max(p0 + j + 1 - W, cs) - cs, S);  // first visible context index
+    const int nctx = S - lo, total = nctx + Q;
+    for (int i = threadIdx.x; i < gq * d; i += nt)
+        qs[i] = qkv[(size_t)r * qkv_stride + (size_t)g * gq * d + i];
+    const float* blk = qkv + (size_t)b * Q * qkv_stride;
+    const int* slots = ctx_slots + (size_t)b * s_max + lo;
     float acc[DF2_HEAD_DIM_MAX / WARP];
 #pragma unroll
     for (int t = 0; t < DF2_HEAD_DIM_MAX / WARP; ++t) acc[t] = 0.0f;
     float m = -INFINITY, l = 0.0f;
-    const float* blk = qkv + (size_t)b * Q * qkv_stride;
-    for (int base = 0; base < total; base += WARP) {
-        const int u = base + lane;
-        const float* key = nullptr;
-        if (u < nctx)
-            key = pages + (long long)ctx_slots[(size_t)b * s_max + lo + u] * row + (size_t)g * d;
-        else if (u < total)
-            key = blk + (size_t)(u - nctx) * qkv_stride + (size_t)(nh + g) * d;
+    for (int base = 0; base < total; base += DF2_TILE) {
+        __syncthreads();  // the previous tile's readers are done (and qs is written)
+        for (int idx = threadIdx.x; idx < DF2_TILE * d; idx += nt) {
+            const int kk = idx / d, i = idx % d, u = base + kk;
+            float kv = 0.0f, vv = 0.0f;
+            if (u < nctx) {
+                const float* p = pages + (long long)slots[u] * row + (size_t)g * d + i;
+                kv = p[0];
+                vv = p[v_off];
+            } else if (u < total) {
+                const float* p = blk + (size_t)(u - nctx) * qkv_stride + (size_t)g * d + i;
+                kv = p[(size_t)nh * d];
+                vv = p[(size_t)(nh + nkv) * d];
+            }
+            ks[kk * ds + i] = kv;
+            vs[kk * ds + i] = vv;
+        }
+        __syncthreads();
+        const bool valid = base + lane < total;
         float sc = -INFINITY;
-        if (key) {
+        if (valid) {
+            const float* kr = ks + lane * ds;
+            const float* qr = qs + warp * d;
             float dot = 0.0f;
-            for (int i = 0; i < d; ++i) dot += qs[i] * key[i];
+            for (int i = 0; i < d; ++i) dot += qr[i] * kr[i];
             sc = dot * scale;
         }
-        const float mn = fmaxf(m, warp_max(sc));
-        const float corr = expf(m - mn);  // 0 on the first chunk (m = -inf)
-        const float p = key ? expf(sc - mn) : 0.0f;
+        const float mn = fmaxf(m, warp_max(sc));  // finite: every tile holds a valid key
+        const float corr = expf(m - mn);           // 0 on the first tile (m = -inf)
+        const float p = valid ? expf(sc - mn) : 0.0f;
         l = l * corr + warp_sum(p);
 #pragma unroll
         for (int t = 0; t < DF2_HEAD_DIM_MAX / WARP; ++t) acc[t] *= corr;
-        const int nk = min(WARP, total - base);
-        for (int kk = 0; kk < nk; ++kk) {
-            const float pk = __shfl_sync(FULL_MASK, p, kk);
-            const int uk = base + kk;
-            const float* val =
-                uk < nctx ? pages + v_off +
-                                (long long)ctx_slots[(size_t)b * s_max + lo + uk] * row +
-                                (size_t)g * d
-                          : blk + (size_t)(uk - nctx) * qkv_stride + (size_t)(nh + nkv + g) * d;
+#pragma unroll
+        for (int kk = 0; kk < DF2_TILE; ++kk) {
+            const float pk = __shfl_sync(FULL_MASK, p, kk);  // 0 past the last key
 #pragma unroll
             for (int t = 0; t < DF2_HEAD_DIM_MAX / WARP; ++t)
-                if (t < nd && lane + t * WARP < d) acc[t] += pk * val[lane + t * WARP];
+                if (lane + t * WARP < d) acc[t] += pk * vs[kk * ds + lane + t * WARP];
         }
         m = mn;
     }
     float* orow = o + (size_t)r * nh * d + (size_t)hh * d;
 #pragma unroll
     for (int t = 0; t < DF2_HEAD_DIM_MAX / WARP; ++t)
-        if (t < nd && lane + t * WARP < d) orow[lane + t * WARP] = acc[t] / l;
+        if (lane + t * WARP < d) orow[lane + t * WARP] = acc[t] / l;
 }
 
 // The top-k candidates of each logits row (§6.2: value descending, equal values to the
-// lower id; NaN is never picked): k rounds, each the best element strictly after the
-// previous pick in that order.  out[r, i] = float(id_i) (exact: V < 2^24, checked on the
-// host), out[r, k + i] = logits[r, id_i].  Shapes: logits [R, V], out [R, out_stride].
-// Launch: grid (R), block 256.
+// lower id; NaN is never picked). Each thread keeps the best DF2_KMAX of its strided
+// elements in registers (insertion, one pass over the row), then k rounds merge the
+// threads' lists: the best head in the block is the next candidate and its thread pops
+// it.  out[r, i] = float(id_i) (exact: V < 2^24, checked on the host), out[r, k + i] =
+// logits[r, id_i].  Shapes: logits [R, V], out [R, out_stride]; k <= DF2_KMAX.
+// Launch: grid (R), block 512.
+#define DF2_KMAX 16
+__device__ __forceinline__ bool df2_better(float av, int ai, float bv, int bi) {
+    return av > bv || (av == bv && ai < bi);
+}
 extern "C" __global__ void df2_topk(float* __restrict__ out, int out_stride,
                                     const float* __restrict__ logits, int V, int k, int R) {
     __shared__ float sv[32];
@@ -202,32 +223,48 @@ extern "C" __global__ void df2_topk(float* __restrict__ out, int out_stride,
     if (r >= R) return;
     const float* row = logits + (size_t)r * V;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float pv = INFINITY;
-    int pi = -1;
-    for (int round = 0; round < k; ++round) {
-        float bv = -INFINITY;
-        int bi = V;  // "none": loses to any real element (argmax_merge prefers lower ids)
-        for (int i = threadIdx.x; i < V; i += blockDim.x) {
-            const float x = row[i];
-            if (x < pv || (x == pv && i > pi)) argmax_merge(bv, bi, x, i);
+    float tv[DF2_KMAX];
+    int ti[DF2_KMAX];
+#pragma unroll
+    for (int s = 0; s < DF2_KMAX; ++s) { tv[s] = -INFINITY; ti[s] = V; }
+    for (int i = threadIdx.x; i < V; i += blockDim.x) {
+        float x = row[i];
+        int xi = i;
+        if (x != x || !df2_better(x, xi, tv[DF2_KMAX - 1], ti[DF2_KMAX - 1])) continue;
+#pragma unroll
+        for (int s = 0; s < DF2_KMAX; ++s) {  // insert, keeping the list sorted
+            if (df2_better(x, xi, tv[s], ti[s])) {
+                const float t = tv[s];
+                const int u = ti[s];
+                tv[s] = x; ti[s] = xi; x = t; xi = u;
+            }
         }
+    }
+    for (int round = 0; round < k; ++round) {
+        float bv = tv[0];
+        int bi = ti[0];
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) {
             const float ov = __shfl_xor_sync(FULL_MASK, bv, off);
             const int oi = __shfl_xor_sync(FULL_MASK, bi, off);
-            argmax_merge(bv, bi, ov, oi);
+            if (df2_better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
         }
         __syncthreads();  // the previous round's readers are done with sv / si
         if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
         __syncthreads();
         bv = sv[0];
         bi = si[0];
-        for (int w = 1; w < (int)(blockDim.x >> 5); ++w) argmax_merge(bv, bi, sv[w], si[w]);
+        for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
+            if (df2_better(sv[w], si[w], bv, bi)) { bv = sv[w]; bi = si[w]; }
         if (threadIdx.x == 0) {
             out[(size_t)r * out_stride + round] = (float)(bi < V ? bi : 0);
             out[(size_t)r * out_stride + k + round] = bi < V ? bv : -INFINITY;
         }
-        pv = bv;
-        pi = bi;
+        if (ti[0] == bi && bi < V) {  // ids are unique: exactly one thread pops
+#pragma unroll
+            for (int s = 0; s + 1 < DF2_KMAX; ++s) { tv[s] = tv[s + 1]; ti[s] = ti[s + 1]; }
+            tv[DF2_KMAX - 1] = -INFINITY;
+            ti[DF2_KMAX - 1] = V;
+        }
     }
 }

@@ -128,6 +128,8 @@ pub struct CudaBackend {
     pub(crate) router: Option<(DevBuf<i32>, DevBuf<f32>)>,
     /// The first graph capture / replay failure (graphs are off after it).
     graph_error: Option<String>,
+    /// Per-layer slots a device drafter reads (`Collect::hidden_mask`; 0 = all).
+    device_hidden_mask: u64,
     /// Host copy of the bf16 embedding for `SharedHead::embed`. Shape: [V, H] bf16 bits.
     pub(crate) embed_host: Vec<u16>,
     /// Phase times of `forward_greedy` calls (reset by the caller).
@@ -196,6 +198,7 @@ impl CudaBackend {
             per_layer: None,
             router: None,
             graph_error: None,
+            device_hidden_mask: 0,
             host_times: HostTimes::default(),
             embed_host: crate::repack::to_bf16(&weights.embed, "model.embed_tokens")?,
         })
@@ -214,6 +217,13 @@ impl CudaBackend {
         self.w.bytes
     }
     /// Turn graph capture / replay on or off (off drops captured graphs).
+    /// A drafter on this device reads only these per-layer slots (bit `l` = slot `l`,
+    /// 0 = the embeddings) of forwards with `ForwardOptions::hidden_on_device`; the other
+    /// slots are not copied. `0` = all.
+    pub fn keep_hidden_layers(&mut self, mask: u64) {
+        self.device_hidden_mask = mask;
+    }
+
     /// Whether steps are replayed from CUDA graphs (the device drafter follows it).
     pub fn graphs_on(&self) -> bool {
         self.opts.use_graphs
@@ -335,6 +345,11 @@ impl CudaBackend {
         let collect = Collect {
             hidden: opts.collect_hidden,
             router: opts.collect_router,
+            hidden_mask: if opts.hidden_on_device {
+                self.device_hidden_mask
+            } else {
+                0
+            },
         };
         self.ensure(&m, collect)?;
         let last = opts.logits == LogitsRows::LastPerChunk;
@@ -692,6 +707,7 @@ impl CudaBackend {
         let collect = Collect {
             hidden: false,
             router: opts.collect_router,
+            hidden_mask: 0,
         };
         self.ensure(&m, collect)?;
         let rows: Vec<f32> = batch

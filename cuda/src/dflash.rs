@@ -307,6 +307,26 @@ fn shape(x: usize, y: usize, block: u32, what: &str) -> Result<Shape> {
     grid_2d(x, y, block, what)
 }
 
+/// Keys per shared-memory tile of `df2_attention` (`DF2_TILE`).
+const ATT_TILE: usize = 32;
+/// Candidates per row `df2_topk` can keep (`DF2_KMAX`).
+pub const TOPK_MAX: usize = 16;
+
+/// `df2_attention`: grid (R, nkv), one warp per query head of a KV group, dynamic shared
+/// memory for a K and a V tile (rows padded to d + 1) and the group's queries.
+fn attention_shape(r: usize, nh: usize, nkv: usize, d: usize) -> Result<Shape> {
+    let gq = nh / nkv.max(1);
+    let smem = 4 * (2 * ATT_TILE * (d + 1) + gq * d);
+    if gq == 0 || gq > 32 || smem > 48 * 1024 {
+        return Err(CudaError::Unsupported(format!(
+            "df2_attention: {gq} query heads per KV head and head_dim {d} need {smem} B of shared memory (at most 32 heads, 48 KiB)"
+        )));
+    }
+    let mut s = grid_2d(r, nkv, 32 * gq as u32, "df2_attention")?;
+    s.smem = smem as u32;
+    Ok(s)
+}
+
 /// The CUDA DFlash2 (v2) / DFlash v1 drafter (module doc).
 pub struct CudaDFlash2 {
     /// Host copy: config, the selector codebooks of the walk, the pickers.
@@ -350,12 +370,19 @@ impl CudaDFlash2 {
                 reason: "mode v2 needs the conv + candidate-selector tensors, which this checkpoint does not have (v1-only)".into(),
             });
         }
-        if w.cfg.vocab_size >= 1 << 24 || w.cfg.head_dim > 128 || w.cfg.head_dim % 2 == 1 {
+        let (c, k) = (&w.cfg, w.cfg.dflash_config.selector_top_k);
+        if c.vocab_size >= 1 << 24
+            || c.head_dim > 128
+            || c.head_dim % 2 == 1
+            || k > TOPK_MAX
+            || k > c.vocab_size
+        {
             return Err(EngineError::Unsupported(format!(
-                "the CUDA DFlash2 drafter needs vocab_size < 2^24 and an even head_dim <= 128 (vocab {}, head_dim {})",
-                w.cfg.vocab_size, w.cfg.head_dim
+                "the CUDA DFlash2 drafter needs vocab_size < 2^24, an even head_dim <= 128 and selector_top_k <= {TOPK_MAX} (and <= vocab_size): vocab {}, head_dim {}, top-k {k}",
+                c.vocab_size, c.head_dim
             )));
         }
+        attention_shape(1, c.num_attention_heads, c.num_key_value_heads, c.head_dim)?;
         let group = DFlash2::find_group(kv).ok_or_else(|| EngineError::InvalidLayout {
             field: "groups".into(),
             reason: format!(
@@ -797,7 +824,7 @@ impl Fx<'_> {
             int(r, "R")?,
         ];
         // SAFETY: out [R, stride] (2k <= stride) and logits [R, V] checked.
-        unsafe { ops::launch(self.g, "df2_topk", shape(r, 1, 256, "df2_topk")?, &args)? };
+        unsafe { ops::launch(self.g, "df2_topk", shape(r, 1, 512, "df2_topk")?, &args)? };
         if let (DraftMode::V2, Some(sp)) = (self.mode, &self.dev.sel_proj) {
             let y = Mat {
                 buf: &b.pick,
@@ -1089,7 +1116,7 @@ impl Fx<'_> {
             ops::launch(
                 self.g,
                 "df2_attention",
-                shape(r, nh, 32, "df2_attention")?,
+                attention_shape(r, nh, nkv, d)?,
                 &args,
             )
         }
@@ -1142,6 +1169,12 @@ impl Drafter for CudaDFlash2 {
         let be = Self::backend(&mut *step.backend).map_err(engine)?;
         if self.dev.is_none() {
             self.dev = Some(DevDraft::upload(&be.gpu, &self.w, &self.grp).map_err(engine)?);
+            // From the next forward on only the feature layers are copied (the first,
+            // a prefill, kept every layer).
+            let ids = &self.w.cfg.dflash_config.target_layer_ids;
+            if ids.iter().all(|&i| i + 1 < 64) {
+                be.keep_hidden_layers(ids.iter().fold(0u64, |m, &i| m | 1u64 << (i + 1)));
+            }
         }
         let appends: Vec<AppendReq> = reqs
             .iter()

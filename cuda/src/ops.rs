@@ -344,7 +344,7 @@ pub fn argmax(g: &Gpu, out: &DevBuf<u32>, logits: &DevBuf<f32>, r: usize, v: usi
         int(v, "V")?,
     ];
     // SAFETY: out [R], logits [R, V] checked.
-    unsafe { launch(g, "argmax_rows", launch::per_row(r, 256, "argmax")?, &args) }
+    unsafe { launch(g, "argmax_rows", launch::per_row(r, 1024, "argmax")?, &args) }
 }
 
 /// Kernel `copy_f32`: `n` floats from `src[s_off..]` to `dst[d_off..]`.

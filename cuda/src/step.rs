@@ -27,6 +27,10 @@ pub struct Collect {
     pub hidden: bool,
     /// Each MoE layer's selected experts and weights.
     pub router: bool,
+    /// With `hidden`: the per-layer slots to fill, bit `l` for slot `l` (0 = the
+    /// embeddings), slots from 64 always; `0` = all (a host caller reads every layer; a
+    /// device drafter names the layers it reads, `CudaBackend::keep_hidden_layers`).
+    pub hidden_mask: u64,
 }
 
 /// Which step to run.
@@ -149,7 +153,9 @@ impl CudaBackend {
 
     /// Copy the residual stream into slot `l` of the per-layer buffer (collect_hidden).
     fn snap_hidden(&self, cx: &Ctx<'_>, l: usize) -> Result<()> {
-        match (&self.per_layer, cx.collect.hidden) {
+        let mask = cx.collect.hidden_mask;
+        let wanted = mask == 0 || l >= 64 || mask & (1u64 << l) != 0;
+        match (&self.per_layer, cx.collect.hidden && wanted) {
             (Some(p), true) => {
                 let h = self.w.cfg.hidden_size;
                 ops::copy(&self.gpu, p, l * self.ws.t_cap * h, &self.ws.x, 0, cx.t * h)
