@@ -130,8 +130,12 @@ extern "C" __global__ void df2_conv(float* __restrict__ out, const float* __rest
 // Shapes: qkv [R, qkv_stride] (q [nh, d] at 0, k [nkv, d] at nh * d, v at (nh + nkv) * d),
 // pages: this layer's K at 0 and V at v_off, rows [*, nkv * d]; ctx_slots [B, s_max];
 // info [B, 3]; o [R, nh * d].
-// Launch: grid (R, nkv), block 32 * (nh / nkv), dynamic smem df2_attention_smem(d, gq).
+// d % 4 == 0, row starts 16-byte aligned (checked on the host).
+// Launch: grid (R, nkv), block 32 * max(nh / nkv, 2) (nh / nkv <= 32), dynamic smem
+// 4 * (2 * DF2_TILE * (d + 1) + (nh / nkv) * d) bytes.
 #define DF2_TILE 32
+// float4 loads per thread per tile and operand: TILE * HEAD_DIM_MAX / 4 over >= 64 threads.
+#define DF2_LOAD_IT (DF2_TILE * DF2_HEAD_DIM_MAX / 4 / 64)
 extern "C" __global__ void df2_attention(float* __restrict__ o, const float* __restrict__ qkv,
                                          int qkv_stride, const float* __restrict__ pages,
                                          long long v_off, const int* __restrict__ ctx_slots,
@@ -140,11 +144,12 @@ extern "C" __global__ void df2_attention(float* __restrict__ o, const float* __r
     extern __shared__ float sm[];
     const int r = blockIdx.x, g = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int gq = nh / nkv, nt = blockDim.x, ds = d + 1;  // padded rows: no bank conflicts
+    const int d4 = d / 4;
     if (r >= R || g >= nkv) return;
     float* ks = sm;                    // [TILE, d + 1]
     float* vs = ks + DF2_TILE * ds;    // [TILE, d + 1]
     float* qs = vs + DF2_TILE * ds;    // [gq, d]
-    const int b = r / Q, j = r % Q, hh = g * gq + warp, row = nkv * d;
+    const int b = r / Q, j = r % Q, hh = g * gq + min(warp, gq - 1), row = nkv * d;
     const int p0 = info[b * 3], cs = info[b * 3 + 1], S = info[b * 3 + 2];
     const int lo = min(max(p0 + j + 1 - W, cs) - cs, S);  // first visible context index
     const int nctx = S - lo, total = nctx + Q;
@@ -158,46 +163,66 @@ extern "C" __global__ void df2_attention(float* __restrict__ o, const float* __r
     float m = -INFINITY, l = 0.0f;
     for (int base = 0; base < total; base += DF2_TILE) {
         __syncthreads();  // the previous tile's readers are done (and qs is written)
-        for (int idx = threadIdx.x; idx < DF2_TILE * d; idx += nt) {
-            const int kk = idx / d, i = idx % d, u = base + kk;
-            float kv = 0.0f, vv = 0.0f;
-            if (u < nctx) {
-                const float* p = pages + (long long)slots[u] * row + (size_t)g * d + i;
-                kv = p[0];
-                vv = p[v_off];
-            } else if (u < total) {
-                const float* p = blk + (size_t)(u - nctx) * qkv_stride + (size_t)g * d + i;
-                kv = p[(size_t)nh * d];
-                vv = p[(size_t)(nh + nkv) * d];
+        // Every load of the tile in flight at once (float4, unrolled), then the stores: a
+        // load-store loop left each thread waiting out one memory latency per element.
+        float4 kr4[DF2_LOAD_IT], vr4[DF2_LOAD_IT];
+#pragma unroll
+        for (int it = 0; it < DF2_LOAD_IT; ++it) {
+            const int idx = threadIdx.x + it * nt;
+            kr4[it] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            vr4[it] = kr4[it];
+            if (idx < DF2_TILE * d4) {
+                const int u = base + idx / d4, i = 4 * (idx % d4);
+                if (u < nctx) {
+                    const float* p = pages + (long long)slots[u] * row + (size_t)g * d + i;
+                    kr4[it] = *reinterpret_cast<const float4*>(p);
+                    vr4[it] = *reinterpret_cast<const float4*>(p + v_off);
+                } else if (u < total) {
+                    const float* p = blk + (size_t)(u - nctx) * qkv_stride + (size_t)g * d + i;
+                    kr4[it] = *reinterpret_cast<const float4*>(p + (size_t)nh * d);
+                    vr4[it] = *reinterpret_cast<const float4*>(p + (size_t)(nh + nkv) * d);
+                }
             }
-            ks[kk * ds + i] = kv;
-            vs[kk * ds + i] = vv;
+        }
+#pragma unroll
+        for (int it = 0; it < DF2_LOAD_IT; ++it) {
+            const int idx = threadIdx.x + it * nt;
+            if (idx < DF2_TILE * d4) {
+                float* kd = ks + (idx / d4) * ds + 4 * (idx % d4);
+                float* vd = vs + (idx / d4) * ds + 4 * (idx % d4);
+                kd[0] = kr4[it].x; kd[1] = kr4[it].y; kd[2] = kr4[it].z; kd[3] = kr4[it].w;
+                vd[0] = vr4[it].x; vd[1] = vr4[it].y; vd[2] = vr4[it].z; vd[3] = vr4[it].w;
+            }
         }
         __syncthreads();
-        const bool valid = base + lane < total;
-        float sc = -INFINITY;
-        if (valid) {
-            const float* kr = ks + lane * ds;
-            const float* qr = qs + warp * d;
-            float dot = 0.0f;
-            for (int i = 0; i < d; ++i) dot += qr[i] * kr[i];
-            sc = dot * scale;
+        if (warp < gq) {  // a block of one query head has an idle second warp
+            const bool valid = base + lane < total;
+            float sc = -INFINITY;
+            if (valid) {
+                const float* kr = ks + lane * ds;
+                const float* qr = qs + warp * d;
+                float dot = 0.0f;
+#pragma unroll 8
+                for (int i = 0; i < d; ++i) dot += qr[i] * kr[i];
+                sc = dot * scale;
+            }
+            const float mn = fmaxf(m, warp_max(sc));  // finite: every tile holds a valid key
+            const float corr = expf(m - mn);           // 0 on the first tile (m = -inf)
+            const float p = valid ? expf(sc - mn) : 0.0f;
+            l = l * corr + warp_sum(p);
+#pragma unroll
+            for (int t = 0; t < DF2_HEAD_DIM_MAX / WARP; ++t) acc[t] *= corr;
+#pragma unroll
+            for (int kk = 0; kk < DF2_TILE; ++kk) {
+                const float pk = __shfl_sync(FULL_MASK, p, kk);  // 0 past the last key
+#pragma unroll
+                for (int t = 0; t < DF2_HEAD_DIM_MAX / WARP; ++t)
+                    if (lane + t * WARP < d) acc[t] += pk * vs[kk * ds + lane + t * WARP];
+            }
+            m = mn;
         }
-        const float mn = fmaxf(m, warp_max(sc));  // finite: every tile holds a valid key
-        const float corr = expf(m - mn);           // 0 on the first tile (m = -inf)
-        const float p = valid ? expf(sc - mn) : 0.0f;
-        l = l * corr + warp_sum(p);
-#pragma unroll
-        for (int t = 0; t < DF2_HEAD_DIM_MAX / WARP; ++t) acc[t] *= corr;
-#pragma unroll
-        for (int kk = 0; kk < DF2_TILE; ++kk) {
-            const float pk = __shfl_sync(FULL_MASK, p, kk);  // 0 past the last key
-#pragma unroll
-            for (int t = 0; t < DF2_HEAD_DIM_MAX / WARP; ++t)
-                if (lane + t * WARP < d) acc[t] += pk * vs[kk * ds + lane + t * WARP];
-        }
-        m = mn;
     }
+    if (warp >= gq) return;
     float* orow = o + (size_t)r * nh * d + (size_t)hh * d;
 #pragma unroll
     for (int t = 0; t < DF2_HEAD_DIM_MAX / WARP; ++t)
@@ -210,7 +235,7 @@ extern "C" __global__ void df2_attention(float* __restrict__ o, const float* __r
 // threads' lists: the best head in the block is the next candidate and its thread pops
 // it.  out[r, i] = float(id_i) (exact: V < 2^24, checked on the host), out[r, k + i] =
 // logits[r, id_i].  Shapes: logits [R, V], out [R, out_stride]; k <= DF2_KMAX.
-// Launch: grid (R), block 512.
+// Launch: grid (R), block 256.
 #define DF2_KMAX 16
 __device__ __forceinline__ bool df2_better(float av, int ai, float bv, int bi) {
     return av > bv || (av == bv && ai < bi);
@@ -227,16 +252,24 @@ extern "C" __global__ void df2_topk(float* __restrict__ out, int out_stride,
     int ti[DF2_KMAX];
 #pragma unroll
     for (int s = 0; s < DF2_KMAX; ++s) { tv[s] = -INFINITY; ti[s] = V; }
-    for (int i = threadIdx.x; i < V; i += blockDim.x) {
-        float x = row[i];
-        int xi = i;
-        if (x != x || !df2_better(x, xi, tv[DF2_KMAX - 1], ti[DF2_KMAX - 1])) continue;
+    const int bd = blockDim.x;
+    for (int i0 = threadIdx.x; i0 < V; i0 += 4 * bd) {
+        float xs[4];  // four loads in flight, then the insertions
 #pragma unroll
-        for (int s = 0; s < DF2_KMAX; ++s) {  // insert, keeping the list sorted
-            if (df2_better(x, xi, tv[s], ti[s])) {
-                const float t = tv[s];
-                const int u = ti[s];
-                tv[s] = x; ti[s] = xi; x = t; xi = u;
+        for (int u = 0; u < 4; ++u) xs[u] = i0 + u * bd < V ? row[i0 + u * bd] : -INFINITY;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            float x = xs[u];
+            int xi = i0 + u * bd;
+            if (xi >= V || x != x || !df2_better(x, xi, tv[DF2_KMAX - 1], ti[DF2_KMAX - 1]))
+                continue;
+#pragma unroll
+            for (int s = 0; s < DF2_KMAX; ++s) {  // insert, keeping the list sorted
+                if (df2_better(x, xi, tv[s], ti[s])) {
+                    const float t = tv[s];
+                    const int w = ti[s];
+                    tv[s] = x; ti[s] = xi; x = t; xi = w;
+                }
             }
         }
     }
