@@ -125,146 +125,161 @@ extern "C" __global__ void df2_conv(float* __restrict__ out, const float* __rest
 // and values row r sees (context rows from P_r - W + 1, then the request's Q block rows)
 // stream through shared memory in tiles of 32, one key per lane for the scores, then an
 // online softmax (running max / sum per warp) and the value sum with each lane owning
-// d / 32 dims.  info[b] = (p0, ctx_start, S): the anchor's position, the first context
+// D / 32 dims.  info[b] = (p0, ctx_start, S): the anchor's position, the first context
 // position in ctx_slots[b], and how many (positions ctx_start .. p0 - 1, S <= s_max).
-// Shapes: qkv [R, qkv_stride] (q [nh, d] at 0, k [nkv, d] at nh * d, v at (nh + nkv) * d),
-// pages: this layer's K at 0 and V at v_off, rows [*, nkv * d]; ctx_slots [B, s_max];
-// info [B, 3]; o [R, nh * d].
-// d % 4 == 0, row starts 16-byte aligned (checked on the host).
+// D is a template parameter (32, 64 or 128, checked on the host) so the tile staging and
+// the dot products compile to shifts and unrolled code (a runtime head_dim cost 85 us a
+// launch in integer division and loop overhead, ncu 2026-12-02).
+// Shapes: qkv [R, qkv_stride] (q [nh, D] at 0, k [nkv, D] at nh * D, v at (nh + nkv) * D),
+// pages: this layer's K at 0 and V at v_off, rows [*, nkv * D]; ctx_slots [B, s_max];
+// info [B, 3]; o [R, nh * D].  Row starts 16-byte aligned (checked on the host).
 // Launch: grid (R, nkv), block 32 * max(nh / nkv, 2) (nh / nkv <= 32), dynamic smem
-// 4 * (2 * DF2_TILE * (d + 1) + (nh / nkv) * d) bytes.
+// 4 * (2 * DF2_TILE * (D + 1) + (nh / nkv) * D) bytes.
 #define DF2_TILE 32
-// float4 loads per thread per tile and operand: TILE * HEAD_DIM_MAX / 4 over >= 64 threads.
-#define DF2_LOAD_IT (DF2_TILE * DF2_HEAD_DIM_MAX / 4 / 64)
-extern "C" __global__ void df2_attention(float* __restrict__ o, const float* __restrict__ qkv,
-                                         int qkv_stride, const float* __restrict__ pages,
-                                         long long v_off, const int* __restrict__ ctx_slots,
-                                         int s_max, const int* __restrict__ info, int Q, int nh,
-                                         int nkv, int d, int W, float scale, int R) {
+template <int D>
+__device__ __forceinline__ void df2_attention_body(
+    float* __restrict__ o, const float* __restrict__ qkv, int qkv_stride,
+    const float* __restrict__ pages, long long v_off, const int* __restrict__ ctx_slots,
+    int s_max, const int* __restrict__ info, int Q, int nh, int nkv, int W, float scale, int R) {
+    constexpr int D4 = D / 4, DS = D + 1, DPL = (D + WARP - 1) / WARP;  // dims per lane
+    constexpr int IT = DF2_TILE * D4 / 64;  // float4 loads per thread (>= 64 threads stage)
     extern __shared__ float sm[];
     const int r = blockIdx.x, g = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int gq = nh / nkv, nt = blockDim.x, ds = d + 1;  // padded rows: no bank conflicts
-    const int d4 = d / 4;
+    const int gq = nh / nkv;
     if (r >= R || g >= nkv) return;
-    float* ks = sm;                    // [TILE, d + 1]
-    float* vs = ks + DF2_TILE * ds;    // [TILE, d + 1]
-    float* qs = vs + DF2_TILE * ds;    // [gq, d]
-    const int b = r / Q, j = r % Q, hh = g * gq + min(warp, gq - 1), row = nkv * d;
+    float* ks = sm;                  // [TILE, D + 1]: padded rows, no bank conflicts
+    float* vs = ks + DF2_TILE * DS;  // [TILE, D + 1]
+    float* qs = vs + DF2_TILE * DS;  // [gq, D]
+    const int b = r / Q, j = r % Q, hh = g * gq + min(warp, gq - 1), row = nkv * D;
     const int p0 = info[b * 3], cs = info[b * 3 + 1], S = info[b * 3 + 2];
     const int lo = min(max(p0 + j + 1 - W, cs) - cs, S);  // first visible context index
     const int nctx = S - lo, total = nctx + Q;
-    for (int i = threadIdx.x; i < gq * d; i += nt)
-        qs[i] = qkv[(size_t)r * qkv_stride + (size_t)g * gq * d + i];
+    for (int i = threadIdx.x; i < gq * D; i += blockDim.x)
+        qs[i] = qkv[(size_t)r * qkv_stride + (size_t)g * gq * D + i];
     const float* blk = qkv + (size_t)b * Q * qkv_stride;
     const int* slots = ctx_slots + (size_t)b * s_max + lo;
-    float acc[DF2_HEAD_DIM_MAX / WARP];
+    float acc[DPL];
 #pragma unroll
-    for (int t = 0; t < DF2_HEAD_DIM_MAX / WARP; ++t) acc[t] = 0.0f;
+    for (int t = 0; t < DPL; ++t) acc[t] = 0.0f;
     float m = -INFINITY, l = 0.0f;
     for (int base = 0; base < total; base += DF2_TILE) {
         __syncthreads();  // the previous tile's readers are done (and qs is written)
-        // Every load of the tile in flight at once (float4, unrolled), then the stores: a
-        // load-store loop left each thread waiting out one memory latency per element.
-        float4 kr4[DF2_LOAD_IT], vr4[DF2_LOAD_IT];
+        if (threadIdx.x < 64) {  // every load of the tile in flight, then the stores
+            float4 kr4[IT], vr4[IT];
 #pragma unroll
-        for (int it = 0; it < DF2_LOAD_IT; ++it) {
-            const int idx = threadIdx.x + it * nt;
-            kr4[it] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            vr4[it] = kr4[it];
-            if (idx < DF2_TILE * d4) {
-                const int u = base + idx / d4, i = 4 * (idx % d4);
+            for (int it = 0; it < IT; ++it) {
+                const int idx = threadIdx.x + it * 64, u = base + idx / D4, i = 4 * (idx % D4);
+                kr4[it] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                vr4[it] = kr4[it];
                 if (u < nctx) {
-                    const float* p = pages + (long long)slots[u] * row + (size_t)g * d + i;
+                    const float* p = pages + (long long)slots[u] * row + (size_t)g * D + i;
                     kr4[it] = *reinterpret_cast<const float4*>(p);
                     vr4[it] = *reinterpret_cast<const float4*>(p + v_off);
                 } else if (u < total) {
-                    const float* p = blk + (size_t)(u - nctx) * qkv_stride + (size_t)g * d + i;
-                    kr4[it] = *reinterpret_cast<const float4*>(p + (size_t)nh * d);
-                    vr4[it] = *reinterpret_cast<const float4*>(p + (size_t)(nh + nkv) * d);
+                    const float* p = blk + (size_t)(u - nctx) * qkv_stride + (size_t)g * D + i;
+                    kr4[it] = *reinterpret_cast<const float4*>(p + (size_t)nh * D);
+                    vr4[it] = *reinterpret_cast<const float4*>(p + (size_t)(nh + nkv) * D);
                 }
             }
-        }
 #pragma unroll
-        for (int it = 0; it < DF2_LOAD_IT; ++it) {
-            const int idx = threadIdx.x + it * nt;
-            if (idx < DF2_TILE * d4) {
-                float* kd = ks + (idx / d4) * ds + 4 * (idx % d4);
-                float* vd = vs + (idx / d4) * ds + 4 * (idx % d4);
+            for (int it = 0; it < IT; ++it) {
+                const int idx = threadIdx.x + it * 64;
+                float* kd = ks + (idx / D4) * DS + 4 * (idx % D4);
+                float* vd = vs + (idx / D4) * DS + 4 * (idx % D4);
                 kd[0] = kr4[it].x; kd[1] = kr4[it].y; kd[2] = kr4[it].z; kd[3] = kr4[it].w;
                 vd[0] = vr4[it].x; vd[1] = vr4[it].y; vd[2] = vr4[it].z; vd[3] = vr4[it].w;
             }
         }
         __syncthreads();
-        if (warp < gq) {  // a block of one query head has an idle second warp
+        if (warp < gq) {  // a group of one query head leaves the block's second warp idle
             const bool valid = base + lane < total;
-            float sc = -INFINITY;
-            if (valid) {
-                const float* kr = ks + lane * ds;
-                const float* qr = qs + warp * d;
-                float dot = 0.0f;
-#pragma unroll 8
-                for (int i = 0; i < d; ++i) dot += qr[i] * kr[i];
-                sc = dot * scale;
-            }
+            float dot = 0.0f;
+            const float* kr = ks + lane * DS;
+            const float* qr = qs + warp * D;
+#pragma unroll
+            for (int i = 0; i < D; ++i) dot += qr[i] * kr[i];
+            const float sc = valid ? dot * scale : -INFINITY;
             const float mn = fmaxf(m, warp_max(sc));  // finite: every tile holds a valid key
             const float corr = expf(m - mn);           // 0 on the first tile (m = -inf)
             const float p = valid ? expf(sc - mn) : 0.0f;
             l = l * corr + warp_sum(p);
 #pragma unroll
-            for (int t = 0; t < DF2_HEAD_DIM_MAX / WARP; ++t) acc[t] *= corr;
+            for (int t = 0; t < DPL; ++t) acc[t] *= corr;
 #pragma unroll
             for (int kk = 0; kk < DF2_TILE; ++kk) {
                 const float pk = __shfl_sync(FULL_MASK, p, kk);  // 0 past the last key
 #pragma unroll
-                for (int t = 0; t < DF2_HEAD_DIM_MAX / WARP; ++t)
-                    if (lane + t * WARP < d) acc[t] += pk * vs[kk * ds + lane + t * WARP];
+                for (int t = 0; t < DPL; ++t)
+                    if (lane + t * WARP < D) acc[t] += pk * vs[kk * DS + lane + t * WARP];
             }
             m = mn;
         }
     }
     if (warp >= gq) return;
-    float* orow = o + (size_t)r * nh * d + (size_t)hh * d;
+    float* orow = o + (size_t)r * nh * D + (size_t)hh * D;
 #pragma unroll
-    for (int t = 0; t < DF2_HEAD_DIM_MAX / WARP; ++t)
-        if (lane + t * WARP < d) orow[lane + t * WARP] = acc[t] / l;
+    for (int t = 0; t < DPL; ++t)
+        if (lane + t * WARP < D) orow[lane + t * WARP] = acc[t] / l;
+}
+
+extern "C" __global__ void df2_attention(float* __restrict__ o, const float* __restrict__ qkv,
+                                         int qkv_stride, const float* __restrict__ pages,
+                                         long long v_off, const int* __restrict__ ctx_slots,
+                                         int s_max, const int* __restrict__ info, int Q, int nh,
+                                         int nkv, int d, int W, float scale, int R) {
+    if (d == 64)
+        df2_attention_body<64>(o, qkv, qkv_stride, pages, v_off, ctx_slots, s_max, info, Q, nh, nkv, W, scale, R);
+    else if (d == 128)
+        df2_attention_body<128>(o, qkv, qkv_stride, pages, v_off, ctx_slots, s_max, info, Q, nh, nkv, W, scale, R);
+    else if (d == 32)
+        df2_attention_body<32>(o, qkv, qkv_stride, pages, v_off, ctx_slots, s_max, info, Q, nh, nkv, W, scale, R);
 }
 
 // The top-k candidates of each logits row (§6.2: value descending, equal values to the
-// lower id; NaN is never picked). Each thread keeps the best DF2_KMAX of its strided
-// elements in registers (insertion, one pass over the row), then k rounds merge the
-// threads' lists: the best head in the block is the next candidate and its thread pops
-// it.  out[r, i] = float(id_i) (exact: V < 2^24, checked on the host), out[r, k + i] =
-// logits[r, id_i].  Shapes: logits [R, V], out [R, out_stride]; k <= DF2_KMAX.
-// Launch: grid (R), block 256.
-#define DF2_KMAX 16
+// lower id; NaN is never picked). Each thread keeps the best KM of its strided elements
+// in registers (insertion, one pass over the row, four loads in flight), then k rounds
+// merge the threads' lists: the block's best head is the next candidate (one shuffle
+// reduction per warp, one across the warps) and its thread pops it.  KM (1, 8 or 16) is
+// the smallest list that holds k.  out[r, i] = float(id_i) (exact: V < 2^24, checked on
+// the host), out[r, k + i] = logits[r, id_i].  Shapes: logits [R, V], out [R, out_stride].
+// Launch: grid (R), block 512.
 __device__ __forceinline__ bool df2_better(float av, int ai, float bv, int bi) {
     return av > bv || (av == bv && ai < bi);
 }
-extern "C" __global__ void df2_topk(float* __restrict__ out, int out_stride,
-                                    const float* __restrict__ logits, int V, int k, int R) {
+__device__ __forceinline__ void df2_best(float& v, int& i) {  // warp-wide best (v, i)
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float ov = __shfl_xor_sync(FULL_MASK, v, off);
+        const int oi = __shfl_xor_sync(FULL_MASK, i, off);
+        if (df2_better(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+}
+template <int KM>
+__device__ __forceinline__ void df2_topk_body(float* __restrict__ out, int out_stride,
+                                              const float* __restrict__ logits, int V, int k,
+                                              int R) {
     __shared__ float sv[32];
     __shared__ int si[32];
     const int r = blockIdx.x;
     if (r >= R) return;
     const float* row = logits + (size_t)r * V;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float tv[DF2_KMAX];
-    int ti[DF2_KMAX];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float tv[KM];
+    int ti[KM];
 #pragma unroll
-    for (int s = 0; s < DF2_KMAX; ++s) { tv[s] = -INFINITY; ti[s] = V; }
+    for (int s = 0; s < KM; ++s) { tv[s] = -INFINITY; ti[s] = V; }
     const int bd = blockDim.x;
     for (int i0 = threadIdx.x; i0 < V; i0 += 4 * bd) {
-        float xs[4];  // four loads in flight, then the insertions
+        float xs[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u) xs[u] = i0 + u * bd < V ? row[i0 + u * bd] : -INFINITY;
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             float x = xs[u];
             int xi = i0 + u * bd;
-            if (xi >= V || x != x || !df2_better(x, xi, tv[DF2_KMAX - 1], ti[DF2_KMAX - 1]))
-                continue;
+            if (xi >= V || x != x || !df2_better(x, xi, tv[KM - 1], ti[KM - 1])) continue;
 #pragma unroll
-            for (int s = 0; s < DF2_KMAX; ++s) {  // insert, keeping the list sorted
+            for (int s = 0; s < KM; ++s) {  // insert, keeping the list sorted
                 if (df2_better(x, xi, tv[s], ti[s])) {
                     const float t = tv[s];
                     const int w = ti[s];
@@ -276,28 +291,32 @@ extern "C" __global__ void df2_topk(float* __restrict__ out, int out_stride,
     for (int round = 0; round < k; ++round) {
         float bv = tv[0];
         int bi = ti[0];
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            const float ov = __shfl_xor_sync(FULL_MASK, bv, off);
-            const int oi = __shfl_xor_sync(FULL_MASK, bi, off);
-            if (df2_better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
-        }
+        df2_best(bv, bi);
         __syncthreads();  // the previous round's readers are done with sv / si
         if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
         __syncthreads();
-        bv = sv[0];
-        bi = si[0];
-        for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
-            if (df2_better(sv[w], si[w], bv, bi)) { bv = sv[w]; bi = si[w]; }
+        bv = lane < nw ? sv[lane] : -INFINITY;
+        bi = lane < nw ? si[lane] : V;
+        df2_best(bv, bi);
         if (threadIdx.x == 0) {
             out[(size_t)r * out_stride + round] = (float)(bi < V ? bi : 0);
             out[(size_t)r * out_stride + k + round] = bi < V ? bv : -INFINITY;
         }
         if (ti[0] == bi && bi < V) {  // ids are unique: exactly one thread pops
 #pragma unroll
-            for (int s = 0; s + 1 < DF2_KMAX; ++s) { tv[s] = tv[s + 1]; ti[s] = ti[s + 1]; }
-            tv[DF2_KMAX - 1] = -INFINITY;
-            ti[DF2_KMAX - 1] = V;
+            for (int s = 0; s + 1 < KM; ++s) { tv[s] = tv[s + 1]; ti[s] = ti[s + 1]; }
+            tv[KM - 1] = -INFINITY;
+            ti[KM - 1] = V;
         }
     }
+}
+
+extern "C" __global__ void df2_topk(float* __restrict__ out, int out_stride,
+                                    const float* __restrict__ logits, int V, int k, int R) {
+    if (k <= 1)
+        df2_topk_body<1>(out, out_stride, logits, V, k, R);
+    else if (k <= 8)
+        df2_topk_body<8>(out, out_stride, logits, V, k, R);
+    else
+        df2_topk_body<16>(out, out_stride, logits, V, k, R);
 }

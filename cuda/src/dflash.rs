@@ -309,7 +309,7 @@ fn shape(x: usize, y: usize, block: u32, what: &str) -> Result<Shape> {
 
 /// Keys per shared-memory tile of `df2_attention` (`DF2_TILE`).
 const ATT_TILE: usize = 32;
-/// Candidates per row `df2_topk` can keep (`DF2_KMAX`).
+/// Candidates per row `df2_topk` can keep (its longest register list).
 pub const TOPK_MAX: usize = 16;
 
 /// `df2_attention`: grid (R, nkv), one warp per query head of a KV group, dynamic shared
@@ -317,9 +317,9 @@ pub const TOPK_MAX: usize = 16;
 fn attention_shape(r: usize, nh: usize, nkv: usize, d: usize) -> Result<Shape> {
     let gq = nh / nkv.max(1);
     let smem = 4 * (2 * ATT_TILE * (d + 1) + gq * d);
-    if gq == 0 || gq > 32 || smem > 48 * 1024 || d % 4 != 0 {
+    if gq == 0 || gq > 32 || smem > 48 * 1024 || ![32, 64, 128].contains(&d) {
         return Err(CudaError::Unsupported(format!(
-            "df2_attention: {gq} query heads per KV head and head_dim {d} need {smem} B of shared memory (at most 32 heads, 48 KiB, head_dim % 4 == 0)"
+            "df2_attention: {gq} query heads per KV head and head_dim {d} need {smem} B of shared memory (at most 32 heads, 48 KiB, head_dim 32, 64 or 128)"
         )));
     }
     let mut s = grid_2d(r, nkv, 32 * gq.max(2) as u32, "df2_attention")?;
@@ -824,7 +824,7 @@ impl Fx<'_> {
             int(r, "R")?,
         ];
         // SAFETY: out [R, stride] (2k <= stride) and logits [R, V] checked.
-        unsafe { ops::launch(self.g, "df2_topk", shape(r, 1, 256, "df2_topk")?, &args)? };
+        unsafe { ops::launch(self.g, "df2_topk", shape(r, 1, 512, "df2_topk")?, &args)? };
         if let (DraftMode::V2, Some(sp)) = (self.mode, &self.dev.sel_proj) {
             let y = Mat {
                 buf: &b.pick,
