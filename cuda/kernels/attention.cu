@@ -90,23 +90,41 @@ extern "C" __global__ void paged_attention(float* __restrict__ o, const float* _
     const int n_ctx = pos[t] + 1;
     const long long half_page = (long long)bs * nkv * d;
     float m = -INFINITY, l = 0.0f;
-    for (int j = warp; j < n_ctx; j += ATT_WARPS) {
-        const float* kr = kv + (long long)table[j / bs] * fpb + layer_off +
-                          ((long long)(j % bs) * nkv + kvh) * d;
-        float dot = 0.0f;
+    // Four positions per warp per pass: their table entries, keys and values are loaded
+    // first (all in flight), then folded into the online softmax one by one in position
+    // order, so the arithmetic is exactly that of one position per pass.
+    for (int j0 = warp; j0 < n_ctx; j0 += 4 * ATT_WARPS) {
+        float kx[4][4], vx[4][4];
 #pragma unroll
-        for (int c = 0; c < 4; ++c)
-            if (c < nc) dot += q[c] * kr[lane + 32 * c];
-        const float sc = warp_sum(dot) * scale;
-        const float m_new = fmaxf(m, sc);
-        const float corr = expf(m - m_new);
-        const float pj = expf(sc - m_new);
-        l = l * corr + pj;
-        const float* vr = kr + half_page;
+        for (int u = 0; u < 4; ++u) {
+            const int j = j0 + u * ATT_WARPS;
+            if (j < n_ctx) {
+                const float* kr = kv + (long long)table[j / bs] * fpb + layer_off +
+                                  ((long long)(j % bs) * nkv + kvh) * d;
 #pragma unroll
-        for (int c = 0; c < 4; ++c)
-            if (c < nc) acc[c] = acc[c] * corr + pj * vr[lane + 32 * c];
-        m = m_new;
+                for (int c = 0; c < 4; ++c) {
+                    kx[u][c] = c < nc ? kr[lane + 32 * c] : 0.0f;
+                    vx[u][c] = c < nc ? kr[half_page + lane + 32 * c] : 0.0f;
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            if (j0 + u * ATT_WARPS >= n_ctx) break;  // warp-uniform
+            float dot = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                if (c < nc) dot += q[c] * kx[u][c];
+            const float sc = warp_sum(dot) * scale;
+            const float m_new = fmaxf(m, sc);
+            const float corr = expf(m - m_new);
+            const float pj = expf(sc - m_new);
+            l = l * corr + pj;
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                if (c < nc) acc[c] = acc[c] * corr + pj * vx[u][c];
+            m = m_new;
+        }
     }
     if (lane == 0) { sm_m[warp] = m; sm_l[warp] = l; }
 #pragma unroll

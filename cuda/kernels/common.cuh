@@ -54,6 +54,29 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return t;
 }
 
+// Two block sums in one exchange: ta = block_sum(a), tb = block_sum(b) bit for bit (the
+// same warp partials added in the same order), with two barriers instead of four.
+// `scratch` holds >= 32 floats; blockDim.x <= 512.
+__device__ __forceinline__ void block_sum2(float a, float b, float* scratch, float& ta,
+                                           float& tb) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nwarps = (blockDim.x + 31) >> 5;
+    a = warp_sum(a);
+    b = warp_sum(b);
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) {
+        scratch[warp] = a;
+        scratch[16 + warp] = b;
+    }
+    __syncthreads();
+    ta = 0.0f;
+    tb = 0.0f;
+    for (int w = 0; w < nwarps; ++w) {
+        ta += scratch[w];
+        tb += scratch[16 + w];
+    }
+}
+
 // (value, index) arg-max step: larger value wins, equal values go to the lower index,
 // NaN never wins (every comparison with NaN is false). docs/model.md §1.7.
 __device__ __forceinline__ void argmax_merge(float& v, int& i, float ov, int oi) {

@@ -100,16 +100,30 @@ __device__ __forceinline__ void kda_recurrent_impl(
     const float neg_a = -expf(a_log[h]);
     const float dtb = dt_bias[h * DL + j];
     const int n = len[s];
-    for (int t = 0; t < n; ++t) {
+    // Token t + 1's inputs are loaded while token t computes (a verify chunk's tokens
+    // otherwise each wait out the loads' latency); the two norms share one reduction
+    // (block_sum2: the same partial sums in the same order as two block_sums).
+    float nq = 0.0f, nk = 0.0f, nv = 0.0f, nf = 0.0f, nb = 0.0f;
+    auto load = [&](int t) {
         const size_t row = (size_t)(row0[s] + t);
         const float* yr = y + row * 3 * C + h * DL + j;
-        const float qv = yr[0], kv = yr[C], vv = yr[2 * C];
-        const float ssq = block_sum(qv * qv, scratch);
-        const float ssk = block_sum(kv * kv, scratch);
+        nq = yr[0];
+        nk = yr[C];
+        nv = yr[2 * C];
+        nf = fg[row * 2 * C + h * DL + j];
+        nb = xin[row * xin_stride + b_col + h];
+    };
+    if (n > 0) load(0);
+    for (int t = 0; t < n; ++t) {
+        const size_t row = (size_t)(row0[s] + t);
+        const float qv = nq, kv = nk, vv = nv, fv = nf, bv = nb;
+        if (t + 1 < n) load(t + 1);
+        float ssq, ssk;
+        block_sum2(qv * qv, kv * kv, scratch, ssq, ssk);
         qs[j] = qv / sqrtf(ssq + 1e-6f) * qscale;
         ks[j] = kv / sqrtf(ssk + 1e-6f);
-        al[j] = expf(neg_a * softplus_f(fg[row * 2 * C + h * DL + j] + dtb));
-        const float beta = sigmoid_f(xin[row * xin_stride + b_col + h]);
+        al[j] = expf(neg_a * softplus_f(fv + dtb));
+        const float beta = sigmoid_f(bv);
         __syncthreads();
         float acc = 0.0f;
 #pragma unroll
