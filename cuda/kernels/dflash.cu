@@ -121,122 +121,118 @@ extern "C" __global__ void df2_conv(float* __restrict__ out, const float* __rest
 }
 
 // Non-causal sliding-window attention of one drafter layer (§5.2). One block per (block
-// row r, KV head g); warp w serves query head g * gq + w % gq over strand w / gq of the
-// keys row r sees (context rows from P_r - W + 1, then the request's Q block rows), in
-// tiles of 32 (tile i belongs to strand i % ns): each lane loads one key row and
-// scores it, the warp folds the tile into its online softmax (running max / sum), each
-// lane owning D / 32 dims of the value sum; the strands of a head merge at the end.
-// Every load of a tile is issued before its first use (the kernel is latency-bound: a
-// decode block is a few hundred keys).  info[b] = (p0, ctx_start, S): the anchor's
-// position, the first context position in ctx_slots[b], and how many (positions
-// ctx_start .. p0 - 1, S <= s_max).  D (32, 64 or 128) is a template parameter.
+// row r, KV head g), one warp per query head of the group (h = g * gq + warp): the keys
+// and values row r sees (context rows from P_r - W + 1, then the request's Q block rows)
+// stream through shared memory in tiles of 32, one key per lane for the scores, then an
+// online softmax (running max / sum per warp) and the value sum with each lane owning
+// D / 32 dims.  info[b] = (p0, ctx_start, S): the anchor's position, the first context
+// position in ctx_slots[b], and how many (positions ctx_start .. p0 - 1, S <= s_max).
+// D is a template parameter (32, 64 or 128, checked on the host) so the tile staging and
+// the dot products compile to shifts and unrolled code (a runtime head_dim cost 85 us a
+// launch in integer division and loop overhead, ncu 2026-12-02).
 // Shapes: qkv [R, qkv_stride] (q [nh, D] at 0, k [nkv, D] at nh * D, v at (nh + nkv) * D),
 // pages: this layer's K at 0 and V at v_off, rows [*, nkv * D]; ctx_slots [B, s_max];
 // info [B, 3]; o [R, nh * D].  Row starts 16-byte aligned (checked on the host).
-// Launch: grid (R, nkv), block 32 * (nh / nkv) * ns <= 256, dynamic smem
-// 4 * (nh / nkv) * ns * (D + 2) bytes.
+// Launch: grid (R, nkv), block 32 * max(nh / nkv, 2) (nh / nkv <= 32), dynamic smem
+// 4 * (2 * DF2_TILE * (D + 1) + (nh / nkv) * D) bytes.
 #define DF2_TILE 32
 template <int D>
 __device__ __forceinline__ void df2_attention_body(
     float* __restrict__ o, const float* __restrict__ qkv, int qkv_stride,
     const float* __restrict__ pages, long long v_off, const int* __restrict__ ctx_slots,
-    int s_max, const int* __restrict__ info, int Q, int nh, int nkv, int W, float scale, int R,
-    int ns) {
-    constexpr int D4 = D / 4, DPL = (D + WARP - 1) / WARP;  // dims per lane
-    extern __shared__ float sm[];  // per warp: m, l, acc [D]
+    int s_max, const int* __restrict__ info, int Q, int nh, int nkv, int W, float scale, int R) {
+    constexpr int D4 = D / 4, DS = D + 1, DPL = (D + WARP - 1) / WARP;  // dims per lane
+    constexpr int IT = DF2_TILE * D4 / 64;  // float4 loads per thread (>= 64 threads stage)
+    extern __shared__ float sm[];
     const int r = blockIdx.x, g = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int gq = nh / nkv, qh = warp % gq, strand = warp / gq;
+    const int gq = nh / nkv;
     if (r >= R || g >= nkv) return;
-    const int b = r / Q, j = r % Q, hh = g * gq + qh, row = nkv * D;
+    float* ks = sm;                  // [TILE, D + 1]: padded rows, no bank conflicts
+    float* vs = ks + DF2_TILE * DS;  // [TILE, D + 1]
+    float* qs = vs + DF2_TILE * DS;  // [gq, D]
+    const int b = r / Q, j = r % Q, hh = g * gq + min(warp, gq - 1), row = nkv * D;
     const int p0 = info[b * 3], cs = info[b * 3 + 1], S = info[b * 3 + 2];
     const int lo = min(max(p0 + j + 1 - W, cs) - cs, S);  // first visible context index
     const int nctx = S - lo, total = nctx + Q;
-    float4 q4[D4];
-    const float4* qp = reinterpret_cast<const float4*>(qkv + (size_t)r * qkv_stride + (size_t)hh * D);
-#pragma unroll
-    for (int i = 0; i < D4; ++i) q4[i] = qp[i];
+    for (int i = threadIdx.x; i < gq * D; i += blockDim.x)
+        qs[i] = qkv[(size_t)r * qkv_stride + (size_t)g * gq * D + i];
     const float* blk = qkv + (size_t)b * Q * qkv_stride;
     const int* slots = ctx_slots + (size_t)b * s_max + lo;
     float acc[DPL];
 #pragma unroll
     for (int t = 0; t < DPL; ++t) acc[t] = 0.0f;
     float m = -INFINITY, l = 0.0f;
-    for (int base = strand * DF2_TILE; base < total; base += ns * DF2_TILE) {
-        // This lane's key row and the tile's value rows (this lane's dims), all in flight.
-        const int u = base + lane;
-        const bool valid = u < total;
-        const float* kr = u < nctx ? pages + (long long)slots[u] * row + (size_t)g * D
-                                   : blk + (size_t)min(u - nctx, Q - 1) * qkv_stride + (size_t)(nh + g) * D;
-        float4 k4[D4];
+    for (int base = 0; base < total; base += DF2_TILE) {
+        __syncthreads();  // the previous tile's readers are done (and qs is written)
+        if (threadIdx.x < 64) {  // every load of the tile in flight, then the stores
+            float4 kr4[IT], vr4[IT];
 #pragma unroll
-        for (int i = 0; i < D4; ++i)
-            k4[i] = valid ? reinterpret_cast<const float4*>(kr)[i] : make_float4(0.f, 0.f, 0.f, 0.f);
-        float dot = 0.0f;
+            for (int it = 0; it < IT; ++it) {
+                const int idx = threadIdx.x + it * 64, u = base + idx / D4, i = 4 * (idx % D4);
+                kr4[it] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                vr4[it] = kr4[it];
+                if (u < nctx) {
+                    const float* p = pages + (long long)slots[u] * row + (size_t)g * D + i;
+                    kr4[it] = *reinterpret_cast<const float4*>(p);
+                    vr4[it] = *reinterpret_cast<const float4*>(p + v_off);
+                } else if (u < total) {
+                    const float* p = blk + (size_t)(u - nctx) * qkv_stride + (size_t)g * D + i;
+                    kr4[it] = *reinterpret_cast<const float4*>(p + (size_t)nh * D);
+                    vr4[it] = *reinterpret_cast<const float4*>(p + (size_t)(nh + nkv) * D);
+                }
+            }
 #pragma unroll
-        for (int i = 0; i < D4; ++i)
-            dot += q4[i].x * k4[i].x + q4[i].y * k4[i].y + q4[i].z * k4[i].z + q4[i].w * k4[i].w;
-        const float sc = valid ? dot * scale : -INFINITY;
-        const float mn = fmaxf(m, warp_max(sc));  // finite: every tile holds a valid key
-        const float corr = expf(m - mn);           // 0 on the first tile (m = -inf)
-        const float p = valid ? expf(sc - mn) : 0.0f;
-        l = l * corr + warp_sum(p);
-#pragma unroll
-        for (int t = 0; t < DPL; ++t) acc[t] *= corr;
-        const int nk = min(DF2_TILE, total - base);
-#pragma unroll
-        for (int kk = 0; kk < DF2_TILE; ++kk) {
-            const float pk = __shfl_sync(FULL_MASK, p, kk);
-            const int uk = base + kk;
-            if (kk < nk) {  // warp-uniform
-                const float* vr = uk < nctx ? pages + v_off + (long long)slots[uk] * row + (size_t)g * D
-                                            : blk + (size_t)(uk - nctx) * qkv_stride + (size_t)(nh + nkv + g) * D;
-#pragma unroll
-                for (int t = 0; t < DPL; ++t)
-                    if (lane + t * WARP < D) acc[t] += pk * vr[lane + t * WARP];
+            for (int it = 0; it < IT; ++it) {
+                const int idx = threadIdx.x + it * 64;
+                float* kd = ks + (idx / D4) * DS + 4 * (idx % D4);
+                float* vd = vs + (idx / D4) * DS + 4 * (idx % D4);
+                kd[0] = kr4[it].x; kd[1] = kr4[it].y; kd[2] = kr4[it].z; kd[3] = kr4[it].w;
+                vd[0] = vr4[it].x; vd[1] = vr4[it].y; vd[2] = vr4[it].z; vd[3] = vr4[it].w;
             }
         }
-        m = mn;
-    }
-    // Merge the strands of each head: warp w's (m, l, acc) at sm[w * (D + 2)].
-    float* mine = sm + warp * (D + 2);
-    if (lane == 0) { mine[0] = m; mine[1] = l; }
+        __syncthreads();
+        if (warp < gq) {  // a group of one query head leaves the block's second warp idle
+            const bool valid = base + lane < total;
+            float dot = 0.0f;
+            const float* kr = ks + lane * DS;
+            const float* qr = qs + warp * D;
 #pragma unroll
-    for (int t = 0; t < DPL; ++t)
-        if (lane + t * WARP < D) mine[2 + lane + t * WARP] = acc[t];
-    __syncthreads();
-    if (strand != 0) return;
-    float mx = -INFINITY;
-    for (int st = 0; st < ns; ++st) mx = fmaxf(mx, sm[(st * gq + qh) * (D + 2)]);
-    float den = 0.0f;
-    for (int st = 0; st < ns; ++st) {
-        const float* w = sm + (st * gq + qh) * (D + 2);
-        den += w[0] == -INFINITY ? 0.0f : w[1] * expf(w[0] - mx);
+            for (int i = 0; i < D; ++i) dot += qr[i] * kr[i];
+            const float sc = valid ? dot * scale : -INFINITY;
+            const float mn = fmaxf(m, warp_max(sc));  // finite: every tile holds a valid key
+            const float corr = expf(m - mn);           // 0 on the first tile (m = -inf)
+            const float p = valid ? expf(sc - mn) : 0.0f;
+            l = l * corr + warp_sum(p);
+#pragma unroll
+            for (int t = 0; t < DPL; ++t) acc[t] *= corr;
+#pragma unroll
+            for (int kk = 0; kk < DF2_TILE; ++kk) {
+                const float pk = __shfl_sync(FULL_MASK, p, kk);  // 0 past the last key
+#pragma unroll
+                for (int t = 0; t < DPL; ++t)
+                    if (lane + t * WARP < D) acc[t] += pk * vs[kk * DS + lane + t * WARP];
+            }
+            m = mn;
+        }
     }
+    if (warp >= gq) return;
     float* orow = o + (size_t)r * nh * D + (size_t)hh * D;
 #pragma unroll
-    for (int t = 0; t < DPL; ++t) {
-        const int i = lane + t * WARP;
-        if (i >= D) continue;
-        float num = 0.0f;
-        for (int st = 0; st < ns; ++st) {
-            const float* w = sm + (st * gq + qh) * (D + 2);
-            num += w[0] == -INFINITY ? 0.0f : w[2 + i] * expf(w[0] - mx);
-        }
-        orow[i] = num / den;
-    }
+    for (int t = 0; t < DPL; ++t)
+        if (lane + t * WARP < D) orow[lane + t * WARP] = acc[t] / l;
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-    df2_attention(float* __restrict__ o, const float* __restrict__ qkv, int qkv_stride,
-                  const float* __restrict__ pages, long long v_off,
-                  const int* __restrict__ ctx_slots, int s_max, const int* __restrict__ info,
-                  int Q, int nh, int nkv, int d, int W, float scale, int R, int ns) {
+extern "C" __global__ void df2_attention(float* __restrict__ o, const float* __restrict__ qkv,
+                                         int qkv_stride, const float* __restrict__ pages,
+                                         long long v_off, const int* __restrict__ ctx_slots,
+                                         int s_max, const int* __restrict__ info, int Q, int nh,
+                                         int nkv, int d, int W, float scale, int R) {
     if (d == 64)
-        df2_attention_body<64>(o, qkv, qkv_stride, pages, v_off, ctx_slots, s_max, info, Q, nh, nkv, W, scale, R, ns);
+        df2_attention_body<64>(o, qkv, qkv_stride, pages, v_off, ctx_slots, s_max, info, Q, nh, nkv, W, scale, R);
     else if (d == 128)
-        df2_attention_body<128>(o, qkv, qkv_stride, pages, v_off, ctx_slots, s_max, info, Q, nh, nkv, W, scale, R, ns);
+        df2_attention_body<128>(o, qkv, qkv_stride, pages, v_off, ctx_slots, s_max, info, Q, nh, nkv, W, scale, R);
     else if (d == 32)
-        df2_attention_body<32>(o, qkv, qkv_stride, pages, v_off, ctx_slots, s_max, info, Q, nh, nkv, W, scale, R, ns);
+        df2_attention_body<32>(o, qkv, qkv_stride, pages, v_off, ctx_slots, s_max, info, Q, nh, nkv, W, scale, R);
 }
 
 // The top-k candidates of each logits row (§6.2: value descending, equal values to the

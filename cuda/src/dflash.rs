@@ -307,30 +307,22 @@ fn shape(x: usize, y: usize, block: u32, what: &str) -> Result<Shape> {
     grid_2d(x, y, block, what)
 }
 
-/// Threads of a `df2_attention` block at most (its `__launch_bounds__`).
-const ATT_THREADS: usize = 256;
-
+/// Keys per shared-memory tile of `df2_attention` (`DF2_TILE`).
+const ATT_TILE: usize = 32;
 /// Candidates per row `df2_topk` can keep (its longest register list).
 pub const TOPK_MAX: usize = 16;
 
-/// Key strands per head of `df2_attention`: as many as fit [`ATT_THREADS`].
-fn attention_strands(gq: usize) -> usize {
-    (ATT_THREADS / 32 / gq.max(1)).max(1)
-}
-
-/// `df2_attention`: grid (R, nkv), one warp per (query head of a KV group, key strand),
-/// dynamic shared memory for each warp's partial (m, l, acc).
+/// `df2_attention`: grid (R, nkv), one warp per query head of a KV group, dynamic shared
+/// memory for a K and a V tile (rows padded to d + 1) and the group's queries.
 fn attention_shape(r: usize, nh: usize, nkv: usize, d: usize) -> Result<Shape> {
     let gq = nh / nkv.max(1);
-    let warps = gq * attention_strands(gq);
-    let smem = 4 * warps * (d + 2);
-    if gq == 0 || 32 * warps > ATT_THREADS || ![32, 64, 128].contains(&d) {
+    let smem = 4 * (2 * ATT_TILE * (d + 1) + gq * d);
+    if gq == 0 || gq > 32 || smem > 48 * 1024 || ![32, 64, 128].contains(&d) {
         return Err(CudaError::Unsupported(format!(
-            "df2_attention: {gq} query heads per KV head and head_dim {d} (needs at most {} heads per KV head and head_dim 32, 64 or 128)",
-            ATT_THREADS / 32
+            "df2_attention: {gq} query heads per KV head and head_dim {d} need {smem} B of shared memory (at most 32 heads, 48 KiB, head_dim 32, 64 or 128)"
         )));
     }
-    let mut s = grid_2d(r, nkv, 32 * warps as u32, "df2_attention")?;
+    let mut s = grid_2d(r, nkv, 32 * gq.max(2) as u32, "df2_attention")?;
     s.smem = smem as u32;
     Ok(s)
 }
@@ -1117,7 +1109,6 @@ impl Fx<'_> {
             int(cfg.sliding_window, "W")?,
             Arg::F((d as f64).powf(-0.5) as f32),
             int(r, "R")?,
-            int(attention_strands(nh / nkv), "strands")?,
         ];
         // SAFETY: o, qkv, this layer's 2 * region pages, slots [B, s_max], info [B, 3]
         // checked; every slot < num_blocks * bs (DraftGroup::locate), S <= s_max.
