@@ -123,33 +123,71 @@ extern "C" __global__ void df2_conv(float* __restrict__ out, const float* __rest
 // Non-causal sliding-window attention of one drafter layer (§5.2). One block per (block
 // row r, KV head g), one warp per query head of the group (h = g * gq + warp): the keys
 // and values row r sees (context rows from P_r - W + 1, then the request's Q block rows)
-// stream through shared memory in tiles of 32, one key per lane for the scores, then an
-// online softmax (running max / sum per warp) and the value sum with each lane owning
-// D / 32 dims.  info[b] = (p0, ctx_start, S): the anchor's position, the first context
-// position in ctx_slots[b], and how many (positions ctx_start .. p0 - 1, S <= s_max).
-// D is a template parameter (32, 64 or 128, checked on the host) so the tile staging and
-// the dot products compile to shifts and unrolled code (a runtime head_dim cost 85 us a
-// launch in integer division and loop overhead, ncu 2026-12-02).
+// stream through shared memory in tiles of T keys (T / 32 per lane for the scores), then
+// an online softmax (running max / sum per warp) and the value sum with each lane owning
+// D / 32 dims.  The tiles are software-pipelined: the next tile's loads (all in flight,
+// float4) are issued before the current tile is computed.  info[b] = (p0, ctx_start, S):
+// the anchor's position, the first context position in ctx_slots[b], and how many
+// (positions ctx_start .. p0 - 1, S <= s_max).  D is a template parameter (32, 64 or 128,
+// checked on the host) so the staging and the dot products compile to shifts and unrolled
+// code (a runtime head_dim cost 85 us a launch in integer division and loop overhead, ncu
+// 2026-12-02); T = 64 for D <= 64, else 32.
 // Shapes: qkv [R, qkv_stride] (q [nh, D] at 0, k [nkv, D] at nh * D, v at (nh + nkv) * D),
 // pages: this layer's K at 0 and V at v_off, rows [*, nkv * D]; ctx_slots [B, s_max];
 // info [B, 3]; o [R, nh * D].  Row starts 16-byte aligned (checked on the host).
-// Launch: grid (R, nkv), block 32 * max(nh / nkv, 2) (nh / nkv <= 32), dynamic smem
-// 4 * (2 * DF2_TILE * (D + 1) + (nh / nkv) * D) bytes.
-#define DF2_TILE 32
+// Launch: grid (R, nkv), block 32 * max(nh / nkv, 2) (nh / nkv <= 8), dynamic smem
+// 4 * (2 * T * (D + 1) + (nh / nkv) * D) bytes.
+template <int D>
+struct Df2Tile {
+    static constexpr int T = D <= 64 ? 64 : 32;  // keys per tile
+    static constexpr int D4 = D / 4, IT = T * D4 / 64;  // float4 per stager and operand
+    float4 k[IT], v[IT];
+    // Issue every load of the tile at `base` (64 stagers, threads 0..63).
+    __device__ __forceinline__ void load(int base, int nctx, int total, const int* slots,
+                                         const float* pages, long long v_off, int row, int g,
+                                         const float* blk, int qkv_stride, int nh, int nkv) {
+#pragma unroll
+        for (int it = 0; it < IT; ++it) {
+            const int idx = threadIdx.x + it * 64, u = base + idx / D4, i = 4 * (idx % D4);
+            k[it] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            v[it] = k[it];
+            if (u < nctx) {
+                const float* p = pages + (long long)slots[u] * row + (size_t)g * D + i;
+                k[it] = *reinterpret_cast<const float4*>(p);
+                v[it] = *reinterpret_cast<const float4*>(p + v_off);
+            } else if (u < total) {
+                const float* p = blk + (size_t)(u - nctx) * qkv_stride + (size_t)g * D + i;
+                k[it] = *reinterpret_cast<const float4*>(p + (size_t)nh * D);
+                v[it] = *reinterpret_cast<const float4*>(p + (size_t)(nh + nkv) * D);
+            }
+        }
+    }
+    __device__ __forceinline__ void store(float* ks, float* vs) const {
+#pragma unroll
+        for (int it = 0; it < IT; ++it) {
+            const int idx = threadIdx.x + it * 64;
+            float* kd = ks + (idx / D4) * (D + 1) + 4 * (idx % D4);
+            float* vd = vs + (idx / D4) * (D + 1) + 4 * (idx % D4);
+            kd[0] = k[it].x; kd[1] = k[it].y; kd[2] = k[it].z; kd[3] = k[it].w;
+            vd[0] = v[it].x; vd[1] = v[it].y; vd[2] = v[it].z; vd[3] = v[it].w;
+        }
+    }
+};
+
 template <int D>
 __device__ __forceinline__ void df2_attention_body(
     float* __restrict__ o, const float* __restrict__ qkv, int qkv_stride,
     const float* __restrict__ pages, long long v_off, const int* __restrict__ ctx_slots,
     int s_max, const int* __restrict__ info, int Q, int nh, int nkv, int W, float scale, int R) {
-    constexpr int D4 = D / 4, DS = D + 1, DPL = (D + WARP - 1) / WARP;  // dims per lane
-    constexpr int IT = DF2_TILE * D4 / 64;  // float4 loads per thread (>= 64 threads stage)
+    using Tile = Df2Tile<D>;
+    constexpr int T = Tile::T, KPL = T / WARP, DS = D + 1, DPL = (D + WARP - 1) / WARP;
     extern __shared__ float sm[];
     const int r = blockIdx.x, g = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int gq = nh / nkv;
     if (r >= R || g >= nkv) return;
-    float* ks = sm;                  // [TILE, D + 1]: padded rows, no bank conflicts
-    float* vs = ks + DF2_TILE * DS;  // [TILE, D + 1]
-    float* qs = vs + DF2_TILE * DS;  // [gq, D]
+    float* ks = sm;           // [T, D + 1]: padded rows, no bank conflicts
+    float* vs = ks + T * DS;  // [T, D + 1]
+    float* qs = vs + T * DS;  // [gq, D]
     const int b = r / Q, j = r % Q, hh = g * gq + min(warp, gq - 1), row = nkv * D;
     const int p0 = info[b * 3], cs = info[b * 3 + 1], S = info[b * 3 + 2];
     const int lo = min(max(p0 + j + 1 - W, cs) - cs, S);  // first visible context index
@@ -158,56 +196,46 @@ __device__ __forceinline__ void df2_attention_body(
         qs[i] = qkv[(size_t)r * qkv_stride + (size_t)g * gq * D + i];
     const float* blk = qkv + (size_t)b * Q * qkv_stride;
     const int* slots = ctx_slots + (size_t)b * s_max + lo;
+    const bool stager = threadIdx.x < 64;
+    Tile tile;
+    if (stager) tile.load(0, nctx, total, slots, pages, v_off, row, g, blk, qkv_stride, nh, nkv);
     float acc[DPL];
 #pragma unroll
     for (int t = 0; t < DPL; ++t) acc[t] = 0.0f;
     float m = -INFINITY, l = 0.0f;
-    for (int base = 0; base < total; base += DF2_TILE) {
+    for (int base = 0; base < total; base += T) {
         __syncthreads();  // the previous tile's readers are done (and qs is written)
-        if (threadIdx.x < 64) {  // every load of the tile in flight, then the stores
-            float4 kr4[IT], vr4[IT];
-#pragma unroll
-            for (int it = 0; it < IT; ++it) {
-                const int idx = threadIdx.x + it * 64, u = base + idx / D4, i = 4 * (idx % D4);
-                kr4[it] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                vr4[it] = kr4[it];
-                if (u < nctx) {
-                    const float* p = pages + (long long)slots[u] * row + (size_t)g * D + i;
-                    kr4[it] = *reinterpret_cast<const float4*>(p);
-                    vr4[it] = *reinterpret_cast<const float4*>(p + v_off);
-                } else if (u < total) {
-                    const float* p = blk + (size_t)(u - nctx) * qkv_stride + (size_t)g * D + i;
-                    kr4[it] = *reinterpret_cast<const float4*>(p + (size_t)nh * D);
-                    vr4[it] = *reinterpret_cast<const float4*>(p + (size_t)(nh + nkv) * D);
-                }
-            }
-#pragma unroll
-            for (int it = 0; it < IT; ++it) {
-                const int idx = threadIdx.x + it * 64;
-                float* kd = ks + (idx / D4) * DS + 4 * (idx % D4);
-                float* vd = vs + (idx / D4) * DS + 4 * (idx % D4);
-                kd[0] = kr4[it].x; kd[1] = kr4[it].y; kd[2] = kr4[it].z; kd[3] = kr4[it].w;
-                vd[0] = vr4[it].x; vd[1] = vr4[it].y; vd[2] = vr4[it].z; vd[3] = vr4[it].w;
-            }
-        }
+        if (stager) tile.store(ks, vs);
         __syncthreads();
+        if (stager && base + T < total)  // the next tile's loads fly during this compute
+            tile.load(base + T, nctx, total, slots, pages, v_off, row, g, blk, qkv_stride, nh, nkv);
         if (warp < gq) {  // a group of one query head leaves the block's second warp idle
-            const bool valid = base + lane < total;
-            float dot = 0.0f;
-            const float* kr = ks + lane * DS;
             const float* qr = qs + warp * D;
+            float sc[KPL];
+            float tmax = -INFINITY;
 #pragma unroll
-            for (int i = 0; i < D; ++i) dot += qr[i] * kr[i];
-            const float sc = valid ? dot * scale : -INFINITY;
-            const float mn = fmaxf(m, warp_max(sc));  // finite: every tile holds a valid key
-            const float corr = expf(m - mn);           // 0 on the first tile (m = -inf)
-            const float p = valid ? expf(sc - mn) : 0.0f;
-            l = l * corr + warp_sum(p);
+            for (int kp = 0; kp < KPL; ++kp) {
+                const float* kr = ks + (kp * WARP + lane) * DS;
+                float dot = 0.0f;
+#pragma unroll
+                for (int i = 0; i < D; ++i) dot += qr[i] * kr[i];
+                sc[kp] = base + kp * WARP + lane < total ? dot * scale : -INFINITY;
+                tmax = fmaxf(tmax, sc[kp]);
+            }
+            const float mn = fmaxf(m, warp_max(tmax));  // finite: every tile holds a valid key
+            const float corr = expf(m - mn);             // 0 on the first tile (m = -inf)
+            float p[KPL], ps = 0.0f;
+#pragma unroll
+            for (int kp = 0; kp < KPL; ++kp) {
+                p[kp] = sc[kp] == -INFINITY ? 0.0f : expf(sc[kp] - mn);
+                ps += p[kp];
+            }
+            l = l * corr + warp_sum(ps);
 #pragma unroll
             for (int t = 0; t < DPL; ++t) acc[t] *= corr;
 #pragma unroll
-            for (int kk = 0; kk < DF2_TILE; ++kk) {
-                const float pk = __shfl_sync(FULL_MASK, p, kk);  // 0 past the last key
+            for (int kk = 0; kk < T; ++kk) {
+                const float pk = __shfl_sync(FULL_MASK, p[kk / WARP], kk % WARP);  // 0 past the end
 #pragma unroll
                 for (int t = 0; t < DPL; ++t)
                     if (lane + t * WARP < D) acc[t] += pk * vs[kk * DS + lane + t * WARP];
@@ -222,7 +250,7 @@ __device__ __forceinline__ void df2_attention_body(
         if (lane + t * WARP < D) orow[lane + t * WARP] = acc[t] / l;
 }
 
-extern "C" __global__ void df2_attention(float* __restrict__ o, const float* __restrict__ qkv,
+extern "C" __global__ void __launch_bounds__(256) df2_attention(float* __restrict__ o, const float* __restrict__ qkv,
                                          int qkv_stride, const float* __restrict__ pages,
                                          long long v_off, const int* __restrict__ ctx_slots,
                                          int s_max, const int* __restrict__ info, int Q, int nh,

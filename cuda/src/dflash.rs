@@ -307,8 +307,14 @@ fn shape(x: usize, y: usize, block: u32, what: &str) -> Result<Shape> {
     grid_2d(x, y, block, what)
 }
 
-/// Keys per shared-memory tile of `df2_attention` (`DF2_TILE`).
-const ATT_TILE: usize = 32;
+/// Keys per shared-memory tile of `df2_attention` (`Df2Tile<D>::T`).
+fn att_tile(d: usize) -> usize {
+    if d <= 64 {
+        64
+    } else {
+        32
+    }
+}
 /// Candidates per row `df2_topk` can keep (its longest register list).
 pub const TOPK_MAX: usize = 16;
 
@@ -316,10 +322,10 @@ pub const TOPK_MAX: usize = 16;
 /// memory for a K and a V tile (rows padded to d + 1) and the group's queries.
 fn attention_shape(r: usize, nh: usize, nkv: usize, d: usize) -> Result<Shape> {
     let gq = nh / nkv.max(1);
-    let smem = 4 * (2 * ATT_TILE * (d + 1) + gq * d);
-    if gq == 0 || gq > 32 || smem > 48 * 1024 || ![32, 64, 128].contains(&d) {
+    let smem = 4 * (2 * att_tile(d) * (d + 1) + gq * d);
+    if gq == 0 || gq > 8 || smem > 48 * 1024 || ![32, 64, 128].contains(&d) {
         return Err(CudaError::Unsupported(format!(
-            "df2_attention: {gq} query heads per KV head and head_dim {d} need {smem} B of shared memory (at most 32 heads, 48 KiB, head_dim 32, 64 or 128)"
+            "df2_attention: {gq} query heads per KV head and head_dim {d} need {smem} B of shared memory (at most 8 heads per KV head: the kernel's 256-thread launch bound; 48 KiB; head_dim 32, 64 or 128)"
         )));
     }
     let mut s = grid_2d(r, nkv, 32 * gq.max(2) as u32, "df2_attention")?;
