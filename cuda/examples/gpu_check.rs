@@ -179,7 +179,7 @@ fn dflash_run(
                     if t % 3 == 0 {
                         (7 + 131 * (t % 17) + 11 * i) % v
                     } else {
-                        (t * 2654435761u32 ^ i) % v
+                        (t.wrapping_mul(2654435761u32) ^ i) % v
                     }
                 })
                 .collect();

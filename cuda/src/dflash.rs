@@ -407,9 +407,7 @@ impl CudaDFlash2 {
         })
     }
 
-    fn backend<'a>(
-        b: &'a mut dyn speclab_engine::backend::TargetBackend,
-    ) -> Result<&'a mut CudaBackend> {
+    fn backend(b: &mut dyn speclab_engine::backend::TargetBackend) -> Result<&mut CudaBackend> {
         b.as_any_mut()
             .and_then(|a| a.downcast_mut::<CudaBackend>())
             .ok_or_else(|| {
@@ -564,8 +562,7 @@ impl CudaDFlash2 {
                     "sampling drafts (temperature > 0) needs an RNG".into(),
                 ));
             }
-            let (tokens, probs) = pick_rows(&self.w, &hid, &rows, &req, rng)?;
-            out.push(Proposal { tokens, probs });
+            out.push(pick_rows(&self.w, &hid, &rows, &req, rng)?);
         }
         Ok(out)
     }

@@ -233,7 +233,7 @@ mod tests {
             rows: 3..3 + t,
             start_pos: 0,
         };
-        let p = plan_append(&cfg, &grp, &kv, &HashMap::new(), &[req.clone()]).unwrap();
+        let p = plan_append(&cfg, &grp, &kv, &HashMap::new(), std::slice::from_ref(&req)).unwrap();
         let keep_from = (t + 1).saturating_sub(w);
         assert_eq!(p.rows.len(), t - keep_from);
         assert_eq!(p.pos.first().copied(), Some(keep_from as i32));

@@ -43,7 +43,7 @@ use speclab_engine::model::attention::{apply_rope, rope_tables};
 use speclab_engine::model::moe::mlp;
 use speclab_engine::model::ops::{argmax, rmsnorm};
 use speclab_engine::model::{ForwardOut, ModelConfig};
-use speclab_engine::{EngineError, ReqSlot, Result};
+use speclab_engine::{EngineError, Proposal, ReqSlot, Result};
 
 use super::config::{DFlash2Config, KV_GROUP_NAME};
 use super::conv::grouped_conv;
@@ -718,14 +718,15 @@ fn pick_v2(
 
 /// §6 over prediction rows computed elsewhere (a device engine's block forward):
 /// `hid_rows` [N, H] (rows 1..=N of the block hidden) and `rows` [N, V] (their logits);
-/// the tokens and, when sampling, q. The same code as [`DFlash2::draft`]'s picker.
+/// the tokens and, when sampling, q (as a [`Proposal`]). The same code as
+/// [`DFlash2::draft`]'s picker.
 pub fn pick_rows(
     w: &DFlash2Weights,
     hid_rows: &[f32],
     rows: &[f32],
     req: &DraftRequest,
     rng: Option<&mut dyn RngCore>,
-) -> Result<(Vec<u32>, Option<Vec<Vec<f32>>>)> {
+) -> Result<Proposal> {
     let (h, v, nn) = (
         w.cfg.hidden_size,
         w.cfg.vocab_size,
@@ -746,7 +747,10 @@ pub fn pick_rows(
         nn,
     );
     pick_into(w, hid_rows, rows, req, rng, &mut pick)?;
-    Ok((pick.tokens, pick.q))
+    Ok(Proposal {
+        tokens: pick.tokens,
+        probs: pick.q,
+    })
 }
 
 fn pick_into(
@@ -873,9 +877,9 @@ mod tests {
                 trace: false,
                 ..req
             };
-            let (tokens, q) = pick_rows(d.weights(), hid, rows, &plain, None).unwrap();
-            assert_eq!(tokens, t.tokens, "{mode:?}");
-            assert!(q.is_none());
+            let p = pick_rows(d.weights(), hid, rows, &plain, None).unwrap();
+            assert_eq!(p.tokens, t.tokens, "{mode:?}");
+            assert!(p.probs.is_none());
             // The sampled pick reproduces the draft's sample with the same seed.
             let hot = DraftRequest {
                 temperature: 0.7,
@@ -884,8 +888,8 @@ mod tests {
             let mut r1 = ChaCha8Rng::seed_from_u64(9);
             let a = d.draft(&kv, &target, &hot, Some(&mut r1)).unwrap();
             let mut r2 = ChaCha8Rng::seed_from_u64(9);
-            let (b, qb) = pick_rows(d.weights(), hid, rows, &hot, Some(&mut r2)).unwrap();
-            assert_eq!((a.tokens, a.q), (b, qb), "{mode:?}");
+            let b = pick_rows(d.weights(), hid, rows, &hot, Some(&mut r2)).unwrap();
+            assert_eq!((a.tokens, a.q), (b.tokens, b.probs), "{mode:?}");
             assert!(pick_rows(d.weights(), &hid[1..], rows, &plain, None).is_err());
             if mode == DraftMode::V2 {
                 let sel = d.weights().selector.as_ref().unwrap();

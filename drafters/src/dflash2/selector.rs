@@ -84,7 +84,7 @@ pub fn walk_greedy(
     g: &[f32],
     k: usize,
 ) -> Vec<u32> {
-    let nn = if k == 0 { 0 } else { cand.len() / k };
+    let nn = cand.len().checked_div(k).unwrap_or(0);
     let mut out = Vec::with_capacity(nn);
     let mut pred = anchor;
     for j in 0..nn {
