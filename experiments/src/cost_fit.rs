@@ -23,9 +23,9 @@
 //! `draft_us_per_step`, `host_us_per_step`) are fitted part by part ([`PARAM_PART`]);
 //! the split is never an input of a prediction. An eager row is predicted at least at
 //! its launch floor, `kernels_per_step x` the record's measured `launch_us_eager`
-//! ([`FitRow::floor_us`]; models/tiny at c = 1 is launch-bound). Rows whose drafter runs on the host (DFlash2 in
-//! the first bench-e2e record: its draft time is not device kernels) are left out
-//! ([`HOST_DRAFTERS`]). Experts touched come from the record when it
+//! ([`FitRow::floor_us`]; models/tiny at c = 1 is launch-bound). Rows whose drafter ran on the host (DFlash2 in
+//! the bench-e2e records before 2026-12-02: its draft time is not device kernels) are
+//! left out ([`HOST_DRAFTERS`], `drafter_on_device`). Experts touched come from the record when it
 //! has them, else from the uniform overlap model at the row's batch
 //! ([`speclab_engine::cost::overlap`]). Held-out rows (by batch / concurrency value, or
 //! leave-one-batch-out) are predicted by a fit on the other rows from the row's inputs
@@ -99,9 +99,10 @@ pub const PARAM_PART: [usize; 11] = [0, 0, 0, 0, 0, 1, 0, 1, 1, 2, 2];
 /// step); every other device drafter runs one pass a step (a block drafter).
 pub const SEQUENTIAL_DRAFTERS: [&str; 2] = ["mtp", "eagle"];
 
-/// Drafters whose bench-e2e rows are left out of the fit: they draft on the host in the
-/// records so far (cuda/README.md: DFlash2 on the device is missing), so their step time
-/// is not a function of device kernels.
+/// Drafters whose bench-e2e rows are left out of the fit unless the row says the drafter
+/// ran on the device (`drafter_on_device`, written since 2026-12-02): in the earlier
+/// records they drafted on the host, so their step time is not a function of device
+/// kernels.
 pub const HOST_DRAFTERS: [&str; 2] = ["dflash2", "dflash1"];
 
 /// A bench record, any of the three kinds (extra fields ignored).
@@ -165,6 +166,10 @@ pub struct E2eRow {
     pub draft_us_per_step: Option<f64>,
     #[serde(default)]
     pub host_us_per_step: Option<f64>,
+    /// The drafter ran on the device (absent in records before 2026-12-02: then a DFlash
+    /// row is taken as host-drafted, as it was).
+    #[serde(default)]
+    pub drafter_on_device: Option<bool>,
 }
 
 /// One row of `bench-moe`.
@@ -506,9 +511,9 @@ pub fn load_rows(path: &Path, shape: Option<FitShape>) -> Result<(Vec<FitRow>, F
         .filter(|r| r.drafter == "none")
         .map(|r| r.kernels_per_step)
         .fold(f64::INFINITY, f64::min);
-    let kept = e2e
-        .iter()
-        .filter(|r| !HOST_DRAFTERS.contains(&r.drafter.as_str()));
+    let kept = e2e.iter().filter(|r| {
+        !HOST_DRAFTERS.contains(&r.drafter.as_str()) || r.drafter_on_device == Some(true)
+    });
     out.extend(kept.map(|r| ctx.e2e(r)));
     Ok((out, shape))
 }
@@ -929,6 +934,35 @@ mod tests {
         std::fs::write(&p, r#"{"kind": "gpu-check", "timing": []}"#).unwrap();
         let e = load_rows(&p, Some(shape())).unwrap_err().to_string();
         assert!(e.contains("copy_gb_s"), "{e}");
+    }
+
+    #[test]
+    fn dflash_rows_are_fitted_only_when_drafted_on_the_device() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("e2e.json");
+        let row = |d: &str, on: Option<bool>| {
+            let mut v = serde_json::json!({"drafter": d, "num_spec": 7, "concurrency": 1,
+                "graphs": true, "decode_tok_s": 1000.0, "us_per_step": 700.0,
+                "kernels_per_step": 160.0});
+            if let Some(b) = on {
+                v["drafter_on_device"] = serde_json::json!(b);
+            }
+            v
+        };
+        let none = serde_json::json!({"drafter": "none", "concurrency": 1, "graphs": true,
+            "decode_tok_s": 3000.0, "us_per_step": 330.0, "kernels_per_step": 108.0});
+        let rec = serde_json::json!({"kind": "bench-e2e", "copy_gb_s": 3900.0,
+            "weight_bytes": 2.7e7, "rows": [none, row("dflash2", None),
+            row("dflash2", Some(false)), row("dflash2", Some(true)), row("mtp", None)]});
+        std::fs::write(&p, rec.to_string()).unwrap();
+        let (rows, _) = load_rows(&p, Some(shape())).unwrap();
+        let labels: Vec<&str> = rows.iter().map(|r| r.label.as_str()).collect();
+        assert_eq!(
+            labels.iter().filter(|l| l.contains("dflash2")).count(),
+            1,
+            "{labels:?}"
+        );
+        assert_eq!(rows.len(), 3, "{labels:?}");
     }
 
     /// bench-moe rows: us = bytes / bw + experts x expert_us + m x row_us + a fixed call.

@@ -147,6 +147,10 @@ pub struct Row {
     pub floor_launch_us: f64,
     pub anchor_eager_tok_s: Option<f64>,
     pub anchor_graph_tok_s: Option<f64>,
+    /// The drafter's own layers ran on the benched device (MTP, and the DFlash drafters
+    /// since speclab_cuda::CudaDFlash2); false without a drafter or on the CPU. The cost
+    /// fit (experiments/src/cost_fit.rs) leaves host-drafted DFlash rows out.
+    pub drafter_on_device: bool,
 }
 
 /// Device facts measured once per run.
@@ -339,6 +343,7 @@ fn measure(run: &EngineRun, kernels: &[u64], d: &Choice, c: usize, graphs: bool)
         floor_launch_us: 0.0,
         anchor_eager_tok_s: None,
         anchor_graph_tok_s: None,
+        drafter_on_device: false,
     }
 }
 
@@ -472,6 +477,8 @@ fn concurrency_rows(
             (&leg.0, &leg.1)
         };
         let mut row = measure(run, k, d, c, graphs);
+        row.drafter_on_device =
+            matches!(cx.a.device, DeviceArg::Cuda) && !matches!(d.kind.as_str(), "none" | "ngram");
         let out = outputs(run);
         row.mismatch_vs_none = Some(mismatches(&out, &base_out));
         row.speedup_vs_none = (base_tok_s > 0.0).then(|| row.decode_tok_s / base_tok_s);
