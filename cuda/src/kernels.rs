@@ -171,6 +171,16 @@ pub fn env_defines() -> Result<Vec<String>> {
     }
 }
 
+/// The activation split terms the INT4 kernels are compiled with: the last `W4_XS` of
+/// `defines` (as [`env_defines`] gives them), else the source's default, 3.
+pub fn w4_xs(defines: &[String]) -> usize {
+    defines
+        .iter()
+        .rev()
+        .find_map(|d| d.strip_prefix("-DW4_XS=")?.parse().ok())
+        .unwrap_or(3)
+}
+
 /// FNV-1a 64-bit hash (stable across runs, platforms and Rust versions).
 pub fn fnv1a64(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -380,6 +390,10 @@ mod tests {
             parse_defines("W4_XS=2, W4_XS=3").unwrap(),
             vec!["-DW4_XS=2".to_string(), "-DW4_XS=3".to_string()]
         );
+        assert_eq!(w4_xs(&parse_defines("W4_XS=2").unwrap()), 2);
+        assert_eq!(w4_xs(&parse_defines("W4_XS=2, W4_XS=3").unwrap()), 3);
+        assert_eq!(w4_xs(&[]), 3);
+        assert_eq!(w4_xs(&[]), 3);
         assert!(parse_defines("").unwrap().is_empty());
         for bad in ["W4_XS", "W4_RT=2", "W4_XS=x", "W4_XS=4", "W4_MINB=2"] {
             let e = parse_defines(bad).unwrap_err().to_string();

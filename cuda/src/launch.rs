@@ -237,6 +237,17 @@ pub fn moe_tiles_used(counts: &[usize]) -> usize {
     counts.iter().map(|c| c.div_ceil(t)).sum()
 }
 
+/// Of [`moe_tiles_used`], the tiles whose pairs do not pack into one mma's columns
+/// (`pairs * xs > 8`, `linear.cu` `w4_mma`: such a tile takes `xs` mmas and B loads a k16
+/// step): every full tile, and a partial one of more than `8 / xs` pairs.
+pub fn moe_tiles_unpacked(counts: &[usize], xs: usize) -> usize {
+    let t = ROWS_PER_TILE as usize;
+    counts
+        .iter()
+        .map(|&c| c / t * usize::from(t * xs > t) + usize::from(c % t > 0 && (c % t) * xs > t))
+        .sum()
+}
+
 /// Checks of a GEMM's operands: K a multiple of 8 (16-byte bf16 loads, one INT4 word per
 /// lane), the activation stride and column offset multiples of 4 floats (16-byte loads).
 pub fn check_gemm_operands(k: usize, x_stride: usize, x_col: usize, what: &str) -> Result<()> {
@@ -262,6 +273,18 @@ pub fn round_up(x: usize, m: usize) -> usize {
 mod tests {
     use super::*;
     use crate::kernels::SOURCES;
+
+    #[test]
+    fn unpacked_tiles_are_full_tiles_and_partials_past_eight_over_xs() {
+        // xs 3: a partial tile of 1 or 2 pairs packs, 3..7 does not; full tiles never do.
+        assert_eq!(
+            moe_tiles_unpacked(&[1, 2, 3, 7, 8, 9, 11, 0], 3),
+            1 + 1 + 1 + 1 + 2
+        );
+        // xs 2: up to 4 pairs pack.
+        assert_eq!(moe_tiles_unpacked(&[4, 5, 16], 2), 1 + 2);
+        assert!(moe_tiles_unpacked(&[5, 9], 3) <= moe_tiles_used(&[5, 9]));
+    }
 
     fn define(name: &str) -> Option<usize> {
         let prelude = [crate::kernels::PRELUDE];

@@ -316,6 +316,9 @@ pub struct MoeRow {
     pub distinct_experts: f64,
     /// moe_align tiles used (mean over the draws).
     pub tiles: f64,
+    /// Of those, tiles of 3 or more pairs, which do not pack (`launch::moe_tiles_unpacked`
+    /// at the compiled `W4_XS`; mean over the draws).
+    pub tiles_unpacked: f64,
     /// Median µs of moe_gate_up_w4 + moe_down_w4 (CUDA events), and the 10th / 90th percentiles.
     pub experts_us: f64,
     pub experts_us_p10: f64,
@@ -787,6 +790,8 @@ fn run_row(
     let mean = |f: &dyn Fn(&Draw) -> f64| draws.iter().map(|d| f(&d.draw)).sum::<f64>() / n as f64;
     let distinct = mean(&|d| d.distinct() as f64);
     let tiles = mean(&|d| launch::moe_tiles_used(&d.counts(s.experts)) as f64);
+    let xs = crate::kernels::w4_xs(&crate::kernels::env_defines()?);
+    let tiles_unpacked = mean(&|d| launch::moe_tiles_unpacked(&d.counts(s.experts), xs) as f64);
     let (med, p10, p90) = percentiles(ex);
     let (lmed, _, _) = percentiles(ly);
     let expert_bytes = distinct * s.expert_bytes() as f64;
@@ -796,6 +801,7 @@ fn run_row(
         routing: mode.name(),
         distinct_experts: distinct,
         tiles,
+        tiles_unpacked,
         experts_us: med,
         experts_us_p10: p10,
         experts_us_p90: p90,

@@ -74,7 +74,11 @@ use crate::{ExperimentError, Result};
 /// - `host_step_us`, `host_row_us`: the step loop's own host time (scheduler, KV
 ///   manager, acceptance; bench-e2e's `host_us_per_step`): fixed a step, and per
 ///   verified row.
-pub const PARAMS: [&str; 11] = [
+/// - `unpacked_tile_us`: us per INT4 expert tile whose pairs do not pack into one mma's
+///   columns (3 or more pairs with the 3-term split: `W4_XS` mmas and B loads a k16 step
+///   instead of one, `cuda/kernels/linear.cu` `w4_mma`). Feature: bench-moe's
+///   `tiles_unpacked` (recorded since 2026-12-02; 0 in older records and in step rows).
+pub const PARAMS: [&str; 12] = [
     "launch_graphs_us",
     "launch_eager_us",
     "row_us",
@@ -86,6 +90,7 @@ pub const PARAMS: [&str; 11] = [
     "draft_req_pass_us",
     "host_step_us",
     "host_row_us",
+    "unpacked_tile_us",
 ];
 
 /// Which part of a step each column of [`PARAMS`] prices: 0 the target forward (with
@@ -93,7 +98,7 @@ pub const PARAMS: [&str; 11] = [
 /// the measured split ([`FitRow::split_us`]) are fitted part by part, so that terms
 /// which are collinear in the total (both `serial_row_us` and `draft_pass_us` grow
 /// with N) are told apart by where the time was measured.
-pub const PARAM_PART: [usize; 11] = [0, 0, 0, 0, 0, 1, 0, 1, 1, 2, 2];
+pub const PARAM_PART: [usize; 12] = [0, 0, 0, 0, 0, 1, 0, 1, 1, 2, 2, 0];
 
 /// Drafters that run one forward pass per speculative token (N sequential passes a
 /// step); every other device drafter runs one pass a step (a block drafter).
@@ -185,6 +190,9 @@ pub struct MoeRow {
     pub experts_touched: f64,
     #[serde(alias = "bytes_read")]
     pub bytes: f64,
+    /// Tiles of 3 or more pairs (not packed; `speclab bench moe` since 2026-12-02).
+    #[serde(default)]
+    pub tiles_unpacked: Option<f64>,
 }
 
 /// The MoE shape of the benched model, from its `config.json` and the record's bytes.
@@ -349,6 +357,7 @@ impl RowCtx<'_> {
                 i.requests * i.passes,
                 f64::from(u8::from(i.step_loop)),
                 i.rows * f64::from(u8::from(i.step_loop)),
+                0.0,
             ],
             measured_tok_s: None,
             experts_per_layer: experts,
@@ -437,6 +446,7 @@ impl RowCtx<'_> {
                 0.0,
                 0.0,
                 0.0,
+                r.tiles_unpacked.unwrap_or(0.0),
             ],
             measured_tok_s: None,
             experts_per_layer: r.experts_touched,
@@ -840,8 +850,8 @@ mod tests {
     }
 
     /// launch graphs/eager, row, expert, moe call, drafter kernel, serial row, drafter
-    /// pass, request-pass, host step, host row.
-    const TRUTH: [f64; 11] = [1.3, 3.9, 4.0, 6.0, 0.0, 0.5, 3.5, 110.0, 3.2, 6.0, 0.7];
+    /// pass, request-pass, host step, host row, unpacked tile.
+    const TRUTH: [f64; 12] = [1.3, 3.9, 4.0, 6.0, 0.0, 0.5, 3.5, 110.0, 3.2, 6.0, 0.7, 0.0];
 
     /// A known cost model generates e2e rows with the measured split; the fit recovers
     /// every parameter (also the two that grow with N alike in the total: the KDA
@@ -971,24 +981,31 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("moe.json");
         let bw = 3000.0;
-        let rows: Vec<serde_json::Value> = [1u64, 4, 16, 64]
+        let rows: Vec<serde_json::Value> = [1u64, 2, 4, 16, 64, 128]
             .iter()
             .map(|&m| {
                 let experts = Routing::UNIFORM.expected_distinct_sr(288, 8, m as f64, m as f64);
                 let bytes = experts * 1.3e7;
-                let us = bytes / (bw * 1e3) + 0.5 * experts + 0.1 * m as f64 + 9.0;
+                let unpacked = ((m * m) % 7 + 1) as f64;
+                let us = bytes / (bw * 1e3) + 0.5 * experts + 0.1 * m as f64 + 9.0 + 2.0 * unpacked;
                 serde_json::json!({"m": m, "routing": "uniform", "us": us,
-                    "experts_touched": experts, "bytes": bytes, "gb_s": 1.0})
+                    "experts_touched": experts, "bytes": bytes, "gb_s": 1.0,
+                    "tiles_unpacked": unpacked})
             })
             .collect();
         let rec = serde_json::json!({"kind": "bench-moe", "copy_gb_s": bw, "rows": rows});
         std::fs::write(&p, rec.to_string()).unwrap();
         let (fr, s) = load_rows(&p, Some(shape())).unwrap();
-        assert_eq!(fr.len(), 4);
+        assert_eq!(fr.len(), 6);
         let rep = fit_report(std::slice::from_ref(&p), &fr, s, &[]).unwrap();
         let get = |k: &str| rep.params.iter().find(|(n, _)| n == k).unwrap().1;
         assert!((get("expert_us") - 0.5).abs() < 1e-6, "{:?}", rep.params);
         assert!((get("moe_call_us") - 9.0).abs() < 1e-6);
         assert!((get("row_us") - 0.1).abs() < 1e-6);
+        assert!(
+            (get("unpacked_tile_us") - 2.0).abs() < 1e-6,
+            "{:?}",
+            rep.params
+        );
     }
 }
