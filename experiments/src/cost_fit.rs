@@ -68,17 +68,15 @@ use crate::{ExperimentError, Result};
 ///   step metadata on the host, uploading the previous pass's hidden rows and reading
 ///   the argmax ids (and hidden rows) back: a host round trip per pass that no graph
 ///   removes. Feature: passes a step (N for a sequential drafter, 1 for a block drafter).
-/// - `draft_req_pass_us`: us per request per drafter pass: each pass's per-request host
-///   work (metadata / block tables, hidden-row copies, the proposal bookkeeping) and its
-///   rows on the device. Feature: `concurrency x passes`.
+/// - `draft_req_pass_us`: us per drafter row a step (one request's rows in one drafter
+///   pass): the per-request host work of a pass (metadata / block tables, hidden-row
+///   copies, the proposal bookkeeping) and those rows on the device. Feature:
+///   `concurrency x passes x rows a pass` (1 row a pass for MTP, `N + 1` for DFlash2's
+///   block: at c128 its 1,024 rows a step are the drafter's cost, not its one pass).
 /// - `host_step_us`, `host_row_us`: the step loop's own host time (scheduler, KV
 ///   manager, acceptance; bench-e2e's `host_us_per_step`): fixed a step, and per
 ///   verified row.
-/// - `unpacked_tile_us`: us per INT4 expert tile whose pairs do not pack into one mma's
-///   columns (3 or more pairs with the 3-term split: `W4_XS` mmas and B loads a k16 step
-///   instead of one, `cuda/kernels/linear.cu` `w4_mma`). Feature: bench-moe's
-///   `tiles_unpacked` (recorded since 2026-12-02; 0 in older records and in step rows).
-pub const PARAMS: [&str; 12] = [
+pub const PARAMS: [&str; 11] = [
     "launch_graphs_us",
     "launch_eager_us",
     "row_us",
@@ -90,7 +88,6 @@ pub const PARAMS: [&str; 12] = [
     "draft_req_pass_us",
     "host_step_us",
     "host_row_us",
-    "unpacked_tile_us",
 ];
 
 /// Which part of a step each column of [`PARAMS`] prices: 0 the target forward (with
@@ -98,7 +95,7 @@ pub const PARAMS: [&str; 12] = [
 /// the measured split ([`FitRow::split_us`]) are fitted part by part, so that terms
 /// which are collinear in the total (both `serial_row_us` and `draft_pass_us` grow
 /// with N) are told apart by where the time was measured.
-pub const PARAM_PART: [usize; 12] = [0, 0, 0, 0, 0, 1, 0, 1, 1, 2, 2, 0];
+pub const PARAM_PART: [usize; 11] = [0, 0, 0, 0, 0, 1, 0, 1, 1, 2, 2];
 
 /// Drafters that run one forward pass per speculative token (N sequential passes a
 /// step); every other device drafter runs one pass a step (a block drafter).
@@ -190,9 +187,6 @@ pub struct MoeRow {
     pub experts_touched: f64,
     #[serde(alias = "bytes_read")]
     pub bytes: f64,
-    /// Tiles of 3 or more pairs (not packed; `speclab bench moe` since 2026-12-02).
-    #[serde(default)]
-    pub tiles_unpacked: Option<f64>,
 }
 
 /// The MoE shape of the benched model, from its `config.json` and the record's bytes.
@@ -302,6 +296,9 @@ pub struct StepInputs {
     pub passes: f64,
     /// Requests (concurrency).
     pub requests: f64,
+    /// Rows a request puts through one drafter pass: 1 for a sequential drafter (MTP),
+    /// `N + 1` for a block drafter (DFlash2's block: anchor + N masks).
+    pub pass_rows: f64,
     /// Timed through the engine's step loop (bench-e2e: scheduler, KV manager and
     /// acceptance on the host each step); false for gpu-check, which times the
     /// backend's forward calls alone, so the host columns are 0 there.
@@ -354,10 +351,9 @@ impl RowCtx<'_> {
                 i.drafter_kernels,
                 i.num_spec * f64::from(s.serial_layers),
                 i.passes,
-                i.requests * i.passes,
+                i.requests * i.passes * i.pass_rows,
                 f64::from(u8::from(i.step_loop)),
                 i.rows * f64::from(u8::from(i.step_loop)),
-                0.0,
             ],
             measured_tok_s: None,
             experts_per_layer: experts,
@@ -377,6 +373,7 @@ impl RowCtx<'_> {
             graphs: r.graphs,
             rows: b,
             requests: b,
+            pass_rows: 1.0,
             ..StepInputs::default()
         };
         let mut row = self.step_row(label, r.batch, r.us_per_step, self.uniform(b, b), f);
@@ -413,6 +410,11 @@ impl RowCtx<'_> {
             num_spec: n,
             passes,
             requests: c,
+            pass_rows: if SEQUENTIAL_DRAFTERS.contains(&r.drafter.as_str()) {
+                1.0
+            } else {
+                n + 1.0
+            },
             step_loop: true,
         };
         let mut row = self.step_row(label, r.concurrency, r.us_per_step, experts, f);
@@ -446,7 +448,6 @@ impl RowCtx<'_> {
                 0.0,
                 0.0,
                 0.0,
-                r.tiles_unpacked.unwrap_or(0.0),
             ],
             measured_tok_s: None,
             experts_per_layer: r.experts_touched,
@@ -820,6 +821,7 @@ mod tests {
                         num_spec: nf,
                         passes: nf,
                         requests: cf,
+                        pass_rows: 1.0,
                         step_loop: true,
                     };
                     let row = ctx.step_row(String::new(), c, 0.0, experts, inputs);
@@ -850,8 +852,8 @@ mod tests {
     }
 
     /// launch graphs/eager, row, expert, moe call, drafter kernel, serial row, drafter
-    /// pass, request-pass, host step, host row, unpacked tile.
-    const TRUTH: [f64; 12] = [1.3, 3.9, 4.0, 6.0, 0.0, 0.5, 3.5, 110.0, 3.2, 6.0, 0.7, 0.0];
+    /// pass, request-pass, host step, host row.
+    const TRUTH: [f64; 11] = [1.3, 3.9, 4.0, 6.0, 0.0, 0.5, 3.5, 110.0, 3.2, 6.0, 0.7];
 
     /// A known cost model generates e2e rows with the measured split; the fit recovers
     /// every parameter (also the two that grow with N alike in the total: the KDA
@@ -981,31 +983,24 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("moe.json");
         let bw = 3000.0;
-        let rows: Vec<serde_json::Value> = [1u64, 2, 4, 16, 64, 128]
+        let rows: Vec<serde_json::Value> = [1u64, 4, 16, 64]
             .iter()
             .map(|&m| {
                 let experts = Routing::UNIFORM.expected_distinct_sr(288, 8, m as f64, m as f64);
                 let bytes = experts * 1.3e7;
-                let unpacked = ((m * m) % 7 + 1) as f64;
-                let us = bytes / (bw * 1e3) + 0.5 * experts + 0.1 * m as f64 + 9.0 + 2.0 * unpacked;
+                let us = bytes / (bw * 1e3) + 0.5 * experts + 0.1 * m as f64 + 9.0;
                 serde_json::json!({"m": m, "routing": "uniform", "us": us,
-                    "experts_touched": experts, "bytes": bytes, "gb_s": 1.0,
-                    "tiles_unpacked": unpacked})
+                    "experts_touched": experts, "bytes": bytes, "gb_s": 1.0})
             })
             .collect();
         let rec = serde_json::json!({"kind": "bench-moe", "copy_gb_s": bw, "rows": rows});
         std::fs::write(&p, rec.to_string()).unwrap();
         let (fr, s) = load_rows(&p, Some(shape())).unwrap();
-        assert_eq!(fr.len(), 6);
+        assert_eq!(fr.len(), 4);
         let rep = fit_report(std::slice::from_ref(&p), &fr, s, &[]).unwrap();
         let get = |k: &str| rep.params.iter().find(|(n, _)| n == k).unwrap().1;
         assert!((get("expert_us") - 0.5).abs() < 1e-6, "{:?}", rep.params);
         assert!((get("moe_call_us") - 9.0).abs() < 1e-6);
         assert!((get("row_us") - 0.1).abs() < 1e-6);
-        assert!(
-            (get("unpacked_tile_us") - 2.0).abs() < 1e-6,
-            "{:?}",
-            rep.params
-        );
     }
 }
