@@ -1266,3 +1266,85 @@ impl DrafterFactory for CudaDrafterSpec {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use speclab_drafters::DFlash2Config;
+    use speclab_engine::kv::CapPolicy;
+    use speclab_engine::model::{ForwardOut, ModelRunner, ModelWeights};
+    use speclab_engine::spec::SamplingParams;
+
+    fn setup() -> (ModelWeights, DFlash2Weights, KvCacheManager) {
+        let tcfg = ModelConfig::micro();
+        let target = ModelWeights::random(&tcfg, 3, false).unwrap();
+        let dcfg = DFlash2Config::preset("dflash2-micro").unwrap();
+        let mut layout = tcfg.kv_layout(16, 7, 32).unwrap();
+        layout
+            .groups
+            .push(dcfg.kv_group(8, CapPolicy::WindowPlusTwo).unwrap());
+        let kv = KvCacheManager::new(&layout, 32).unwrap();
+        (target, DFlash2Weights::random(&dcfg, 7).unwrap(), kv)
+    }
+
+    #[test]
+    fn checks_like_the_host_drafter_and_refuses_a_host_backend() {
+        let (target, w, kv) = setup();
+        let cfg = target.cfg.clone();
+        // N beyond the block, and v2 on a v1-only checkpoint, are refused at build time.
+        assert!(CudaDFlash2::new(w.clone(), &cfg, &kv, 99, DraftMode::V2).is_err());
+        let mut v1_only = w.clone();
+        v1_only.selector = None;
+        let e = CudaDFlash2::new(v1_only, &cfg, &kv, 7, DraftMode::V2).unwrap_err();
+        assert!(e.to_string().contains("v1-only"), "{e}");
+        let mut d = CudaDFlash2::new(w, &cfg, &kv, 7, DraftMode::V2).unwrap();
+        assert_eq!(d.layer_hidden(), LayerHidden::Device);
+        assert_eq!(d.lookahead_slots(), 8);
+        // Beside the CPU backend it is a clear error, not a panic or a silent host run.
+        let mut cpu = ModelRunner::new(target, &kv).unwrap();
+        let fwd = ForwardOut::default();
+        let mut step = DraftStep {
+            backend: &mut cpu,
+            kv: &kv,
+            forward: &fwd,
+            sampling: SamplingParams::GREEDY,
+        };
+        let tokens = [1u32, 2, 3];
+        let mut reqs = [DraftReq {
+            request: 0,
+            slot: ReqSlot(0),
+            tokens: &tokens,
+            max_draft: 7,
+            rng: None,
+            rows: 0..3,
+            start_pos: 0,
+        }];
+        let e = d
+            .propose_batch(&mut step, &mut reqs)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("CUDA target backend"), "{e}");
+    }
+
+    #[test]
+    fn the_factory_puts_only_dflash_kinds_on_the_device() {
+        let (target, w, kv) = setup();
+        let cfg = &target.cfg;
+        let spec =
+            DrafterSpec::dflash(w, cfg, 7, DraftMode::V2, 8, CapPolicy::WindowPlusTwo).unwrap();
+        let dev = CudaDrafterSpec(spec.clone());
+        assert_eq!(dev.num_speculative_tokens(), 7);
+        assert_eq!(dev.kv_groups().unwrap(), spec.kv_groups().unwrap());
+        let d = dev.build(cfg, &kv).unwrap();
+        assert_eq!(d.layer_hidden(), LayerHidden::Device);
+        let mtp = CudaDrafterSpec(DrafterSpec::mtp(cfg, 2).unwrap());
+        assert_ne!(
+            mtp.build(cfg, &kv).unwrap().layer_hidden(),
+            LayerHidden::Device
+        );
+        // The attention kernel's limits are checked up front.
+        assert!(attention_shape(8, 64, 1, 64).is_err());
+        assert!(attention_shape(8, 4, 2, 48).is_err());
+        assert!(attention_shape(8, 4, 2, 64).is_ok());
+    }
+}
