@@ -849,6 +849,19 @@ mod tests {
             );
             assert_eq!(legs[1].cap, CapPolicy::None);
             assert_eq!(legs[2].cap, CapPolicy::WindowPlusTwo);
+            // verify-lossless checks each cap of the axis (its ids as the run's).
+            let checks = crate::real_run::lossless_legs(&r);
+            let caps: Vec<(CapPolicy, &str)> = checks
+                .iter()
+                .map(|l| (l.cap, l.id_suffix.as_str()))
+                .collect();
+            assert_eq!(
+                caps,
+                [
+                    (CapPolicy::None, " cap=none"),
+                    (CapPolicy::WindowPlusTwo, " cap=window_plus_two")
+                ]
+            );
             let g = r.prompts.generated.unwrap();
             let lens: Vec<usize> = (0..g.count).map(|i| g.len_of(i)).collect();
             assert_eq!(lens, [2048, 2438, 2828, 3219, 3609, 4000]);

@@ -215,6 +215,19 @@ impl<'a> RealRunner<'a> {
             * c.n_routed_experts) as u64
     }
 
+    /// The drafter factory for `real.device`: on `cuda` the DFlash drafters run on the
+    /// device too (`speclab_cuda::CudaDFlash2`), every other kind is the spec's own.
+    fn drafter_factory<'s>(
+        &self,
+        spec: &'s DrafterSpec,
+        on_device: &'s speclab_cuda::CudaDrafterSpec,
+    ) -> &'s dyn speclab_engine::exec::DrafterFactory {
+        match self.spec.device {
+            crate::real::RealDevice::Cpu => spec,
+            crate::real::RealDevice::Cuda => on_device,
+        }
+    }
+
     /// The target backend `real.device` names.
     fn backend(&self) -> Box<dyn speclab_engine::backend::BackendFactory> {
         match self.spec.device {
@@ -238,16 +251,11 @@ impl<'a> RealRunner<'a> {
         self.check_device_memory(plan.as_ref())?;
         let mut make = fcfs_factory(leg.concurrency, self.spec.max_num_batched_tokens);
         let backend = self.backend();
-        // `real.device: cuda` runs the DFlash drafters on the device too.
         let on_device = speclab_cuda::CudaDrafterSpec(spec.clone());
-        let drafter: &dyn speclab_engine::exec::DrafterFactory = match self.spec.device {
-            crate::real::RealDevice::Cpu => &spec,
-            crate::real::RealDevice::Cuda => &on_device,
-        };
         let run = generate_on(
             backend.as_ref(),
             &self.target,
-            drafter,
+            self.drafter_factory(&spec, &on_device),
             &reqs,
             &opts,
             &mut make,
@@ -389,25 +397,22 @@ impl<'a> RealRunner<'a> {
     }
 
     /// The lossless check of drafter `d` at N = `n` and concurrency `c` (greedy).
-    pub fn verify_leg(
-        &self,
-        d: RealDrafter,
-        n: u32,
-        c: usize,
-    ) -> Result<(LosslessLeg, LosslessReport)> {
-        let id = format!("drafter={} n={n} c={c}", d.name());
+    pub fn verify_leg(&self, l: &LosslessSpec) -> Result<(LosslessLeg, LosslessReport)> {
+        let (d, n, c) = (l.drafter, l.num_speculative_tokens, l.concurrency);
+        let id = format!("drafter={} n={n} c={c}{}", d.name(), l.id_suffix);
         let eng = |e| ExperimentError::engine(format!("verify-lossless {id}"), e);
         let t0 = Instant::now();
-        let spec = self.drafter(d, n, self.spec.cap).map_err(eng)?;
+        let spec = self.drafter(d, n, l.cap).map_err(eng)?;
         let reqs = self.requests();
         let (opts, plan) = self.options(&reqs, &spec, 0.0, false).map_err(eng)?;
         self.check_device_memory(plan.as_ref())?;
         let mut make = fcfs_factory(c, self.spec.max_num_batched_tokens);
         let backend = self.backend();
+        let on_device = speclab_cuda::CudaDrafterSpec(spec.clone());
         let report = verify_lossless_on(
             backend.as_ref(),
             &self.target,
-            &spec,
+            self.drafter_factory(&spec, &on_device),
             &reqs,
             &opts,
             &mut make,
@@ -434,16 +439,44 @@ impl<'a> RealRunner<'a> {
 }
 
 /// The legs of the lossless check of a real manifest: every drafter but `none` x its N x
-/// concurrency (temperatures are not used: the check is greedy).
-pub fn lossless_legs(spec: &RealSpec) -> Vec<(RealDrafter, u32, usize)> {
+/// concurrency x (under a `caps` axis, DFlash only) cap (temperatures are not used: the
+/// check is greedy).
+pub fn lossless_legs(spec: &RealSpec) -> Vec<LosslessSpec> {
     let mut out = Vec::new();
     let mut seen = std::collections::BTreeSet::new();
     for l in spec.legs() {
-        if l.drafter != RealDrafter::None
-            && seen.insert((l.drafter, l.num_speculative_tokens, l.concurrency))
-        {
-            out.push((l.drafter, l.num_speculative_tokens, l.concurrency));
+        let key = (
+            l.drafter,
+            l.num_speculative_tokens,
+            l.concurrency,
+            crate::manifest::cap_name(l.cap),
+        );
+        if l.drafter != RealDrafter::None && seen.insert(key) {
+            let suffix = if !spec.caps.is_empty() && l.drafter.is_dflash() {
+                format!(" cap={}", crate::manifest::cap_name(l.cap))
+            } else {
+                String::new()
+            };
+            out.push(LosslessSpec {
+                drafter: l.drafter,
+                num_speculative_tokens: l.num_speculative_tokens,
+                concurrency: l.concurrency,
+                cap: l.cap,
+                id_suffix: suffix,
+            });
         }
     }
     out
+}
+
+/// One verify-lossless check of a real manifest: a drafter, N, concurrency and (for DFlash
+/// drafters under a `caps` axis) the cap policy of its window group.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LosslessSpec {
+    pub drafter: RealDrafter,
+    pub num_speculative_tokens: u32,
+    pub concurrency: usize,
+    pub cap: CapPolicy,
+    /// ` cap=<name>` under a `caps` axis, else empty (as the run's leg ids).
+    pub id_suffix: String,
 }

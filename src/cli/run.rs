@@ -519,16 +519,19 @@ pub fn verify_manifest(path: &Path, json: bool) -> anyhow::Result<ExitCode> {
     let runner = real_run::RealRunner::load(real, &mpath)?;
     let mut rows = Vec::new();
     let mut all_ok = true;
-    for (i, &(d, n, c)) in legs.iter().enumerate() {
+    for (i, l) in legs.iter().enumerate() {
         if !json {
             eprintln!(
-                "[{}/{}] drafter={} n={n} c={c} ...",
+                "[{}/{}] drafter={} n={} c={}{} ...",
                 i + 1,
                 legs.len(),
-                d.name()
+                l.drafter.name(),
+                l.num_speculative_tokens,
+                l.concurrency,
+                l.id_suffix
             );
         }
-        let (leg, _) = runner.verify_leg(d, n, c)?;
+        let (leg, _) = runner.verify_leg(l)?;
         all_ok &= leg.lossless;
         if !json {
             outln!(
