@@ -11,7 +11,9 @@
 //! request's committed rows: features gathered from the backend's per-layer buffer
 //! (`LayerHidden::Device`: the forward never copies them to the host), `fc`, then one GEMM
 //! for every layer's K/V with `hidden_norm` fused in, then `df2_ctx_write` (k_norm, RoPE,
-//! the pages); (2) one batched block forward over `B * (N + 1)` rows; (3) greedy: the
+//! the pages); (2) one batched block forward over `B * (N + 1)` rows, replayed from a CUDA
+//! graph captured per `B` when the backend's graphs are on (dropped whenever a buffer it
+//! points into is reallocated); (3) greedy: the
 //! device's top-k candidates (and the selector's `hidden_projection`) come back, a few
 //! floats a row, and the walk runs on the host with the CPU's own code
 //! (`speclab_drafters::dflash2::walk_greedy`); sampling: the prediction rows' hidden and
