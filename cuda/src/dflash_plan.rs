@@ -50,9 +50,28 @@ fn int(v: usize, what: &str) -> Result<i32> {
     i32::try_from(v).map_err(|_| CudaError::Unsupported(format!("{what} = {v} exceeds an int")))
 }
 
-fn page_slot(grp: &DraftGroup, kv: &KvCacheManager, slot: ReqSlot, pos: usize) -> Result<i32> {
-    let (b, off) = grp.locate(kv.table(grp.index, slot), slot, pos)?;
-    int(b as usize * grp.block_size + off, "DFlash2 page slot")
+/// Append the page slots of positions `pos` of request `slot` to `out`: one
+/// [`DraftGroup::locate`] per block (its checks included), the block's consecutive slots
+/// after it (at c = 128 a draft step lists about 32k context slots).
+fn page_slots(
+    grp: &DraftGroup,
+    kv: &KvCacheManager,
+    slot: ReqSlot,
+    pos: Range<usize>,
+    out: &mut Vec<i32>,
+) -> Result<()> {
+    let table = kv.table(grp.index, slot);
+    let bs = grp.block_size;
+    let mut p = pos.start;
+    while p < pos.end {
+        let (b, off) = grp.locate(table, slot, p)?;
+        let run = (bs - off).min(pos.end - p);
+        let first = int(b as usize * bs + off, "DFlash2 page slot")?;
+        int(b as usize * bs + off + run - 1, "DFlash2 page slot")?;
+        out.extend((0..run as i32).map(|i| first + i));
+        p += run;
+    }
+    Ok(())
 }
 
 /// Plan the append of `reqs` (their rows of one forward) given the context lengths
@@ -81,8 +100,8 @@ pub fn plan_append(
             p.rows
                 .push(int(r.rows.start + pos - r.start_pos, "forward row")?);
             p.pos.push(int(pos, "position")?);
-            p.slot.push(page_slot(grp, kv, r.slot, pos)?);
         }
+        page_slots(grp, kv, r.slot, keep_from..end, &mut p.slot)?;
         p.new_len.push((r.slot, end));
     }
     Ok(p)
@@ -169,9 +188,7 @@ pub fn plan_draft(
             int(n - ctx_start, "S")?,
         ]);
         let base = p.ctx_slots.len();
-        for pos in ctx_start..n {
-            p.ctx_slots.push(page_slot(grp, kv, r.slot, pos)?);
-        }
+        page_slots(grp, kv, r.slot, ctx_start..n, &mut p.ctx_slots)?;
         p.ctx_slots.resize(base + s_max, 0);
     }
     Ok(p)
@@ -279,6 +296,15 @@ mod tests {
             .all(|&t| t == cfg.dflash_config.mask_token_id as i32));
         assert_eq!(p.pos, (n..n + 8).map(|x| x as i32).collect::<Vec<_>>());
         assert_eq!(p.ctx_slots.len(), p.s_max);
+        let table = kv.table(grp.index, ReqSlot(0));
+        for (i, pos) in (cs..n).enumerate() {
+            let (b, off) = grp.locate(table, ReqSlot(0), pos).unwrap();
+            assert_eq!(
+                p.ctx_slots[i] as usize,
+                b as usize * grp.block_size + off,
+                "pos {pos}"
+            );
+        }
         // Each block row sees exactly positions P_j - W + 1 .. n - 1 (§5.2).
         for j in 0..8 {
             let vis = visible_context([n as i32, cs as i32, (n - cs) as i32], j, w);
