@@ -17,7 +17,6 @@
 // Rows of a draft batch are request-major: request b's block rows j = 0 .. Q-1 are rows
 // b * Q + j (row 0 = the anchor).
 
-#define DF2_HEAD_DIM_MAX 128
 
 // out[t, i * H + c] = per_layer[layers[i] * layer_stride + rows[t] * H + c].
 // Shapes: per_layer [(L + 1), t_cap, H] (layer_stride = t_cap * H), rows [T] forward rows,
@@ -37,7 +36,7 @@ extern "C" __global__ void df2_features(float* __restrict__ out, const float* __
 
 // One warp: rmsnorm of a head vector x[0 .. d) with weight w (docs/dflash2.md §1:
 // x / sqrt(mean(x^2) + eps) * w), then rotate-half RoPE with the tables' row (c, s), in
-// place.  d even, d <= DF2_HEAD_DIM_MAX.
+// place.  d even, d <= 128 (checked on the host).
 __device__ __forceinline__ void df2_norm_rope_head(float* x, const float* w, const float* c,
                                                    const float* s, int d, float eps) {
     const int lane = threadIdx.x & 31, half = d / 2;

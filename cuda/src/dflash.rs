@@ -28,9 +28,9 @@
 use std::collections::HashMap;
 
 use rand::RngCore;
-use speclab_drafters::adapters::{DrafterKind, DrafterSpec};
+use speclab_drafters::adapters::{check_dflash, dflash_group, DrafterKind, DrafterSpec};
 use speclab_drafters::dflash2::{
-    pick_rows, walk_greedy, DFlash2, DFlash2Weights, DraftGroup, DraftMode, DraftRequest,
+    pick_rows, walk_greedy, DFlash2Weights, DraftGroup, DraftMode, DraftRequest,
 };
 use speclab_engine::exec::DrafterFactory;
 use speclab_engine::kv::{GroupSpec, KvCacheManager};
@@ -158,13 +158,13 @@ impl Bufs {
     ) -> Result<Self> {
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let d = &cfg.dflash_config;
-        let kg = 2 * d.conv_kernel_size * (h / d.conv_group_size.max(1));
+        let kg = conv_coeffs(cfg);
         let (nh, nkv, hd) = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
         );
-        let pick = 2 * d.selector_top_k.max(1) + d.selector_rank;
+        let pick = pick_stride(DraftMode::V2, d.selector_top_k.max(1), d.selector_rank);
         Ok(Self {
             r_cap,
             t_cap,
@@ -357,6 +357,10 @@ impl std::fmt::Debug for CudaDFlash2 {
     }
 }
 
+fn not_uploaded() -> CudaError {
+    CudaError::Input("dflash2: the weights are not on the device yet (internal)".into())
+}
+
 fn engine(e: CudaError) -> EngineError {
     e.into()
 }
@@ -371,13 +375,7 @@ impl CudaDFlash2 {
         num_speculative_tokens: usize,
         mode: DraftMode,
     ) -> speclab_engine::Result<Self> {
-        w.cfg.check_num_speculative_tokens(num_speculative_tokens)?;
-        if mode == DraftMode::V2 && !w.has_v2() {
-            return Err(EngineError::InvalidDrafterConfig {
-                drafter: "dflash2".into(),
-                reason: "mode v2 needs the conv + candidate-selector tensors, which this checkpoint does not have (v1-only)".into(),
-            });
-        }
+        check_dflash(&w, target, num_speculative_tokens, mode)?;
         let (c, k) = (&w.cfg, w.cfg.dflash_config.selector_top_k);
         if c.vocab_size >= 1 << 24
             || c.head_dim > 128
@@ -391,13 +389,7 @@ impl CudaDFlash2 {
             )));
         }
         attention_shape(1, c.num_attention_heads, c.num_key_value_heads, c.head_dim)?;
-        let group = DFlash2::find_group(kv).ok_or_else(|| EngineError::InvalidLayout {
-            field: "groups".into(),
-            reason: format!(
-                "the KV layout has no `{}` group; the DFlash2 drafter keeps its context K/V there",
-                speclab_drafters::dflash2::KV_GROUP_NAME
-            ),
-        })?;
+        let group = dflash_group(kv)?;
         let grp = DraftGroup::new(&w.cfg, target, kv, group)?;
         Ok(Self {
             w,
@@ -435,10 +427,7 @@ impl CudaDFlash2 {
                     "dflash2: a committed row lies outside the forward (internal)".into(),
                 ));
             }
-            let dev = self
-                .dev
-                .as_mut()
-                .ok_or_else(|| CudaError::Input("dflash2: not uploaded (internal)".into()))?;
+            let dev = self.dev.as_mut().ok_or_else(not_uploaded)?;
             dev.ensure(&be.gpu, &self.w.cfg, 1, t)?;
             run_append(&be.gpu, be, &self.w, dev, &plan)?;
         }
@@ -458,10 +447,7 @@ impl CudaDFlash2 {
         rngs: &mut [Option<&mut dyn RngCore>],
     ) -> Result<Vec<Proposal>> {
         let nn = self.num_speculative_tokens;
-        let dev = self
-            .dev
-            .as_mut()
-            .ok_or_else(|| CudaError::Input("dflash2: not uploaded (internal)".into()))?;
+        let dev = self.dev.as_mut().ok_or_else(not_uploaded)?;
         let plan = plan_draft(
             &self.w.cfg,
             &self.grp,
@@ -482,13 +468,10 @@ impl CudaDFlash2 {
     }
 
     fn pick_greedy(&self, be: &CudaBackend, anchors: &[DraftAnchor]) -> Result<Vec<Proposal>> {
-        let dev = self
-            .dev
-            .as_ref()
-            .ok_or_else(|| CudaError::Input("dflash2: not uploaded (internal)".into()))?;
+        let dev = self.dev.as_ref().ok_or_else(not_uploaded)?;
         let (nn, q) = (self.num_speculative_tokens, self.num_speculative_tokens + 1);
         let d = &self.w.cfg.dflash_config;
-        let (k, rank) = (self.topk(), d.selector_rank);
+        let (k, rank) = (topk(self.mode, &self.w.cfg), d.selector_rank);
         let stride = pick_stride(self.mode, k, rank);
         let all = dev.bufs.pick.read(
             &be.gpu.stream,
@@ -529,23 +512,18 @@ impl CudaDFlash2 {
         temperature: f32,
         rngs: &mut [Option<&mut dyn RngCore>],
     ) -> Result<Vec<Proposal>> {
-        let dev = self
-            .dev
-            .as_ref()
-            .ok_or_else(|| CudaError::Input("dflash2: not uploaded (internal)".into()))?;
+        let dev = self.dev.as_ref().ok_or_else(not_uploaded)?;
         let (nn, q) = (self.num_speculative_tokens, self.num_speculative_tokens + 1);
         let (h, v) = (self.w.cfg.hidden_size, self.w.cfg.vocab_size);
         let st = &be.gpu.stream;
+        let rows = anchors.len() * q;
+        // One read of each buffer (row 0 of a block, the anchor, is read and skipped).
+        let hid_all = dev.bufs.hid.read(st, 0, rows * h, "dflash2 hidden")?;
+        let logits_all = dev.bufs.logits.read(st, 0, rows * v, "dflash2 logits")?;
         let mut out = Vec::with_capacity(anchors.len());
         for (b, a) in anchors.iter().enumerate() {
-            let hid = dev
-                .bufs
-                .hid
-                .read(st, (b * q + 1) * h, nn * h, "dflash2 hidden")?;
-            let rows = dev
-                .bufs
-                .logits
-                .read(st, (b * q + 1) * v, nn * v, "dflash2 logits")?;
+            let hid = &hid_all[(b * q + 1) * h..(b * q + q) * h];
+            let rows = &logits_all[(b * q + 1) * v..(b * q + q) * v];
             let req = DraftRequest {
                 slot: a.slot,
                 anchor_token: a.anchor,
@@ -564,18 +542,23 @@ impl CudaDFlash2 {
                     "sampling drafts (temperature > 0) needs an RNG".into(),
                 ));
             }
-            out.push(pick_rows(&self.w, &hid, &rows, &req, rng)?);
+            out.push(pick_rows(&self.w, hid, rows, &req, rng)?);
         }
         Ok(out)
     }
+}
 
-    /// Candidates per row the device keeps: the selector's k (v2), 1 (v1: the argmax).
-    fn topk(&self) -> usize {
-        match self.mode {
-            DraftMode::V2 => self.w.cfg.dflash_config.selector_top_k,
-            DraftMode::V1 => 1,
-        }
+/// Candidates per row the device keeps: the selector's k (v2), 1 (v1: the argmax).
+fn topk(mode: DraftMode, cfg: &speclab_drafters::DFlash2Config) -> usize {
+    match mode {
+        DraftMode::V2 => cfg.dflash_config.selector_top_k,
+        DraftMode::V1 => 1,
     }
+}
+
+/// Floats per row of a conv module's coefficients (`kernel_projection`: [2, K, G], §5.1).
+fn conv_coeffs(cfg: &speclab_drafters::DFlash2Config) -> usize {
+    2 * cfg.dflash_config.conv_kernel_size * cfg.conv_groups()
 }
 
 /// Floats per row of the candidates buffer: ids, unary scores, and (v2) g.
@@ -778,48 +761,22 @@ impl Fx<'_> {
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let r = self.r;
         let b = &self.dev.bufs;
-        ops::embed(
-            self.g,
-            &b.x,
-            &self.be.w.embed,
-            ptr(&b.meta, 0, r, "tokens")?,
-            r,
-            h,
-            v,
-        )?;
+        let tokens = ptr(&b.meta, 0, r, "tokens")?;
+        ops::embed(self.g, &b.x, &self.be.w.embed, tokens, r, h, v)?;
         for l in 0..cfg.num_hidden_layers {
             self.layer(l)?;
         }
-        let b = &self.dev.bufs;
-        let eps = cfg.rms_norm_eps as f32;
-        ops::rmsnorm(
-            self.g,
-            Mat::rows(&b.hid, h),
-            Mat::rows(&b.x, h),
-            &self.dev.norm,
-            r,
+        self.norm(&b.hid, &self.dev.norm)?;
+        self.lin(
+            Mat::rows(&b.logits, v),
+            &b.hid,
+            &self.be.w.lm_head,
+            v,
             h,
-            eps,
+            false,
         )?;
-        ops::linear(
-            self.g,
-            &ops::Linear {
-                y: Mat::rows(&b.logits, v),
-                x: Mat::rows(&b.hid, h),
-                w: &self.be.w.lm_head,
-                m: r,
-                n: v,
-                k: h,
-                accumulate: false,
-            },
-        )?;
-        let dc = &cfg.dflash_config;
-        let k = if self.mode == DraftMode::V2 {
-            dc.selector_top_k
-        } else {
-            1
-        };
-        let stride = pick_stride(self.mode, k, dc.selector_rank);
+        let (k, rank) = (topk(self.mode, cfg), cfg.dflash_config.selector_rank);
+        let stride = pick_stride(self.mode, k, rank);
         let args = [
             ptr(&b.pick, 0, r * stride, "candidates")?,
             int(stride, "stride")?,
@@ -831,25 +788,82 @@ impl Fx<'_> {
         // SAFETY: out [R, stride] (2k <= stride) and logits [R, V] checked.
         unsafe { ops::launch(self.g, "df2_topk", shape(r, 1, 512, "df2_topk")?, &args)? };
         if let (DraftMode::V2, Some(sp)) = (self.mode, &self.dev.sel_proj) {
-            let y = Mat {
+            let g_cols = Mat {
                 buf: &b.pick,
                 off: 2 * k,
                 stride,
             };
-            ops::linear(
-                self.g,
-                &ops::Linear {
-                    y,
-                    x: Mat::rows(&b.hid, h),
-                    w: sp,
-                    m: r,
-                    n: dc.selector_rank,
-                    k: h,
-                    accumulate: false,
-                },
-            )?;
+            self.lin(g_cols, &b.hid, sp, rank, h, false)?;
         }
         Ok(())
+    }
+
+    /// `y (+)= x @ W^T` over the batch's rows; `x` holds rows of `k` floats.
+    fn lin(
+        &self,
+        y: Mat<'_>,
+        x: &DevBuf<f32>,
+        w: &DevBuf<u16>,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let x = Mat::rows(x, k);
+        let (m, a) = (self.r, accumulate);
+        ops::linear(
+            self.g,
+            &ops::Linear {
+                y,
+                x,
+                w,
+                m,
+                n,
+                k,
+                accumulate: a,
+            },
+        )
+    }
+
+    /// `out = rmsnorm(x, w)` over the batch's rows.
+    fn norm(&self, out: &DevBuf<f32>, w: &DevBuf<f32>) -> Result<()> {
+        let cfg = &self.w.cfg;
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps as f32);
+        let x = Mat::rows(&self.dev.bufs.x, h);
+        ops::rmsnorm(self.g, Mat::rows(out, h), x, w, self.r, h, eps)
+    }
+
+    /// A sublayer's input: `a1 = rmsnorm(x, norm)`, then, with a conv module, its
+    /// coefficients from `a1` (both sides, §5.1) and its `prepare` side into `a2`.
+    fn sublayer_in(&self, norm: &DevBuf<f32>, conv: Option<&DevConv>) -> Result<&DevBuf<f32>> {
+        let b = &self.dev.bufs;
+        self.norm(&b.a1, norm)?;
+        let Some(c) = conv else {
+            return Ok(&b.a1);
+        };
+        let (h, kg) = (self.w.cfg.hidden_size, conv_coeffs(&self.w.cfg));
+        self.lin(Mat::rows(&b.proj, kg), &b.a1, &c.proj, kg, h, false)?;
+        self.conv(&b.a2, &b.a1, c, 0, false)?;
+        Ok(&b.a2)
+    }
+
+    /// A sublayer's output into the residual: `x += out @ W^T`, through the conv
+    /// module's `finish` side when there is one (§5).
+    fn residual(
+        &self,
+        conv: Option<&DevConv>,
+        out: &DevBuf<f32>,
+        w: &DevBuf<u16>,
+        k: usize,
+    ) -> Result<()> {
+        let b = &self.dev.bufs;
+        let h = self.w.cfg.hidden_size;
+        match conv {
+            Some(c) => {
+                self.lin(Mat::rows(&b.t, h), out, w, h, k, false)?;
+                self.conv(&b.x, &b.t, c, 1, true)
+            }
+            None => self.lin(Mat::rows(&b.x, h), out, w, h, k, true),
+        }
     }
 
     fn conv(
@@ -863,12 +877,11 @@ impl Fx<'_> {
         let cfg = &self.w.cfg;
         let dc = &cfg.dflash_config;
         let (h, k, gs) = (cfg.hidden_size, dc.conv_kernel_size, dc.conv_group_size);
-        let kg = 2 * k * (h / gs);
         let b = &self.dev.bufs;
         let args = [
             ptr(out, 0, self.r * h, "conv out")?,
             ptr(y, 0, self.r * h, "conv in")?,
-            ptr(&b.proj, 0, self.r * kg, "conv coefficients")?,
+            ptr(&b.proj, 0, self.r * conv_coeffs(cfg), "conv coefficients")?,
             ptr(&c.base, 0, 2 * k * h, "conv base")?,
             int(side, "side")?,
             int(k, "K")?,
@@ -890,36 +903,13 @@ impl Fx<'_> {
         }
     }
 
-    /// The conv coefficients of a module from its sublayer's normalised input `a1`.
-    fn coeffs(&self, c: &DevConv) -> Result<()> {
-        let cfg = &self.w.cfg;
-        let dc = &cfg.dflash_config;
-        let (h, kg) = (
-            cfg.hidden_size,
-            2 * dc.conv_kernel_size * (cfg.hidden_size / dc.conv_group_size),
-        );
-        let b = &self.dev.bufs;
-        ops::linear(
-            self.g,
-            &ops::Linear {
-                y: Mat::rows(&b.proj, kg),
-                x: Mat::rows(&b.a1, h),
-                w: &c.proj,
-                m: self.r,
-                n: kg,
-                k: h,
-                accumulate: false,
-            },
-        )
-    }
-
     /// One decoder layer in place on `x` (§5; v1 skips the convolutions).
     fn layer(&self, l: usize) -> Result<()> {
         let cfg = &self.w.cfg;
         let lw = &self.dev.layers[l];
         let b = &self.dev.bufs;
-        let (h, r, eps) = (cfg.hidden_size, self.r, cfg.rms_norm_eps as f32);
-        let (nh, nkv, d) = (
+        let (h, nh, nkv, d) = (
+            cfg.hidden_size,
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
@@ -928,126 +918,27 @@ impl Fx<'_> {
         let v2 = self.mode == DraftMode::V2;
         let ac = lw.attn_conv.as_ref().filter(|_| v2);
         let mc = lw.mlp_conv.as_ref().filter(|_| v2);
-        // Attention sublayer.
-        ops::rmsnorm(
-            self.g,
-            Mat::rows(&b.a1, h),
-            Mat::rows(&b.x, h),
-            &lw.input_norm,
-            r,
-            h,
-            eps,
-        )?;
-        let a2 = match ac {
-            Some(c) => {
-                self.coeffs(c)?;
-                self.conv(&b.a2, &b.a1, c, 0, false)?;
-                &b.a2
-            }
-            None => &b.a1,
-        };
-        ops::linear(
-            self.g,
-            &ops::Linear {
-                y: Mat::rows(&b.qkv, qkv_w),
-                x: Mat::rows(a2, h),
-                w: &lw.wqkv,
-                m: r,
-                n: qkv_w,
-                k: h,
-                accumulate: false,
-            },
-        )?;
+        let a2 = self.sublayer_in(&lw.input_norm, ac)?;
+        self.lin(Mat::rows(&b.qkv, qkv_w), a2, &lw.wqkv, qkv_w, h, false)?;
         self.norm_rope(lw)?;
         self.attention(l)?;
-        match ac {
-            Some(c) => {
-                ops::linear(
-                    self.g,
-                    &ops::Linear {
-                        y: Mat::rows(&b.t, h),
-                        x: Mat::rows(&b.o, nh * d),
-                        w: &lw.wo,
-                        m: r,
-                        n: h,
-                        k: nh * d,
-                        accumulate: false,
-                    },
-                )?;
-                self.conv(&b.x, &b.t, c, 1, true)?;
-            }
-            None => ops::linear(
-                self.g,
-                &ops::Linear {
-                    y: Mat::rows(&b.x, h),
-                    x: Mat::rows(&b.o, nh * d),
-                    w: &lw.wo,
-                    m: r,
-                    n: h,
-                    k: nh * d,
-                    accumulate: true,
-                },
-            )?,
-        }
-        // MLP sublayer.
-        ops::rmsnorm(
-            self.g,
-            Mat::rows(&b.a1, h),
-            Mat::rows(&b.x, h),
-            &lw.post_norm,
-            r,
-            h,
-            eps,
-        )?;
-        let f2 = match mc {
-            Some(c) => {
-                self.coeffs(c)?;
-                self.conv(&b.a2, &b.a1, c, 0, false)?;
-                &b.a2
-            }
-            None => &b.a1,
-        };
+        self.residual(ac, &b.o, &lw.wo, nh * d)?;
+        let f2 = self.sublayer_in(&lw.post_norm, mc)?;
         let inter = cfg.intermediate_size;
+        let x = Mat::rows(f2, h);
+        let (w13, m) = (&lw.w13, self.r);
         ops::swiglu(
             self.g,
             &ops::Swiglu {
                 h: &b.hm,
-                x: Mat::rows(f2, h),
-                w13: &lw.w13,
-                m: r,
+                x,
+                w13,
+                m,
                 n: inter,
                 k: h,
             },
         )?;
-        match mc {
-            Some(c) => {
-                ops::linear(
-                    self.g,
-                    &ops::Linear {
-                        y: Mat::rows(&b.t, h),
-                        x: Mat::rows(&b.hm, inter),
-                        w: &lw.wd,
-                        m: r,
-                        n: h,
-                        k: inter,
-                        accumulate: false,
-                    },
-                )?;
-                self.conv(&b.x, &b.t, c, 1, true)
-            }
-            None => ops::linear(
-                self.g,
-                &ops::Linear {
-                    y: Mat::rows(&b.x, h),
-                    x: Mat::rows(&b.hm, inter),
-                    w: &lw.wd,
-                    m: r,
-                    n: h,
-                    k: inter,
-                    accumulate: true,
-                },
-            ),
-        }
+        self.residual(mc, &b.hm, &lw.wd, inter)
     }
 
     fn norm_rope(&self, lw: &DevDraftLayer) -> Result<()> {
@@ -1130,27 +1021,12 @@ impl Fx<'_> {
 
 impl Drafter for CudaDFlash2 {
     fn propose(&mut self, ctx: &mut ProposeCtx<'_>) -> speclab_engine::Result<Proposal> {
-        let t = ctx.target.as_mut().ok_or_else(|| EngineError::InvalidDrafterConfig {
-            drafter: "dflash2".into(),
-            reason: "the DFlash2 drafter needs the target pass (ProposeCtx::target) for its features".into(),
-        })?;
-        let mut step = DraftStep {
-            backend: &mut *t.backend,
-            kv: t.kv,
-            forward: t.forward,
-            sampling: ctx.sampling,
-        };
-        let mut reqs = [DraftReq {
-            request: ctx.request,
-            slot: ctx.slot,
-            tokens: ctx.tokens,
-            max_draft: ctx.max_draft,
-            rng: ctx.rng.as_mut().map(|r| &mut **r as &mut dyn RngCore),
-            rows: t.rows.clone(),
-            start_pos: t.start_pos,
-        }];
-        let mut out = self.propose_batch(&mut step, &mut reqs)?;
-        Ok(out.pop().unwrap_or_default())
+        speclab_engine::propose_one(self, ctx).unwrap_or_else(|| {
+            Err(EngineError::InvalidDrafterConfig {
+                drafter: "dflash2".into(),
+                reason: "the DFlash2 drafter needs the target pass (ProposeCtx::target) for its features".into(),
+            })
+        })
     }
 
     fn lookahead_slots(&self) -> usize {

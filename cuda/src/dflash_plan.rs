@@ -206,10 +206,8 @@ pub fn visible_context(info: [i32; 3], j: usize, w: usize) -> Range<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use speclab_engine::kv::manager::AllocArgs;
-    use speclab_engine::kv::{AllocOutcome, CapPolicy};
+    use speclab_engine::kv::CapPolicy;
     use speclab_engine::model::ModelConfig;
-    use speclab_engine::{RequestStatus, RequestView};
 
     fn setup(cap: CapPolicy, tokens: u64) -> (DFlash2Config, DraftGroup, KvCacheManager) {
         let tcfg = ModelConfig::micro();
@@ -217,24 +215,7 @@ mod tests {
         let mut layout = tcfg.kv_layout(16, 7, 64).unwrap();
         layout.groups.push(dcfg.kv_group(8, cap).unwrap());
         let mut kv = KvCacheManager::new(&layout, 64).unwrap();
-        let view = RequestView {
-            slot: ReqSlot(0),
-            num_computed_tokens: 0,
-            num_tokens: tokens,
-            num_prompt_tokens: tokens,
-            status: RequestStatus::Waiting,
-            num_in_flight_tokens: 0,
-        };
-        let args = AllocArgs {
-            num_new_tokens: tokens,
-            num_lookahead_tokens: 8,
-            full_sequence_must_fit: true,
-            has_scheduled_reqs: false,
-        };
-        assert!(matches!(
-            kv.allocate_slots(&view, args).unwrap(),
-            AllocOutcome::Allocated(_)
-        ));
+        crate::check::alloc(&mut kv, ReqSlot(0), 0, tokens).unwrap();
         let g = speclab_drafters::dflash2::DFlash2::find_group(&kv).unwrap();
         let grp = DraftGroup::new(&dcfg, &tcfg, &kv, g).unwrap();
         (dcfg, grp, kv)

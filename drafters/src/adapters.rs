@@ -60,13 +60,7 @@ impl DFlash2Drafter {
         mode: DraftMode,
     ) -> Result<Self> {
         check_dflash(&weights, target, num_speculative_tokens, mode)?;
-        let group = DFlash2::find_group(kv).ok_or_else(|| EngineError::InvalidLayout {
-            field: "groups".into(),
-            reason: format!(
-                "the KV layout has no `{}` group; the DFlash2 drafter keeps its context K/V there (DFlash2Config::kv_group)",
-                crate::dflash2::KV_GROUP_NAME
-            ),
-        })?;
+        let group = dflash_group(kv)?;
         let inner = DFlash2::new(weights, target, kv, group)?;
         Ok(Self {
             inner,
@@ -85,7 +79,21 @@ impl DFlash2Drafter {
     }
 }
 
-fn check_dflash(
+/// Index of the `drafter_swa` group of `kv`, or the error naming what is missing (every
+/// DFlash drafter, host or device, keeps its context K/V there).
+pub fn dflash_group(kv: &KvCacheManager) -> Result<usize> {
+    DFlash2::find_group(kv).ok_or_else(|| EngineError::InvalidLayout {
+        field: "groups".into(),
+        reason: format!(
+            "the KV layout has no `{}` group; the DFlash2 drafter keeps its context K/V there (DFlash2Config::kv_group)",
+            crate::dflash2::KV_GROUP_NAME
+        ),
+    })
+}
+
+/// The checks every DFlash drafter makes of its weights: the config, its fit to `target`,
+/// `1 <= N <= block_size - 1`, and v2's conv + selector tensors.
+pub fn check_dflash(
     weights: &DFlash2Weights,
     target: &ModelConfig,
     n: usize,

@@ -68,27 +68,9 @@ impl Mtp {
 
 impl Drafter for Mtp {
     fn propose(&mut self, ctx: &mut ProposeCtx<'_>) -> Result<Proposal> {
-        let t = ctx
-            .target
-            .as_mut()
-            .ok_or_else(|| bad("the MTP drafter needs the target pass (ProposeCtx::target); it cannot draft from tokens alone".into()))?;
-        let mut step = DraftStep {
-            backend: &mut *t.backend,
-            kv: t.kv,
-            forward: t.forward,
-            sampling: ctx.sampling,
-        };
-        let mut req = [DraftReq {
-            request: ctx.request,
-            slot: ctx.slot,
-            tokens: ctx.tokens,
-            max_draft: ctx.max_draft,
-            rng: None,
-            rows: t.rows.clone(),
-            start_pos: t.start_pos,
-        }];
-        let mut out = self.propose_batch(&mut step, &mut req)?;
-        Ok(out.pop().unwrap_or_default())
+        speclab_engine::propose_one(self, ctx).unwrap_or_else(|| {
+            Err(bad("the MTP drafter needs the target pass (ProposeCtx::target); it cannot draft from tokens alone".into()))
+        })
     }
 
     /// One MTP pass over every request's committed rows (draft 1 of each), then one

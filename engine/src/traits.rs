@@ -180,6 +180,35 @@ pub trait Drafter {
     }
 }
 
+/// [`Drafter::propose`] for a drafter whose work is [`Drafter::propose_batch`] (MTP, the
+/// CUDA DFlash2): the one request as a batch of one. `None` when `ctx` carries no target
+/// pass (the caller names its drafter in the error).
+pub fn propose_one<D: Drafter + ?Sized>(
+    d: &mut D,
+    ctx: &mut ProposeCtx<'_>,
+) -> Option<Result<Proposal>> {
+    let t = ctx.target.as_mut()?;
+    let mut step = DraftStep {
+        backend: &mut *t.backend,
+        kv: t.kv,
+        forward: t.forward,
+        sampling: ctx.sampling,
+    };
+    let mut reqs = [DraftReq {
+        request: ctx.request,
+        slot: ctx.slot,
+        tokens: ctx.tokens,
+        max_draft: ctx.max_draft,
+        rng: ctx.rng.as_mut().map(|r| &mut **r as &mut dyn RngCore),
+        rows: t.rows.clone(),
+        start_pos: t.start_pos,
+    }];
+    Some(
+        d.propose_batch(&mut step, &mut reqs)
+            .map(|mut out| out.pop().unwrap_or_default()),
+    )
+}
+
 /// A step's target pass as a batched drafter sees it ([`Drafter::propose_batch`]).
 pub struct DraftStep<'a> {
     pub backend: &'a mut dyn TargetBackend,
