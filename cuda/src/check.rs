@@ -39,7 +39,8 @@ pub struct CheckLine {
     pub pass: bool,
 }
 
-fn line(out: &mut Vec<CheckLine>, name: impl Into<String>, value: f64, bound: f64) {
+/// Push a comparison: passes when `value` is 0 for a bound of 0 (a count), else `value < bound`.
+pub fn line(out: &mut Vec<CheckLine>, name: impl Into<String>, value: f64, bound: f64) {
     let pass = if bound == 0.0 {
         value == 0.0
     } else {

@@ -22,7 +22,8 @@
 //! Invariants: the device pages are written only by appends (a draft never modifies the
 //! cache, §7); every page slot was resolved on the host by `DraftGroup::locate`
 //! (`crate::dflash_plan`); numerics are f32 with bf16 weights widened exactly (§1), so
-//! the draft equals the CPU drafter's up to summation order; the weights are uploaded
+//! the draft equals the CPU drafter's up to summation order (gpu_check: the same accepted
+//! drafts at every step); the weights are uploaded
 //! once, at the first step, on the backend's own context and stream.
 
 use std::collections::HashMap;
