@@ -207,7 +207,7 @@ fn dflash_run(
         generate_on(
             &f,
             target,
-            &speclab_cuda::CudaDrafterSpec(spec.clone()),
+            &speclab_cuda::CudaDrafterSpec(spec),
             &reqs,
             &opts,
             &mut make,

@@ -1111,9 +1111,9 @@ impl Drafter for CudaDFlash2 {
 /// A [`DrafterSpec`] whose DFlash drafters run on the CUDA device (`--device cuda`);
 /// every other kind is the spec's own drafter.
 #[derive(Debug, Clone)]
-pub struct CudaDrafterSpec(pub DrafterSpec);
+pub struct CudaDrafterSpec<'a>(pub &'a DrafterSpec);
 
-impl DrafterFactory for CudaDrafterSpec {
+impl DrafterFactory for CudaDrafterSpec<'_> {
     fn num_speculative_tokens(&self) -> usize {
         self.0.num_speculative_tokens()
     }
@@ -1211,12 +1211,13 @@ mod tests {
         let cfg = &target.cfg;
         let spec =
             DrafterSpec::dflash(w, cfg, 7, DraftMode::V2, 8, CapPolicy::WindowPlusTwo).unwrap();
-        let dev = CudaDrafterSpec(spec.clone());
+        let dev = CudaDrafterSpec(&spec);
         assert_eq!(dev.num_speculative_tokens(), 7);
         assert_eq!(dev.kv_groups().unwrap(), spec.kv_groups().unwrap());
         let d = dev.build(cfg, &kv).unwrap();
         assert_eq!(d.layer_hidden(), LayerHidden::Device);
-        let mtp = CudaDrafterSpec(DrafterSpec::mtp(cfg, 2).unwrap());
+        let mtp_spec = DrafterSpec::mtp(cfg, 2).unwrap();
+        let mtp = CudaDrafterSpec(&mtp_spec);
         assert_ne!(
             mtp.build(cfg, &kv).unwrap().layer_hidden(),
             LayerHidden::Device

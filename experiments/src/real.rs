@@ -318,6 +318,16 @@ impl RealSpec {
             .unwrap_or_else(|| self.num_speculative_tokens.clone())
     }
 
+    /// What a leg id adds for its cap: ` cap=<name>` for a DFlash drafter under a `caps`
+    /// axis, else nothing (`speclab run` and `verify-lossless` name legs alike).
+    pub fn cap_suffix(&self, d: RealDrafter, cap: CapPolicy) -> String {
+        if self.caps.is_empty() || !d.is_dflash() {
+            String::new()
+        } else {
+            format!(" cap={}", crate::manifest::cap_name(cap))
+        }
+    }
+
     /// Expand into legs: drafter x N x concurrency x temperature (skipped drafters left out).
     pub fn legs(&self) -> Vec<RealLeg> {
         let skipped: Vec<RealDrafter> = self
@@ -333,7 +343,7 @@ impl RealSpec {
             } else {
                 self.caps
                     .iter()
-                    .map(|&c| (c, format!(" cap={}", crate::manifest::cap_name(c))))
+                    .map(|&c| (c, self.cap_suffix(d, c)))
                     .collect()
             };
             for n in self.ns_for(d) {

@@ -220,7 +220,7 @@ impl<'a> RealRunner<'a> {
     fn drafter_factory<'s>(
         &self,
         spec: &'s DrafterSpec,
-        on_device: &'s speclab_cuda::CudaDrafterSpec,
+        on_device: &'s speclab_cuda::CudaDrafterSpec<'s>,
     ) -> &'s dyn speclab_engine::exec::DrafterFactory {
         match self.spec.device {
             crate::real::RealDevice::Cpu => spec,
@@ -251,7 +251,7 @@ impl<'a> RealRunner<'a> {
         self.check_device_memory(plan.as_ref())?;
         let mut make = fcfs_factory(leg.concurrency, self.spec.max_num_batched_tokens);
         let backend = self.backend();
-        let on_device = speclab_cuda::CudaDrafterSpec(spec.clone());
+        let on_device = speclab_cuda::CudaDrafterSpec(&spec);
         let run = generate_on(
             backend.as_ref(),
             &self.target,
@@ -408,7 +408,7 @@ impl<'a> RealRunner<'a> {
         self.check_device_memory(plan.as_ref())?;
         let mut make = fcfs_factory(c, self.spec.max_num_batched_tokens);
         let backend = self.backend();
-        let on_device = speclab_cuda::CudaDrafterSpec(spec.clone());
+        let on_device = speclab_cuda::CudaDrafterSpec(&spec);
         let report = verify_lossless_on(
             backend.as_ref(),
             &self.target,
@@ -452,11 +452,7 @@ pub fn lossless_legs(spec: &RealSpec) -> Vec<LosslessSpec> {
             crate::manifest::cap_name(l.cap),
         );
         if l.drafter != RealDrafter::None && seen.insert(key) {
-            let suffix = if !spec.caps.is_empty() && l.drafter.is_dflash() {
-                format!(" cap={}", crate::manifest::cap_name(l.cap))
-            } else {
-                String::new()
-            };
+            let suffix = spec.cap_suffix(l.drafter, l.cap);
             out.push(LosslessSpec {
                 drafter: l.drafter,
                 num_speculative_tokens: l.num_speculative_tokens,

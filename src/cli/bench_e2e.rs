@@ -267,7 +267,7 @@ fn run_leg(
         DeviceArg::Cpu => &cpu,
     };
     // On the device the DFlash drafters run there too (speclab_cuda::CudaDFlash2).
-    let on_device = speclab_cuda::CudaDrafterSpec(spec.clone());
+    let on_device = speclab_cuda::CudaDrafterSpec(&spec);
     let drafter: &dyn speclab_engine::exec::DrafterFactory = match device {
         DeviceArg::Cuda => &on_device,
         DeviceArg::Cpu => &spec,

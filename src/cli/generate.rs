@@ -311,7 +311,7 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<ExitCode> {
         DeviceArg::Cuda => speclab_engine::exec::generate_on(
             &speclab_cuda::CudaFactory::default(),
             &target,
-            &speclab_cuda::CudaDrafterSpec(spec.clone()),
+            &speclab_cuda::CudaDrafterSpec(&spec),
             &reqs,
             &opts,
             &mut make,
@@ -445,7 +445,7 @@ pub fn verify(a: VerifyLosslessArgs) -> anyhow::Result<ExitCode> {
         DeviceArg::Cuda => speclab_engine::exec::verify_lossless_on(
             &speclab_cuda::CudaFactory::default(),
             &target,
-            &speclab_cuda::CudaDrafterSpec(spec.clone()),
+            &speclab_cuda::CudaDrafterSpec(&spec),
             &reqs,
             &opts,
             &mut make,
