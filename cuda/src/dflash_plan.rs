@@ -194,20 +194,20 @@ pub fn plan_draft(
     Ok(p)
 }
 
-/// The context rows (indices into a request's `ctx_slots`) that block row `j` sees, as
-/// `df2_attention` computes them: `lo .. S` with `lo = max(p0 + j + 1 - W, ctx_start) -
-/// ctx_start`. The host model of the kernel's window, tested against docs/dflash2.md §5.2.
-pub fn visible_context(info: [i32; 3], j: usize, w: usize) -> Range<usize> {
-    let [p0, cs, s] = info.map(|x| x.max(0) as usize);
-    let lo = (p0 + j + 1).saturating_sub(w).max(cs) - cs;
-    lo.min(s)..s
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use speclab_engine::kv::CapPolicy;
     use speclab_engine::model::ModelConfig;
+
+    /// The context rows (indices into a request's `ctx_slots`) that block row `j` sees, as
+    /// `df2_attention` computes them: `lo .. S` with `lo = max(p0 + j + 1 - W, ctx_start) -
+    /// ctx_start`. The host model of the kernel's window, tested against docs/dflash2.md §5.2.
+    fn visible_context(info: [i32; 3], j: usize, w: usize) -> Range<usize> {
+        let [p0, cs, s] = info.map(|x| x.max(0) as usize);
+        let lo = (p0 + j + 1).saturating_sub(w).max(cs) - cs;
+        lo.min(s)..s
+    }
 
     fn setup(cap: CapPolicy, tokens: u64) -> (DFlash2Config, DraftGroup, KvCacheManager) {
         let tcfg = ModelConfig::micro();

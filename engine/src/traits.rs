@@ -115,7 +115,8 @@ pub enum LayerHidden {
     /// From [`ForwardOut::per_layer_hidden`](crate::model::ForwardOut) on the host.
     Host,
     /// In the device backend's own buffer (a drafter running on the same device, the
-    /// CUDA DFlash2): the backend keeps them there and need not copy them out.
+    /// CUDA DFlash2): the backend keeps them there and need not copy them out, nor the
+    /// forward's final hidden rows (the drafter reads nothing of the target on the host).
     Device,
 }
 

@@ -277,17 +277,19 @@ impl ModelExecutor {
     /// One batched target forward over the planned chunks.
     fn forward(&mut self, kv: &KvCacheManager, plan: &[Planned]) -> Result<ForwardOut> {
         let any_verify = plan.iter().any(|p| p.num_draft > 0);
+        let hidden = self.drafter.layer_hidden();
         let opts = ForwardOptions {
             logits: if any_verify {
                 LogitsRows::All
             } else {
                 LogitsRows::LastPerChunk
             },
-            collect_hidden: self.drafter.layer_hidden() != LayerHidden::None,
-            hidden_on_device: self.drafter.layer_hidden() == LayerHidden::Device,
+            collect_hidden: hidden != LayerHidden::None,
+            hidden_on_device: hidden == LayerHidden::Device,
             collect_router: self.cfg.collect_router,
             greedy_ids: self.cfg.sampling.is_greedy(),
-            skip_hidden: self.cfg.num_speculative_tokens == 0,
+            // A device drafter reads the target on the device: no host copy of the hidden.
+            skip_hidden: self.cfg.num_speculative_tokens == 0 || hidden == LayerHidden::Device,
         };
         let chunks: Vec<SeqChunk<'_>> = plan
             .iter()
