@@ -2,8 +2,11 @@
 //! timing at batch 1 / 8 / 32 / 128 with CUDA graphs off and on; JSON to the path given
 //! by `--json PATH` (default `gpu_check.json`), a short table last on stdout.
 //! Parity includes the DFlash2 drafter on the device (`speclab_cuda::CudaDFlash2`, checkpoint
-//! `--drafter DIR`, default models/dflash2-tiny) against the CPU drafter through the step loop.
-//! `--parity-only` skips the timing (for runs under compute-sanitizer); `--steps N`
+//! `--drafter DIR`, default models/dflash2-tiny) against the CPU drafter, and the MTP chain
+//! on the device (`speclab_cuda::mtp::CudaMtp`) against the host MTP drafter and the CPU,
+//! through the step loop.
+//! `--parity-only` skips the timing (for runs under compute-sanitizer), `--timing-only`
+//! the parity (an A/B timing of a launch setting, e.g. `SPECLAB_PDL=0`); `--steps N`
 //! sets the timed decode steps (default 50).
 //!
 //! Built here in release and carried to the GPU machine (no cargo there): see
@@ -32,6 +35,8 @@ struct Report {
     copy_gb_s: f64,
     weight_bytes: usize,
     profile: Vec<ProfileRow>,
+    /// `SPECLAB_PDL` as this run saw it (programmatic dependent launch unless 0 / off).
+    pdl_env: Option<String>,
 }
 
 fn arg(name: &str) -> Option<String> {
@@ -46,6 +51,7 @@ fn main() {
     let json = PathBuf::from(arg("--json").unwrap_or_else(|| "gpu_check.json".into()));
     let steps: usize = arg("--steps").and_then(|s| s.parse().ok()).unwrap_or(50);
     let parity_only = std::env::args().any(|a| a == "--parity-only");
+    let timing_only = std::env::args().any(|a| a == "--timing-only");
     if let Some(why) = speclab_cuda::device::skip_reason() {
         eprintln!("skipping: {why}");
         std::process::exit(2);
@@ -53,8 +59,11 @@ fn main() {
     let t0 = std::time::Instant::now();
     let drafter = PathBuf::from(arg("--drafter").unwrap_or_else(|| "models/dflash2-tiny".into()));
     let caught = std::panic::catch_unwind(|| {
+        if timing_only {
+            return Ok(Vec::new());
+        }
         let mut l = check::parity(&model)?;
-        l.extend(dflash_parity(&model, &drafter)?);
+        l.extend(drafter_parity(&model, &drafter)?);
         Ok::<_, Box<dyn std::error::Error>>(l)
     });
     let (parity, parity_error) = match caught {
@@ -75,7 +84,7 @@ fn main() {
     if let Some(e) = &parity_error {
         println!("  parity ERROR: {e}");
     }
-    let all_pass = parity_error.is_none() && parity.iter().all(|l| l.pass);
+    let all_pass = parity_error.is_none() && parity.iter().all(|l| l.pass) && !timing_only;
     let batches: &[usize] = if parity_only { &[] } else { &[1, 8, 32, 128] };
     let caught = std::panic::catch_unwind(|| check::timing(&model, batches, steps));
     let ((timing, copy_gb_s, weight_bytes, profile), timing_error) = match caught {
@@ -99,6 +108,7 @@ fn main() {
         copy_gb_s,
         weight_bytes,
         profile,
+        pdl_env: std::env::var("SPECLAB_PDL").ok(),
     };
     match serde_json::to_string_pretty(&report) {
         Ok(s) => {
@@ -133,6 +143,10 @@ fn main() {
             r.kernels_per_step
         );
     }
+    if timing_only {
+        println!("\nparity: not run (--timing-only)");
+        return;
+    }
     println!("\nparity: {}", if all_pass { "PASS" } else { "FAIL" });
     if !all_pass {
         std::process::exit(1);
@@ -159,13 +173,24 @@ fn print_profile(rows: &[ProfileRow]) {
     }
 }
 
-/// One step-loop run of `spec` (N = 7, greedy unless `temperature`), 5 requests at 3
-/// concurrent, prompts past the drafter's window; on the CPU or with the DFlash drafter
-/// on the device (`speclab_cuda::CudaDrafterSpec`).
-fn dflash_run(
+/// Where a parity run's target and drafter run.
+#[derive(Clone, Copy, PartialEq)]
+enum Engine {
+    /// Both on the CPU.
+    Cpu,
+    /// The CUDA target, the spec's own (host) drafter.
+    CudaHostDrafter,
+    /// The CUDA target, the drafter on the device (`speclab_cuda::CudaDrafterSpec`).
+    CudaDevice,
+}
+
+/// One step-loop run of `spec` (greedy unless `temperature`), 5 requests at 3
+/// concurrent, prompts past the DFlash drafter's window, 40 new tokens each (so the
+/// last steps draft fewer than N).
+fn drafter_run(
     target: &ModelWeights,
     spec: &DrafterSpec,
-    cuda: bool,
+    engine: Engine,
     temperature: f32,
 ) -> Result<EngineRun, Box<dyn std::error::Error>> {
     let v = target.cfg.vocab_size as u32;
@@ -202,34 +227,34 @@ fn dflash_run(
         ..EngineOptions::default()
     };
     let mut make = speclab_schedulers::fcfs_factory(3, 8192);
-    let run = if cuda {
-        let f = speclab_cuda::CudaFactory::default();
-        generate_on(
+    let f = speclab_cuda::CudaFactory::default();
+    let run = match engine {
+        Engine::CudaDevice => generate_on(
             &f,
             target,
             &speclab_cuda::CudaDrafterSpec(spec),
             &reqs,
             &opts,
             &mut make,
-        )?
-    } else {
-        generate_on(
+        )?,
+        Engine::CudaHostDrafter => generate_on(&f, target, spec, &reqs, &opts, &mut make)?,
+        Engine::Cpu => generate_on(
             &speclab_engine::backend::CpuBackend,
             target,
             spec,
             &reqs,
             &opts,
             &mut make,
-        )?
+        )?,
     };
     Ok(run)
 }
 
-/// The DFlash2 (v2) and DFlash v1 drafters on the device against the CPU drafters: equal
-/// outputs, and as many drafts accepted at every step (the rejected tails are not
-/// compared); a
-/// sampled device run completes.
-fn dflash_parity(
+/// The DFlash2 (v2) and DFlash v1 drafters on the device against the CPU drafters, and
+/// the MTP chain on the device against the host MTP drafter and the CPU: equal outputs,
+/// and as many drafts accepted at every step (the rejected tails are not compared); a
+/// sampled device run of each completes.
+fn drafter_parity(
     model: &std::path::Path,
     drafter: &std::path::Path,
 ) -> Result<Vec<CheckLine>, Box<dyn std::error::Error>> {
@@ -244,34 +269,10 @@ fn dflash_parity(
             7,
             CapPolicy::WindowPlusTwo,
         )?;
-        let cpu = dflash_run(&target, &spec, false, 0.0)?;
-        let dev = dflash_run(&target, &spec, true, 0.0)?;
-        let differ = cpu
-            .requests
-            .iter()
-            .zip(&dev.requests)
-            .filter(|(a, b)| a.output != b.output)
-            .count();
-        push(
-            format!("{kind} N=7 on the device: requests whose output differs from the CPU's"),
-            differ as f64,
-        );
-        let acc = |r: &EngineRun| {
-            r.steps
-                .iter()
-                .map(|s| s.num_accepted_tokens)
-                .collect::<Vec<_>>()
-        };
-        let (a, b) = (acc(&cpu), acc(&dev));
-        let steps = a.iter().zip(&b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len());
-        push(
-            format!(
-                "{kind} N=7: steps whose accepted drafts differ (tau cpu {:.3} cuda {:.3})",
-                cpu.tau, dev.tau
-            ),
-            steps as f64,
-        );
-        let hot = dflash_run(&target, &spec, true, 0.8)?;
+        let cpu = drafter_run(&target, &spec, Engine::Cpu, 0.0)?;
+        let dev = drafter_run(&target, &spec, Engine::CudaDevice, 0.0)?;
+        compare_runs(&mut push, &format!("{kind} N=7"), ("CPU", &cpu), &dev);
+        let hot = drafter_run(&target, &spec, Engine::CudaDevice, 0.8)?;
         let unfinished = hot.requests.iter().filter(|r| r.finish.is_none()).count();
         push(
             format!(
@@ -281,5 +282,58 @@ fn dflash_parity(
             unfinished as f64,
         );
     }
+    // MTP chained on the device (speclab_cuda::mtp) against the host MTP drafter on the
+    // same CUDA target (the same drafts bit for bit) and against the CPU engine.
+    let spec = DrafterSpec::mtp(&target.cfg, 3)?;
+    let dev = drafter_run(&target, &spec, Engine::CudaDevice, 0.0)?;
+    let host = drafter_run(&target, &spec, Engine::CudaHostDrafter, 0.0)?;
+    let cpu = drafter_run(&target, &spec, Engine::Cpu, 0.0)?;
+    compare_runs(&mut push, "mtp N=3 chained", ("host MTP", &host), &dev);
+    compare_runs(&mut push, "mtp N=3 chained", ("CPU", &cpu), &dev);
+    let hot = drafter_run(&target, &spec, Engine::CudaDevice, 0.8)?;
+    let unfinished = hot.requests.iter().filter(|r| r.finish.is_none()).count();
+    push(
+        format!(
+            "mtp N=3 chained, sampled (T 0.8) target: unfinished requests (tau {:.3})",
+            hot.tau
+        ),
+        unfinished as f64,
+    );
     Ok(out)
+}
+
+/// Two lines: requests whose output differs between `base` and the device run `dev`, and
+/// steps whose accepted-draft count differs.
+fn compare_runs(
+    push: &mut impl FnMut(String, f64),
+    what: &str,
+    (base_name, base): (&str, &EngineRun),
+    dev: &EngineRun,
+) {
+    let differ = base
+        .requests
+        .iter()
+        .zip(&dev.requests)
+        .filter(|(a, b)| a.output != b.output)
+        .count()
+        + base.requests.len().abs_diff(dev.requests.len());
+    push(
+        format!("{what} on the device: requests whose output differs from the {base_name}'s"),
+        differ as f64,
+    );
+    let acc = |r: &EngineRun| {
+        r.steps
+            .iter()
+            .map(|s| s.num_accepted_tokens)
+            .collect::<Vec<_>>()
+    };
+    let (a, b) = (acc(base), acc(dev));
+    let steps = a.iter().zip(&b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len());
+    push(
+        format!(
+            "{what}: steps whose accepted drafts differ from the {base_name}'s (tau {:.3} / {:.3})",
+            base.tau, dev.tau
+        ),
+        steps as f64,
+    );
 }

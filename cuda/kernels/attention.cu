@@ -29,6 +29,7 @@ extern "C" __global__ void rope_kv_write(float* __restrict__ qkv, int qkv_stride
                                          const int* __restrict__ block_tables, int max_blocks,
                                          float* __restrict__ kv, long long layer_off,
                                          long long fpb, int bs, int nh, int nkv, int d, int T) {
+    pdl_enter();
     const int t = blockIdx.x;
     if (t >= T) return;
     const int half = d / 2;
@@ -72,6 +73,7 @@ extern "C" __global__ void paged_attention(float* __restrict__ o, const float* _
                                            const int* __restrict__ pos,
                                            const int* __restrict__ tok_seq, int nh, int nkv,
                                            int d, float scale, int T) {
+    pdl_enter();
     __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS];
     __shared__ float sm_acc[ATT_WARPS][HEAD_DIM_MAX];
     const int t = blockIdx.x, h = blockIdx.y;

@@ -8,6 +8,7 @@
 extern "C" __global__ void embed_gather(float* __restrict__ out,
                                         const bf16_bits* __restrict__ table,
                                         const u32* __restrict__ tokens, int T, int H) {
+    pdl_enter();
     const int t = blockIdx.x;
     if (t >= T) return;
     const bf16_bits* row = table + (size_t)tokens[t] * H;
@@ -20,6 +21,7 @@ extern "C" __global__ void embed_gather(float* __restrict__ out,
 extern "C" __global__ void rmsnorm(float* __restrict__ out, int out_stride,
                                    const float* __restrict__ x, int x_stride,
                                    const float* __restrict__ w, int R, int D, float eps) {
+    pdl_enter();
     __shared__ float scratch[32];
     const int r = blockIdx.x;
     if (r >= R) return;
@@ -36,6 +38,7 @@ extern "C" __global__ void rmsnorm(float* __restrict__ out, int out_stride,
 // Launch: grid (R), block 128.
 extern "C" __global__ void gather_rows(float* __restrict__ out, const float* __restrict__ x,
                                        const int* __restrict__ rows, int R, int D) {
+    pdl_enter();
     const int i = blockIdx.x;
     if (i >= R) return;
     const float* src = x + (size_t)rows[i] * D;
@@ -46,6 +49,7 @@ extern "C" __global__ void gather_rows(float* __restrict__ out, const float* __r
 // Shapes: logits [R, V] f32, out [R] u32.  Launch: grid (R), block 1024 (any multiple of 32).
 extern "C" __global__ void argmax_rows(u32* __restrict__ out, const float* __restrict__ logits,
                                        int R, int V) {
+    pdl_enter();
     __shared__ float sv[32];
     __shared__ int si[32];
     const int r = blockIdx.x;
@@ -85,14 +89,37 @@ extern "C" __global__ void argmax_rows(u32* __restrict__ out, const float* __res
 // Launch: grid (ceil(n / 256)), block 256.
 extern "C" __global__ void copy_f32(float* __restrict__ dst, const float* __restrict__ src,
                                     long long n) {
+    pdl_enter();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) dst[i] = src[i];
+}
+
+// Between two passes of the on-device MTP chain (cuda/src/mtp.rs): keep pass p's drafts
+// (`keep[i] = argmax[i]`, i < S) and feed pass p + 1, whose chunk j continues chunk src[j]
+// of pass p: `tokens[j] = argmax[src[j]]` (the next pass's input token, into its step
+// metadata) and `hidden[j, :] = x[rows[j], :]` (the MTP layer's pre-norm hidden of that
+// chunk's last row, EAGLE style). n = 0 only keeps. Shapes: argmax [S] u32, keep [S] u32,
+// tokens [n] u32, idx [2n] i32 (rows then src, in range, host-built), x [*, D], hidden [n, D].
+// Launch: grid (max(n, 1)), block 128.
+extern "C" __global__ void mtp_feed(u32* __restrict__ keep, const u32* __restrict__ argmax,
+                                    int S, u32* __restrict__ tokens, float* __restrict__ hidden,
+                                    const float* __restrict__ x, const int* __restrict__ idx,
+                                    int n, int D) {
+    pdl_enter();
+    const int j = blockIdx.x;
+    if (j == 0)
+        for (int i = threadIdx.x; i < S; i += blockDim.x) keep[i] = argmax[i];
+    if (j >= n) return;
+    if (threadIdx.x == 0) tokens[j] = argmax[idx[n + j]];
+    const float* src = x + (size_t)idx[j] * D;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) hidden[(size_t)j * D + i] = src[i];
 }
 
 // The same copy in 16-byte words (`n4` float4s; both pointers 16-byte aligned), grid-stride
 // so a bounded grid streams any size at full bandwidth. Launch: grid (<= 4 * SMs), block 256.
 extern "C" __global__ void copy_f32x4(float4* __restrict__ dst, const float4* __restrict__ src,
                                       long long n4) {
+    pdl_enter();
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += stride)
         dst[i] = src[i];
@@ -102,6 +129,7 @@ extern "C" __global__ void copy_f32x4(float4* __restrict__ dst, const float4* __
 // host enqueues a whole step behind it and the events between kernels time the GPU
 // alone, not the host's launch gaps. Launch: grid 1, block 1.
 extern "C" __global__ void spin_wait(long long cycles) {
+    pdl_enter();
     const long long t0 = clock64();
     while (clock64() - t0 < cycles) {
     }

@@ -29,6 +29,7 @@ __device__ __forceinline__ float unit_f(u32 h) { return (float)(h >> 8) * (1.0f 
 
 // out[i] = hash(seed, i).  Shapes: out [n].  Launch: grid-stride, any grid, block 256.
 extern "C" __global__ void bench_fill_u32(u32* __restrict__ out, long long n, u32 seed) {
+    pdl_enter();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x)
         out[i] = hash2(seed, (unsigned long long)i);
@@ -39,6 +40,7 @@ extern "C" __global__ void bench_fill_u32(u32* __restrict__ out, long long n, u3
 // Launch: grid-stride, block 256.
 extern "C" __global__ void bench_fill_bf16(bf16_bits* __restrict__ out, long long n, u32 seed,
                                            float base, int positive) {
+    pdl_enter();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         const float u = unit_f(hash2(seed, (unsigned long long)i));
@@ -50,6 +52,7 @@ extern "C" __global__ void bench_fill_bf16(bf16_bits* __restrict__ out, long lon
 // out[i] = lo + (hi - lo) * u.  Shapes: out [n].  Launch: grid-stride, block 256.
 extern "C" __global__ void bench_fill_f32(float* __restrict__ out, long long n, u32 seed,
                                           float lo, float hi) {
+    pdl_enter();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x)
         out[i] = lo + (hi - lo) * unit_f(hash2(seed, (unsigned long long)i));
@@ -95,6 +98,7 @@ extern "C" __global__ void moe_ref_gate_up_w4(float* __restrict__ h_ref,
                                               const int* __restrict__ ids,
                                               const int* __restrict__ pairs, int topk, int N,
                                               int K) {
+    pdl_enter();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n = blockIdx.x * 4 + warp;
     if (n >= N) return;
@@ -123,6 +127,7 @@ extern "C" __global__ void moe_ref_down_w4(float* __restrict__ y_ref,
                                            const float* __restrict__ wts,
                                            const int* __restrict__ ids,
                                            const int* __restrict__ pairs, int N, int K) {
+    pdl_enter();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n = blockIdx.x * 4 + warp;
     if (n >= N) return;

@@ -162,3 +162,19 @@ __device__ __forceinline__ void load8(const float* p, float out[8]) {
     out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
     out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
 }
+
+// Programmatic dependent launch (Hopper, sm_90+; CUDA C++ Programming Guide, "Programmatic
+// Dependent Launch and Synchronization"; PTX ISA `griddepcontrol`): every entry point
+// first waits until the grid before it in the stream has completed and its writes are
+// visible, then lets the next grid launch, so that grid's launch and block dispatch
+// overlap this one's run instead of following its completion. Nothing is read or written
+// before the wait, so a kernel launched this way sees exactly what a plainly launched one
+// sees (and the wait is transitive: the grid before completed only after its own wait).
+// Both instructions are no-ops for a launch without the attribute (cuda/src/ops.rs
+// `launch`).
+__device__ __forceinline__ void pdl_enter() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}

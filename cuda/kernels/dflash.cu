@@ -25,6 +25,7 @@
 extern "C" __global__ void df2_features(float* __restrict__ out, const float* __restrict__ per_layer,
                                         long long layer_stride, const int* __restrict__ rows,
                                         const int* __restrict__ layers, int T, int m, int H) {
+    pdl_enter();
     const int t = blockIdx.x;
     if (t >= T) return;
     const long long src_row = (long long)rows[t] * H;
@@ -63,6 +64,7 @@ extern "C" __global__ void df2_ctx_write(float* __restrict__ kv, const int* __re
                                          float* __restrict__ pages, long long layer_stride,
                                          long long v_off, int Ld, int nkv, int d, float eps,
                                          int T) {
+    pdl_enter();
     const int t = blockIdx.x, l = blockIdx.y, hh = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (t >= T || l >= Ld || hh >= nkv) return;
     const int row = nkv * d;
@@ -89,6 +91,7 @@ extern "C" __global__ void df2_head_norm_rope(float* __restrict__ x, int stride,
                                               const float* __restrict__ cos_tab,
                                               const float* __restrict__ sin_tab, int nh, int nkv,
                                               int d, float eps, int R) {
+    pdl_enter();
     const int r = blockIdx.x, hh = blockIdx.y;
     if (r >= R || hh >= nh + nkv) return;
     const size_t p = (size_t)pos[r] * d;
@@ -105,6 +108,7 @@ extern "C" __global__ void df2_head_norm_rope(float* __restrict__ x, int stride,
 extern "C" __global__ void df2_conv(float* __restrict__ out, const float* __restrict__ y,
                                     const float* __restrict__ proj, const float* __restrict__ base,
                                     int side, int K, int gs, int H, int Q, int R, int accumulate) {
+    pdl_enter();
     const int r = blockIdx.x;
     if (r >= R) return;
     const int j = r % Q, G = H / gs;
@@ -254,6 +258,7 @@ extern "C" __global__ void __launch_bounds__(256) df2_attention(float* __restric
                                          long long v_off, const int* __restrict__ ctx_slots,
                                          int s_max, const int* __restrict__ info, int Q, int nh,
                                          int nkv, int d, int W, float scale, int R) {
+    pdl_enter();
     if (d == 64)
         df2_attention_body<64>(o, qkv, qkv_stride, pages, v_off, ctx_slots, s_max, info, Q, nh, nkv, W, scale, R);
     else if (d == 128)
@@ -340,6 +345,7 @@ __device__ __forceinline__ void df2_topk_body(float* __restrict__ out, int out_s
 
 extern "C" __global__ void df2_topk(float* __restrict__ out, int out_stride,
                                     const float* __restrict__ logits, int V, int k, int R) {
+    pdl_enter();
     if (k <= 1)
         df2_topk_body<1>(out, out_stride, logits, V, k, R);
     else if (k <= 8)

@@ -28,6 +28,7 @@ extern "C" __global__ void kda_conv(float* __restrict__ y, const float* __restri
                                     const int* __restrict__ row0, const int* __restrict__ len,
                                     const int* __restrict__ pos0, const int* __restrict__ snap,
                                     const int* __restrict__ state_tables, int max_state) {
+    pdl_enter();
     const int c3 = blockIdx.x * blockDim.x + threadIdx.x;
     const int s = blockIdx.y;
     if (c3 >= 3 * C) return;
@@ -157,7 +158,8 @@ __device__ __forceinline__ void kda_recurrent_impl(
         int b_col, const float* a_log, const float* dt_bias, float* pool,                   \
         long long layer_off, long long fpb, int conv_len, int nl, float qscale,             \
         const int* row0, const int* len, const int* pos0, const int* snap,                  \
-        const int* state_tables, int max_state) {                                           \
+        const int* state_tables, int max_state) {                                          \
+        pdl_enter();                                                                        \
         kda_recurrent_impl<DL>(o, y, fg, xin, xin_stride, b_col, a_log, dt_bias, pool,      \
                                layer_off, fpb, conv_len, nl, qscale, row0, len, pos0, snap,  \
                                state_tables, max_state);                                    \
@@ -175,6 +177,7 @@ extern "C" __global__ void kda_gate_norm(float* __restrict__ out, const float* _
                                          const float* __restrict__ fg,
                                          const float* __restrict__ o_norm, int T, int nl, int dl,
                                          float eps) {
+    pdl_enter();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int th = blockIdx.x * 4 + warp;
     if (th >= T * nl) return;

@@ -88,6 +88,7 @@ extern "C" __global__ void linear_bf16(float* __restrict__ y, int y_stride,
                                        const float* __restrict__ x, int x_stride,
                                        const bf16_bits* __restrict__ W, int M, int N, int K,
                                        int accumulate) {
+    pdl_enter();
     linear_body<false>(y, y_stride, x, x_stride, W, M, N, K, accumulate, nullptr, 0.0f);
 }
 
@@ -99,6 +100,7 @@ extern "C" __global__ void linear_norm_bf16(float* __restrict__ y, int y_stride,
                                             const bf16_bits* __restrict__ W, int M, int N,
                                             int K, int accumulate, const float* __restrict__ g,
                                             float eps) {
+    pdl_enter();
     linear_body<true>(y, y_stride, x, x_stride, W, M, N, K, accumulate, g, eps);
 }
 
@@ -111,6 +113,7 @@ extern "C" __global__ void linear_pair_bf16(float* __restrict__ y0, float* __res
                                             const bf16_bits* __restrict__ W0,
                                             const bf16_bits* __restrict__ W1, int M, int N,
                                             int K) {
+    pdl_enter();
     if (blockIdx.z == 0)
         linear_body<false>(y0, y_stride, x0, x_stride, W0, M, N, K, 0, nullptr, 0.0f);
     else
@@ -159,6 +162,7 @@ __device__ __forceinline__ void gate_up_tile(float* __restrict__ h, int N, int n
 extern "C" __global__ void swiglu_dense_bf16(float* __restrict__ h, const float* __restrict__ x,
                                              int x_stride, const bf16_bits* __restrict__ W13,
                                              int M, int N, int K) {
+    pdl_enter();
     const int warp = threadIdx.x >> 5;
     const int n = blockIdx.x * LIN_WARPS + warp;
     if (n >= N) return;
@@ -204,6 +208,7 @@ extern "C" __global__ void moe_gate_up_bf16(float* __restrict__ h, const float* 
                                             const int* __restrict__ sorted,
                                             const int* __restrict__ tile_expert, int topk,
                                             int N, int K) {
+    pdl_enter();
     moe_gate_up(h, x, LoadBf16{w13, K}, sorted, tile_expert, topk, N, K);
 }
 
@@ -251,6 +256,7 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
                                          const float* __restrict__ topk_w,
                                          const int* __restrict__ sorted,
                                          const int* __restrict__ tile_expert, int N, int K) {
+    pdl_enter();
     moe_down(y, h, LoadBf16{wd, K}, topk_w, sorted, tile_expert, N, K);
 }
 
@@ -347,6 +353,7 @@ __device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32
 // Launch: grid (ceil(T K / 4 / 128)), block 128: one thread per (row, k16 step, t).
 extern "C" __global__ void moe_split_x(u32* __restrict__ xs, const float* __restrict__ x, int T,
                                        int K) {
+    pdl_enter();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)T * (K / 4)) return;
     const int row = (int)(i / (K / 4));
@@ -611,6 +618,7 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
     const int* __restrict__ tile_expert, int topk, int N, int K, int max_tiles, int ks_hi,
     int target) {
+    pdl_enter();
     w4_mma<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
               reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K,
               max_tiles, ks_hi, target);
@@ -626,6 +634,7 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_down_w4
     const bf16_bits* __restrict__ sd, const float* __restrict__ topk_w,
     const int* __restrict__ sorted, const int* __restrict__ tile_expert, int N, int K,
     int max_tiles, int ks_hi, int target) {
+    pdl_enter();
     w4_mma<1>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
               reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, N, K, max_tiles,
               ks_hi, target);

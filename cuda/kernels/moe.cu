@@ -66,6 +66,7 @@ extern "C" __global__ void moe_topk(int* __restrict__ ids, float* __restrict__ w
                                     const float* __restrict__ logits,
                                     const float* __restrict__ bias, int T, int E, int k,
                                     int norm_topk, float rsf) {
+    pdl_enter();
     __shared__ float biased[TOPK_WARPS][EXPERTS_MAX];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int t = blockIdx.x * TOPK_WARPS + warp;
@@ -94,6 +95,7 @@ extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restr
                                            const bf16_bits* __restrict__ W,
                                            const float* __restrict__ bias, int T, int E, int K,
                                            int k, int norm_topk, float rsf) {
+    pdl_enter();
     __shared__ float lg[ROUTER_E_MAX];
     __shared__ float biased[ROUTER_E_MAX];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -134,6 +136,7 @@ extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restr
 extern "C" __global__ void __launch_bounds__(1024) moe_align(int* __restrict__ sorted, int* __restrict__ tile_expert,
                                      const int* __restrict__ ids, int P, int E,
                                      int max_tiles) {
+    pdl_enter();
     __shared__ int count[EXPERTS_MAX];
     __shared__ int offset[EXPERTS_MAX + 1];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -180,6 +183,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align(int* __restrict__ s
 extern "C" __global__ void moe_combine(float* __restrict__ x, const float* __restrict__ y,
                                        const float* __restrict__ shared,
                                        const int* __restrict__ ids, int T, int H, int k) {
+    pdl_enter();
     __shared__ int order[TOPK_MAX];
     const int t = blockIdx.x;
     if (t >= T) return;

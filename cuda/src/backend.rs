@@ -132,6 +132,12 @@ pub struct CudaBackend {
     device_hidden_mask: u64,
     /// Host copy of the bf16 embedding for `SharedHead::embed`. Shape: [V, H] bf16 bits.
     pub(crate) embed_host: Vec<u16>,
+    /// Rows of `Workspace::hidden` holding the last target forward's final hidden (the
+    /// on-device MTP chain's input); `None` once an MTP pass or a new workspace
+    /// overwrote them.
+    pub(crate) final_hidden_rows: Option<usize>,
+    /// Buffers of the on-device MTP chain (`crate::mtp`), made at its first step.
+    pub(crate) chain: Option<crate::mtp::ChainBufs>,
     /// Phase times of `forward_greedy` calls (reset by the caller).
     pub host_times: HostTimes,
 }
@@ -200,6 +206,8 @@ impl CudaBackend {
             graph_error: None,
             device_hidden_mask: 0,
             host_times: HostTimes::default(),
+            final_hidden_rows: None,
+            chain: None,
             embed_host: crate::repack::to_bf16(&weights.embed, "model.embed_tokens")?,
         })
     }
@@ -222,6 +230,11 @@ impl CudaBackend {
     /// slots are not copied. `0` = all.
     pub fn keep_hidden_layers(&mut self, mask: u64) {
         self.device_hidden_mask = mask;
+    }
+
+    /// Whether kernels launch with programmatic dependent launch (`Gpu::pdl`).
+    pub fn programmatic_launch(&self) -> bool {
+        self.gpu.pdl.get()
     }
 
     /// Whether steps are replayed from CUDA graphs (the device drafter follows it).
@@ -269,7 +282,7 @@ impl CudaBackend {
     }
 
     /// Check that `kv` is the manager this backend was built for (same pool and groups).
-    fn check_manager(&self, kv: &KvCacheManager) -> Result<()> {
+    pub(crate) fn check_manager(&self, kv: &KvCacheManager) -> Result<()> {
         let g = KvGeometry::new(&self.w.cfg, kv)?;
         if g != self.geo {
             return Err(CudaError::Input(format!(
@@ -281,11 +294,12 @@ impl CudaBackend {
     }
 
     /// Grow the workspace / metadata buffer for a step; drops graphs when anything moved.
-    fn ensure(&mut self, m: &StepMeta, collect: Collect) -> Result<()> {
+    pub(crate) fn ensure(&mut self, m: &StepMeta, collect: Collect) -> Result<()> {
         let stream = self.gpu.stream.clone();
         if m.t_total > self.ws.t_cap || m.num_seqs > self.ws.s_cap {
             let t = grow_to(m.t_total);
             self.ws = Workspace::new(&stream, &self.sizes, t, grow_to(m.num_seqs).min(t))?;
+            self.final_hidden_rows = None;
             self.per_layer = None;
             self.router = None;
             self.graphs.clear();
@@ -451,6 +465,7 @@ impl CudaBackend {
         self.gpu.sync()?;
         self.gpu.profile_start()?;
         let ran = self.run(&m, kind);
+        self.note_ran(&m, kind);
         let prof = self.gpu.profile_stop();
         ran?;
         self.note_pending(batch);
@@ -459,12 +474,28 @@ impl CudaBackend {
 
     /// Run one step: replayed as a CUDA graph when graphs are on and the step is
     /// `graphable`, else eagerly.
-    fn launch_step(&mut self, m: &StepMeta, kind: StepKind, graphable: bool) -> Result<()> {
-        if graphable && self.opts.use_graphs {
+    pub(crate) fn launch_step(
+        &mut self,
+        m: &StepMeta,
+        kind: StepKind,
+        graphable: bool,
+    ) -> Result<()> {
+        let ran = if graphable && self.opts.use_graphs {
             self.run_graph((m.t_total, m.num_seqs, kind), m, kind)
         } else {
             self.run(m, kind)
-        }
+        };
+        self.note_ran(m, kind);
+        ran
+    }
+
+    /// What `Workspace::hidden` holds after a step: a target step's final hidden rows;
+    /// an MTP step overwrites them.
+    fn note_ran(&mut self, m: &StepMeta, kind: StepKind) {
+        self.final_hidden_rows = match kind {
+            StepKind::Target { .. } => Some(m.t_total),
+            StepKind::Mtp { .. } => None,
+        };
     }
 
     /// Replay the graph of `key`, capturing it first if needed. A capture that fails

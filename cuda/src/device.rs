@@ -69,6 +69,14 @@ pub fn arch_for(major: i32, minor: i32) -> String {
     }
 }
 
+/// Whether kernels launch with programmatic dependent launch (every entry point begins
+/// with `pdl_enter`, cuda/kernels/common.cuh): on compute capability 9.0 and later,
+/// unless the environment says `SPECLAB_PDL=0` (or `off`), for an A/B comparison in one
+/// device call.
+pub fn pdl_wanted(major: i32, env: Option<&str>) -> bool {
+    major >= 9 && !matches!(env.map(str::trim), Some("0" | "off" | "false"))
+}
+
 /// The INT4 expert GEMMs (tensor-core mma over pre-shuffled fragments: cuda/kernels/linear.cu).
 pub const W4_KERNELS: [&str; 2] = ["moe_gate_up_w4", "moe_down_w4"];
 
@@ -105,6 +113,9 @@ pub struct Gpu {
     funcs: HashMap<&'static str, CudaFunction>,
     /// Kernel launches issued so far (kernels per step = difference around a step).
     pub launches: std::cell::Cell<u64>,
+    /// Launch with programmatic dependent launch (sm_90+, unless `SPECLAB_PDL=0`):
+    /// [`pdl_wanted`].
+    pub pdl: std::cell::Cell<bool>,
     /// While profiling: (kernel name, an event recorded right after its launch).
     pub profile: std::cell::RefCell<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
 }
@@ -162,6 +173,10 @@ impl Gpu {
             name,
             funcs,
             launches: std::cell::Cell::new(0),
+            pdl: std::cell::Cell::new(pdl_wanted(
+                major,
+                std::env::var("SPECLAB_PDL").ok().as_deref(),
+            )),
             profile: std::cell::RefCell::new(None),
         })
     }
@@ -268,6 +283,35 @@ mod tests {
         assert_eq!(arch_for(9, 0), "sm_90a");
         assert_eq!(arch_for(8, 0), "sm_80");
         assert_eq!(arch_for(12, 0), "sm_120");
+    }
+    #[test]
+    fn programmatic_launch_is_hopper_on_unless_switched_off() {
+        assert!(pdl_wanted(9, None));
+        assert!(pdl_wanted(10, Some("1")));
+        assert!(!pdl_wanted(8, None));
+        for off in ["0", "off", " false "] {
+            assert!(!pdl_wanted(9, Some(off)), "{off:?}");
+        }
+    }
+    #[test]
+    fn every_kernel_entry_waits_for_the_grid_before_it() {
+        // A kernel launched with the programmatic attribute must wait before touching
+        // memory (cuda/kernels/common.cuh pdl_enter): every entry point calls it first.
+        for src in crate::kernels::SOURCES {
+            for (i, _) in src.source.match_indices("extern \"C\" __global__") {
+                let body = &src.source[i..];
+                let open = body.find('{').expect("a body");
+                let first = body[open + 1..]
+                    .trim_start()
+                    .trim_start_matches('\\')
+                    .trim_start();
+                assert!(
+                    first.starts_with("pdl_enter();"),
+                    "{}: an entry point at byte {i} does not begin with pdl_enter()",
+                    src.name
+                );
+            }
+        }
     }
     #[test]
     fn probing_never_panics() {

@@ -402,16 +402,6 @@ impl CudaDFlash2 {
         })
     }
 
-    fn backend(b: &mut dyn speclab_engine::backend::TargetBackend) -> Result<&mut CudaBackend> {
-        b.as_any_mut()
-            .and_then(|a| a.downcast_mut::<CudaBackend>())
-            .ok_or_else(|| {
-                CudaError::Unsupported(
-                    "the CUDA DFlash2 drafter runs only beside the CUDA target backend (--device cuda)".into(),
-                )
-            })
-    }
-
     /// (1): the batched context append of every request's committed rows.
     fn append(
         &mut self,
@@ -1048,7 +1038,8 @@ impl Drafter for CudaDFlash2 {
         reqs: &mut [DraftReq<'_>],
     ) -> speclab_engine::Result<Vec<Proposal>> {
         self.grp.check_manager(step.kv)?;
-        let be = Self::backend(&mut *step.backend).map_err(engine)?;
+        let be = crate::seam::cuda_backend(&mut *step.backend, "the CUDA DFlash2 drafter")
+            .map_err(engine)?;
         if self.dev.is_none() {
             self.dev = Some(DevDraft::upload(&be.gpu, &self.w, &self.grp).map_err(engine)?);
             // From the next forward on only the feature layers are copied (the first,
@@ -1108,8 +1099,9 @@ impl Drafter for CudaDFlash2 {
     }
 }
 
-/// A [`DrafterSpec`] whose DFlash drafters run on the CUDA device (`--device cuda`);
-/// every other kind is the spec's own drafter.
+/// A [`DrafterSpec`] whose DFlash and MTP drafters run on the CUDA device (`--device
+/// cuda`: [`CudaDFlash2`], [`crate::mtp::CudaMtp`]); every other kind is the spec's own
+/// drafter.
 #[derive(Debug, Clone)]
 pub struct CudaDrafterSpec<'a>(pub &'a DrafterSpec);
 
@@ -1141,6 +1133,10 @@ impl DrafterFactory for CudaDrafterSpec<'_> {
                     mode,
                 )?))
             }
+            (DrafterKind::Mtp, _) => Ok(Box::new(crate::mtp::CudaMtp::new(
+                target,
+                s.num_speculative_tokens,
+            )?)),
             _ => s.build(target, kv),
         }
     }
@@ -1218,9 +1214,17 @@ mod tests {
         assert_eq!(d.layer_hidden(), LayerHidden::Device);
         let mtp_spec = DrafterSpec::mtp(cfg, 2).unwrap();
         let mtp = CudaDrafterSpec(&mtp_spec);
-        assert_ne!(
-            mtp.build(cfg, &kv).unwrap().layer_hidden(),
-            LayerHidden::Device
+        let m = mtp.build(cfg, &kv).unwrap();
+        assert_eq!(m.layer_hidden(), LayerHidden::FinalOnDevice);
+        assert_eq!(
+            m.lookahead_slots(),
+            mtp_spec.build(cfg, &kv).unwrap().lookahead_slots()
+        );
+        let ngram_spec = DrafterSpec::ngram(2, 1, 3).unwrap();
+        let ngram = CudaDrafterSpec(&ngram_spec);
+        assert_eq!(
+            ngram.build(cfg, &kv).unwrap().layer_hidden(),
+            LayerHidden::None
         );
         // The attention kernel's limits are checked up front.
         assert!(attention_shape(8, 64, 1, 64).is_err());

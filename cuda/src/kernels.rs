@@ -56,6 +56,7 @@ pub const SOURCES: &[KernelSource] = &[
             "argmax_rows",
             "copy_f32",
             "copy_f32x4",
+            "mtp_feed",
             "spin_wait",
         ],
     },

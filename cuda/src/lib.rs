@@ -37,6 +37,7 @@ pub mod kvpool;
 pub mod launch;
 pub mod meta;
 pub mod moebench;
+pub mod mtp;
 pub mod ops;
 pub mod repack;
 pub mod seam;

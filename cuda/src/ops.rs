@@ -66,25 +66,95 @@ pub unsafe fn launch(g: &Gpu, name: &str, shape: Shape, args: &[Arg]) -> Result<
     let f = g.func(name)?;
     g.launches.set(g.launches.get() + 1);
     KERNELS.fetch_add(1, Ordering::Relaxed);
-    let mut b = g.stream.launch_builder(f);
-    for a in args {
-        match a {
-            Arg::P(v) => b.arg(v),
-            Arg::I(v) => b.arg(v),
-            Arg::L(v) => b.arg(v),
-            Arg::F(v) => b.arg(v),
-        };
+    if g.pdl.get() {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { launch_pdl(g, f, shape, args) }
+            .map_err(|e| CudaError::driver(format!("launch {name} (programmatic)"), e))?;
+    } else {
+        let mut b = g.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::P(v) => b.arg(v),
+                Arg::I(v) => b.arg(v),
+                Arg::L(v) => b.arg(v),
+                Arg::F(v) => b.arg(v),
+            };
+        }
+        // SAFETY: forwarded from this function's contract (pointer regions checked by the
+        // calling wrapper, argument list matching the kernel signature).
+        unsafe { b.launch(shape.cfg()) }
+            .map(|_| ())
+            .map_err(|e| CudaError::driver(format!("launch {name}"), e))?;
     }
-    // SAFETY: forwarded from this function's contract (pointer regions checked by the
-    // calling wrapper, argument list matching the kernel signature).
-    unsafe { b.launch(shape.cfg()) }
-        .map(|_| ())
-        .map_err(|e| CudaError::driver(format!("launch {name}"), e))?;
     if let Some(p) = g.profile.borrow_mut().as_mut() {
         let key = g.func_name(name);
         p.push((key, g.timing_event()?));
     }
     Ok(())
+}
+
+/// `cuLaunchKernelEx` with `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION` (CUDA
+/// driver API; captured into graphs as a programmatic edge): the kernel may launch before
+/// the previous one in the stream completes; its `pdl_enter` waits for it.
+///
+/// # Safety
+/// As [`launch`]; `f` must begin with `pdl_enter` (every engine entry point does).
+unsafe fn launch_pdl(
+    g: &Gpu,
+    f: &cudarc::driver::CudaFunction,
+    shape: Shape,
+    args: &[Arg],
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::sys;
+    g.ctx.bind_to_thread()?;
+    // The values, then pointers to them (kernelParams holds one pointer per argument).
+    let mut vals: Vec<[u8; 8]> = args
+        .iter()
+        .map(|a| {
+            let mut b = [0u8; 8];
+            match a {
+                Arg::P(v) => b.copy_from_slice(&v.to_ne_bytes()),
+                Arg::L(v) => b.copy_from_slice(&v.to_ne_bytes()),
+                Arg::I(v) => b[..4].copy_from_slice(&v.to_ne_bytes()),
+                Arg::F(v) => b[..4].copy_from_slice(&v.to_ne_bytes()),
+            }
+            b
+        })
+        .collect();
+    let mut ptrs: Vec<*mut std::ffi::c_void> = vals
+        .iter_mut()
+        .map(|v| v.as_mut_ptr().cast::<std::ffi::c_void>())
+        .collect();
+    let mut attr = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        value: sys::CUlaunchAttributeValue {
+            programmaticStreamSerializationAllowed: 1,
+        },
+    };
+    let cfg = sys::CUlaunchConfig {
+        gridDimX: shape.grid.0,
+        gridDimY: shape.grid.1,
+        gridDimZ: shape.grid.2,
+        blockDimX: shape.block.0,
+        blockDimY: shape.block.1,
+        blockDimZ: shape.block.2,
+        sharedMemBytes: shape.smem,
+        hStream: g.stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: cfg, attr, ptrs and vals outlive the call (the driver copies the argument
+    // values at launch); the argument list matches the kernel (this function's contract).
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &cfg,
+            f.cu_function(),
+            ptrs.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+        .result()
+    }
 }
 
 /// A pointer argument after checking `[off, off + n)` lies in `b`.

@@ -114,6 +114,20 @@ impl TargetBackend for CudaBackend {
     }
 }
 
+/// The CUDA backend behind `b`, for a drafter (`who`) that runs beside it on the device.
+pub(crate) fn cuda_backend<'a>(
+    b: &'a mut dyn TargetBackend,
+    who: &str,
+) -> std::result::Result<&'a mut CudaBackend, CudaError> {
+    b.as_any_mut()
+        .and_then(|a| a.downcast_mut::<CudaBackend>())
+        .ok_or_else(|| {
+            CudaError::Unsupported(format!(
+                "{who} runs only beside the CUDA target backend (--device cuda)"
+            ))
+        })
+}
+
 /// Builds [`CudaBackend`]s for the step loop (`--device cuda`).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CudaFactory {

@@ -118,6 +118,9 @@ pub enum LayerHidden {
     /// CUDA DFlash2): the backend keeps them there and need not copy them out, nor the
     /// forward's final hidden rows (the drafter reads nothing of the target on the host).
     Device,
+    /// Only the forward's final hidden rows, in the device backend's own buffer (the
+    /// CUDA MTP chain): no per-layer collection and no host copy of the hidden.
+    FinalOnDevice,
 }
 
 /// Proposes draft tokens around a target model.

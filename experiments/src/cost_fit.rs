@@ -522,8 +522,11 @@ pub fn load_rows(path: &Path, shape: Option<FitShape>) -> Result<(Vec<FitRow>, F
         .filter(|r| r.drafter == "none")
         .map(|r| r.kernels_per_step)
         .fold(f64::INFINITY, f64::min);
+    // `KIND@host` rows (bench e2e's comparison legs: the same drafter driven from the
+    // host) are not fitted: the fit prices one way of running each drafter.
     let kept = e2e.iter().filter(|r| {
-        !HOST_DRAFTERS.contains(&r.drafter.as_str()) || r.drafter_on_device == Some(true)
+        !r.drafter.contains('@')
+            && (!HOST_DRAFTERS.contains(&r.drafter.as_str()) || r.drafter_on_device == Some(true))
     });
     out.extend(kept.map(|r| ctx.e2e(r)));
     Ok((out, shape))

@@ -54,7 +54,9 @@ pub struct E2eArgs {
     /// Concurrencies (requests decoded together).
     #[arg(long, value_delimiter = ',', default_value = "1,8,32,128")]
     pub concurrency: Vec<usize>,
-    /// Drafters as KIND:N (none needs no N), e.g. none,mtp:2,dflash2:7.
+    /// Drafters as KIND:N (none needs no N), e.g. none,mtp:2,dflash2:7; KIND:N@host on
+    /// cuda drives the device from the host drafter instead of the device one (the MTP
+    /// chain with a host round trip a pass, as before speclab_cuda::mtp), for comparison.
     #[arg(
         long,
         value_delimiter = ',',
@@ -92,9 +94,15 @@ pub struct E2eArgs {
 struct Choice {
     kind: String,
     n: Option<usize>,
+    /// `@host`: the spec's own drafter on a cuda leg (not `CudaDrafterSpec`'s).
+    host: bool,
 }
 
-fn parse_choice(s: &str) -> anyhow::Result<Choice> {
+fn parse_choice(entry: &str) -> anyhow::Result<Choice> {
+    let (s, host) = match entry.strip_suffix("@host") {
+        Some(s) => (s, true),
+        None => (entry, false),
+    };
     let (kind, n) = match s.split_once(':') {
         Some((k, n)) => {
             let n: usize = n.parse().with_context(|| {
@@ -110,9 +118,13 @@ fn parse_choice(s: &str) -> anyhow::Result<Choice> {
     if parsed != speclab_drafters::DrafterKind::None && n.is_none() {
         bail!("--drafters entry {s:?}: give the speculative tokens as {kind}:N");
     }
+    if host && parsed == speclab_drafters::DrafterKind::None {
+        bail!("--drafters entry {entry:?}: @host needs a drafter");
+    }
     Ok(Choice {
         kind: kind.to_string(),
         n,
+        host,
     })
 }
 
@@ -151,6 +163,12 @@ pub struct Row {
     /// since speclab_cuda::CudaDFlash2); false without a drafter or on the CPU. The cost
     /// fit (experiments/src/cost_fit.rs) leaves host-drafted DFlash rows out.
     pub drafter_on_device: bool,
+    /// The MTP drafter's passes were chained on the device (speclab_cuda::mtp::CudaMtp:
+    /// one host read a step); false for an `@host` leg (a host round trip a pass, every
+    /// MTP row of records before 2026-12-02) and for other drafters.
+    pub mtp_chain_on_device: bool,
+    /// An `@host` comparison leg (the drafter is named `KIND@host`).
+    pub host_drafter: bool,
 }
 
 /// Device facts measured once per run.
@@ -160,6 +178,9 @@ pub struct DeviceFacts {
     pub weight_bytes: usize,
     pub launch_us_eager: f64,
     pub launch_us_graph: f64,
+    /// Kernels launched with programmatic dependent launch (sm_90+ unless
+    /// `SPECLAB_PDL=0`: speclab_cuda::device::pdl_wanted).
+    pub programmatic_launch: bool,
 }
 
 /// Everything a leg needs.
@@ -269,8 +290,8 @@ fn run_leg(
     // On the device the DFlash drafters run there too (speclab_cuda::CudaDFlash2).
     let on_device = speclab_cuda::CudaDrafterSpec(&spec);
     let drafter: &dyn speclab_engine::exec::DrafterFactory = match device {
-        DeviceArg::Cuda => &on_device,
-        DeviceArg::Cpu => &spec,
+        DeviceArg::Cuda if !d.host => &on_device,
+        _ => &spec,
     };
     let parts = GenerateParts {
         backend,
@@ -344,6 +365,8 @@ fn measure(run: &EngineRun, kernels: &[u64], d: &Choice, c: usize, graphs: bool)
         anchor_eager_tok_s: None,
         anchor_graph_tok_s: None,
         drafter_on_device: false,
+        mtp_chain_on_device: false,
+        host_drafter: false,
     }
 }
 
@@ -398,6 +421,7 @@ fn device_facts(a: &E2eArgs, target: &ModelWeights) -> anyhow::Result<DeviceFact
         weight_bytes: b.weight_bytes(),
         launch_us_eager,
         launch_us_graph,
+        programmatic_launch: b.programmatic_launch(),
     })
 }
 
@@ -463,6 +487,7 @@ fn concurrency_rows(
     let none = Choice {
         kind: "none".into(),
         n: None,
+        host: false,
     };
     let (base_run, base_k) = run_leg(cx, &none, c, cx.a.device, graphs)?;
     let base_out = outputs(&base_run);
@@ -477,8 +502,13 @@ fn concurrency_rows(
             (&leg.0, &leg.1)
         };
         let mut row = measure(run, k, d, c, graphs);
-        row.drafter_on_device =
-            matches!(cx.a.device, DeviceArg::Cuda) && !matches!(d.kind.as_str(), "none" | "ngram");
+        let cuda = matches!(cx.a.device, DeviceArg::Cuda);
+        row.drafter_on_device = cuda && !matches!(d.kind.as_str(), "none" | "ngram") && !d.host;
+        row.mtp_chain_on_device = cuda && d.kind == "mtp" && !d.host;
+        row.host_drafter = d.host;
+        if d.host {
+            row.drafter = format!("{}@host", d.kind);
+        }
         let out = outputs(run);
         row.mismatch_vs_none = Some(mismatches(&out, &base_out));
         row.speedup_vs_none = (base_tok_s > 0.0).then(|| row.decode_tok_s / base_tok_s);
@@ -581,9 +611,13 @@ mod tests {
             parse_choice("mtp:2").unwrap(),
             Choice {
                 kind: "mtp".into(),
-                n: Some(2)
+                n: Some(2),
+                host: false,
             }
         );
+        let h = parse_choice("mtp:2@host").unwrap();
+        assert!(h.host && h.kind == "mtp" && h.n == Some(2));
+        assert!(parse_choice("none@host").is_err());
         assert_eq!(parse_choice("none").unwrap().n, None);
         let e = parse_choice("mtp").unwrap_err().to_string();
         assert!(e.contains("mtp:N"), "{e}");

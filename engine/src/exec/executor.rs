@@ -284,12 +284,13 @@ impl ModelExecutor {
             } else {
                 LogitsRows::LastPerChunk
             },
-            collect_hidden: hidden != LayerHidden::None,
+            collect_hidden: matches!(hidden, LayerHidden::Host | LayerHidden::Device),
             hidden_on_device: hidden == LayerHidden::Device,
             collect_router: self.cfg.collect_router,
             greedy_ids: self.cfg.sampling.is_greedy(),
             // A device drafter reads the target on the device: no host copy of the hidden.
-            skip_hidden: self.cfg.num_speculative_tokens == 0 || hidden == LayerHidden::Device,
+            skip_hidden: self.cfg.num_speculative_tokens == 0
+                || matches!(hidden, LayerHidden::Device | LayerHidden::FinalOnDevice),
         };
         let chunks: Vec<SeqChunk<'_>> = plan
             .iter()

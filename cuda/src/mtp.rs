@@ -1,0 +1,473 @@
+//! The MTP drafter chained on the device (issue 11): [`CudaMtp`], and the backend's
+//! [`CudaBackend::mtp_chain`] that runs all N passes of a step with one host read.
+//!
+//! Source: `drafters/src/mtp.rs` (the host drafter: the protocol, the positions and the
+//! hidden each pass takes, from vLLM 0.33.0 `v1/spec_decode/eagle.py`, whose proposer
+//! keeps the hidden states and draft ids on the device between its passes); the CUDA
+//! backend's MTP step (`crate::step`, `StepKind::Mtp`, replayed from a CUDA graph per
+//! shape).
+//!
+//! Per step: (1) the target forward's final hidden rows (`Workspace::hidden`, kept there
+//! because this drafter says `LayerHidden::FinalOnDevice`) are gathered into the MTP
+//! input on the device; (2) pass 1 over every request's committed rows; (3) before each
+//! further pass one `mtp_feed` kernel keeps the last pass's drafts, writes them into the
+//! next pass's step metadata as its input tokens and gathers each chunk's last pre-norm
+//! hidden row; (4) one read of every pass's drafts at the end. The host builds and
+//! uploads the next pass's metadata while the device runs the last one: nothing waits
+//! between passes (the host drafter reads the drafts and the hidden back after every
+//! pass, and uploads the hidden again).
+//!
+//! Invariants: every pass sees exactly the rows, positions, tokens and hidden values of
+//! the host drafter's pass on the same backend, so the drafts are the same bit for bit
+//! (`check::mtp_chain_equals_host`, run by gpu_check); the chain reads only the hidden of
+//! the backend's last target forward ([`CudaBackend::mtp_chain`] refuses otherwise).
+
+use std::ops::Range;
+
+use speclab_drafters::adapters::DrafterKind;
+use speclab_engine::kv::KvCacheManager;
+use speclab_engine::model::ModelConfig;
+use speclab_engine::{
+    DraftReq, DraftStep, Drafter, EngineError, LayerHidden, Proposal, ProposeCtx, ReqSlot,
+};
+
+use crate::backend::{CudaBackend, GRAPH_MAX_CHUNK};
+use crate::buf::DevBuf;
+use crate::error::{CudaError, Result};
+use crate::meta::{self, ChunkIn, MetaDims, StepMeta};
+use crate::ops::{self, int, ptr};
+use crate::step::{Collect, StepKind};
+
+/// One request of a chained MTP step.
+#[derive(Debug, Clone)]
+pub struct ChainReq<'a> {
+    pub slot: ReqSlot,
+    /// The token after each committed row (`tokens[t + 1]`). Shape: [T_chunk].
+    pub next_tokens: &'a [u32],
+    /// The committed rows in the backend's last target forward (their final hidden).
+    pub rows: Range<usize>,
+    /// Position of the first committed row.
+    pub start_pos: usize,
+    /// Drafts wanted (0: only the MTP layer's K/V of the committed rows is written).
+    pub want: usize,
+}
+
+/// Device buffers of the chain. Shapes: `idx` [cap] i32 (gather rows, then feed rows and
+/// sources), `keep` [cap] u32 (pass p's drafts at `p * S_1`).
+pub(crate) struct ChainBufs {
+    idx: DevBuf<i32>,
+    keep: DevBuf<u32>,
+}
+
+/// A chunk of one pass: the request it drafts for and its last row in that pass.
+#[derive(Clone, Copy)]
+struct PassChunk {
+    req: usize,
+    last_row: usize,
+}
+
+/// The placeholder input token of passes 2.. (overwritten on the device by `mtp_feed`).
+const PLACEHOLDER: [u32; 1] = [0];
+
+fn i32s(v: impl Iterator<Item = usize>) -> Result<Vec<i32>> {
+    v.map(|x| i32::try_from(x).map_err(|_| CudaError::Input(format!("row {x} exceeds i32"))))
+        .collect()
+}
+
+impl CudaBackend {
+    /// Grow the chain buffers to hold `idx` and `keep` elements.
+    fn chain_bufs(&mut self, idx: usize, keep: usize) -> Result<()> {
+        let st = self.gpu.stream.clone();
+        let small = match &self.chain {
+            Some(c) => c.idx.len < idx || c.keep.len < keep,
+            None => true,
+        };
+        if small {
+            let (i0, k0) = self
+                .chain
+                .as_ref()
+                .map_or((0, 0), |c| (c.idx.len, c.keep.len));
+            self.chain = Some(ChainBufs {
+                idx: DevBuf::zeros(&st, idx.max(i0).max(64), "MTP chain rows")?,
+                keep: DevBuf::zeros(&st, keep.max(k0).max(64), "MTP chain drafts")?,
+            });
+        }
+        Ok(())
+    }
+
+    /// Build a pass's metadata and upload it, refusing a pass that would move the
+    /// workspace (the chain's inputs live there; a pass never outgrows the forward).
+    fn chain_meta(&mut self, kv: &KvCacheManager, chunks: &[ChunkIn<'_>]) -> Result<StepMeta> {
+        let dims = MetaDims {
+            state_group: None,
+            ..self.dims
+        };
+        let m = meta::build(&dims, kv, chunks, &|_| false)?;
+        if m.t_total > self.ws.t_cap || m.num_seqs > self.ws.s_cap {
+            return Err(CudaError::Input(format!(
+                "mtp_chain: a pass of {} rows in {} chunks outgrows the workspace ({} / {}) of the forward it drafts from (internal)",
+                m.t_total, m.num_seqs, self.ws.t_cap, self.ws.s_cap
+            )));
+        }
+        self.ensure(&m, Collect::default())?;
+        Ok(m)
+    }
+
+    /// Every MTP pass of a step on the device (module doc): returns each request's
+    /// drafts (`want` of them; none for a request without committed rows). Reads the
+    /// final hidden of the backend's last target forward, which no MTP pass may have
+    /// overwritten since.
+    pub fn mtp_chain(
+        &mut self,
+        kv: &KvCacheManager,
+        reqs: &[ChainReq<'_>],
+    ) -> Result<Vec<Vec<u32>>> {
+        self.check_manager(kv)?;
+        if self.w.mtp.is_none() {
+            return Err(CudaError::Input(
+                "mtp_chain: the model has no MTP layer".into(),
+            ));
+        }
+        let valid = self.final_hidden_rows.take().unwrap_or(0);
+        let mut first = Vec::new();
+        let mut pass = Vec::new();
+        let mut t = 0usize;
+        for (i, r) in reqs.iter().enumerate() {
+            if r.rows.is_empty() {
+                continue;
+            }
+            if r.rows.len() != r.next_tokens.len() || r.rows.end > valid {
+                return Err(CudaError::Input(format!(
+                    "mtp_chain: request slot {}: rows {:?} with {} next tokens; the last forward left {valid} hidden rows on the device",
+                    r.slot.0,
+                    r.rows,
+                    r.next_tokens.len()
+                )));
+            }
+            first.push(ChunkIn {
+                slot: r.slot,
+                tokens: r.next_tokens,
+                start_pos: r.start_pos,
+                snapshot: false,
+            });
+            t += r.rows.len();
+            pass.push(PassChunk {
+                req: i,
+                last_row: t - 1,
+            });
+        }
+        let mut out = vec![Vec::new(); reqs.len()];
+        if first.is_empty() {
+            self.final_hidden_rows = Some(valid).filter(|&v| v > 0);
+            return Ok(out);
+        }
+        let (h, s1) = (self.w.cfg.hidden_size, first.len());
+        let passes = reqs.iter().map(|r| r.want).max().unwrap_or(0).max(1);
+        self.chain_bufs(t.max(2 * s1), passes * s1)?;
+        // (1) The committed rows' final hidden -> the MTP input rows.
+        let rows = i32s(
+            reqs.iter()
+                .filter(|r| !r.rows.is_empty())
+                .flat_map(|r| r.rows.clone()),
+        )?;
+        self.chain_write_idx(&rows)?;
+        let m = self.chain_meta(kv, &first)?;
+        let c = self.chain_ref()?;
+        ops::gather_rows(
+            &self.gpu,
+            &self.ws.tmp,
+            &self.ws.hidden,
+            valid,
+            ptr(&c.idx, 0, t, "chain rows")?,
+            t,
+            h,
+        )?;
+        let graphable = reqs.iter().all(|r| r.rows.len() <= GRAPH_MAX_CHUNK);
+        self.chain_pass(&m, graphable)?;
+        let mut t_prev = t;
+        // (2) Passes 2..: the chunks whose request wants another draft.
+        let mut order = vec![pass.iter().map(|c| c.req).collect::<Vec<_>>()];
+        loop {
+            let p = order.len();
+            let keep_at = (p - 1) * s1;
+            let mut chunk_of = vec![usize::MAX; reqs.len()];
+            for (j, c) in pass.iter().enumerate() {
+                chunk_of[c.req] = j;
+            }
+            let next: Vec<PassChunk> = pass
+                .iter()
+                .copied()
+                .filter(|c| reqs[c.req].want > p)
+                .collect();
+            if next.is_empty() {
+                self.chain_feed(keep_at, (pass.len(), t_prev), 0, None)?;
+                break;
+            }
+            let chunks: Vec<ChunkIn<'_>> = next
+                .iter()
+                .map(|c| {
+                    let r = &reqs[c.req];
+                    ChunkIn {
+                        slot: r.slot,
+                        tokens: &PLACEHOLDER,
+                        start_pos: r.start_pos + r.rows.len() + p - 1,
+                        snapshot: false,
+                    }
+                })
+                .collect();
+            let idx = i32s(
+                next.iter()
+                    .map(|c| c.last_row)
+                    .chain(next.iter().map(|c| chunk_of[c.req])),
+            )?;
+            self.chain_write_idx(&idx)?;
+            let m = self.chain_meta(kv, &chunks)?;
+            self.chain_feed(keep_at, (pass.len(), t_prev), next.len(), Some(&m))?;
+            self.chain_pass(&m, true)?;
+            t_prev = next.len();
+            order.push(next.iter().map(|c| c.req).collect());
+            pass = next
+                .iter()
+                .enumerate()
+                .map(|(j, c)| PassChunk {
+                    req: c.req,
+                    last_row: j,
+                })
+                .collect();
+        }
+        // (3) One read of every pass's drafts.
+        let c = self.chain_ref()?;
+        let keep = c
+            .keep
+            .read(&self.gpu.stream, 0, order.len() * s1, "MTP drafts")?;
+        for (q, reqs_q) in order.iter().enumerate() {
+            for (j, &i) in reqs_q.iter().enumerate() {
+                if out[i].len() < reqs[i].want {
+                    out[i].push(keep[q * s1 + j]);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn chain_ref(&self) -> Result<&ChainBufs> {
+        self.chain
+            .as_ref()
+            .ok_or_else(|| CudaError::Input("MTP chain buffers missing (internal)".into()))
+    }
+
+    fn chain_write_idx(&mut self, v: &[i32]) -> Result<()> {
+        let st = self.gpu.stream.clone();
+        match self.chain.as_mut() {
+            Some(c) => c.idx.write(&st, v, "MTP chain rows"),
+            None => Err(CudaError::Input(
+                "MTP chain buffers missing (internal)".into(),
+            )),
+        }
+    }
+
+    /// One MTP pass (graph-replayed when its chunks are graph-sized): greedy ids of
+    /// each chunk's last row into `Workspace::argmax`, pre-norm hidden in `Workspace::x`.
+    fn chain_pass(&mut self, m: &StepMeta, graphable: bool) -> Result<()> {
+        let kind = StepKind::Mtp {
+            last_rows: true,
+            collect: Collect::default(),
+            argmax: true,
+        };
+        self.launch_step(m, kind, graphable)
+    }
+
+    /// Kernel `mtp_feed`: keep the last pass's `s_prev` drafts (of its `t_prev` rows) at
+    /// `keep_at`; with `next` (the next pass's metadata, its `n` chunks' sources in the
+    /// index buffer), feed it.
+    fn chain_feed(
+        &self,
+        keep_at: usize,
+        (s_prev, t_prev): (usize, usize),
+        n: usize,
+        next: Option<&StepMeta>,
+    ) -> Result<()> {
+        let c = self.chain_ref()?;
+        let h = self.w.cfg.hidden_size;
+        let tokens = match next {
+            Some(m) => ptr(&self.meta, m.layout.tokens.off, n, "next pass tokens")?,
+            None => ptr(&self.meta, 0, 1, "unused tokens")?,
+        };
+        let args = [
+            ptr(&c.keep, keep_at, s_prev, "kept drafts")?,
+            ptr(&self.ws.argmax, 0, s_prev, "pass drafts")?,
+            int(s_prev, "S")?,
+            tokens,
+            ptr(&self.ws.tmp, 0, n.max(1) * h, "next pass hidden")?,
+            ptr(&self.ws.x, 0, t_prev * h, "pass hidden")?,
+            ptr(&c.idx, 0, (2 * n).max(1), "feed rows")?,
+            int(n, "n")?,
+            int(h, "D")?,
+        ];
+        // SAFETY: keep [keep_at + S], argmax [S], tokens [n] (the next pass's metadata
+        // section), tmp [n, H], x [t_prev, H], idx [2n] checked; every row in idx is a
+        // last row of the last pass (< t_prev) and every source < S (host-built).
+        unsafe {
+            ops::launch(
+                &self.gpu,
+                "mtp_feed",
+                crate::launch::per_row(n.max(1), 128, "mtp_feed")?,
+                &args,
+            )
+        }
+    }
+}
+
+/// The MTP drafter with its passes chained on the device (module doc); the host
+/// drafter's contract (`speclab_drafters::Mtp`), beside the CUDA target backend only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaMtp {
+    /// `N`: drafts per step (vLLM `num_speculative_tokens`), >= 1.
+    pub num_speculative_tokens: usize,
+}
+
+impl CudaMtp {
+    /// Validated as the host drafter is (an MTP layer, 1 <= N < max positions).
+    pub fn new(
+        target: &ModelConfig,
+        num_speculative_tokens: usize,
+    ) -> speclab_engine::Result<Self> {
+        speclab_drafters::Mtp::new(target, num_speculative_tokens)?;
+        Ok(Self {
+            num_speculative_tokens,
+        })
+    }
+}
+
+/// The chain request of a drafter request: its committed rows and the tokens after them.
+fn chain_req<'a>(r: &'a DraftReq<'_>, n: usize) -> speclab_engine::Result<ChainReq<'a>> {
+    let len = r.rows.len();
+    let next = r
+        .tokens
+        .get(r.start_pos + 1..r.start_pos + len + 1)
+        .ok_or_else(|| EngineError::InvalidDrafterConfig {
+            drafter: "mtp".into(),
+            reason: format!(
+                "rows at positions {}..{} need the tokens that follow them, but the request holds {} tokens",
+                r.start_pos,
+                r.start_pos + len,
+                r.tokens.len()
+            ),
+        })?;
+    Ok(ChainReq {
+        slot: r.slot,
+        next_tokens: if len == 0 { &[] } else { next },
+        rows: r.rows.clone(),
+        start_pos: r.start_pos,
+        want: if len == 0 { 0 } else { n.min(r.max_draft) },
+    })
+}
+
+impl Drafter for CudaMtp {
+    fn propose(&mut self, ctx: &mut ProposeCtx<'_>) -> speclab_engine::Result<Proposal> {
+        speclab_engine::propose_one(self, ctx).unwrap_or_else(|| {
+            Err(EngineError::InvalidDrafterConfig {
+                drafter: "mtp".into(),
+                reason: "the MTP drafter needs the target pass (ProposeCtx::target)".into(),
+            })
+        })
+    }
+
+    fn lookahead_slots(&self) -> usize {
+        DrafterKind::Mtp.lookahead(self.num_speculative_tokens)
+    }
+
+    fn layer_hidden(&self) -> LayerHidden {
+        LayerHidden::FinalOnDevice
+    }
+
+    fn propose_batch(
+        &mut self,
+        step: &mut DraftStep<'_>,
+        reqs: &mut [DraftReq<'_>],
+    ) -> speclab_engine::Result<Vec<Proposal>> {
+        let be = crate::seam::cuda_backend(&mut *step.backend, "the CUDA MTP drafter")?;
+        let chain = reqs
+            .iter()
+            .map(|r| chain_req(r, self.num_speculative_tokens))
+            .collect::<speclab_engine::Result<Vec<_>>>()?;
+        let drafts = be.mtp_chain(step.kv, &chain)?;
+        Ok(drafts
+            .into_iter()
+            .map(|tokens| Proposal {
+                tokens,
+                probs: None,
+            })
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use speclab_engine::model::{ForwardOut, ModelRunner, ModelWeights};
+    use speclab_engine::spec::SamplingParams;
+
+    #[test]
+    fn validates_like_the_host_drafter_and_refuses_a_host_backend() {
+        let cfg = ModelConfig::micro();
+        assert!(CudaMtp::new(&cfg, 0).is_err());
+        let mut d = CudaMtp::new(&cfg, 3).unwrap();
+        assert_eq!(d.layer_hidden(), LayerHidden::FinalOnDevice);
+        assert_eq!(
+            d.lookahead_slots(),
+            speclab_drafters::Mtp::new(&cfg, 3)
+                .unwrap()
+                .lookahead_slots()
+        );
+        let kv = KvCacheManager::new(&cfg.kv_layout(16, 3, 32).unwrap(), 32).unwrap();
+        let mut cpu = ModelRunner::new(ModelWeights::random(&cfg, 1, true).unwrap(), &kv).unwrap();
+        let fwd = ForwardOut::default();
+        let mut step = DraftStep {
+            backend: &mut cpu,
+            kv: &kv,
+            forward: &fwd,
+            sampling: SamplingParams::GREEDY,
+        };
+        let tokens = [1u32, 2, 3];
+        let mut reqs = [DraftReq {
+            request: 0,
+            slot: ReqSlot(0),
+            tokens: &tokens,
+            max_draft: 3,
+            rng: None,
+            rows: 0..2,
+            start_pos: 0,
+        }];
+        let e = d
+            .propose_batch(&mut step, &mut reqs)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("CUDA target backend"), "{e}");
+    }
+
+    #[test]
+    fn chain_requests_take_the_tokens_after_the_committed_rows() {
+        let tokens = [5u32, 6, 7, 8];
+        let mk = |rows: Range<usize>, start_pos, max_draft| DraftReq {
+            request: 0,
+            slot: ReqSlot(1),
+            tokens: &tokens,
+            max_draft,
+            rng: None,
+            rows,
+            start_pos,
+        };
+        let r = mk(4..6, 1, 2);
+        let c = chain_req(&r, 3).unwrap();
+        assert_eq!(c.next_tokens, &[7, 8]);
+        assert_eq!((c.rows.clone(), c.start_pos, c.want), (4..6, 1, 2));
+        // No committed rows (a partial prefill): nothing to run, nothing wanted.
+        let r = mk(0..0, 3, 2);
+        assert_eq!(chain_req(&r, 3).unwrap().want, 0);
+        // Rows past the request's tokens are a clear error, not a panic.
+        let r = mk(0..4, 1, 2);
+        let e = chain_req(&r, 3).unwrap_err().to_string();
+        assert!(e.contains("need the tokens that follow them"), "{e}");
+    }
+}
