@@ -4,7 +4,7 @@
 //! `recipes/gpu_check.sh` (`timing: [{batch, graphs, us_per_step, tok_per_s,
 //! kernels_per_step}]`, `copy_gb_s`, `weight_bytes`), the `bench-e2e` record of
 //! `speclab bench e2e` (`rows: [{drafter, num_spec, concurrency, graphs, decode_tok_s,
-//! us_per_step, kernels_per_step, verify_rows_per_step, experts_touched_mean,
+//! us_per_step, kernels_per_step, verify_rows_per_step, tau, experts_touched_mean,
 //! forward_us_per_step, draft_us_per_step, host_us_per_step}]`, `launch_us_eager`) and the
 //! `bench-moe` record of `speclab bench moe` (`rows: [{m, us, experts_touched, bytes}]`).
 //!
@@ -13,12 +13,15 @@
 //! dense bytes + distinct experts x MoE layers x expert bytes) and `theta >= 0` fitted
 //! by non-negative least squares on relative residuals ([`speclab_engine::cost::fit::nnls`])
 //! over the columns [`PARAMS`] (each named and justified there): us per target kernel
-//! inside CUDA graphs / launched eagerly, us per verified row, us per distinct expert per
-//! MoE layer, a fixed us of one isolated MoE-layer call (bench-moe rows only), us per
-//! drafter kernel (bench-e2e: `kernels_per_step` less the target's, the no-drafter rows'
-//! count), us per speculative row per KDA layer (the recurrent kernel walks a
-//! sequence's rows serially), us per drafter pass and per request-pass (the MTP
-//! drafter's N host round trips a step), and the step loop's host us (fixed, per row).
+//! inside CUDA graphs / launched eagerly, us per verified row, us per row of the GEMMs'
+//! first 8-row M tile in graphed steps (a block walks its tile's rows serially, so step
+//! time is concave in rows below 8), us per distinct expert per MoE layer, a fixed us of
+//! one isolated MoE-layer call (bench-moe rows only), us per drafter kernel (bench-e2e:
+//! `kernels_per_step` less the target's, the no-drafter rows' count), us per
+//! speculative row per KDA layer (the recurrent kernel walks a sequence's rows
+//! serially), us per drafter pass and per request-pass (the MTP drafter's N host round
+//! trips a step), us per drafter row (an MTP first pass runs over the `tau` committed
+//! positions of each request), and the step loop's host us (fixed, per row).
 //! Rows whose bench-e2e record carries the measured split (`forward_us_per_step`,
 //! `draft_us_per_step`, `host_us_per_step`) are fitted part by part ([`PARAM_PART`]);
 //! the split is never an input of a prediction. An eager row is predicted at least at
@@ -29,8 +32,8 @@
 //! has them, else from the uniform overlap model at the row's batch
 //! ([`speclab_engine::cost::overlap`]). Held-out rows (by batch / concurrency value, or
 //! leave-one-batch-out) are predicted by a fit on the other rows from the row's inputs
-//! only (kernels, rows, N, concurrency, experts, bytes, the record's measured bandwidth
-//! and launch cost); tok/s is predicted at the measured tokens per step.
+//! only (kernels, rows, N, tau, concurrency, experts, bytes, the record's measured
+//! bandwidth and launch cost); tok/s is predicted at the measured tokens per step.
 //!
 //! Caveat: a bench-moe row's `m` shares the `row_us` column with the step rows' verified
 //! rows, so a joint fit of both kinds assumes one MoE layer's per-row cost is the whole
@@ -68,15 +71,29 @@ use crate::{ExperimentError, Result};
 ///   step metadata on the host, uploading the previous pass's hidden rows and reading
 ///   the argmax ids (and hidden rows) back: a host round trip per pass that no graph
 ///   removes. Feature: passes a step (N for a sequential drafter, 1 for a block drafter).
-/// - `draft_req_pass_us`: us per drafter row a step (one request's rows in one drafter
-///   pass): the per-request host work of a pass (metadata / block tables, hidden-row
-///   copies, the proposal bookkeeping) and those rows on the device. Feature:
-///   `concurrency x passes x rows a pass` (1 row a pass for MTP, `N + 1` for DFlash2's
-///   block: at c128 its 1,024 rows a step are the drafter's cost, not its one pass).
+/// - `draft_req_pass_us`: us per request and drafter pass (one request's chunk in one
+///   pass): the per-request host work of a pass (metadata / block tables, the proposal
+///   bookkeeping). Feature: `concurrency x passes`.
 /// - `host_step_us`, `host_row_us`: the step loop's own host time (scheduler, KV
 ///   manager, acceptance; bench-e2e's `host_us_per_step`): fixed a step, and per
 ///   verified row.
-pub const PARAMS: [&str; 11] = [
+/// - `tile_row_us`: us per row of the target GEMMs' first M tile, in graphed steps. The
+///   dense GEMMs (`cuda/kernels/linear.cu`, `linear_body`: a block owns `ROWS_PER_TILE`
+///   = 8 rows of 4 output columns and loops over the tile's rows) do serial work per row
+///   up to 8 rows; further rows are further blocks, which run in parallel while the grid
+///   fits the SMs. So a step's device time rises steeply from 1 to 8 rows and then by
+///   the per-row throughput (`row_us`): concave in rows at small batches. Feature:
+///   `min(rows, 8)` when graphed, 0 eager: an eager step of this size is launch-bound
+///   per kernel (the host's launch gap, `launch_eager_us`, exceeds the kernel), so the
+///   kernel's own latency is hidden behind the next launch. Identifiable only from
+///   training rows with fewer than 8 rows (every row at c >= 8 fills the tile).
+/// - `draft_row_us`: us per drafter row a step (the drafter's GEMM / attention rows and
+///   the hidden-row copies they need). Feature ([`StepInputs::draft_rows`]): a
+///   sequential drafter's first pass runs over every committed position (`tau` rows a
+///   request, `drafters/src/mtp.rs`) and each later pass over one row a request, so
+///   `concurrency x (tau + N - 1)`; a block drafter's one pass over `N + 1` rows a
+///   request (DFlash2's anchor + N masks), `concurrency x (N + 1)`.
+pub const PARAMS: [&str; 13] = [
     "launch_graphs_us",
     "launch_eager_us",
     "row_us",
@@ -88,6 +105,8 @@ pub const PARAMS: [&str; 11] = [
     "draft_req_pass_us",
     "host_step_us",
     "host_row_us",
+    "tile_row_us",
+    "draft_row_us",
 ];
 
 /// Which part of a step each column of [`PARAMS`] prices: 0 the target forward (with
@@ -95,7 +114,11 @@ pub const PARAMS: [&str; 11] = [
 /// the measured split ([`FitRow::split_us`]) are fitted part by part, so that terms
 /// which are collinear in the total (both `serial_row_us` and `draft_pass_us` grow
 /// with N) are told apart by where the time was measured.
-pub const PARAM_PART: [usize; 11] = [0, 0, 0, 0, 0, 1, 0, 1, 1, 2, 2];
+pub const PARAM_PART: [usize; 13] = [0, 0, 0, 0, 0, 1, 0, 1, 1, 2, 2, 0, 1];
+
+/// Rows of one M tile of the engine's dense bf16 GEMMs (`ROWS_PER_TILE` in
+/// `cuda/kernels/linear.cu`): the rows one block walks serially (`tile_row_us`).
+pub const GEMM_TILE_ROWS: f64 = 8.0;
 
 /// Drafters that run one forward pass per speculative token (N sequential passes a
 /// step); every other device drafter runs one pass a step (a block drafter).
@@ -168,6 +191,10 @@ pub struct E2eRow {
     pub draft_us_per_step: Option<f64>,
     #[serde(default)]
     pub host_us_per_step: Option<f64>,
+    /// Tokens committed per request and verify step (accepted drafts + 1): the rows a
+    /// request puts through an MTP drafter's first pass (absent: taken as 1).
+    #[serde(default)]
+    pub tau: Option<f64>,
     /// The drafter ran on the device (absent in records before 2026-12-02: then a DFlash
     /// row is taken as host-drafted, as it was).
     #[serde(default)]
@@ -296,9 +323,10 @@ pub struct StepInputs {
     pub passes: f64,
     /// Requests (concurrency).
     pub requests: f64,
-    /// Rows a request puts through one drafter pass: 1 for a sequential drafter (MTP),
-    /// `N + 1` for a block drafter (DFlash2's block: anchor + N masks).
-    pub pass_rows: f64,
+    /// Drafter rows a step, all passes together (`draft_row_us`): `requests x (tau + N -
+    /// 1)` for a sequential drafter (MTP: the first pass over the committed positions,
+    /// then one row a request a pass), `requests x (N + 1)` for a block drafter.
+    pub draft_rows: f64,
     /// Timed through the engine's step loop (bench-e2e: scheduler, KV manager and
     /// acceptance on the host each step); false for gpu-check, which times the
     /// backend's forward calls alone, so the host columns are 0 there.
@@ -351,9 +379,11 @@ impl RowCtx<'_> {
                 i.drafter_kernels,
                 i.num_spec * f64::from(s.serial_layers),
                 i.passes,
-                i.requests * i.passes * i.pass_rows,
+                i.requests * i.passes,
                 f64::from(u8::from(i.step_loop)),
                 i.rows * f64::from(u8::from(i.step_loop)),
+                i.rows.min(GEMM_TILE_ROWS) * graphs,
+                i.draft_rows,
             ],
             measured_tok_s: None,
             experts_per_layer: experts,
@@ -373,7 +403,6 @@ impl RowCtx<'_> {
             graphs: r.graphs,
             rows: b,
             requests: b,
-            pass_rows: 1.0,
             ..StepInputs::default()
         };
         let mut row = self.step_row(label, r.batch, r.us_per_step, self.uniform(b, b), f);
@@ -410,10 +439,12 @@ impl RowCtx<'_> {
             num_spec: n,
             passes,
             requests: c,
-            pass_rows: if SEQUENTIAL_DRAFTERS.contains(&r.drafter.as_str()) {
-                1.0
+            draft_rows: if passes == 0.0 {
+                0.0
+            } else if SEQUENTIAL_DRAFTERS.contains(&r.drafter.as_str()) {
+                c * (r.tau.unwrap_or(1.0) + n - 1.0)
             } else {
-                n + 1.0
+                c * (n + 1.0)
             },
             step_loop: true,
         };
@@ -442,6 +473,8 @@ impl RowCtx<'_> {
                 r.m as f64,
                 r.experts_touched,
                 1.0,
+                0.0,
+                0.0,
                 0.0,
                 0.0,
                 0.0,
@@ -797,17 +830,32 @@ mod tests {
 
     /// Synthetic bench-e2e rows generated from known parameters, part by part
     /// (forward / drafter / host, as the real record splits them), `launch_us_eager`
-    /// given so that the eager c = 1 rows are launch-bound.
+    /// given so that the smallest eager batches are launch-bound. Concurrencies 1, 2, 4 have
+    /// graphed steps of fewer than 8 rows, so `tile_row_us` is identified in every
+    /// leave-one-batch-out fold.
     fn synthetic_e2e(p: &Path, truth: &[f64], launch_eager: Option<f64>) -> FitShape {
+        synthetic_e2e_at(p, truth, launch_eager, &[1, 2, 4, 8, 32, 128])
+    }
+
+    fn synthetic_e2e_at(
+        p: &Path,
+        truth: &[f64],
+        launch_eager: Option<f64>,
+        concurrencies: &[u64],
+    ) -> FitShape {
         let s = shape();
         let bw = 2600.0;
         let mut rows = Vec::new();
-        for c in [1u64, 8, 32, 128] {
+        for &c in concurrencies {
             for (n, drafter) in [(0u64, "none"), (1, "mtp"), (2, "mtp"), (4, "mtp")] {
                 for graphs in [true, false] {
                     let (cf, nf) = (c as f64, n as f64);
                     let drafter_kernels = 21.0 * nf + if c > 8 { 3.0 * nf } else { 0.0 };
                     let verify = cf * (1.0 + 0.8 * nf);
+                    // Committed tokens a request and step, concave in N as measured
+                    // (1.8 / 2.4 / 3.0 at N = 1 / 2 / 4), so drafter rows are not a
+                    // multiple of request-passes.
+                    let tau = 1.0 + nf * (0.9 - 0.1 * nf);
                     let experts = Routing::UNIFORM.expected_distinct_sr(16, 2, cf, verify);
                     let ctx = RowCtx {
                         path: p,
@@ -824,7 +872,7 @@ mod tests {
                         num_spec: nf,
                         passes: nf,
                         requests: cf,
-                        pass_rows: 1.0,
+                        draft_rows: if n == 0 { 0.0 } else { cf * (tau + nf - 1.0) },
                         step_loop: true,
                     };
                     let row = ctx.step_row(String::new(), c, 0.0, experts, inputs);
@@ -842,7 +890,7 @@ mod tests {
                     rows.push(serde_json::json!({"drafter": drafter, "num_spec": n,
                         "concurrency": c, "graphs": graphs, "decode_tok_s": 1.0e6 * cf / us,
                         "us_per_step": us, "kernels_per_step": 129.0 + drafter_kernels,
-                        "verify_rows_per_step": verify, "experts_touched_mean": experts,
+                        "verify_rows_per_step": verify, "tau": tau, "experts_touched_mean": experts,
                         "forward_us_per_step": split[0], "draft_us_per_step": split[1],
                         "host_us_per_step": split[2], "speedup_vs_none": null, "extra": 1}));
                 }
@@ -855,8 +903,10 @@ mod tests {
     }
 
     /// launch graphs/eager, row, expert, moe call, drafter kernel, serial row, drafter
-    /// pass, request-pass, host step, host row.
-    const TRUTH: [f64; 11] = [1.3, 3.9, 4.0, 6.0, 0.0, 0.5, 3.5, 110.0, 3.2, 6.0, 0.7];
+    /// pass, request-pass, host step, host row, tile row, drafter row.
+    const TRUTH: [f64; 13] = [
+        1.3, 3.9, 4.0, 6.0, 0.0, 0.5, 3.5, 110.0, 3.2, 6.0, 0.7, 9.0, 1.5,
+    ];
 
     /// A known cost model generates e2e rows with the measured split; the fit recovers
     /// every parameter (also the two that grow with N alike in the total: the KDA
@@ -922,7 +972,7 @@ mod tests {
             !bound.is_empty(),
             "no launch-bound row in the synthetic record"
         );
-        assert!(bound.iter().all(|r| r.batch == 1), "{bound:?}");
+        assert!(bound.iter().all(|r| r.batch <= 2), "{bound:?}");
         for ((name, got), want) in rep.params.iter().zip(TRUTH) {
             assert!((got - want).abs() < 1e-6, "{name}: {:?}", rep.params);
         }
@@ -933,6 +983,52 @@ mod tests {
             .iter()
             .zip(&rep.rows)
             .all(|(f, r)| !r.label.ends_with("graphs") || f.floor_us == 0.0));
+    }
+
+    /// Step time concave in rows below one GEMM tile (`tile_row_us`): without the term
+    /// the held-out small batches are mispredicted; with it they are exact (the main
+    /// recovery test), and the term is what makes the difference.
+    #[test]
+    fn tile_term_explains_concave_small_batches() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("e2e.json");
+        let s = synthetic_e2e(&p, &TRUTH, None);
+        let (mut fr, _) = load_rows(&p, Some(s)).unwrap();
+        let tile = PARAMS.iter().position(|n| *n == "tile_row_us").unwrap();
+        assert!(fr
+            .iter()
+            .all(|r| r.features[tile] <= GEMM_TILE_ROWS && r.features[tile] >= 0.0));
+        for r in &mut fr {
+            r.features[tile] = 0.0;
+        }
+        let rep = fit_report(std::slice::from_ref(&p), &fr, s, &[]).unwrap();
+        let worst_small = rep
+            .rows
+            .iter()
+            .filter(|r| r.batch <= 2 && r.label.ends_with("graphs"))
+            .filter_map(|r| r.held_out_error.map(f64::abs))
+            .fold(0.0, f64::max);
+        assert!(worst_small > 0.03, "linear-in-rows fit: {worst_small}");
+    }
+
+    /// When every training row fills the tile (all c >= 8), the tile term is not
+    /// identifiable and the fold that holds out c = 1 must not invent it: its
+    /// `tile_row_us` is 0 and the other folds still recover the truth.
+    #[test]
+    fn tile_term_is_not_invented_without_small_batches() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("e2e.json");
+        let s = synthetic_e2e_at(&p, &TRUTH, None, &[1, 8, 32, 128]);
+        let (fr, _) = load_rows(&p, Some(s)).unwrap();
+        let rep = fit_report(std::slice::from_ref(&p), &fr, s, &[]).unwrap();
+        let tile = PARAMS.iter().position(|n| *n == "tile_row_us").unwrap();
+        for (fold, t) in &rep.held_out_params {
+            if fold == &vec![1] {
+                assert_eq!(t[tile], 0.0, "{t:?}");
+            } else {
+                assert!((t[tile] - TRUTH[tile]).abs() < 1e-6, "fold {fold:?}: {t:?}");
+            }
+        }
     }
 
     #[test]
