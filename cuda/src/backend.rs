@@ -519,10 +519,12 @@ impl CudaBackend {
 
     fn replay(&mut self, key: GraphKey, m: &StepMeta, kind: StepKind) -> Result<()> {
         if !self.graphs.contains_key(&key) {
+            let t0 = std::time::Instant::now();
             let (graph, captured) = capture(&self.gpu, || self.run(m, kind))?;
             graph
                 .upload()
                 .map_err(|e| CudaError::driver("graph upload", e))?;
+            ops::note_capture(t0);
             self.graphs.insert(key, (graph, captured));
         }
         let (g, n) = self

@@ -694,9 +694,11 @@ fn run_block(
         return fx(dev);
     }
     if !dev.graphs.contains_key(&nb) {
+        let t0 = std::time::Instant::now();
         let captured = crate::backend::capture(&be.gpu, || fx(dev)).and_then(|(g, n)| {
             g.upload()
                 .map_err(|e| CudaError::driver("graph upload", e))?;
+            ops::note_capture(t0);
             Ok((g, n))
         });
         match captured {

@@ -56,6 +56,26 @@ pub fn kernels_executed() -> u64 {
     KERNELS.load(Ordering::Relaxed)
 }
 
+/// CUDA graphs captured by this process, and the host nanoseconds their capture,
+/// instantiation and upload took (`crate::backend`, the DFlash drafter's block graphs).
+pub static GRAPH_CAPTURES: AtomicU64 = AtomicU64::new(0);
+pub static GRAPH_CAPTURE_NS: AtomicU64 = AtomicU64::new(0);
+
+/// ([`GRAPH_CAPTURES`], [`GRAPH_CAPTURE_NS`]) now.
+pub fn graph_captures() -> (u64, u64) {
+    (
+        GRAPH_CAPTURES.load(Ordering::Relaxed),
+        GRAPH_CAPTURE_NS.load(Ordering::Relaxed),
+    )
+}
+
+/// Count one capture that took `since.elapsed()`.
+pub fn note_capture(since: std::time::Instant) {
+    GRAPH_CAPTURES.fetch_add(1, Ordering::Relaxed);
+    let ns = u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    GRAPH_CAPTURE_NS.fetch_add(ns, Ordering::Relaxed);
+}
+
 /// Launch kernel `name` with `args` on the GPU's stream.
 ///
 /// # Safety

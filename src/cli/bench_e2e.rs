@@ -169,6 +169,11 @@ pub struct Row {
     pub mtp_chain_on_device: bool,
     /// An `@host` comparison leg (the drafter is named `KIND@host`).
     pub host_drafter: bool,
+    /// CUDA graphs captured during the measured (decode) steps, and the host us a step
+    /// their capture, instantiation and upload took (inside `us_per_step`: a shape seen
+    /// for the first time is captured in the step that needs it).
+    pub graph_captures: u64,
+    pub capture_us_per_step: f64,
 }
 
 /// Device facts measured once per run.
@@ -243,10 +248,26 @@ fn engine_args(cx: &LegCtx<'_>, d: &Choice, c: usize) -> EngineArgs {
     }
 }
 
-/// Per-step kernel counts (the process-wide counter read after each step).
+/// Per-step kernel counts and CUDA graph captures (the process-wide counters read after
+/// each step).
 struct KernelTap {
     last: u64,
     per_step: Vec<u64>,
+    /// (captures, capture ns) at the last step.
+    last_captures: (u64, u64),
+    /// Per step: graphs captured, host ns they took.
+    captures: Vec<(u64, u64)>,
+}
+
+impl KernelTap {
+    fn new() -> Self {
+        Self {
+            last: speclab_cuda::ops::kernels_executed(),
+            per_step: Vec::new(),
+            last_captures: speclab_cuda::ops::graph_captures(),
+            captures: Vec::new(),
+        }
+    }
 }
 
 impl speclab_engine::run::RunObserver for KernelTap {
@@ -254,6 +275,10 @@ impl speclab_engine::run::RunObserver for KernelTap {
         let now = speclab_cuda::ops::kernels_executed();
         self.per_step.push(now - self.last);
         self.last = now;
+        let c = speclab_cuda::ops::graph_captures();
+        let l = self.last_captures;
+        self.captures.push((c.0 - l.0, c.1 - l.1));
+        self.last_captures = c;
     }
 }
 
@@ -264,7 +289,7 @@ fn run_leg(
     c: usize,
     device: DeviceArg,
     graphs: bool,
-) -> anyhow::Result<(EngineRun, Vec<u64>)> {
+) -> anyhow::Result<(EngineRun, KernelTap)> {
     let e = engine_args(cx, d, c);
     let spec = drafter_spec(&e, cx.target)?;
     let reqs: Vec<EngineRequest> = (0..c)
@@ -300,10 +325,7 @@ fn run_leg(
         requests: &reqs,
         opts: &opts,
     };
-    let mut tap = KernelTap {
-        last: speclab_cuda::ops::kernels_executed(),
-        per_step: Vec::new(),
-    };
+    let mut tap = KernelTap::new();
     let run = generate_observed(&parts, &mut fcfs(&e), &mut tap)?;
     if run.wedged.is_some() || run.hit_step_limit || !run.rejected.is_empty() {
         bail!(
@@ -315,13 +337,14 @@ fn run_leg(
             run.hit_step_limit
         );
     }
-    Ok((run, tap.per_step))
+    Ok((run, tap))
 }
 
 /// Decode-only sums of a run.
-fn measure(run: &EngineRun, kernels: &[u64], d: &Choice, c: usize, graphs: bool) -> Row {
+fn measure(run: &EngineRun, tap: &KernelTap, d: &Choice, c: usize, graphs: bool) -> Row {
     let (mut n, mut out, mut loop_s, mut fwd, mut draft, mut rows, mut k) =
         (0u64, 0u64, 0.0, 0.0, 0.0, 0u64, 0u64);
+    let (mut caps, mut cap_ns) = (0u64, 0u64);
     for (i, s) in run.steps.iter().enumerate() {
         if s.prefill_tokens > 0 {
             continue;
@@ -332,7 +355,10 @@ fn measure(run: &EngineRun, kernels: &[u64], d: &Choice, c: usize, graphs: bool)
         fwd += s.forward_s;
         draft += s.draft_s;
         rows += s.verify_tokens;
-        k += kernels.get(i).copied().unwrap_or(0);
+        k += tap.per_step.get(i).copied().unwrap_or(0);
+        let (nc, ns) = tap.captures.get(i).copied().unwrap_or((0, 0));
+        caps += nc;
+        cap_ns += ns;
     }
     let per = |x: f64| if n > 0 { x * 1e6 / n as f64 } else { 0.0 };
     let drafts = run.spec.num_drafts.max(1) as f64;
@@ -367,6 +393,12 @@ fn measure(run: &EngineRun, kernels: &[u64], d: &Choice, c: usize, graphs: bool)
         drafter_on_device: false,
         mtp_chain_on_device: false,
         host_drafter: false,
+        graph_captures: caps,
+        capture_us_per_step: if n > 0 {
+            cap_ns as f64 / 1e3 / n as f64
+        } else {
+            0.0
+        },
     }
 }
 
