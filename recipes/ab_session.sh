@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
-# One device call for an A/B of a launch setting (default: programmatic dependent launch,
-# `SPECLAB_PDL`, cuda/src/device.rs) beside the full issue 11 + 12 run:
+# One device call: the full issue 11 + 12 run with the default settings, then A/B legs
+# with other settings of the engine's switches, measured side by side in the same call.
 #   1. recipes/device_all.sh (gpu_check parity + timing, the PyTorch anchors, bench e2e
-#      with E2E_ARGS, bench moe + its anchors) with the setting on (the default);
-#   2. the same engine with SPECLAB_PDL=0: gpu_check --timing-only, a bench e2e of
-#      AB_DRAFTERS (graphs on, same concurrencies), bench moe.
-# Everything lands in $OUT/results.tgz (+ the records beside it).
+#      with E2E_ARGS, bench moe + its anchors), defaults;
+#   2. for each entry of AB_ENVS (';'-separated environment settings, default
+#      "SPECLAB_PDL=0"): gpu_check --timing-only and a bench e2e of AB_DRAFTERS (graphs
+#      on, the same concurrencies) under it, and bench moe when AB_MOE=1.
+# Switches: SPECLAB_PDL=0 (programmatic dependent launch off, cuda/src/device.rs),
+# SPECLAB_CAPTURE_AT=n (capture a step's graph at its n-th use, cuda/src/backend.rs),
+# SPECLAB_MTP_PAD=0 (the MTP chain's first pass unpadded, cuda/src/mtp.rs).
+# Everything lands in $OUT/results.tgz; leg i's outputs under ab<i>/ with its settings in
+# ab<i>/env.txt.
 #
-#   here:    bash recipes/gpu_check.sh --build
-#   device:  run(command="COMMIT=<sha> bash recipes/ab_session.sh", carry=["target/gpu-check"])
+#   here:    bash recipes/gpu_check.sh --build  (then pack: tar czf target/gpu-pack/bin.tgz
+#            -C target/gpu-check gpu_check speclab)
+#   device:  run(command="mkdir -p target/gpu-check && tar xzf target/gpu-pack/bin.tgz -C
+#            target/gpu-check && COMMIT=<sha> bash recipes/ab_session.sh",
+#            carry=["target/gpu-pack"])
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FINAL="${OUT:-/tmp/ab-session-out}"
@@ -18,18 +26,26 @@ OUT="$W/on" bash recipes/device_all.sh
 on=$?
 source recipes/cuda_env.sh
 BIN=target/gpu-check
-mkdir -p "$W/off"
-export SPECLAB_PDL=0
-timeout 120 $BIN/gpu_check --timing-only --model models/tiny --json "$W/off/gpu_check.json" \
-  --steps 50 > "$W/off/gpu_check.log" 2>&1
-sed -n '/^| batch/,/^$/p' "$W/off/gpu_check.log"
-timeout 200 $BIN/speclab bench e2e --model models/tiny --graphs on --cpu-check-max 0 \
-  --drafters "${AB_DRAFTERS:-none,mtp:2,dflash2:7}" --out "$W/off/bench-e2e.json" \
-  ${COMMIT:+--commit $COMMIT} 2> "$W/off/bench-e2e.err" | tail -20
-timeout 200 $BIN/speclab bench moe --out "$W/off/bench_moe.json" \
-  > "$W/off/bench_moe.txt" 2> "$W/off/bench_moe.log"
-echo "bench moe (SPECLAB_PDL=0) exit $?"
-unset SPECLAB_PDL
+IFS=';' read -ra ENVS <<< "${AB_ENVS:-SPECLAB_PDL=0}"
+i=0
+for e in "${ENVS[@]}"; do
+  i=$((i + 1))
+  d="$W/ab$i"
+  mkdir -p "$d"
+  echo "$e" > "$d/env.txt"
+  echo "== A/B leg $i: $e"
+  env $e timeout 120 $BIN/gpu_check --timing-only --model models/tiny --json "$d/gpu_check.json" \
+    --steps 50 > "$d/gpu_check.log" 2>&1
+  sed -n '/^| batch/,/^$/p' "$d/gpu_check.log"
+  env $e timeout 200 $BIN/speclab bench e2e --model models/tiny --graphs on --cpu-check-max 0 \
+    --drafters "${AB_DRAFTERS:-none,mtp:2,dflash2:7}" --out "$d/bench-e2e.json" \
+    ${COMMIT:+--commit $COMMIT} 2> "$d/bench-e2e.err" | tail -16
+  if [ "${AB_MOE:-0}" = 1 ]; then
+    env $e timeout 200 $BIN/speclab bench moe --out "$d/bench_moe.json" \
+      > "$d/bench_moe.txt" 2> "$d/bench_moe.log"
+    echo "bench moe ($e) exit $?"
+  fi
+done
 find "$W" -name '*.lock' -delete
 tar czf "$FINAL/results.tgz" -C "$W" .
-echo "device_all (default launch) exit $on"
+echo "device_all (defaults) exit $on"

@@ -182,6 +182,29 @@ enum Engine {
     CudaHostDrafter,
     /// The CUDA target, the drafter on the device (`speclab_cuda::CudaDrafterSpec`).
     CudaDevice,
+    /// The CUDA target, the MTP chain on the device with its first pass unpadded.
+    CudaMtpUnpadded,
+}
+
+/// The device MTP chain with its first pass unpadded (the host drafter's exact rows).
+struct UnpaddedMtp<'a>(&'a DrafterSpec);
+
+impl speclab_engine::exec::DrafterFactory for UnpaddedMtp<'_> {
+    fn num_speculative_tokens(&self) -> usize {
+        self.0.num_speculative_tokens()
+    }
+    fn kv_groups(&self) -> speclab_engine::Result<Vec<speclab_engine::kv::GroupSpec>> {
+        self.0.kv_groups()
+    }
+    fn build(
+        &self,
+        target: &speclab_engine::model::ModelConfig,
+        _kv: &speclab_engine::kv::KvCacheManager,
+    ) -> speclab_engine::Result<Box<dyn speclab_engine::Drafter>> {
+        let mut d = speclab_cuda::mtp::CudaMtp::new(target, self.0.num_speculative_tokens())?;
+        d.pad_first_pass = false;
+        Ok(Box::new(d))
+    }
 }
 
 /// One step-loop run of `spec` (greedy unless `temperature`), 5 requests at 3
@@ -238,6 +261,9 @@ fn drafter_run(
             &mut make,
         )?,
         Engine::CudaHostDrafter => generate_on(&f, target, spec, &reqs, &opts, &mut make)?,
+        Engine::CudaMtpUnpadded => {
+            generate_on(&f, target, &UnpaddedMtp(spec), &reqs, &opts, &mut make)?
+        }
         Engine::Cpu => generate_on(
             &speclab_engine::backend::CpuBackend,
             target,
@@ -282,14 +308,21 @@ fn drafter_parity(
             unfinished as f64,
         );
     }
-    // MTP chained on the device (speclab_cuda::mtp) against the host MTP drafter on the
-    // same CUDA target (the same drafts bit for bit) and against the CPU engine.
+    // MTP chained on the device (speclab_cuda::mtp): unpadded against the host MTP
+    // drafter on the same CUDA target (the same drafts bit for bit), padded (the default)
+    // against the CPU engine.
     let spec = DrafterSpec::mtp(&target.cfg, 3)?;
     let dev = drafter_run(&target, &spec, Engine::CudaDevice, 0.0)?;
+    let unpadded = drafter_run(&target, &spec, Engine::CudaMtpUnpadded, 0.0)?;
     let host = drafter_run(&target, &spec, Engine::CudaHostDrafter, 0.0)?;
     let cpu = drafter_run(&target, &spec, Engine::Cpu, 0.0)?;
-    compare_runs(&mut push, "mtp N=3 chained", ("host MTP", &host), &dev);
-    compare_runs(&mut push, "mtp N=3 chained", ("CPU", &cpu), &dev);
+    compare_runs(
+        &mut push,
+        "mtp N=3 chained, unpadded",
+        ("host MTP", &host),
+        &unpadded,
+    );
+    compare_runs(&mut push, "mtp N=3 chained, padded", ("CPU", &cpu), &dev);
     let hot = drafter_run(&target, &spec, Engine::CudaDevice, 0.8)?;
     let unfinished = hot.requests.iter().filter(|r| r.finish.is_none()).count();
     push(

@@ -96,6 +96,56 @@ pub(crate) fn capture(gpu: &Gpu, body: impl FnOnce() -> Result<()>) -> Result<(C
     Ok((graph, captured))
 }
 
+/// The use of a step shape at which its CUDA graph is captured (earlier uses run
+/// eagerly). vLLM captures a fixed list of batch sizes at start-up and pads every batch
+/// to one of them (`compilation_config.cudagraph_capture_sizes`); this engine captures
+/// lazily, inside the step that first needs a shape, and some shapes occur only once or
+/// twice (an MTP first pass of a new total of accepted rows, the last steps of a run as
+/// requests finish). A capture costs about as much host time as two eager launches of
+/// the step save over replays (runs/ab-28d863c/bench-e2e-pdl.json: 0.3-0.9 ms a capture
+/// at c = 8..128, `capture_us_per_step`), so a shape is captured at its third use
+/// (`SPECLAB_CAPTURE_AT=n` sets another, for an A/B in one device call; 1 = at once).
+pub const CAPTURE_AT_USE: u32 = 3;
+
+/// [`CAPTURE_AT_USE`], or the use `env` (`SPECLAB_CAPTURE_AT`) names (at least 1).
+pub fn capture_at_use(env: Option<&str>) -> u32 {
+    env.and_then(|v| v.trim().parse::<u32>().ok())
+        .map_or(CAPTURE_AT_USE, |n| n.max(1))
+}
+
+/// Uses of each graph key so far ([`CAPTURE_AT_USE`]).
+#[derive(Debug)]
+pub(crate) struct Sightings<K: std::hash::Hash + Eq> {
+    seen: HashMap<K, u32>,
+    at: u32,
+}
+
+impl<K: std::hash::Hash + Eq> Default for Sightings<K> {
+    fn default() -> Self {
+        Self::at(capture_at_use(
+            std::env::var("SPECLAB_CAPTURE_AT").ok().as_deref(),
+        ))
+    }
+}
+
+impl<K: std::hash::Hash + Eq> Sightings<K> {
+    /// Capture at use `at` (>= 1).
+    pub(crate) fn at(at: u32) -> Self {
+        Self {
+            seen: HashMap::new(),
+            at: at.max(1),
+        }
+    }
+
+    /// Count a use of `key`; true once it has been used `at` times.
+    #[must_use]
+    pub(crate) fn capture_now(&mut self, key: K) -> bool {
+        let n = self.seen.entry(key).or_insert(0);
+        *n = n.saturating_add(1);
+        *n >= self.at
+    }
+}
+
 /// Longest chunk of a step that is captured as a graph: decode and verify chunks
 /// (1 + N tokens) are; a prefill chunk's shape rarely repeats, so it runs eagerly.
 pub const GRAPH_MAX_CHUNK: usize = 16;
@@ -121,6 +171,8 @@ pub struct CudaBackend {
     pending: HashMap<ReqSlot, usize>,
     /// Captured steps and the kernels each holds.
     graphs: HashMap<GraphKey, (CudaGraph, u64)>,
+    /// Uses of each step shape (a graph is captured at its [`CAPTURE_AT_USE`]-th).
+    sightings: Sightings<GraphKey>,
     opts: CudaOptions,
     /// Per-layer hidden states (collect_hidden). Shape: [(L + 1) * t_cap * H].
     pub(crate) per_layer: Option<DevBuf<f32>>,
@@ -138,6 +190,9 @@ pub struct CudaBackend {
     pub(crate) final_hidden_rows: Option<usize>,
     /// Buffers of the on-device MTP chain (`crate::mtp`), made at its first step.
     pub(crate) chain: Option<crate::mtp::ChainBufs>,
+    /// The chunks of the last target forward: (slot, start position, tokens), in row
+    /// order (the MTP chain pads its first pass to them).
+    pub(crate) last_chunks: Vec<(ReqSlot, usize, usize)>,
     /// Phase times of `forward_greedy` calls (reset by the caller).
     pub host_times: HostTimes,
 }
@@ -200,6 +255,7 @@ impl CudaBackend {
             dims,
             pending: HashMap::new(),
             graphs: HashMap::new(),
+            sightings: Sightings::default(),
             opts,
             per_layer: None,
             router: None,
@@ -208,6 +264,7 @@ impl CudaBackend {
             host_times: HostTimes::default(),
             final_hidden_rows: None,
             chain: None,
+            last_chunks: Vec::new(),
             embed_host: crate::repack::to_bf16(&weights.embed, "model.embed_tokens")?,
         })
     }
@@ -337,7 +394,13 @@ impl CudaBackend {
         meta::build(&self.dims, kv, &chunks, &|s| self.pending.contains_key(&s))
     }
 
+    /// After a target forward: the slots whose verify awaits `commit_state`, and the
+    /// forward's chunk layout (`last_chunks`).
     fn note_pending(&mut self, batch: &[SeqChunk<'_>]) {
+        self.last_chunks = batch
+            .iter()
+            .map(|c| (c.slot, c.start_pos, c.tokens.len()))
+            .collect();
         for ch in batch {
             if ch.snapshot {
                 self.pending.insert(ch.slot, ch.tokens.len());
@@ -472,16 +535,20 @@ impl CudaBackend {
         prof
     }
 
-    /// Run one step: replayed as a CUDA graph when graphs are on and the step is
-    /// `graphable`, else eagerly.
+    /// Run one step: replayed as a CUDA graph when graphs are on, the step is
+    /// `graphable` and its shape has been used [`CAPTURE_AT_USE`] times, else eagerly.
     pub(crate) fn launch_step(
         &mut self,
         m: &StepMeta,
         kind: StepKind,
         graphable: bool,
     ) -> Result<()> {
-        let ran = if graphable && self.opts.use_graphs {
-            self.run_graph((m.t_total, m.num_seqs, kind), m, kind)
+        let key = (m.t_total, m.num_seqs, kind);
+        let replayed = graphable
+            && self.opts.use_graphs
+            && (self.graphs.contains_key(&key) || self.sightings.capture_now(key));
+        let ran = if replayed {
+            self.run_graph(key, m, kind)
         } else {
             self.run(m, kind)
         };
@@ -784,5 +851,32 @@ impl CudaBackend {
             router,
             argmax,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shape_is_captured_at_its_nth_use() {
+        let mut s = Sightings::at(3);
+        assert!(!s.capture_now(1u32));
+        assert!(!s.capture_now(2));
+        assert!(!s.capture_now(1));
+        assert!(s.capture_now(1), "third use of 1");
+        assert!(!s.capture_now(2), "second use of 2");
+        let mut once = Sightings::at(0);
+        assert!(once.capture_now('a'), "at least 1: at once");
+        assert_eq!(capture_at_use(None), CAPTURE_AT_USE);
+        assert_eq!(capture_at_use(Some(" 1 ")), 1);
+        assert_eq!(capture_at_use(Some("0")), 1);
+        assert_eq!(capture_at_use(Some("x")), CAPTURE_AT_USE);
+    }
+
+    #[test]
+    fn graph_sized_chunks_are_decode_and_verify_chunks() {
+        assert!(graph_sized([1usize, 8, GRAPH_MAX_CHUNK].into_iter()));
+        assert!(!graph_sized([1usize, GRAPH_MAX_CHUNK + 1].into_iter()));
     }
 }

@@ -108,6 +108,8 @@ struct DevDraft {
     /// The block forward captured per batch size `B` (with the kernels each holds);
     /// dropped whenever the buffers it points into are reallocated.
     graphs: HashMap<usize, (cudarc::driver::CudaGraph, u64)>,
+    /// Uses of each batch size (a graph is captured at its `CAPTURE_AT_USE`-th).
+    sightings: crate::backend::Sightings<usize>,
     /// The first capture / replay failure (the drafter then runs eagerly).
     graph_error: Option<String>,
 }
@@ -270,6 +272,7 @@ impl DevDraft {
             kv_region,
             bufs: Bufs::new(g, cfg, 8, 8)?,
             graphs: HashMap::new(),
+            sightings: Default::default(),
             graph_error: None,
         })
     }
@@ -690,7 +693,10 @@ fn run_block(
         }
         .kernels()
     };
-    if !be.graphs_on() || dev.graph_error.is_some() {
+    if !be.graphs_on()
+        || dev.graph_error.is_some()
+        || !(dev.graphs.contains_key(&nb) || dev.sightings.capture_now(nb))
+    {
         return fx(dev);
     }
     if !dev.graphs.contains_key(&nb) {

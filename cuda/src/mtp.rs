@@ -17,10 +17,18 @@
 //! between passes (the host drafter reads the drafts and the hidden back after every
 //! pass, and uploads the hidden again).
 //!
-//! Invariants: every pass sees exactly the rows, positions, tokens and hidden values of
-//! the host drafter's pass on the same backend, so the drafts are the same bit for bit
-//! (`check::mtp_chain_equals_host`, run by gpu_check); the chain reads only the hidden of
-//! the backend's last target forward ([`CudaBackend::mtp_chain`] refuses otherwise).
+//! The first pass is padded by default (vLLM's padded drafter batch): each request's
+//! chunk keeps the rejected rows of its verify, so the pass has c x (N + 1) rows whatever
+//! was accepted and one CUDA graph serves every step; the draft and the next pass read
+//! the last committed row (`CudaBackend::first_pass` says why the padded rows' K/V is
+//! harmless).
+//!
+//! Invariants: unpadded, every pass sees exactly the rows, positions, tokens and hidden
+//! values of the host drafter's pass on the same backend, so the drafts are the same bit
+//! for bit (gpu_check compares them step by step); padded, the committed rows are the
+//! same computations except the MoE kernels' K split, which follows the number of rows
+//! in the batch (summation order only). The chain reads only the hidden of the backend's
+//! last target forward ([`CudaBackend::mtp_chain`] refuses otherwise).
 
 use std::ops::Range;
 
@@ -66,6 +74,15 @@ struct PassChunk {
     last_row: usize,
 }
 
+/// A chunk of the first pass: its request, input tokens (the committed rows' next
+/// tokens, then fillers for the padded rows) and the forward rows it reads.
+struct FirstChunk {
+    req: usize,
+    /// Shape: [T_chunk].
+    tokens: Vec<u32>,
+    src: Range<usize>,
+}
+
 /// The placeholder input token of passes 2.. (overwritten on the device by `mtp_feed`).
 const PLACEHOLDER: [u32; 1] = [0];
 
@@ -97,12 +114,24 @@ impl CudaBackend {
 
     /// Build a pass's metadata and upload it, refusing a pass that would move the
     /// workspace (the chain's inputs live there; a pass never outgrows the forward).
-    fn chain_meta(&mut self, kv: &KvCacheManager, chunks: &[ChunkIn<'_>]) -> Result<StepMeta> {
+    fn chain_meta(
+        &mut self,
+        kv: &KvCacheManager,
+        chunks: &[ChunkIn<'_>],
+        last_rows: Option<&[usize]>,
+    ) -> Result<StepMeta> {
         let dims = MetaDims {
             state_group: None,
             ..self.dims
         };
-        let m = meta::build(&dims, kv, chunks, &|_| false)?;
+        let mut m = meta::build(&dims, kv, chunks, &|_| false)?;
+        if let Some(lasts) = last_rows {
+            let sec = m.layout.last_rows;
+            for (dst, &r) in m.data[sec.range()].iter_mut().zip(lasts) {
+                *dst = i32::try_from(r)
+                    .map_err(|_| CudaError::Input(format!("row {r} exceeds i32")))?;
+            }
+        }
         if m.t_total > self.ws.t_cap || m.num_seqs > self.ws.s_cap {
             return Err(CudaError::Input(format!(
                 "mtp_chain: a pass of {} rows in {} chunks outgrows the workspace ({} / {}) of the forward it drafts from (internal)",
@@ -113,25 +142,21 @@ impl CudaBackend {
         Ok(m)
     }
 
-    /// Every MTP pass of a step on the device (module doc): returns each request's
-    /// drafts (`want` of them; none for a request without committed rows). Reads the
-    /// final hidden of the backend's last target forward, which no MTP pass may have
-    /// overwritten since.
-    pub fn mtp_chain(
-        &mut self,
-        kv: &KvCacheManager,
+    /// The first pass's chunks: every request with committed rows, padded (`pad`) to its
+    /// chunk of the last target forward when that was a decode / verify chunk (vLLM's
+    /// padded drafter batch, `eagle.py` `prepare_inputs_padded`: the rejected rows stay in
+    /// the batch so its shape, and its CUDA graph, does not depend on the acceptance).
+    /// A padded row writes the MTP layer's K/V at a position past the committed ones,
+    /// which a later pass or step rewrites before any row reads it (a row at position p
+    /// reads positions <= p, and the first pass of the step that commits p writes it);
+    /// its token is a filler and its draft is never used.
+    fn first_pass(
+        &self,
         reqs: &[ChainReq<'_>],
-    ) -> Result<Vec<Vec<u32>>> {
-        self.check_manager(kv)?;
-        if self.w.mtp.is_none() {
-            return Err(CudaError::Input(
-                "mtp_chain: the model has no MTP layer".into(),
-            ));
-        }
-        let valid = self.final_hidden_rows.take().unwrap_or(0);
+        valid: usize,
+        pad: bool,
+    ) -> Result<Vec<FirstChunk>> {
         let mut first = Vec::new();
-        let mut pass = Vec::new();
-        let mut t = 0usize;
         for (i, r) in reqs.iter().enumerate() {
             if r.rows.is_empty() {
                 continue;
@@ -144,34 +169,79 @@ impl CudaBackend {
                     r.next_tokens.len()
                 )));
             }
-            first.push(ChunkIn {
-                slot: r.slot,
-                tokens: r.next_tokens,
-                start_pos: r.start_pos,
-                snapshot: false,
-            });
-            t += r.rows.len();
-            pass.push(PassChunk {
+            let chunk = self
+                .last_chunks
+                .iter()
+                .find(|&&(slot, start, _)| slot == r.slot && start == r.start_pos)
+                .map_or(r.rows.len(), |&(_, _, len)| len);
+            let len = if pad && chunk <= GRAPH_MAX_CHUNK && r.rows.start + chunk <= valid {
+                chunk.max(r.rows.len())
+            } else {
+                r.rows.len()
+            };
+            let mut tokens = r.next_tokens.to_vec();
+            let filler = tokens.last().copied().unwrap_or(0);
+            tokens.resize(len, filler);
+            first.push(FirstChunk {
                 req: i,
-                last_row: t - 1,
+                tokens,
+                src: r.rows.start..r.rows.start + len,
             });
         }
+        Ok(first)
+    }
+
+    /// Every MTP pass of a step on the device (module doc): returns each request's
+    /// drafts (`want` of them; none for a request without committed rows). Reads the
+    /// final hidden of the backend's last target forward, which no MTP pass may have
+    /// overwritten since.
+    pub fn mtp_chain(
+        &mut self,
+        kv: &KvCacheManager,
+        reqs: &[ChainReq<'_>],
+        pad: bool,
+    ) -> Result<Vec<Vec<u32>>> {
+        self.check_manager(kv)?;
+        if self.w.mtp.is_none() {
+            return Err(CudaError::Input(
+                "mtp_chain: the model has no MTP layer".into(),
+            ));
+        }
+        let valid = self.final_hidden_rows.take().unwrap_or(0);
+        let first = self.first_pass(reqs, valid, pad)?;
         let mut out = vec![Vec::new(); reqs.len()];
         if first.is_empty() {
             self.final_hidden_rows = Some(valid).filter(|&v| v > 0);
             return Ok(out);
         }
+        let chunks: Vec<ChunkIn<'_>> = first
+            .iter()
+            .map(|f| ChunkIn {
+                slot: reqs[f.req].slot,
+                tokens: &f.tokens,
+                start_pos: reqs[f.req].start_pos,
+                snapshot: false,
+            })
+            .collect();
+        let t: usize = first.iter().map(|f| f.tokens.len()).sum();
         let (h, s1) = (self.w.cfg.hidden_size, first.len());
         let passes = reqs.iter().map(|r| r.want).max().unwrap_or(0).max(1);
         self.chain_bufs(t.max(2 * s1), passes * s1)?;
-        // (1) The committed rows' final hidden -> the MTP input rows.
-        let rows = i32s(
-            reqs.iter()
-                .filter(|r| !r.rows.is_empty())
-                .flat_map(|r| r.rows.clone()),
-        )?;
+        // (1) The rows' final hidden -> the MTP input rows.
+        let rows = i32s(first.iter().flat_map(|f| f.src.clone()))?;
         self.chain_write_idx(&rows)?;
-        let m = self.chain_meta(kv, &first)?;
+        // The draft of a chunk comes from its last committed row, not its last (padded) one.
+        let mut pass = Vec::with_capacity(s1);
+        let mut row0 = 0usize;
+        for f in &first {
+            pass.push(PassChunk {
+                req: f.req,
+                last_row: row0 + reqs[f.req].rows.len() - 1,
+            });
+            row0 += f.tokens.len();
+        }
+        let lasts: Vec<usize> = pass.iter().map(|c| c.last_row).collect();
+        let m = self.chain_meta(kv, &chunks, Some(&lasts))?;
         let c = self.chain_ref()?;
         ops::gather_rows(
             &self.gpu,
@@ -182,7 +252,7 @@ impl CudaBackend {
             t,
             h,
         )?;
-        let graphable = reqs.iter().all(|r| r.rows.len() <= GRAPH_MAX_CHUNK);
+        let graphable = first.iter().all(|f| f.tokens.len() <= GRAPH_MAX_CHUNK);
         self.chain_pass(&m, graphable)?;
         let mut t_prev = t;
         // (2) Passes 2..: the chunks whose request wants another draft.
@@ -221,7 +291,7 @@ impl CudaBackend {
                     .chain(next.iter().map(|c| chunk_of[c.req])),
             )?;
             self.chain_write_idx(&idx)?;
-            let m = self.chain_meta(kv, &chunks)?;
+            let m = self.chain_meta(kv, &chunks, None)?;
             self.chain_feed(keep_at, (pass.len(), t_prev), next.len(), Some(&m))?;
             self.chain_pass(&m, true)?;
             t_prev = next.len();
@@ -324,6 +394,15 @@ impl CudaBackend {
 pub struct CudaMtp {
     /// `N`: drafts per step (vLLM `num_speculative_tokens`), >= 1.
     pub num_speculative_tokens: usize,
+    /// Pad the first pass to the verify chunks ([`CudaBackend::mtp_chain`]); default on,
+    /// off with `SPECLAB_MTP_PAD=0` ([`pad_wanted`]).
+    pub pad_first_pass: bool,
+}
+
+/// Whether the chain's first pass is padded: yes unless `env` (`SPECLAB_MTP_PAD`) says
+/// `0` / `off` / `false` (an A/B of the padding in one device call).
+pub fn pad_wanted(env: Option<&str>) -> bool {
+    !matches!(env.map(str::trim), Some("0" | "off" | "false"))
 }
 
 impl CudaMtp {
@@ -335,6 +414,7 @@ impl CudaMtp {
         speclab_drafters::Mtp::new(target, num_speculative_tokens)?;
         Ok(Self {
             num_speculative_tokens,
+            pad_first_pass: pad_wanted(std::env::var("SPECLAB_MTP_PAD").ok().as_deref()),
         })
     }
 }
@@ -391,7 +471,7 @@ impl Drafter for CudaMtp {
             .iter()
             .map(|r| chain_req(r, self.num_speculative_tokens))
             .collect::<speclab_engine::Result<Vec<_>>>()?;
-        let drafts = be.mtp_chain(step.kv, &chain)?;
+        let drafts = be.mtp_chain(step.kv, &chain, self.pad_first_pass)?;
         Ok(drafts
             .into_iter()
             .map(|tokens| Proposal {
@@ -444,6 +524,14 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("CUDA target backend"), "{e}");
+    }
+
+    #[test]
+    fn padding_is_on_unless_switched_off() {
+        assert!(pad_wanted(None));
+        assert!(pad_wanted(Some("1")));
+        assert!(!pad_wanted(Some("0")));
+        assert!(!pad_wanted(Some(" off")));
     }
 
     #[test]
