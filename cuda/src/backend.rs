@@ -102,7 +102,7 @@ pub(crate) fn capture(gpu: &Gpu, body: impl FnOnce() -> Result<()>) -> Result<(C
 /// lazily, inside the step that first needs a shape, and some shapes occur only once or
 /// twice (an MTP first pass of a new total of accepted rows, the last steps of a run as
 /// requests finish). A capture costs about as much host time as two eager launches of
-/// the step save over replays (runs/ab-28d863c/bench-e2e-pdl.json: 0.3-0.9 ms a capture
+/// the step save over replays (runs/ab-28d863c/bench-e2e-pdl.json: 0.2-0.9 ms a capture
 /// at c = 8..128, `capture_us_per_step`), so a shape is captured at its third use
 /// (`SPECLAB_CAPTURE_AT=n` sets another, for an A/B in one device call; 1 = at once).
 pub const CAPTURE_AT_USE: u32 = 3;

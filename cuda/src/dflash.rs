@@ -1155,8 +1155,7 @@ mod tests {
     use super::*;
     use speclab_drafters::DFlash2Config;
     use speclab_engine::kv::CapPolicy;
-    use speclab_engine::model::{ForwardOut, ModelRunner, ModelWeights};
-    use speclab_engine::spec::SamplingParams;
+    use speclab_engine::model::{ModelRunner, ModelWeights};
 
     fn setup() -> (ModelWeights, DFlash2Weights, KvCacheManager) {
         let tcfg = ModelConfig::micro();
@@ -1185,27 +1184,7 @@ mod tests {
         assert_eq!(d.lookahead_slots(), 8);
         // Beside the CPU backend it is a clear error, not a panic or a silent host run.
         let mut cpu = ModelRunner::new(target, &kv).unwrap();
-        let fwd = ForwardOut::default();
-        let mut step = DraftStep {
-            backend: &mut cpu,
-            kv: &kv,
-            forward: &fwd,
-            sampling: SamplingParams::GREEDY,
-        };
-        let tokens = [1u32, 2, 3];
-        let mut reqs = [DraftReq {
-            request: 0,
-            slot: ReqSlot(0),
-            tokens: &tokens,
-            max_draft: 7,
-            rng: None,
-            rows: 0..3,
-            start_pos: 0,
-        }];
-        let e = d
-            .propose_batch(&mut step, &mut reqs)
-            .unwrap_err()
-            .to_string();
+        let e = crate::seam::host_propose_error(&mut d, &mut cpu, &kv);
         assert!(e.contains("CUDA target backend"), "{e}");
     }
 

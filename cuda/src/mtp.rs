@@ -485,8 +485,7 @@ impl Drafter for CudaMtp {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use speclab_engine::model::{ForwardOut, ModelRunner, ModelWeights};
-    use speclab_engine::spec::SamplingParams;
+    use speclab_engine::model::{ModelRunner, ModelWeights};
 
     #[test]
     fn validates_like_the_host_drafter_and_refuses_a_host_backend() {
@@ -502,27 +501,7 @@ mod tests {
         );
         let kv = KvCacheManager::new(&cfg.kv_layout(16, 3, 32).unwrap(), 32).unwrap();
         let mut cpu = ModelRunner::new(ModelWeights::random(&cfg, 1, true).unwrap(), &kv).unwrap();
-        let fwd = ForwardOut::default();
-        let mut step = DraftStep {
-            backend: &mut cpu,
-            kv: &kv,
-            forward: &fwd,
-            sampling: SamplingParams::GREEDY,
-        };
-        let tokens = [1u32, 2, 3];
-        let mut reqs = [DraftReq {
-            request: 0,
-            slot: ReqSlot(0),
-            tokens: &tokens,
-            max_draft: 3,
-            rng: None,
-            rows: 0..2,
-            start_pos: 0,
-        }];
-        let e = d
-            .propose_batch(&mut step, &mut reqs)
-            .unwrap_err()
-            .to_string();
+        let e = crate::seam::host_propose_error(&mut d, &mut cpu, &kv);
         assert!(e.contains("CUDA target backend"), "{e}");
     }
 

@@ -144,6 +144,37 @@ impl BackendFactory for CudaFactory {
     }
 }
 
+/// A drafter built for the CUDA backend, proposing beside the CPU runner: the error it
+/// must give (tests of `CudaDFlash2` and `CudaMtp`).
+#[cfg(test)]
+pub(crate) fn host_propose_error(
+    d: &mut dyn speclab_engine::Drafter,
+    cpu: &mut speclab_engine::model::ModelRunner,
+    kv: &KvCacheManager,
+) -> String {
+    let fwd = ForwardOut::default();
+    let mut step = speclab_engine::DraftStep {
+        backend: cpu,
+        kv,
+        forward: &fwd,
+        sampling: speclab_engine::spec::SamplingParams::GREEDY,
+    };
+    let tokens = [1u32, 2, 3];
+    let mut reqs = [speclab_engine::DraftReq {
+        request: 0,
+        slot: ReqSlot(0),
+        tokens: &tokens,
+        max_draft: 3,
+        rng: None,
+        rows: 0..2,
+        start_pos: 0,
+    }];
+    match d.propose_batch(&mut step, &mut reqs) {
+        Ok(_) => String::from("(no error)"),
+        Err(e) => e.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
