@@ -276,9 +276,11 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 // - A warp owns a row block of 64 weight rows (W4_RT = 4 mma tiles of 16) over a K range
 //   of whole half 128-groups; the block's W4_WARPS warps split K ks ways and cover
 //   W4_WARPS / ks row blocks.  ks (w4_ks) is chosen in the kernel from moe_align's count of
-//   real tiles: the smallest split whose blocks reach `target` (longer walks amortize a
-//   warp's start-up), at most the host's bound ks_hi; the 1-D grid of (tile, row-block
-//   group) items is sized for ks_hi and every tile, and items past the real ones exit.
+//   real tiles by a wave model (items of equal length run `slots` at a time; longer walks
+//   amortize an item's start-up), at most the host's bound ks_hi.  The grid is persistent:
+//   at most `slots` blocks (the resident ones), each walking items blockIdx.x + j gridDim.x
+//   of the (tile, row-block group) list, so skewed routing with a tile count just past a
+//   wave no longer leaves most of the last wave's slots idle.
 // - Weights (cuda/src/repack.rs, "the device INT4 layout"): per (expert, row block, k16
 //   step) 32 lanes x uint4, word i of lane (g, t) = the A fragment of mma tile i, nibble
 //   slot j + 4 e = element e of register j, so (w >> 4 j) & 0x000f000f | 0x43004300 is the
@@ -525,37 +527,48 @@ __device__ __forceinline__ void w4_epilogue(const float* red, float* __restrict_
     }
 }
 
+// Start-up of one block item in half-group walks of a warp (the tile's pairs, the first
+// weight copy's DRAM round trip, the K-slice reduction and the epilogue): about 2 us
+// against about 1 us a half group a warp at full bandwidth (issue 12 estimate, mirrored by
+// cuda/src/launch.rs W4_ITEM_START; an NVRTC tunable, SPECLAB_KERNEL_DEFINES).
+#ifndef W4_ITEM_START
+#define W4_ITEM_START 2
+#endif
+
 // Warps splitting K for `ntiles` real tiles (mirrored by cuda/src/launch.rs w4_ks): the
-// smallest power of two <= ks_hi whose blocks reach `target`.
-__device__ __forceinline__ int w4_ks(int nrb, int ntiles, int ks_hi, int target) {
-    int ks = 1;
-    while (ks < ks_hi && (nrb + W4_WARPS / ks - 1) / (W4_WARPS / ks) * ntiles < target) ks *= 2;
-    return ks;
+// power of two ks <= ks_hi that minimizes the wave model waves x (halves / ks + start),
+// where the ntiles ceil(nrb / (W4_WARPS / ks)) equal items run `slots` at a time (the
+// resident blocks of the persistent grid); ties to the smaller ks (longer walks).
+__device__ __forceinline__ int w4_ks(int nrb, int ntiles, int halves, int ks_hi, int slots) {
+    int best = 1;
+    long long best_cost = -1;
+    for (int ks = 1; ks <= ks_hi; ks *= 2) {
+        const long long items = (long long)((nrb + W4_WARPS / ks - 1) / (W4_WARPS / ks)) * ntiles;
+        const long long waves = (items + slots - 1) / slots;
+        const long long cost = waves * (halves * W4_WARPS / ks + W4_ITEM_START * W4_WARPS);
+        if (best_cost < 0 || cost < best_cost) { best = ks; best_cost = cost; }
+    }
+    return best;
 }
 
-// One block: item blockIdx.x of (real tile, group of W4_WARPS / ks row blocks), tile-major;
-// items past the real tiles exit at once (the grid is sized for ks_hi and every tile).
+// One item of the walk: (real tile, group of W4_WARPS / ks row blocks), tile-major.
 // R = N * NMAT weight rows of K; q [E, R / 64, K / 16, 32, 4] words, sc
 // [E, R / 64, K / 128, 8, 8] bf16.
 template <int NMAT>
-__device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ hs,
-                                       const u32* __restrict__ xs,
-                                       const uint4* __restrict__ qw,
-                                       const uint4* __restrict__ scw,
-                                       const float* __restrict__ topk_w,
-                                       const int* __restrict__ sorted,
-                                       const int* __restrict__ tile_expert, int div, int N,
-                                       int K, int max_tiles, int ks_hi, int target) {
-    const int nrb = N * NMAT / 64;
-    const int ntiles = tile_expert[max_tiles];
-    const int ks = w4_ks(nrb, ntiles, ks_hi, target), per = W4_WARPS / ks;
+__device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__ hs,
+                                        const u32* __restrict__ xs,
+                                        const uint4* __restrict__ qw,
+                                        const uint4* __restrict__ scw,
+                                        const float* __restrict__ topk_w,
+                                        const int* __restrict__ sorted,
+                                        const int* __restrict__ tile_expert, int div, int N,
+                                        int K, int ks, int item, int tp[ROWS_PER_TILE]) {
+    const int nrb = N * NMAT / 64, per = W4_WARPS / ks;
     const int xneed = (nrb + per - 1) / per;
-    if ((int)blockIdx.x >= ntiles * xneed) return;  // uniform per block
-    const int tile = blockIdx.x / xneed, bx = blockIdx.x % xneed;
+    const int tile = item / xneed, bx = item % xneed;
     const int e = tile_expert[tile];
     extern __shared__ uint4 w4_smem[];
     float* red = reinterpret_cast<float*>(w4_smem + W4_WARPS * W4_STAGES * W4_SLOT * WARP);
-    __shared__ int tp[ROWS_PER_TILE];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int halves = K / 64;
     const int kw = warp % ks, rb = bx * per + warp / ks;
@@ -602,26 +615,48 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
         for (int c = 0; c < 4; ++c) red[(warp * W4_RT * 4 + i * 4 + c) * WARP + lane] = acc[i][c];
     __syncthreads();  // every thread reaches it
     w4_epilogue<NMAT>(red, y, hs, topk_w, tp, np, pk, ks, nrb, N, bx);
+    __syncthreads();  // red and tp are free for the next item
+}
+
+// The persistent walk: block b takes items b, b + gridDim.x, ... of the ntiles xneed
+// items (the host sizes the grid to at most the resident blocks, launch.rs moe_w4), so a
+// wave's tail is the model w4_ks minimizes, not a grid's last partial wave.
+template <int NMAT>
+__device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ hs,
+                                       const u32* __restrict__ xs,
+                                       const uint4* __restrict__ qw,
+                                       const uint4* __restrict__ scw,
+                                       const float* __restrict__ topk_w,
+                                       const int* __restrict__ sorted,
+                                       const int* __restrict__ tile_expert, int div, int N,
+                                       int K, int max_tiles, int ks_hi, int slots) {
+    const int nrb = N * NMAT / 64;
+    const int ntiles = tile_expert[max_tiles];
+    const int ks = w4_ks(nrb, ntiles, K / 64, ks_hi, slots), per = W4_WARPS / ks;
+    const int items = ntiles * ((nrb + per - 1) / per);
+    __shared__ int tp[ROWS_PER_TILE];
+    for (int item = blockIdx.x; item < items; item += gridDim.x)  // uniform per block
+        w4_item<NMAT>(y, hs, xs, qw, scw, topk_w, sorted, tile_expert, div, N, K, ks, item, tp);
 }
 
 // Routed experts gate/up + SiLU, INT4: h[p, n] = silu(x[p / topk] . Wg[e, n]) *
-// (x[p / topk] . Wu[e, n]) for every pair p of tile blockIdx.y (expert e), written split
+// (x[p / topk] . Wu[e, n]) for every pair p of every real tile (expert e), written split
 // (w4_h_word, K = N).  Shapes: xs [T, K W4_XS / 2] u32 words (moe_split_x of the
 // post-norm input), q13 [E, 2N / 64, K / 16, 32, 4]
 // u32, s13 [E, 2N / 64, K / 128, 8, 8] bf16 (cuda/src/repack.rs), h [P, N W4_XS / 2] u32
 // words (N = moe_intermediate_size).
 // tile_expert [max_tiles + 1] (moe_align: experts, then the count used).
-// Launch: grid (max_tiles ceil(2N / 64 / (W4_WARPS / ks_hi))), block 32 W4_WARPS, dynamic
-// shared memory W4_SMEM (launch.rs moe_w4).
+// Launch: grid min(slots, max_tiles ceil(2N / 64 / (W4_WARPS / ks_hi))), block 32
+// W4_WARPS, dynamic shared memory W4_SMEM (launch.rs moe_w4); slots = resident blocks.
 extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up_w4(
     u32* __restrict__ h, const u32* __restrict__ xs, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
     const int* __restrict__ tile_expert, int topk, int N, int K, int max_tiles, int ks_hi,
-    int target) {
+    int slots) {
     pdl_enter();
     w4_mma<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
               reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K,
-              max_tiles, ks_hi, target);
+              max_tiles, ks_hi, slots);
 }
 
 // Routed experts down-projection with the router weight applied: y[p, n] = w_p *
@@ -633,9 +668,9 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_down_w4
     float* __restrict__ y, const u32* __restrict__ h, const u32* __restrict__ qd,
     const bf16_bits* __restrict__ sd, const float* __restrict__ topk_w,
     const int* __restrict__ sorted, const int* __restrict__ tile_expert, int N, int K,
-    int max_tiles, int ks_hi, int target) {
+    int max_tiles, int ks_hi, int slots) {
     pdl_enter();
     w4_mma<1>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
               reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, N, K, max_tiles,
-              ks_hi, target);
+              ks_hi, slots);
 }

@@ -366,8 +366,9 @@ pub struct MoeBenchReport {
     pub w4_regs_local: [[i32; 2]; 2],
     /// NVRTC tunables the kernels were compiled with (`SPECLAB_KERNEL_DEFINES`).
     pub kernel_defines: Vec<String>,
-    /// The INT4 GEMMs' target block count (`SPECLAB_W4_TARGET_BLOCKS`, launch.rs).
-    pub w4_target_blocks: usize,
+    /// The INT4 GEMMs' resident block slots, the persistent grid's bound and the K-split
+    /// model's wave (`Gpu::w4_slots`, or `SPECLAB_W4_SLOTS`, launch.rs).
+    pub w4_slots: usize,
     pub timing: &'static str,
     pub rows: Vec<MoeRow>,
     pub all_pass: bool,
@@ -899,7 +900,7 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         w4_blocks_per_sm: occ,
         w4_regs_local: regs,
         kernel_defines: crate::kernels::env_defines()?,
-        w4_target_blocks: launch::w4_target_blocks()?,
+        w4_slots: launch::w4_slots(g.w4_slots)?,
         timing: "CUDA events around single calls, median of iters; experts = moe_gate_up_w4 + moe_down_w4 on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",
         all_pass: rows.iter().all(|r| r.pass),
         rows,

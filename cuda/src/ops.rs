@@ -747,8 +747,7 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     // splitting K from the real tile count, up to the host's bound `ks_hi` (launch.rs).
     let w4t = launch::W4Tiles {
         max: r.max_tiles,
-        min: launch::moe_min_tiles(r.t, r.k),
-        target: launch::w4_target_blocks()?,
+        slots: launch::w4_slots(g.w4_slots)?,
     };
     let (gu_shape, gu_ks) = if int4 {
         launch::moe_w4(im, hd, 2, &w4t, gu_name)?
@@ -760,13 +759,13 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     } else {
         (launch::moe_gemm(hd, r.max_tiles, dn_name)?, 0)
     };
-    // The INT4 kernels' last arguments: the grid's tiles, the K-split bound, the target.
+    // The INT4 kernels' last arguments: the grid's tiles, the K-split bound, the slots.
     let w4_tail = |ks: usize| -> Result<Vec<Arg>> {
         Ok(if int4 {
             vec![
                 int(r.max_tiles, "max_tiles")?,
                 int(ks, "ks_hi")?,
-                int(w4t.target, "target")?,
+                int(w4t.slots, "slots")?,
             ]
         } else {
             Vec::new()
