@@ -371,14 +371,16 @@ struct W4B {
     u32 v[4][W];
 };
 
-template <bool PK>
+// CG: the B operand was written earlier in the same launch (the fused kernel's split /
+// gate-up phases), so it is read through L2 (ld.global.cg), not the read-only path.
+template <bool PK, bool CG>
 __device__ __forceinline__ void w4_load_b(W4B<PK>& b, const uint2* __restrict__ bp, int hg) {
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
         const uint2* p = bp + (size_t)(hg * 4 + u) * (4 * W4_XS);
 #pragma unroll
         for (int i = 0; i < W4B<PK>::W / 2; ++i) {
-            const uint2 v = __ldg(p + i);
+            const uint2 v = CG ? __ldcg(p + i) : __ldg(p + i);
             b.v[u][2 * i] = v.x;
             b.v[u][2 * i + 1] = v.y;
         }
@@ -456,22 +458,22 @@ __device__ __forceinline__ void w4_take(float acc[W4_RT][4], const W4Lane& l, in
 // slot 0 was issued and committed.  Double buffer, unrolled by two so the slots and the
 // two B operands are fixed registers: while half j is multiplied, half j + 1's weights
 // (cp.async) and B operand (registers) are in flight.
-template <bool PK>
+template <bool PK, bool CG>
 __device__ __forceinline__ void w4_walk(float acc[W4_RT][4], const W4Lane& l,
                                         const uint2* __restrict__ bp, int h0, int h1) {
     W4B<PK> b0, b1;
-    w4_load_b<PK>(b0, bp, h0);
+    w4_load_b<PK, CG>(b0, bp, h0);
     for (int h = h0; h < h1; h += 2) {
         const bool two = h + 1 < h1;
         if (two) w4_issue(l, h + 1, 1);
         cp_async_commit();
-        if (two) w4_load_b<PK>(b1, bp, h + 1);
+        if (two) w4_load_b<PK, CG>(b1, bp, h + 1);
         cp_async_wait_one();  // half h has landed
         w4_take<PK>(acc, l, 0, b0);
         if (!two) break;
         if (h + 2 < h1) w4_issue(l, h + 2, 0);
         cp_async_commit();
-        if (h + 2 < h1) w4_load_b<PK>(b0, bp, h + 2);
+        if (h + 2 < h1) w4_load_b<PK, CG>(b0, bp, h + 2);
         cp_async_wait_one();  // half h + 1 has landed
         w4_take<PK>(acc, l, 1, b1);
     }
@@ -551,10 +553,41 @@ __device__ __forceinline__ int w4_ks(int nrb, int ntiles, int halves, int ks_hi,
     return best;
 }
 
+// The acquire side of the fused kernel's phase counters: thread 0 polls *ctr until it
+// reaches `need`, then the block goes on.  Bounded: past 2^26 polls (seconds) the kernel
+// traps, an error instead of a hang should the invariant (counters zero between launches)
+// ever break.
+__device__ __forceinline__ void w4_wait(const int* ctr, int need) {
+    if (threadIdx.x == 0) {
+        unsigned int polls = 0;
+        while (true) {
+            int v;
+            asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(ctr) : "memory");
+            if (v >= need) break;
+            if (++polls > (1u << 26)) __trap();
+            __nanosleep(64);
+        }
+    }
+    __syncthreads();
+}
+
+// The release side: after the block's barrier, one fenced increment (CUTLASS's semaphore
+// pattern, cutlass/semaphore.h).  Returns the old value (thread 0 only).
+__device__ __forceinline__ int w4_signal(int* ctr) {
+    __syncthreads();
+    int old = 0;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        old = atomicAdd(ctr, 1);
+    }
+    return old;
+}
+
 // One item of the walk: (real tile, group of W4_WARPS / ks row blocks), tile-major.
 // R = N * NMAT weight rows of K; q [E, R / 64, K / 16, 32, 4] words, sc
-// [E, R / 64, K / 128, 8, 8] bf16.
-template <int NMAT>
+// [E, R / 64, K / 128, 8, 8] bf16.  With `wait` (the fused kernel), the B operand is read
+// only once *wait >= need; the weights' first copy is already in flight then.
+template <int NMAT, bool CG>
 __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__ hs,
                                         const u32* __restrict__ xs,
                                         const uint4* __restrict__ qw,
@@ -562,7 +595,8 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
                                         const float* __restrict__ topk_w,
                                         const int* __restrict__ sorted,
                                         const int* __restrict__ tile_expert, int div, int N,
-                                        int K, int ks, int item, int tp[ROWS_PER_TILE]) {
+                                        int K, int ks, int item, int tp[ROWS_PER_TILE],
+                                        const int* wait = nullptr, int need = 0) {
     const int nrb = N * NMAT / 64, per = W4_WARPS / ks;
     const int xneed = (nrb + per - 1) / per;
     const int tile = item / xneed, bx = item % xneed;
@@ -583,7 +617,11 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
     if (live && h0 < h1) w4_issue(l, h0, 0);
     cp_async_commit();
     if (threadIdx.x < ROWS_PER_TILE) tp[threadIdx.x] = sorted[(size_t)tile * ROWS_PER_TILE + threadIdx.x];
-    __syncthreads();
+    if (wait) {
+        w4_wait(wait, need);  // includes the barrier
+    } else {
+        __syncthreads();
+    }
     // moe_align fills a tile front to back, so the real pairs are the first np.
     int np = 0;
 #pragma unroll
@@ -604,9 +642,9 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
         for (int c = 0; c < 4; ++c) acc[i][c] = 0.0f;
     if (live) {
         if (pk) {
-            w4_walk<true>(acc, l, bp, h0, h1);
+            w4_walk<true, CG>(acc, l, bp, h0, h1);
         } else {
-            w4_walk<false>(acc, l, bp, h0, h1);
+            w4_walk<false, CG>(acc, l, bp, h0, h1);
         }
     }
 #pragma unroll
@@ -636,7 +674,8 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
     const int items = ntiles * ((nrb + per - 1) / per);
     __shared__ int tp[ROWS_PER_TILE];
     for (int item = blockIdx.x; item < items; item += gridDim.x)  // uniform per block
-        w4_item<NMAT>(y, hs, xs, qw, scw, topk_w, sorted, tile_expert, div, N, K, ks, item, tp);
+        w4_item<NMAT, false>(y, hs, xs, qw, scw, topk_w, sorted, tile_expert, div, N, K, ks,
+                             item, tp);
 }
 
 // Routed experts gate/up + SiLU, INT4: h[p, n] = silu(x[p / topk] . Wg[e, n]) *
@@ -673,4 +712,73 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_down_w4
     w4_mma<1>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
               reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, N, K, max_tiles,
               ks_hi, slots);
+}
+
+// Items of one phase of the fused kernel at K split ks: ntiles x ceil(row blocks / (W4_WARPS / ks)).
+__device__ __forceinline__ int w4_groups(int nrb, int ks) {
+    return (nrb + W4_WARPS / ks - 1) / (W4_WARPS / ks);
+}
+
+// The routed experts in one persistent launch (issue 12: one kernel boundary and one
+// start-up instead of three): the split of x (when x is not null), gate/up + SiLU, then the
+// down projection with the router weight, as moe_split_x + moe_gate_up_w4 + moe_down_w4
+// compute them (the same items, splits and summation order, so the same bits).
+// Block b walks items b, b + gridDim.x, ... of one list: split chunks, then gate/up items,
+// then down items.  A gate/up item waits until every split chunk is done, a down item of
+// tile i until every gate/up item of tile i is (phase counters in `sync`: release after a
+// barrier, acquire by thread 0).  Every item a block waits on comes earlier in the list, so
+// on a grid of resident blocks (the host's bound: slots) none waits forever.  The last down
+// item resets the counters: sync is zero between launches (allocated zeroed).
+// Shapes: as moe_split_x / moe_gate_up_w4 / moe_down_w4 (H hidden, Im moe-intermediate,
+// x [T, H] f32 or null when xs already holds the split), sync [2 + max_tiles] i32:
+// split chunks done, down items done, gate/up items done per tile.
+// Launch: grid min(slots, items at ks_hi), block 32 W4_WARPS, dynamic shared memory W4_SMEM.
+extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_experts_w4(
+    float* __restrict__ y, u32* __restrict__ h, u32* __restrict__ xs,
+    const float* __restrict__ x, int T, const u32* __restrict__ q13,
+    const bf16_bits* __restrict__ s13, const u32* __restrict__ qd,
+    const bf16_bits* __restrict__ sd, const float* __restrict__ topk_w,
+    const int* __restrict__ sorted, const int* __restrict__ tile_expert, int* __restrict__ sync,
+    int topk, int H, int Im, int max_tiles, int ks_hi_gu, int ks_hi_dn, int slots) {
+    pdl_enter();
+    const int ntiles = tile_expert[max_tiles];
+    const int nrb_gu = 2 * Im / 64, nrb_dn = H / 64;
+    const int ks_gu = w4_ks(nrb_gu, ntiles, H / 64, ks_hi_gu, slots);
+    const int ks_dn = w4_ks(nrb_dn, ntiles, Im / 64, ks_hi_dn, slots);
+    const int xgu = w4_groups(nrb_gu, ks_gu), xdn = w4_groups(nrb_dn, ks_dn);
+    const int split_items = T * (H / 4);
+    const int nsplit = x ? (split_items + blockDim.x - 1) / blockDim.x : 0;
+    const int ngu = ntiles * xgu, ndn = ntiles * xdn;
+    int* split_done = sync;
+    int* dn_done = sync + 1;
+    int* gu_done = sync + 2;
+    __shared__ int tp[ROWS_PER_TILE];
+    for (int item = blockIdx.x; item < nsplit + ngu + ndn; item += gridDim.x) {  // uniform
+        if (item < nsplit) {
+            const int i = item * blockDim.x + threadIdx.x;
+            if (i < split_items) {
+                const int row = i / (H / 4);
+                w4_split_item(xs, x + (size_t)row * H, row, H, i % (H / 4));
+            }
+            w4_signal(split_done);
+        } else if (item < nsplit + ngu) {
+            const int j = item - nsplit;
+            w4_item<2, true>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
+                             reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert,
+                             topk, Im, H, ks_gu, j, tp, nsplit ? split_done : nullptr, nsplit);
+            w4_signal(gu_done + j / xgu);
+        } else {
+            const int j = item - nsplit - ngu;
+            w4_item<1, true>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
+                             reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1,
+                             H, Im, ks_dn, j, tp, gu_done + j / xdn, xgu);
+            // Every wait of this launch has passed once all down items are done.
+            const int old = w4_signal(dn_done);
+            if (threadIdx.x == 0 && old == ndn - 1) {
+                *split_done = 0;
+                *dn_done = 0;
+                for (int t = 0; t < ntiles; ++t) gu_done[t] = 0;
+            }
+        }
+    }
 }

@@ -78,7 +78,7 @@ pub fn pdl_wanted(major: i32, env: Option<&str>) -> bool {
 }
 
 /// The INT4 expert GEMMs (tensor-core mma over pre-shuffled fragments: cuda/kernels/linear.cu).
-pub const W4_KERNELS: [&str; 2] = ["moe_gate_up_w4", "moe_down_w4"];
+pub const W4_KERNELS: [&str; 3] = ["moe_gate_up_w4", "moe_down_w4", "moe_experts_w4"];
 
 /// Shared-memory carveout (percent of the SM's 228 KB) asked for the INT4 GEMMs: all of
 /// it, room for 2 blocks of their 96 KB cp.async ring + accumulator array (2 blocks of

@@ -74,6 +74,7 @@ pub const SOURCES: &[KernelSource] = &[
             "moe_gate_up_bf16",
             "moe_down_w4",
             "moe_down_bf16",
+            "moe_experts_w4",
         ],
     },
     KernelSource {

@@ -30,6 +30,21 @@ pub const W4_ITEM_START: usize = 2;
 /// SMs x resident blocks an SM by default; a tuning knob, recorded by `bench moe`).
 pub const W4_SLOTS_ENV: &str = "SPECLAB_W4_SLOTS";
 
+/// Environment variable turning the fused INT4 experts kernel (`moe_experts_w4`: split,
+/// gate/up and down in one persistent launch) off: `0` runs the three kernels.
+pub const MOE_FUSED_ENV: &str = "SPECLAB_MOE_FUSED";
+
+/// Whether a `SPECLAB_MOE_FUSED` value asks for the fused kernel (anything but `0`).
+pub fn moe_fused_wanted(v: Option<&str>) -> bool {
+    v.map(str::trim) != Some("0")
+}
+
+/// The fused INT4 experts kernel is used ([`MOE_FUSED_ENV`], read once).
+pub fn moe_fused() -> bool {
+    static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FUSED.get_or_init(|| moe_fused_wanted(std::env::var(MOE_FUSED_ENV).ok().as_deref()))
+}
+
 /// The INT4 GEMMs' resident block slots: [`W4_SLOTS_ENV`] if set (1..=65536), else
 /// `device` (`Gpu::w4_slots`).
 pub fn w4_slots(device: usize) -> Result<usize> {
@@ -388,6 +403,8 @@ mod tests {
     fn w4_items_cover_every_row_block_and_half_group_once() {
         let tl = |max, slots| W4Tiles { max, slots };
         assert_eq!(parse_w4_slots(" 512").unwrap(), 512);
+        assert!(moe_fused_wanted(None) && moe_fused_wanted(Some("1")));
+        assert!(!moe_fused_wanted(Some("0")) && !moe_fused_wanted(Some(" 0")));
         for bad in ["0", "x", "-3", "70000", ""] {
             let e = parse_w4_slots(bad).unwrap_err().to_string();
             assert!(e.contains(W4_SLOTS_ENV) && e.contains("1 to 65536"), "{e}");

@@ -369,6 +369,9 @@ pub struct MoeBenchReport {
     /// The INT4 GEMMs' resident block slots, the persistent grid's bound and the K-split
     /// model's wave (`Gpu::w4_slots`, or `SPECLAB_W4_SLOTS`, launch.rs).
     pub w4_slots: usize,
+    /// The experts ran as one fused kernel (`moe_experts_w4`; `SPECLAB_MOE_FUSED=0`: the
+    /// split, gate/up and down kernels).
+    pub moe_fused: bool,
     pub timing: &'static str,
     pub rows: Vec<MoeRow>,
     pub all_pass: bool,
@@ -515,6 +518,8 @@ struct Scratch {
     sh_out: DevBuf<f32>,
     /// Shape: [M, H] residual the combine adds into.
     x_out: DevBuf<f32>,
+    /// Shape: [2 + max_tiles] the fused experts kernel's phase counters (zero between calls).
+    sync: DevBuf<i32>,
 }
 
 impl Scratch {
@@ -530,6 +535,7 @@ impl Scratch {
             sh_h: DevBuf::zeros(st, m * s.shared_inter, "shared h")?,
             sh_out: DevBuf::zeros(st, m * s.hidden, "shared out")?,
             x_out: DevBuf::zeros(st, m * s.hidden, "x out")?,
+            sync: DevBuf::zeros(st, 2 + launch::moe_max_tiles(p, s.experts), "moe sync")?,
         })
     }
 }
@@ -549,6 +555,7 @@ fn experts_call(
         xs_ready: false,
         h: &sc.h,
         y: &sc.y,
+        sync: &sc.sync,
         hidden: s.hidden,
         inter: s.inter,
     };
@@ -901,7 +908,8 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         w4_regs_local: regs,
         kernel_defines: crate::kernels::env_defines()?,
         w4_slots: launch::w4_slots(g.w4_slots)?,
-        timing: "CUDA events around single calls, median of iters; experts = moe_gate_up_w4 + moe_down_w4 on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",
+        moe_fused: launch::moe_fused(),
+        timing: "CUDA events around single calls, median of iters; experts = moe_split_x + moe_gate_up_w4 + moe_down_w4, or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",
         all_pass: rows.iter().all(|r| r.pass),
         rows,
     })

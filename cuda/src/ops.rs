@@ -688,6 +688,8 @@ pub struct Experts<'a> {
     pub h: &'a DevBuf<f32>,
     /// Shape: [P, H] output.
     pub y: &'a DevBuf<f32>,
+    /// Shape: [2 + max_tiles] the fused INT4 kernel's phase counters, zero between launches.
+    pub sync: &'a DevBuf<i32>,
     pub hidden: usize,
     pub inter: usize,
 }
@@ -771,6 +773,16 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
             Vec::new()
         })
     };
+    if let (true, ExpertPtrs::Int4 { .. }) = (launch::moe_fused(), &a.w) {
+        let fused = Fused {
+            gu_w,
+            dn_w,
+            grid: gu_shape.grid.0 as usize + dn_shape.grid.0 as usize,
+            ks: [gu_ks, dn_ks],
+            slots: w4t.slots,
+        };
+        return moe_experts_fused(g, r, a, fused, [sorted, tiles, h, x, y, wts]);
+    }
     let mut args = if int4 {
         let xs = ptr(a.xs, 0, r.t * hd * launch::W4_XS_MAX / 2, "moe xs")?;
         if !a.xs_ready {
@@ -810,6 +822,64 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     args.extend(w4_tail(dn_ks)?);
     // SAFETY: y [P, H], h as above, weights [E, H, Im], wts [P] checked; indices as above.
     unsafe { launch(g, dn_name, dn_shape, &args) }
+}
+
+/// What `moe_experts` hands the fused INT4 kernel: the two weight-pointer pairs, the
+/// separate kernels' grids (summed, then bounded by the slots), their K-split bounds.
+struct Fused {
+    gu_w: Vec<Arg>,
+    dn_w: Vec<Arg>,
+    grid: usize,
+    ks: [usize; 2],
+    slots: usize,
+}
+
+/// Kernel `moe_experts_w4`: split (unless `xs_ready`), gate/up and down in one persistent
+/// launch. `p` = the checked pointers sorted, tile_expert, h, x, y, wts of `moe_experts`.
+fn moe_experts_fused(
+    g: &Gpu,
+    r: &Routing<'_>,
+    a: &Experts<'_>,
+    f: Fused,
+    p: [Arg; 6],
+) -> Result<()> {
+    let [sorted, tiles, h, x, y, wts] = p;
+    let (hd, im) = (a.hidden, a.inter);
+    let split_chunks = if a.xs_ready {
+        0
+    } else {
+        (r.t * hd / 4).div_ceil(32 * launch::W4_WARPS as usize)
+    };
+    let grid = (f.grid + split_chunks).min(f.slots.max(1));
+    let mut shape = launch::grid_2d(grid, 1, 32 * launch::W4_WARPS, "moe_experts_w4")?;
+    shape.smem = launch::W4_SMEM;
+    let mut args = vec![
+        y,
+        h,
+        ptr(a.xs, 0, r.t * hd * launch::W4_XS_MAX / 2, "moe xs")?,
+        if a.xs_ready { Arg::P(0) } else { x },
+        int(r.t, "T")?,
+    ];
+    args.extend(f.gu_w);
+    args.extend(f.dn_w);
+    args.extend([
+        wts,
+        sorted,
+        tiles,
+        ptr(a.sync, 0, 2 + r.max_tiles, "moe sync")?,
+        int(r.k, "topk")?,
+        int(hd, "H")?,
+        int(im, "Im")?,
+        int(r.max_tiles, "max_tiles")?,
+        int(f.ks[0], "ks_hi_gu")?,
+        int(f.ks[1], "ks_hi_dn")?,
+        int(f.slots, "slots")?,
+    ]);
+    // SAFETY: as the three separate launches of `moe_experts` (the same pointers and
+    // bounds, checked there), plus sync [2 + max_tiles] i32 checked here, zero between
+    // launches (allocated zeroed, reset by the kernel's last item); the grid is at most the
+    // resident slots, so no block waits on an item of a block that is not running.
+    unsafe { launch(g, "moe_experts_w4", shape, &args) }
 }
 
 /// Kernel `moe_combine`: `x += routed (ascending expert) + shared`.

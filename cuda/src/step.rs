@@ -521,6 +521,7 @@ impl CudaBackend {
             xs_ready: fused_split,
             h: &ws.h_moe,
             y: &ws.y_pairs,
+            sync: &ws.moe_sync,
             hidden: h,
             inter: cfg.moe_intermediate_size,
         };

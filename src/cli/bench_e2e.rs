@@ -186,6 +186,9 @@ pub struct DeviceFacts {
     /// Kernels launched with programmatic dependent launch (sm_90+ unless
     /// `SPECLAB_PDL=0`: speclab_cuda::device::pdl_wanted).
     pub programmatic_launch: bool,
+    /// The INT4 routed experts run as one fused kernel (`moe_experts_w4`, unless
+    /// `SPECLAB_MOE_FUSED=0`: speclab_cuda::launch::moe_fused).
+    pub moe_fused: bool,
 }
 
 /// Everything a leg needs.
@@ -454,6 +457,7 @@ fn device_facts(a: &E2eArgs, target: &ModelWeights) -> anyhow::Result<DeviceFact
         launch_us_eager,
         launch_us_graph,
         programmatic_launch: b.programmatic_launch(),
+        moe_fused: speclab_cuda::launch::moe_fused(),
     })
 }
 
