@@ -276,11 +276,9 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 // - A warp owns a row block of 64 weight rows (W4_RT = 4 mma tiles of 16) over a K range
 //   of whole half 128-groups; the block's W4_WARPS warps split K ks ways and cover
 //   W4_WARPS / ks row blocks.  ks (w4_ks) is chosen in the kernel from moe_align's count of
-//   real tiles by a wave model (items of equal length run `slots` at a time; longer walks
-//   amortize an item's start-up), at most the host's bound ks_hi.  The grid is persistent:
-//   at most `slots` blocks (the resident ones), each walking items blockIdx.x + j gridDim.x
-//   of the (tile, row-block group) list, so skewed routing with a tile count just past a
-//   wave no longer leaves most of the last wave's slots idle.
+//   real tiles: the smallest split whose blocks reach `target` (longer walks amortize a
+//   warp's start-up), at most the host's bound ks_hi; the 1-D grid of (tile, row-block
+//   group) items is sized for ks_hi and every tile, and items past the real ones exit.
 // - Weights (cuda/src/repack.rs, "the device INT4 layout"): per (expert, row block, k16
 //   step) 32 lanes x uint4, word i of lane (g, t) = the A fragment of mma tile i, nibble
 //   slot j + 4 e = element e of register j, so (w >> 4 j) & 0x000f000f | 0x43004300 is the
@@ -372,7 +370,7 @@ struct W4B {
 };
 
 // CG: the B operand was written earlier in the same launch (the fused kernel's split /
-// gate-up phases), so it is read through L2 (ld.global.cg), not the read-only path.
+// gate-up items), so it is read through L2 (ld.global.cg), not the read-only path.
 template <bool PK, bool CG>
 __device__ __forceinline__ void w4_load_b(W4B<PK>& b, const uint2* __restrict__ bp, int hg) {
 #pragma unroll
@@ -529,34 +527,17 @@ __device__ __forceinline__ void w4_epilogue(const float* red, float* __restrict_
     }
 }
 
-// Start-up of one block item in half-group walks of a warp (the tile's pairs, the first
-// weight copy's DRAM round trip, the K-slice reduction and the epilogue): about 2 us
-// against about 1 us a half group a warp at full bandwidth (issue 12 estimate, mirrored by
-// cuda/src/launch.rs W4_ITEM_START; an NVRTC tunable, SPECLAB_KERNEL_DEFINES).
-#ifndef W4_ITEM_START
-#define W4_ITEM_START 2
-#endif
-
 // Warps splitting K for `ntiles` real tiles (mirrored by cuda/src/launch.rs w4_ks): the
-// power of two ks <= ks_hi that minimizes the wave model waves x (halves / ks + start),
-// where the ntiles ceil(nrb / (W4_WARPS / ks)) equal items run `slots` at a time (the
-// resident blocks of the persistent grid); ties to the smaller ks (longer walks).
-__device__ __forceinline__ int w4_ks(int nrb, int ntiles, int halves, int ks_hi, int slots) {
-    int best = 1;
-    long long best_cost = -1;
-    for (int ks = 1; ks <= ks_hi; ks *= 2) {
-        const long long items = (long long)((nrb + W4_WARPS / ks - 1) / (W4_WARPS / ks)) * ntiles;
-        const long long waves = (items + slots - 1) / slots;
-        const long long cost = waves * (halves * W4_WARPS / ks + W4_ITEM_START * W4_WARPS);
-        if (best_cost < 0 || cost < best_cost) { best = ks; best_cost = cost; }
-    }
-    return best;
+// smallest power of two <= ks_hi whose blocks reach `target`.
+__device__ __forceinline__ int w4_ks(int nrb, int ntiles, int ks_hi, int target) {
+    int ks = 1;
+    while (ks < ks_hi && (nrb + W4_WARPS / ks - 1) / (W4_WARPS / ks) * ntiles < target) ks *= 2;
+    return ks;
 }
 
-// The acquire side of the fused kernel's phase counters: thread 0 polls *ctr until it
-// reaches `need`, then the block goes on.  Bounded: past 2^26 polls (seconds) the kernel
-// traps, an error instead of a hang should the invariant (counters zero between launches)
-// ever break.
+// The acquire side of the fused kernel's counters: thread 0 polls *ctr until it reaches
+// `need`, then the block goes on.  Bounded: past 2^26 polls (seconds) the kernel traps, an
+// error instead of a hang should the invariant (counters zero between launches) break.
 __device__ __forceinline__ void w4_wait(const int* ctr, int need) {
     if (threadIdx.x == 0) {
         unsigned int polls = 0;
@@ -571,8 +552,8 @@ __device__ __forceinline__ void w4_wait(const int* ctr, int need) {
     __syncthreads();
 }
 
-// The release side: after the block's barrier, one fenced increment (CUTLASS's semaphore
-// pattern, cutlass/semaphore.h).  Returns the old value (thread 0 only).
+// The release side: after the block's barrier, one fenced increment (the pattern of
+// CUTLASS's semaphore, include/cutlass/semaphore.h).  Returns the old value (thread 0).
 __device__ __forceinline__ int w4_signal(int* ctr) {
     __syncthreads();
     int old = 0;
@@ -583,10 +564,10 @@ __device__ __forceinline__ int w4_signal(int* ctr) {
     return old;
 }
 
-// One item of the walk: (real tile, group of W4_WARPS / ks row blocks), tile-major.
-// R = N * NMAT weight rows of K; q [E, R / 64, K / 16, 32, 4] words, sc
-// [E, R / 64, K / 128, 8, 8] bf16.  With `wait` (the fused kernel), the B operand is read
-// only once *wait >= need; the weights' first copy is already in flight then.
+// One item: (tile, group bx of W4_WARPS / ks row blocks).  R = N * NMAT weight rows of K;
+// q [E, R / 64, K / 16, 32, 4] words, sc [E, R / 64, K / 128, 8, 8] bf16.  With `wait`
+// (the fused kernel) the B operand is read only once *wait >= need; the weights' first
+// copy is in flight by then.
 template <int NMAT, bool CG>
 __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__ hs,
                                         const u32* __restrict__ xs,
@@ -595,14 +576,13 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
                                         const float* __restrict__ topk_w,
                                         const int* __restrict__ sorted,
                                         const int* __restrict__ tile_expert, int div, int N,
-                                        int K, int ks, int item, int tp[ROWS_PER_TILE],
-                                        const int* wait = nullptr, int need = 0) {
+                                        int K, int ks, int tile, int bx,
+                                        const int* wait, int need) {
     const int nrb = N * NMAT / 64, per = W4_WARPS / ks;
-    const int xneed = (nrb + per - 1) / per;
-    const int tile = item / xneed, bx = item % xneed;
     const int e = tile_expert[tile];
     extern __shared__ uint4 w4_smem[];
     float* red = reinterpret_cast<float*>(w4_smem + W4_WARPS * W4_STAGES * W4_SLOT * WARP);
+    __shared__ int tp[ROWS_PER_TILE];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int halves = K / 64;
     const int kw = warp % ks, rb = bx * per + warp / ks;
@@ -653,12 +633,10 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
         for (int c = 0; c < 4; ++c) red[(warp * W4_RT * 4 + i * 4 + c) * WARP + lane] = acc[i][c];
     __syncthreads();  // every thread reaches it
     w4_epilogue<NMAT>(red, y, hs, topk_w, tp, np, pk, ks, nrb, N, bx);
-    __syncthreads();  // red and tp are free for the next item
 }
 
-// The persistent walk: block b takes items b, b + gridDim.x, ... of the ntiles xneed
-// items (the host sizes the grid to at most the resident blocks, launch.rs moe_w4), so a
-// wave's tail is the model w4_ks minimizes, not a grid's last partial wave.
+// One block: item blockIdx.x of (real tile, group of W4_WARPS / ks row blocks), tile-major;
+// items past the real tiles exit at once (the grid is sized for ks_hi and every tile).
 template <int NMAT>
 __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ hs,
                                        const u32* __restrict__ xs,
@@ -667,35 +645,34 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
                                        const float* __restrict__ topk_w,
                                        const int* __restrict__ sorted,
                                        const int* __restrict__ tile_expert, int div, int N,
-                                       int K, int max_tiles, int ks_hi, int slots) {
+                                       int K, int max_tiles, int ks_hi, int target) {
     const int nrb = N * NMAT / 64;
     const int ntiles = tile_expert[max_tiles];
-    const int ks = w4_ks(nrb, ntiles, K / 64, ks_hi, slots), per = W4_WARPS / ks;
-    const int items = ntiles * ((nrb + per - 1) / per);
-    __shared__ int tp[ROWS_PER_TILE];
-    for (int item = blockIdx.x; item < items; item += gridDim.x)  // uniform per block
-        w4_item<NMAT, false>(y, hs, xs, qw, scw, topk_w, sorted, tile_expert, div, N, K, ks,
-                             item, tp);
+    const int ks = w4_ks(nrb, ntiles, ks_hi, target), per = W4_WARPS / ks;
+    const int xneed = (nrb + per - 1) / per;
+    if ((int)blockIdx.x >= ntiles * xneed) return;  // uniform per block
+    w4_item<NMAT, false>(y, hs, xs, qw, scw, topk_w, sorted, tile_expert, div, N, K, ks,
+                         blockIdx.x / xneed, blockIdx.x % xneed, nullptr, 0);
 }
 
 // Routed experts gate/up + SiLU, INT4: h[p, n] = silu(x[p / topk] . Wg[e, n]) *
-// (x[p / topk] . Wu[e, n]) for every pair p of every real tile (expert e), written split
+// (x[p / topk] . Wu[e, n]) for every pair p of tile blockIdx.y (expert e), written split
 // (w4_h_word, K = N).  Shapes: xs [T, K W4_XS / 2] u32 words (moe_split_x of the
 // post-norm input), q13 [E, 2N / 64, K / 16, 32, 4]
 // u32, s13 [E, 2N / 64, K / 128, 8, 8] bf16 (cuda/src/repack.rs), h [P, N W4_XS / 2] u32
 // words (N = moe_intermediate_size).
 // tile_expert [max_tiles + 1] (moe_align: experts, then the count used).
-// Launch: grid min(slots, max_tiles ceil(2N / 64 / (W4_WARPS / ks_hi))), block 32
-// W4_WARPS, dynamic shared memory W4_SMEM (launch.rs moe_w4); slots = resident blocks.
+// Launch: grid (max_tiles ceil(2N / 64 / (W4_WARPS / ks_hi))), block 32 W4_WARPS, dynamic
+// shared memory W4_SMEM (launch.rs moe_w4).
 extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up_w4(
     u32* __restrict__ h, const u32* __restrict__ xs, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
     const int* __restrict__ tile_expert, int topk, int N, int K, int max_tiles, int ks_hi,
-    int slots) {
+    int target) {
     pdl_enter();
     w4_mma<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
               reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K,
-              max_tiles, ks_hi, slots);
+              max_tiles, ks_hi, target);
 }
 
 // Routed experts down-projection with the router weight applied: y[p, n] = w_p *
@@ -707,78 +684,81 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_down_w4
     float* __restrict__ y, const u32* __restrict__ h, const u32* __restrict__ qd,
     const bf16_bits* __restrict__ sd, const float* __restrict__ topk_w,
     const int* __restrict__ sorted, const int* __restrict__ tile_expert, int N, int K,
-    int max_tiles, int ks_hi, int slots) {
+    int max_tiles, int ks_hi, int target) {
     pdl_enter();
     w4_mma<1>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
               reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, N, K, max_tiles,
-              ks_hi, slots);
+              ks_hi, target);
 }
 
-// Items of one phase of the fused kernel at K split ks: ntiles x ceil(row blocks / (W4_WARPS / ks)).
-__device__ __forceinline__ int w4_groups(int nrb, int ks) {
-    return (nrb + W4_WARPS / ks - 1) / (W4_WARPS / ks);
-}
-
-// The routed experts in one persistent launch (issue 12: one kernel boundary and one
-// start-up instead of three): the split of x (when x is not null), gate/up + SiLU, then the
-// down projection with the router weight, as moe_split_x + moe_gate_up_w4 + moe_down_w4
-// compute them (the same items, splits and summation order, so the same bits).
-// Block b walks items b, b + gridDim.x, ... of one list: split chunks, then gate/up items,
-// then down items.  A gate/up item waits until every split chunk is done, a down item of
-// tile i until every gate/up item of tile i is (phase counters in `sync`: release after a
-// barrier, acquire by thread 0).  Every item a block waits on comes earlier in the list, so
-// on a grid of resident blocks (the host's bound: slots) none waits forever.  The last down
-// item resets the counters: sync is zero between launches (allocated zeroed).
-// Shapes: as moe_split_x / moe_gate_up_w4 / moe_down_w4 (H hidden, Im moe-intermediate,
-// x [T, H] f32 or null when xs already holds the split), sync [2 + max_tiles] i32:
-// split chunks done, down items done, gate/up items done per tile.
-// Launch: grid min(slots, items at ks_hi), block 32 W4_WARPS, dynamic shared memory W4_SMEM.
+// The routed experts in one launch (issue 12): the split of x (when x is not null),
+// gate/up + SiLU, then the down projection with the router weight, as moe_split_x +
+// moe_gate_up_w4 + moe_down_w4 compute them (the same items, K splits and summation
+// order, so the same bits), one kernel boundary instead of three.
+// Each block takes a ticket (sync[0]) and runs item `ticket` of one list: split chunks of
+// 256 (row, k16 step, lane-in-group) items, then gate/up items, then down items.  A gate/up
+// item waits until every split chunk is done (sync[2]), a down item of tile i until every
+// gate/up item of tile i is (sync[3 + i]).  Tickets follow the order blocks start in, so a
+// block only ever waits on items already taken by running blocks (CUB's decoupled
+// look-back uses the same dynamic index): no assumption on residency.  The last block to
+// finish (sync[1]) resets the counters: sync is zero between launches (allocated zeroed).
+// Shapes: as moe_split_x / moe_gate_up_w4 / moe_down_w4 (H hidden, Im moe-intermediate;
+// x [T, H] f32 or null when xs already holds the split), sync [3 + max_tiles] i32.
+// Launch: grid = the split chunks + both kernels' grids (launch.rs moe_w4), block 32
+// W4_WARPS, dynamic shared memory W4_SMEM.
 extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_experts_w4(
     float* __restrict__ y, u32* __restrict__ h, u32* __restrict__ xs,
     const float* __restrict__ x, int T, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const u32* __restrict__ qd,
     const bf16_bits* __restrict__ sd, const float* __restrict__ topk_w,
     const int* __restrict__ sorted, const int* __restrict__ tile_expert, int* __restrict__ sync,
-    int topk, int H, int Im, int max_tiles, int ks_hi_gu, int ks_hi_dn, int slots) {
+    int topk, int H, int Im, int max_tiles, int ks_hi_gu, int ks_hi_dn, int target) {
     pdl_enter();
+    __shared__ int ticket;
+    if (threadIdx.x == 0) ticket = atomicAdd(sync, 1);
+    __syncthreads();
+    const int item = ticket;
     const int ntiles = tile_expert[max_tiles];
     const int nrb_gu = 2 * Im / 64, nrb_dn = H / 64;
-    const int ks_gu = w4_ks(nrb_gu, ntiles, H / 64, ks_hi_gu, slots);
-    const int ks_dn = w4_ks(nrb_dn, ntiles, Im / 64, ks_hi_dn, slots);
-    const int xgu = w4_groups(nrb_gu, ks_gu), xdn = w4_groups(nrb_dn, ks_dn);
+    const int ks_gu = w4_ks(nrb_gu, ntiles, ks_hi_gu, target);
+    const int ks_dn = w4_ks(nrb_dn, ntiles, ks_hi_dn, target);
+    const int pgu = W4_WARPS / ks_gu, pdn = W4_WARPS / ks_dn;
+    const int xgu = (nrb_gu + pgu - 1) / pgu, xdn = (nrb_dn + pdn - 1) / pdn;
     const int split_items = T * (H / 4);
     const int nsplit = x ? (split_items + blockDim.x - 1) / blockDim.x : 0;
     const int ngu = ntiles * xgu, ndn = ntiles * xdn;
-    int* split_done = sync;
-    int* dn_done = sync + 1;
-    int* gu_done = sync + 2;
-    __shared__ int tp[ROWS_PER_TILE];
-    for (int item = blockIdx.x; item < nsplit + ngu + ndn; item += gridDim.x) {  // uniform
-        if (item < nsplit) {
-            const int i = item * blockDim.x + threadIdx.x;
-            if (i < split_items) {
-                const int row = i / (H / 4);
-                w4_split_item(xs, x + (size_t)row * H, row, H, i % (H / 4));
-            }
-            w4_signal(split_done);
-        } else if (item < nsplit + ngu) {
-            const int j = item - nsplit;
-            w4_item<2, true>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
-                             reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert,
-                             topk, Im, H, ks_gu, j, tp, nsplit ? split_done : nullptr, nsplit);
-            w4_signal(gu_done + j / xgu);
-        } else {
-            const int j = item - nsplit - ngu;
-            w4_item<1, true>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
-                             reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1,
-                             H, Im, ks_dn, j, tp, gu_done + j / xdn, xgu);
-            // Every wait of this launch has passed once all down items are done.
-            const int old = w4_signal(dn_done);
-            if (threadIdx.x == 0 && old == ndn - 1) {
-                *split_done = 0;
-                *dn_done = 0;
-                for (int t = 0; t < ntiles; ++t) gu_done[t] = 0;
-            }
+    int* gu_done = sync + 3;
+    if (item < nsplit) {
+        const int i = item * blockDim.x + threadIdx.x;
+        if (i < split_items) {
+            const int row = i / (H / 4);
+            w4_split_item(xs, x + (size_t)row * H, row, H, i % (H / 4));
         }
+        w4_signal(sync + 2);
+    } else if (item < nsplit + ngu) {
+        const int j = item - nsplit, tile = j / xgu, bx = j % xgu;
+        const uint4* q = reinterpret_cast<const uint4*>(q13);
+        const uint4* sc = reinterpret_cast<const uint4*>(s13);
+        if (nsplit) {
+            w4_item<2, true>(nullptr, h, xs, q, sc, nullptr, sorted, tile_expert, topk, Im, H,
+                             ks_gu, tile, bx, sync + 2, nsplit);
+        } else {
+            w4_item<2, false>(nullptr, h, xs, q, sc, nullptr, sorted, tile_expert, topk, Im, H,
+                              ks_gu, tile, bx, nullptr, 0);
+        }
+        w4_signal(gu_done + tile);
+    } else if (item < nsplit + ngu + ndn) {
+        const int j = item - nsplit - ngu, tile = j / xdn;
+        w4_item<1, true>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
+                         reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, H, Im,
+                         ks_dn, tile, j % xdn, gu_done + tile, xgu);
+    }
+    // Every block, item or not, counts out; the last one resets what this launch touched.
+    const int out = w4_signal(sync + 1);
+    if (threadIdx.x == 0 && out == (int)gridDim.x - 1) {
+        sync[0] = 0;
+        sync[1] = 0;
+        sync[2] = 0;
+        for (int t = 0; t < ntiles; ++t) gu_done[t] = 0;
     }
 }

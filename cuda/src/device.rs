@@ -116,10 +116,6 @@ pub struct Gpu {
     /// Launch with programmatic dependent launch (sm_90+, unless `SPECLAB_PDL=0`):
     /// [`pdl_wanted`].
     pub pdl: std::cell::Cell<bool>,
-    /// Resident blocks of the INT4 expert GEMMs on the whole device (SMs x the smaller
-    /// occupancy of `moe_gate_up_w4` / `moe_down_w4` at their launch shape): the bound of
-    /// their persistent grid and the wave of their K-split model (launch.rs `w4_ks`).
-    pub w4_slots: usize,
     /// While profiling: (kernel name, an event recorded right after its launch).
     pub profile: std::cell::RefCell<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
 }
@@ -132,29 +128,6 @@ impl std::fmt::Debug for Gpu {
             .field("kernels", &self.funcs.len())
             .finish()
     }
-}
-
-/// SMs x resident blocks an SM of the INT4 expert GEMMs (the smaller of the two).
-fn w4_slots(ctx: &CudaContext, funcs: &HashMap<&'static str, CudaFunction>) -> Result<usize> {
-    use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
-    let sms = ctx
-        .attribute(SMS)
-        .map_err(|e| CudaError::driver("multiprocessor count", e))?;
-    let mut per_sm = u32::MAX;
-    for name in W4_KERNELS {
-        let f = funcs
-            .get(name)
-            .ok_or_else(|| CudaError::Input(format!("kernel `{name}` is not loaded (internal)")))?;
-        let b = f
-            .occupancy_max_active_blocks_per_multiprocessor(
-                32 * crate::launch::W4_WARPS,
-                crate::launch::W4_SMEM as usize,
-                None,
-            )
-            .map_err(|e| CudaError::driver(format!("occupancy of {name}"), e))?;
-        per_sm = per_sm.min(b);
-    }
-    Ok(sms.max(1) as usize * per_sm.max(1) as usize)
 }
 
 impl Gpu {
@@ -193,14 +166,12 @@ impl Gpu {
                 funcs.insert(entry, f);
             }
         }
-        let w4_slots = w4_slots(&ctx, &funcs)?;
         Ok(Self {
             ctx,
             stream,
             arch,
             name,
             funcs,
-            w4_slots,
             launches: std::cell::Cell::new(0),
             pdl: std::cell::Cell::new(pdl_wanted(
                 major,

@@ -22,16 +22,19 @@ pub const W4_WARPS: u32 = 8;
 pub const W4_XS_MAX: usize = 3;
 /// Weight stages of the INT4 GEMMs (`W4_STAGES`, a double buffer).
 pub const W4_STAGES: u32 = 2;
-/// Start-up of one INT4 GEMM item in half-group walks of a warp (`W4_ITEM_START`, an
-/// estimate: about 2 us of tile reads, first DRAM round trip and epilogue against about
-/// 1 us a half group a warp at full bandwidth).
-pub const W4_ITEM_START: usize = 2;
-/// Environment variable overriding the INT4 GEMMs' resident block slots (the device's
-/// SMs x resident blocks an SM by default; a tuning knob, recorded by `bench moe`).
-pub const W4_SLOTS_ENV: &str = "SPECLAB_W4_SLOTS";
+/// Blocks an INT4 expert GEMM launch aims at (2 resident per SM on the H200's 132 SMs,
+/// about one wave): [`w4_ks`] splits K no further than needed to reach it.
+pub const W4_TARGET_BLOCKS: usize = 256;
+/// Environment variable overriding [`W4_TARGET_BLOCKS`] (a tuning knob, recorded by
+/// `bench moe`).
+pub const W4_TARGET_ENV: &str = "SPECLAB_W4_TARGET_BLOCKS";
+
+/// Fixed counters ahead of the per-tile ones in the fused INT4 experts kernel's `sync`
+/// buffer (linear.cu `moe_experts_w4`): ticket, blocks done, split chunks done.
+pub const MOE_SYNC_FIXED: usize = 3;
 
 /// Environment variable turning the fused INT4 experts kernel (`moe_experts_w4`: split,
-/// gate/up and down in one persistent launch) off: `0` runs the three kernels.
+/// gate/up and down in one launch) off: `0` runs the three kernels.
 pub const MOE_FUSED_ENV: &str = "SPECLAB_MOE_FUSED";
 
 /// Whether a `SPECLAB_MOE_FUSED` value asks for the fused kernel (anything but `0`).
@@ -45,38 +48,42 @@ pub fn moe_fused() -> bool {
     *FUSED.get_or_init(|| moe_fused_wanted(std::env::var(MOE_FUSED_ENV).ok().as_deref()))
 }
 
-/// The INT4 GEMMs' resident block slots: [`W4_SLOTS_ENV`] if set (1..=65536), else
-/// `device` (`Gpu::w4_slots`).
-pub fn w4_slots(device: usize) -> Result<usize> {
+/// The INT4 GEMMs' target block count: [`W4_TARGET_ENV`] if set (1..=65536), else
+/// [`W4_TARGET_BLOCKS`].
+pub fn w4_target_blocks() -> Result<usize> {
     // Read once: the MoE layers of every step ask.
-    static SLOTS: std::sync::OnceLock<Option<std::result::Result<usize, String>>> =
+    static TARGET: std::sync::OnceLock<std::result::Result<usize, String>> =
         std::sync::OnceLock::new();
-    match SLOTS.get_or_init(|| {
-        std::env::var(W4_SLOTS_ENV).ok().map(|v| {
-            parse_w4_slots(&v).map_err(|e| match e {
+    TARGET
+        .get_or_init(|| match std::env::var(W4_TARGET_ENV) {
+            Err(_) => Ok(W4_TARGET_BLOCKS),
+            Ok(v) => parse_w4_target(&v).map_err(|e| match e {
                 CudaError::Input(m) => m,
                 other => other.to_string(),
-            })
+            }),
         })
-    }) {
-        None => Ok(device.max(1)),
-        Some(r) => r.clone().map_err(CudaError::Input),
-    }
+        .clone()
+        .map_err(CudaError::Input)
 }
 
-/// A [`W4_SLOTS_ENV`] value.
-pub fn parse_w4_slots(v: &str) -> Result<usize> {
+/// A [`W4_TARGET_ENV`] value.
+pub fn parse_w4_target(v: &str) -> Result<usize> {
     v.trim()
         .parse::<usize>()
         .ok()
         .filter(|n| (1..=65_536).contains(n))
         .ok_or_else(|| {
             CudaError::Input(format!(
-                "{W4_SLOTS_ENV}=`{v}`: expected a block count from 1 to 65536"
+                "{W4_TARGET_ENV}=`{v}`: expected a block count from 1 to 65536"
             ))
         })
 }
 
+/// A lower bound of the tiles `moe_align` fills for `t` tokens of `k` distinct experts
+/// each: every token's k experts differ (so >= k tiles) and a tile holds <= 8 pairs.
+pub fn moe_min_tiles(t: usize, k: usize) -> usize {
+    k.max((t * k).div_ceil(ROWS_PER_TILE as usize))
+}
 /// uint4s a lane a stage (`W4_SLOT`: 4 k16 steps of weights + the group's scales).
 pub const W4_SLOT: u32 = 5;
 /// Dynamic shared memory of an INT4 GEMM block: the cp.async ring
@@ -162,23 +169,17 @@ pub fn moe_split(t: usize, k: usize, what: &str) -> Result<Shape> {
 
 /// Warps splitting K in the INT4 expert GEMMs for `rows` weight rows of `k` over `tiles`
 /// real tiles, as the kernels choose it (linear.cu `w4_ks`, from moe_align's tile count):
-/// the power of two `ks <= ks_hi` minimizing the wave model `waves x (k / 64 / ks +
-/// W4_ITEM_START)`, where `tiles x ceil(rows / 64 / (W4_WARPS / ks))` equal items run
-/// `slots` at a time; ties to the smaller split (longer walks).
-pub fn w4_ks(rows: usize, tiles: usize, k: usize, ks_hi: usize, slots: usize) -> usize {
-    let warps = W4_WARPS as usize;
-    let (nrb, halves, slots) = (rows / 64, k / 64, slots.max(1));
-    let (mut best, mut best_cost) = (1, usize::MAX);
+/// the smallest power of two whose blocks reach `target` (longer walks amortize a warp's
+/// start-up latency), at most `ks_hi`. The host's `ks_hi` is this with `ks_hi` =
+/// `min(W4_WARPS, k / 64)` (a warp walks whole half 128-groups) at [`moe_min_tiles`], so
+/// the grid covers any real tile count; small layers such as models/tiny's take the most
+/// warps on K, for parallelism.
+pub fn w4_ks(rows: usize, tiles: usize, ks_hi: usize, target: usize) -> usize {
     let mut ks = 1;
-    while ks <= ks_hi {
-        let items = nrb.div_ceil(warps / ks) * tiles;
-        let cost = items.div_ceil(slots) * (halves * warps / ks + W4_ITEM_START * warps);
-        if cost < best_cost {
-            (best, best_cost) = (ks, cost);
-        }
+    while ks < ks_hi && (rows / 64).div_ceil(W4_WARPS as usize / ks) * tiles < target {
         ks *= 2;
     }
-    best
+    ks
 }
 
 /// The largest K split of `k`: `min(W4_WARPS, k / 64)`, a power of two as W4_WARPS is.
@@ -195,17 +196,18 @@ pub fn w4_ks_max(k: usize) -> usize {
 pub struct W4Tiles {
     /// The grid's tiles (`moe_max_tiles`).
     pub max: usize,
-    /// Resident block slots ([`w4_slots`]): the persistent grid's bound.
-    pub slots: usize,
+    /// A lower bound of the real ones ([`moe_min_tiles`]).
+    pub min: usize,
+    /// Target real blocks ([`w4_target_blocks`]).
+    pub target: usize,
 }
 
 /// INT4 expert GEMMs (`moe_gate_up_w4` with `nmat` 2, `moe_down_w4` with 1) over
-/// `n * nmat` weight rows of `k` weights: row blocks of 64 rows, `W4_WARPS / ks` of them an
-/// item for the kernels' K split `ks <= ks_hi` (returned beside the shape: an argument;
-/// `ks_hi` = [`w4_ks_max`]), a persistent 1-D grid of at most `slots` blocks walking the
-/// items (at most max_tiles x ceil(row blocks / (W4_WARPS / ks_hi)) of them), block 32
-/// W4_WARPS, dynamic shared memory [`W4_SMEM`]. Needs K % 128 == 0 and `n * nmat` % 64 ==
-/// 0 (the repacked layout).
+/// `n * nmat` weight rows of `k` weights: row blocks of 64 rows, `W4_WARPS / ks` of them a
+/// block for the kernels' K split `ks <= ks_hi` (returned beside the shape: an argument),
+/// a 1-D grid of max_tiles x ceil(row blocks / (W4_WARPS / ks_hi)) items (those past the
+/// real tiles exit), block 32 W4_WARPS, dynamic shared memory [`W4_SMEM`]. Needs
+/// K % 128 == 0 and `n * nmat` % 64 == 0 (the repacked layout).
 pub fn moe_w4(n: usize, k: usize, nmat: usize, t: &W4Tiles, what: &str) -> Result<(Shape, usize)> {
     let max_tiles = t.max;
     if k == 0
@@ -218,10 +220,10 @@ pub fn moe_w4(n: usize, k: usize, nmat: usize, t: &W4Tiles, what: &str) -> Resul
             "{what}: INT4 expert GEMM with N = {n}, K = {k}, {nmat} matrices (needs K % 128 == 0, N x matrices % 64 == 0)"
         )));
     }
-    let ks_hi = w4_ks_max(k);
+    let ks_hi = w4_ks(n * nmat, t.min.min(max_tiles), w4_ks_max(k), t.target);
     let per_block = W4_WARPS as usize / ks_hi;
     let mut s = grid_2d(
-        ((n * nmat / 64).div_ceil(per_block) * max_tiles).min(t.slots.max(1)),
+        (n * nmat / 64).div_ceil(per_block) * max_tiles,
         1,
         32 * W4_WARPS,
         what,
@@ -360,75 +362,64 @@ mod tests {
         assert_eq!(moe_max_tiles(64 * 8, 288), (512 + 288 * 7usize).div_ceil(8));
     }
 
-    /// Model of kernel `w4_mma`'s persistent walk for `ntiles` real tiles on a grid of
-    /// `grid` blocks: the kernel's K split `ks = w4_ks(rows, ntiles, k, ks_hi, slots)`;
-    /// block b walks items b, b + grid, ... below ntiles xneed; item i is tile i / xneed,
-    /// group bx = i % xneed; warp w owns row block `bx (W4_WARPS / ks) + w / ks` (real when
-    /// below `rows / 64`) and half groups `[kw G / ks, (kw + 1) G / ks)` with `kw = w % ks`,
-    /// `G = k / 64`. Counts each (tile, row block, half group); also returns the most items
-    /// a block walks.
-    fn w4_owned(
-        rows: usize,
-        k: usize,
-        ntiles: usize,
-        ks_hi: usize,
-        grid: usize,
-        slots: usize,
-    ) -> (Vec<u8>, usize) {
+    /// Model of kernel `w4_mma`'s walk for `ntiles` real tiles: the kernel's K split
+    /// `ks = w4_ks(rows, ntiles, ks_hi, target)`; block b < ntiles xneed is tile
+    /// b / xneed, group bx = b % xneed; warp w owns row block `bx (W4_WARPS / ks) + w / ks`
+    /// (real when below `rows / 64`) and half groups `[kw G / ks, (kw + 1) G / ks)` with
+    /// `kw = w % ks`, `G = k / 64`. Counts each (tile, row block, half group); also returns
+    /// the blocks the kernel needs.
+    fn w4_owned(rows: usize, k: usize, ntiles: usize, ks_hi: usize) -> (Vec<u8>, usize) {
         let (groups, nrb) = (k / 64, rows / 64);
-        let ks = w4_ks(rows, ntiles, k, ks_hi, slots);
+        let ks = w4_ks(rows, ntiles, ks_hi, W4_TARGET_BLOCKS);
         let per = W4_WARPS as usize / ks;
         let xneed = nrb.div_ceil(per);
         let mut owned = vec![0u8; ntiles * nrb * groups];
-        let mut most = 0;
-        for b in 0..grid {
-            let mine = (b..ntiles * xneed).step_by(grid);
-            most = most.max(mine.len());
-            for i in mine {
-                let (tile, bx) = (i / xneed, i % xneed);
-                for w in 0..W4_WARPS as usize {
-                    let (kw, rb) = (w % ks, bx * per + w / ks);
-                    if rb < nrb {
-                        for grp in kw * groups / ks..(kw + 1) * groups / ks {
-                            owned[(tile * nrb + rb) * groups + grp] += 1;
-                        }
+        for b in 0..ntiles * xneed {
+            let (tile, bx) = (b / xneed, b % xneed);
+            for w in 0..W4_WARPS as usize {
+                let (kw, rb) = (w % ks, bx * per + w / ks);
+                if rb < nrb {
+                    for grp in kw * groups / ks..(kw + 1) * groups / ks {
+                        owned[(tile * nrb + rb) * groups + grp] += 1;
                     }
                 }
             }
         }
-        (owned, most)
+        (owned, ntiles * xneed)
     }
 
     #[test]
-    fn w4_items_cover_every_row_block_and_half_group_once() {
-        let tl = |max, slots| W4Tiles { max, slots };
-        assert_eq!(parse_w4_slots(" 512").unwrap(), 512);
+    fn w4_blocks_cover_every_row_block_and_half_group_once() {
+        let tl = |max, min| W4Tiles {
+            max,
+            min,
+            target: W4_TARGET_BLOCKS,
+        };
+        assert_eq!(parse_w4_target(" 512").unwrap(), 512);
         assert!(moe_fused_wanted(None) && moe_fused_wanted(Some("1")));
         assert!(!moe_fused_wanted(Some("0")) && !moe_fused_wanted(Some(" 0")));
         for bad in ["0", "x", "-3", "70000", ""] {
-            let e = parse_w4_slots(bad).unwrap_err().to_string();
-            assert!(e.contains(W4_SLOTS_ENV) && e.contains("1 to 65536"), "{e}");
+            let e = parse_w4_target(bad).unwrap_err().to_string();
+            assert!(e.contains(W4_TARGET_ENV) && e.contains("1 to 65536"), "{e}");
         }
+        assert_eq!(moe_min_tiles(1, 8), 8);
+        assert_eq!(moe_min_tiles(16, 8), 16);
+        assert_eq!(moe_min_tiles(3, 2), 2);
         assert_eq!(w4_ks_max(4096), 8);
         assert_eq!(w4_ks_max(384), 4);
         assert_eq!(w4_ks_max(128), 2);
-        // GLM-5.3-Flash gate/up at M = 1 (8 tiles) on 264 slots (132 SMs x 2): K split 4
-        // ways, 256 items in one wave (8 ways would take two); 512 slots: 8 ways.
-        assert_eq!(w4_ks(4096, 8, 4096, 8, 264), 4);
-        assert_eq!(w4_ks(4096, 8, 4096, 8, 512), 8);
-        // 36 tiles (zipf M = 8): whole-K walks would be 288 items, one wave and 24 blocks
-        // (two waves of 66 half groups); 4 ways: 5 waves of 18.
-        assert_eq!(w4_ks(4096, 36, 4096, 8, 264), 4);
-        // One item a slot exactly: no split beyond what fills the slots.
-        assert_eq!(w4_ks(4096, 33, 4096, 8, 264), 1);
-        // models/tiny: the most warps on K.
-        assert_eq!(w4_ks(256, 2, 256, 4, 264), 4);
-        let (s, ks) = moe_w4(2048, 4096, 2, &tl(8, 264), "t").unwrap();
-        assert_eq!((s.grid, ks), ((264, 1, 1), 8));
-        // M = 16: 128 tiles x 64 items at ks_hi 8, bounded by the slots.
-        let (s, ks) = moe_w4(4096, 2048, 1, &tl(128, 264), "t").unwrap();
-        assert_eq!((s.grid, ks), ((264, 1, 1), 8));
-        let (s, ks) = moe_w4(256, 128, 1, &tl(3, 264), "t").unwrap();
+        // GLM-5.3-Flash M = 1 (8 tiles): K split 4 ways, 256 blocks (one wave at 2 a SM);
+        // 106 real tiles (M = 16 uniform): whole-K walks; models/tiny: the most warps on K.
+        assert_eq!(w4_ks(4096, 8, 8, 256), 4);
+        assert_eq!(w4_ks(4096, 8, 8, 512), 8);
+        assert_eq!(w4_ks(4096, 106, 8, 256), 1);
+        assert_eq!(w4_ks(256, 2, 4, 256), 4);
+        let (s, ks) = moe_w4(2048, 4096, 2, &tl(8, 8), "t").unwrap();
+        assert_eq!((s.grid, ks), ((256, 1, 1), 4));
+        // M = 16: at least 16 tiles, so ks_hi = 2, over the 128-tile bound.
+        let (s, ks) = moe_w4(4096, 2048, 1, &tl(128, 16), "t").unwrap();
+        assert_eq!((s.grid, ks), ((16 * 128, 1, 1), 2));
+        let (s, ks) = moe_w4(256, 128, 1, &tl(3, 2), "t").unwrap();
         assert_eq!(
             (s.grid, s.block, s.smem, ks),
             ((3, 1, 1), (256, 1, 1), W4_SMEM, 2)
@@ -439,18 +430,16 @@ mod tests {
         assert_eq!(moe_split(64, 4096, "t").unwrap().grid, (512, 1, 1));
         for k in [128usize, 256, 384, 640, 1152, 2048, 4096] {
             for (n, nmat) in [(32, 2), (64, 1), (96, 2), (192, 1), (2048, 2), (4096, 1)] {
-                for (max, slots) in [(1, 264), (8, 264), (300, 264), (40, 7), (40, 1)] {
-                    let (s, ks_hi) = moe_w4(n, k, nmat, &tl(max, slots), "t").unwrap();
+                for (max, min) in [(1, 1), (8, 8), (300, 8), (40, 20)] {
+                    let (s, ks_hi) = moe_w4(n, k, nmat, &tl(max, min), "t").unwrap();
                     assert!(ks_hi.is_power_of_two() && ks_hi <= w4_ks_max(k));
-                    assert!(s.grid.0 as usize <= slots);
-                    for ntiles in [1, max.div_ceil(2), max] {
-                        let (owned, most) =
-                            w4_owned(n * nmat, k, ntiles, ks_hi, s.grid.0 as usize, slots);
+                    for ntiles in [min, (min + max) / 2, max] {
+                        let (owned, blocks) = w4_owned(n * nmat, k, ntiles, ks_hi);
+                        assert!(blocks <= s.grid.0 as usize, "n {n} k {k} tiles {ntiles}");
                         assert!(
                             owned.iter().all(|&c| c == 1),
-                            "n {n} k {k} nmat {nmat} tiles {ntiles} slots {slots}"
+                            "n {n} k {k} nmat {nmat} tiles {ntiles}"
                         );
-                        assert!(most >= 1);
                     }
                 }
             }

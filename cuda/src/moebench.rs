@@ -360,15 +360,16 @@ pub struct MoeBenchReport {
     pub copy_gb_s_end: f64,
     pub expert_bytes_each: usize,
     pub layer_copy_bytes: usize,
-    /// Resident blocks an SM of moe_gate_up_w4 / moe_down_w4 (the occupancy API).
-    pub w4_blocks_per_sm: [u32; 2],
-    /// Registers a thread and local (spill) bytes a thread of moe_gate_up_w4 / moe_down_w4.
-    pub w4_regs_local: [[i32; 2]; 2],
+    /// Resident blocks an SM of moe_gate_up_w4 / moe_down_w4 / moe_experts_w4 (the
+    /// occupancy API).
+    pub w4_blocks_per_sm: [u32; 3],
+    /// Registers a thread and local (spill) bytes a thread of moe_gate_up_w4 / moe_down_w4 /
+    /// moe_experts_w4.
+    pub w4_regs_local: [[i32; 2]; 3],
     /// NVRTC tunables the kernels were compiled with (`SPECLAB_KERNEL_DEFINES`).
     pub kernel_defines: Vec<String>,
-    /// The INT4 GEMMs' resident block slots, the persistent grid's bound and the K-split
-    /// model's wave (`Gpu::w4_slots`, or `SPECLAB_W4_SLOTS`, launch.rs).
-    pub w4_slots: usize,
+    /// The INT4 GEMMs' target block count (`SPECLAB_W4_TARGET_BLOCKS`, launch.rs).
+    pub w4_target_blocks: usize,
     /// The experts ran as one fused kernel (`moe_experts_w4`; `SPECLAB_MOE_FUSED=0`: the
     /// split, gate/up and down kernels).
     pub moe_fused: bool,
@@ -518,7 +519,8 @@ struct Scratch {
     sh_out: DevBuf<f32>,
     /// Shape: [M, H] residual the combine adds into.
     x_out: DevBuf<f32>,
-    /// Shape: [2 + max_tiles] the fused experts kernel's phase counters (zero between calls).
+    /// Shape: [MOE_SYNC_FIXED + max_tiles] the fused experts kernel's counters (zero between
+    /// calls).
     sync: DevBuf<i32>,
 }
 
@@ -535,7 +537,11 @@ impl Scratch {
             sh_h: DevBuf::zeros(st, m * s.shared_inter, "shared h")?,
             sh_out: DevBuf::zeros(st, m * s.hidden, "shared out")?,
             x_out: DevBuf::zeros(st, m * s.hidden, "x out")?,
-            sync: DevBuf::zeros(st, 2 + launch::moe_max_tiles(p, s.experts), "moe sync")?,
+            sync: DevBuf::zeros(
+                st,
+                launch::MOE_SYNC_FIXED + launch::moe_max_tiles(p, s.experts),
+                "moe sync",
+            )?,
         })
     }
 }
@@ -837,26 +843,16 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         ));
     }
     let g = Gpu::new(0)?;
-    let occ = [
-        g.blocks_per_sm(
-            crate::device::W4_KERNELS[0],
-            32 * launch::W4_WARPS,
-            launch::W4_SMEM,
-        )?,
-        g.blocks_per_sm(
-            crate::device::W4_KERNELS[1],
-            32 * launch::W4_WARPS,
-            launch::W4_SMEM,
-        )?,
-    ];
-    let regs = [
-        g.regs_and_local(crate::device::W4_KERNELS[0])?,
-        g.regs_and_local(crate::device::W4_KERNELS[1])?,
-    ];
+    let mut occ = [0u32; 3];
+    let mut regs = [[0i32; 2]; 3];
+    for (i, name) in crate::device::W4_KERNELS.iter().enumerate() {
+        occ[i] = g.blocks_per_sm(name, 32 * launch::W4_WARPS, launch::W4_SMEM)?;
+        regs[i] = g.regs_and_local(name)?;
+    }
     log(&format!(
-        "device {} ({}), kernels loaded; INT4 GEMMs resident blocks an SM: gate/up {}, down {}; \
-         registers / local bytes a thread: gate/up {:?}, down {:?}",
-        g.name, g.arch, occ[0], occ[1], regs[0], regs[1]
+        "device {} ({}), kernels loaded; INT4 GEMMs resident blocks an SM: gate/up {}, down {}, \
+         fused {}; registers / local bytes a thread: gate/up {:?}, down {:?}, fused {:?}",
+        g.name, g.arch, occ[0], occ[1], occ[2], regs[0], regs[1], regs[2]
     ));
     let copy_gb_s = copy_bandwidth(&g, cfg.copy_bytes)?;
     log(&format!("copy bandwidth {copy_gb_s:.0} GB/s"));
@@ -907,7 +903,7 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         w4_blocks_per_sm: occ,
         w4_regs_local: regs,
         kernel_defines: crate::kernels::env_defines()?,
-        w4_slots: launch::w4_slots(g.w4_slots)?,
+        w4_target_blocks: launch::w4_target_blocks()?,
         moe_fused: launch::moe_fused(),
         timing: "CUDA events around single calls, median of iters; experts = moe_split_x + moe_gate_up_w4 + moe_down_w4, or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",
         all_pass: rows.iter().all(|r| r.pass),

@@ -688,7 +688,8 @@ pub struct Experts<'a> {
     pub h: &'a DevBuf<f32>,
     /// Shape: [P, H] output.
     pub y: &'a DevBuf<f32>,
-    /// Shape: [2 + max_tiles] the fused INT4 kernel's phase counters, zero between launches.
+    /// Shape: [MOE_SYNC_FIXED + max_tiles] the fused INT4 kernel's counters, zero between
+    /// launches.
     pub sync: &'a DevBuf<i32>,
     pub hidden: usize,
     pub inter: usize,
@@ -749,7 +750,8 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     // splitting K from the real tile count, up to the host's bound `ks_hi` (launch.rs).
     let w4t = launch::W4Tiles {
         max: r.max_tiles,
-        slots: launch::w4_slots(g.w4_slots)?,
+        min: launch::moe_min_tiles(r.t, r.k),
+        target: launch::w4_target_blocks()?,
     };
     let (gu_shape, gu_ks) = if int4 {
         launch::moe_w4(im, hd, 2, &w4t, gu_name)?
@@ -761,13 +763,13 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     } else {
         (launch::moe_gemm(hd, r.max_tiles, dn_name)?, 0)
     };
-    // The INT4 kernels' last arguments: the grid's tiles, the K-split bound, the slots.
+    // The INT4 kernels' last arguments: the grid's tiles, the K-split bound, the target.
     let w4_tail = |ks: usize| -> Result<Vec<Arg>> {
         Ok(if int4 {
             vec![
                 int(r.max_tiles, "max_tiles")?,
                 int(ks, "ks_hi")?,
-                int(w4t.slots, "slots")?,
+                int(w4t.target, "target")?,
             ]
         } else {
             Vec::new()
@@ -779,7 +781,7 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
             dn_w,
             grid: gu_shape.grid.0 as usize + dn_shape.grid.0 as usize,
             ks: [gu_ks, dn_ks],
-            slots: w4t.slots,
+            target: w4t.target,
         };
         return moe_experts_fused(g, r, a, fused, [sorted, tiles, h, x, y, wts]);
     }
@@ -825,17 +827,16 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
 }
 
 /// What `moe_experts` hands the fused INT4 kernel: the two weight-pointer pairs, the
-/// separate kernels' grids (summed, then bounded by the slots), their K-split bounds.
+/// separate kernels' grids (summed), their K-split bounds and target.
 struct Fused {
     gu_w: Vec<Arg>,
     dn_w: Vec<Arg>,
     grid: usize,
     ks: [usize; 2],
-    slots: usize,
+    target: usize,
 }
 
-/// Kernel `moe_experts_w4`: split (unless `xs_ready`), gate/up and down in one persistent
-/// launch. `p` = the checked pointers sorted, tile_expert, h, x, y, wts of `moe_experts`.
+/// Kernel `moe_experts_w4`: split (unless `xs_ready`), gate/up and down in one launch. `p` = the checked pointers sorted, tile_expert, h, x, y, wts of `moe_experts`.
 fn moe_experts_fused(
     g: &Gpu,
     r: &Routing<'_>,
@@ -850,7 +851,7 @@ fn moe_experts_fused(
     } else {
         (r.t * hd / 4).div_ceil(32 * launch::W4_WARPS as usize)
     };
-    let grid = (f.grid + split_chunks).min(f.slots.max(1));
+    let grid = f.grid + split_chunks;
     let mut shape = launch::grid_2d(grid, 1, 32 * launch::W4_WARPS, "moe_experts_w4")?;
     shape.smem = launch::W4_SMEM;
     let mut args = vec![
@@ -866,19 +867,20 @@ fn moe_experts_fused(
         wts,
         sorted,
         tiles,
-        ptr(a.sync, 0, 2 + r.max_tiles, "moe sync")?,
+        ptr(a.sync, 0, launch::MOE_SYNC_FIXED + r.max_tiles, "moe sync")?,
         int(r.k, "topk")?,
         int(hd, "H")?,
         int(im, "Im")?,
         int(r.max_tiles, "max_tiles")?,
         int(f.ks[0], "ks_hi_gu")?,
         int(f.ks[1], "ks_hi_dn")?,
-        int(f.slots, "slots")?,
+        int(f.target, "target")?,
     ]);
     // SAFETY: as the three separate launches of `moe_experts` (the same pointers and
-    // bounds, checked there), plus sync [2 + max_tiles] i32 checked here, zero between
-    // launches (allocated zeroed, reset by the kernel's last item); the grid is at most the
-    // resident slots, so no block waits on an item of a block that is not running.
+    // bounds, checked there; the grid is their grids' sum, so it covers every item), plus
+    // sync [MOE_SYNC_FIXED + max_tiles] i32 checked here, zero between launches (allocated
+    // zeroed, reset by the last block). Blocks take items in ticket order, so a block only
+    // waits on items already taken by running blocks: no deadlock whatever the residency.
     unsafe { launch(g, "moe_experts_w4", shape, &args) }
 }
 

@@ -99,8 +99,8 @@ pub struct Workspace {
     pub sorted: DevBuf<i32>,
     /// Expert of each tile, then the count of tiles used. Shape: [max_tiles + 1].
     pub tile_expert: DevBuf<i32>,
-    /// Phase counters of the fused INT4 experts kernel, zero between launches (allocated
-    /// zeroed; the kernel's last item resets them). Shape: [2 + max_tiles].
+    /// Counters of the fused INT4 experts kernel, zero between launches (allocated zeroed;
+    /// the kernel's last block resets them). Shape: [MOE_SYNC_FIXED + max_tiles].
     pub moe_sync: DevBuf<i32>,
     /// Final hidden (post-norm, or the MTP head-norm output). Shape: [t_cap, H].
     pub hidden: DevBuf<f32>,
@@ -140,7 +140,7 @@ impl Workspace {
             wts: f(p, "wts")?,
             sorted: i(8 * max_tiles, "sorted")?,
             tile_expert: i(max_tiles + 1, "tile_expert")?,
-            moe_sync: i(2 + max_tiles, "moe_sync")?,
+            moe_sync: i(crate::launch::MOE_SYNC_FIXED + max_tiles, "moe_sync")?,
             hidden: f(t_cap * z.hidden, "hidden")?,
             tmp: f(t_cap * z.hidden, "tmp")?,
             logits: f(t_cap * z.vocab, "logits")?,
