@@ -106,10 +106,11 @@ use crate::{ExperimentError, Result};
 ///   block forward over `N + 1` rows a request (the anchor + N masks, step (2)), so
 ///   `concurrency x (tau + N + 1)`.
 /// - `draft_req_us`: us per request a step in the drafter's part, whatever the drafter:
-///   the engine's propose hook walks the batch's requests each step (empty proposals
-///   for `none`; the records' no-drafter rows measure 3 / 3 / 9 / 32 us of draft time
-///   at c = 1 / 8 / 32 / 128, runs/bench-e2e-h200.json). Feature: concurrency (bench-e2e
-///   rows only).
+///   the timed propose call walks the batch's requests each step (`propose_all` in
+///   `engine/src/exec/executor.rs`: per-request spans and states, the drafter's batch
+///   call, then `check_proposal` per request; empty proposals for `none`, whose rows in
+///   runs/bench-e2e-h200.json measure 1-3 / 3 / 9 / 31-32 us of draft time at c = 1 / 8
+///   / 32 / 128). Feature: concurrency (bench-e2e rows only).
 /// - `draft_tile_row_us`: the drafter's counterpart of `tile_row_us`: its GEMMs run on
 ///   the same `linear_body` kernel, so each drafter GEMM call of fewer than 8 rows
 ///   walks them serially in one block. Feature ([`StepInputs::draft_tile_rows`], graphed
