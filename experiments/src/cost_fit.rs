@@ -21,12 +21,21 @@
 //! speculative row per KDA layer (the recurrent kernel walks a sequence's rows
 //! serially), us per drafter pass and per request-pass (the MTP drafter's N host round
 //! trips a step), us per drafter row (an MTP first pass runs over the `tau` committed
-//! positions of each request), and the step loop's host us (fixed, per row).
+//! positions of each request; a DFlash2 step appends those `tau` rows to its context
+//! before its block forward over `N + 1` rows a request), us per request in the drafter
+//! part (the propose hook walks every request, also with no drafter), us per row of the
+//! drafter GEMMs' first 8-row tile in graphed steps (the drafter runs the same
+//! `linear_body`), and the step loop's host us (fixed, per row).
 //! Rows whose bench-e2e record carries the measured split (`forward_us_per_step`,
 //! `draft_us_per_step`, `host_us_per_step`) are fitted part by part ([`PARAM_PART`]);
 //! the split is never an input of a prediction. An eager row is predicted at least at
 //! its launch floor, `kernels_per_step x` the record's measured `launch_us_eager`
-//! ([`FitRow::floor_us`]; models/tiny at c = 1 is launch-bound). Rows whose drafter ran on the host (DFlash2 in
+//! ([`FitRow::floor_us`]; models/tiny at c = 1 is launch-bound). The floor is the
+//! record's one empty-kernel launch loop, an input and not fitted; it is noisy (three
+//! device runs at commit d694102 measured 2.94, 3.76 and 4.43 us: runs/ab-d694102/
+//! bench-e2e-ab1.json, -ab2.json, runs/bench-e2e-h200.json), and a leg whose steps ran
+//! faster per kernel than the loop (runs/bench-e2e-h200.json: c = 1 eager MTP N = 3 at
+//! 3.89 us a kernel, c = 8 eager none at 3.90, against 4.43) is over-predicted by it. Rows whose drafter ran on the host (DFlash2 in
 //! the bench-e2e records before 2026-12-02: its draft time is not device kernels) are
 //! left out ([`HOST_DRAFTERS`], `drafter_on_device`). Experts touched come from the record when it
 //! has them, else from the uniform overlap model at the row's batch
@@ -91,9 +100,25 @@ use crate::{ExperimentError, Result};
 ///   the hidden-row copies they need). Feature ([`StepInputs::draft_rows`]): a
 ///   sequential drafter's first pass runs over every committed position (`tau` rows a
 ///   request, `drafters/src/mtp.rs`) and each later pass over one row a request, so
-///   `concurrency x (tau + N - 1)`; a block drafter's one pass over `N + 1` rows a
-///   request (DFlash2's anchor + N masks), `concurrency x (N + 1)`.
-pub const PARAMS: [&str; 13] = [
+///   `concurrency x (tau + N - 1)`; a block drafter appends each request's `tau`
+///   committed rows to its context (DFlash2 step (1) in `cuda/src/dflash.rs`: `fc` and
+///   the per-layer K/V GEMM over the committed rows' target features) and then runs its
+///   block forward over `N + 1` rows a request (the anchor + N masks, step (2)), so
+///   `concurrency x (tau + N + 1)`.
+/// - `draft_req_us`: us per request a step in the drafter's part, whatever the drafter:
+///   the timed propose call walks the batch's requests each step (`propose_all` in
+///   `engine/src/exec/executor.rs`: per-request spans and states, the drafter's batch
+///   call, then `check_proposal` per request; empty proposals for `none`, whose rows in
+///   runs/bench-e2e-h200.json measure 1-3 / 3 / 9 / 31-32 us of draft time at c = 1 / 8
+///   / 32 / 128). Feature: concurrency (bench-e2e rows only).
+/// - `draft_tile_row_us`: the drafter's counterpart of `tile_row_us`: its GEMMs run on
+///   the same `linear_body` kernel, so each drafter GEMM call of fewer than 8 rows
+///   walks them serially in one block. Feature ([`StepInputs::draft_tile_rows`], graphed
+///   steps only, as the target's): the sum over the drafter's GEMM calls of `min(rows of
+///   the call, 8)`: MTP's first pass over `concurrency x tau` rows and its `N - 1` later
+///   passes over `concurrency` rows each; DFlash2's context append over `concurrency x
+///   tau` rows and its block forward over `concurrency x (N + 1)`.
+pub const PARAMS: [&str; 15] = [
     "launch_graphs_us",
     "launch_eager_us",
     "row_us",
@@ -107,6 +132,8 @@ pub const PARAMS: [&str; 13] = [
     "host_row_us",
     "tile_row_us",
     "draft_row_us",
+    "draft_req_us",
+    "draft_tile_row_us",
 ];
 
 /// Which part of a step each column of [`PARAMS`] prices: 0 the target forward (with
@@ -114,7 +141,7 @@ pub const PARAMS: [&str; 13] = [
 /// the measured split ([`FitRow::split_us`]) are fitted part by part, so that terms
 /// which are collinear in the total (both `serial_row_us` and `draft_pass_us` grow
 /// with N) are told apart by where the time was measured.
-pub const PARAM_PART: [usize; 13] = [0, 0, 0, 0, 0, 1, 0, 1, 1, 2, 2, 0, 1];
+pub const PARAM_PART: [usize; 15] = [0, 0, 0, 0, 0, 1, 0, 1, 1, 2, 2, 0, 1, 1, 1];
 
 /// Rows of one M tile of the engine's dense bf16 GEMMs (`ROWS_PER_TILE` in
 /// `cuda/kernels/linear.cu`): the rows one block walks serially (`tile_row_us`).
@@ -325,8 +352,12 @@ pub struct StepInputs {
     pub requests: f64,
     /// Drafter rows a step, all passes together (`draft_row_us`): `requests x (tau + N -
     /// 1)` for a sequential drafter (MTP: the first pass over the committed positions,
-    /// then one row a request a pass), `requests x (N + 1)` for a block drafter.
+    /// then one row a request a pass), `requests x (tau + N + 1)` for a block drafter
+    /// (DFlash2: the context append of the committed rows, then the block forward).
     pub draft_rows: f64,
+    /// Rows of the drafter's GEMM calls that fall in their first M tile, summed over the
+    /// calls (`draft_tile_row_us`; counted in graphed steps only).
+    pub draft_tile_rows: f64,
     /// Timed through the engine's step loop (bench-e2e: scheduler, KV manager and
     /// acceptance on the host each step); false for gpu-check, which times the
     /// backend's forward calls alone, so the host columns are 0 there.
@@ -384,6 +415,8 @@ impl RowCtx<'_> {
                 i.rows * f64::from(u8::from(i.step_loop)),
                 i.rows.min(GEMM_TILE_ROWS) * graphs,
                 i.draft_rows,
+                i.requests * f64::from(u8::from(i.step_loop)),
+                i.draft_tile_rows * graphs,
             ],
             measured_tok_s: None,
             experts_per_layer: experts,
@@ -431,6 +464,17 @@ impl RowCtx<'_> {
             d if SEQUENTIAL_DRAFTERS.contains(&d) => n,
             _ => 1.0,
         };
+        let tau = r.tau.unwrap_or(1.0);
+        let tile = |rows: f64| rows.min(GEMM_TILE_ROWS);
+        let (draft_rows, draft_tile_rows) = if passes == 0.0 {
+            (0.0, 0.0)
+        } else if SEQUENTIAL_DRAFTERS.contains(&r.drafter.as_str()) {
+            // The first pass over the committed rows, then N - 1 passes of one row each.
+            (c * (tau + n - 1.0), tile(c * tau) + (n - 1.0) * tile(c))
+        } else {
+            // The context append of the committed rows, then the block forward.
+            (c * (tau + n + 1.0), tile(c * tau) + tile(c * (n + 1.0)))
+        };
         let f = StepInputs {
             kernels: target,
             graphs: r.graphs,
@@ -439,13 +483,8 @@ impl RowCtx<'_> {
             num_spec: n,
             passes,
             requests: c,
-            draft_rows: if passes == 0.0 {
-                0.0
-            } else if SEQUENTIAL_DRAFTERS.contains(&r.drafter.as_str()) {
-                c * (r.tau.unwrap_or(1.0) + n - 1.0)
-            } else {
-                c * (n + 1.0)
-            },
+            draft_rows,
+            draft_tile_rows,
             step_loop: true,
         };
         let mut row = self.step_row(label, r.concurrency, r.us_per_step, experts, f);
@@ -473,6 +512,8 @@ impl RowCtx<'_> {
                 r.m as f64,
                 r.experts_touched,
                 1.0,
+                0.0,
+                0.0,
                 0.0,
                 0.0,
                 0.0,
@@ -837,6 +878,12 @@ mod tests {
         synthetic_e2e_at(p, truth, launch_eager, &[1, 2, 4, 8, 32, 128])
     }
 
+    /// DFlash2's committed tokens a step at N = 7, rising with concurrency as in
+    /// runs/bench-e2e-h200.json (4.10 / 4.62 / 4.84 / 4.95 at c = 1 / 8 / 32 / 128).
+    fn dflash_tau(c: f64) -> f64 {
+        4.1 + 0.18 * c.ln()
+    }
+
     fn synthetic_e2e_at(
         p: &Path,
         truth: &[f64],
@@ -847,15 +894,45 @@ mod tests {
         let bw = 2600.0;
         let mut rows = Vec::new();
         for &c in concurrencies {
-            for (n, drafter) in [(0u64, "none"), (1, "mtp"), (2, "mtp"), (4, "mtp")] {
+            let legs = [
+                (0u64, "none"),
+                (1, "mtp"),
+                (2, "mtp"),
+                (4, "mtp"),
+                (7, "dflash2"),
+            ];
+            for (n, drafter) in legs {
                 for graphs in [true, false] {
                     let (cf, nf) = (c as f64, n as f64);
-                    let drafter_kernels = 21.0 * nf + if c > 8 { 3.0 * nf } else { 0.0 };
+                    let block = drafter == "dflash2";
+                    let drafter_kernels = match drafter {
+                        "none" => 0.0,
+                        "dflash2" => 30.0 + if c > 8 { 4.0 } else { 0.0 },
+                        _ => 21.0 * nf + if c > 8 { 3.0 * nf } else { 0.0 },
+                    };
                     let verify = cf * (1.0 + 0.8 * nf);
                     // Committed tokens a request and step, concave in N as measured
                     // (1.8 / 2.4 / 3.0 at N = 1 / 2 / 4), so drafter rows are not a
-                    // multiple of request-passes.
-                    let tau = 1.0 + nf * (0.9 - 0.1 * nf);
+                    // multiple of request-passes; DFlash2 at N = 7 ([`dflash_tau`]).
+                    let tau = if block {
+                        dflash_tau(cf)
+                    } else {
+                        1.0 + nf * (0.9 - 0.1 * nf)
+                    };
+                    let passes = match drafter {
+                        "none" => 0.0,
+                        "dflash2" => 1.0,
+                        _ => nf,
+                    };
+                    let t8 = |x: f64| x.min(8.0);
+                    // MTP: first pass over the committed rows, then one row a request a
+                    // pass; DFlash2: the context append of the committed rows, then the
+                    // block of N + 1 rows a request (cuda/src/dflash.rs steps 1-2).
+                    let (draft_rows, draft_tile_rows) = match drafter {
+                        "none" => (0.0, 0.0),
+                        "dflash2" => (cf * (tau + nf + 1.0), t8(cf * tau) + t8(cf * (nf + 1.0))),
+                        _ => (cf * (tau + nf - 1.0), t8(cf * tau) + (nf - 1.0) * t8(cf)),
+                    };
                     let experts = Routing::UNIFORM.expected_distinct_sr(16, 2, cf, verify);
                     let ctx = RowCtx {
                         path: p,
@@ -870,9 +947,10 @@ mod tests {
                         rows: verify,
                         drafter_kernels,
                         num_spec: nf,
-                        passes: nf,
+                        passes,
                         requests: cf,
-                        draft_rows: if n == 0 { 0.0 } else { cf * (tau + nf - 1.0) },
+                        draft_rows,
+                        draft_tile_rows,
                         step_loop: true,
                     };
                     let row = ctx.step_row(String::new(), c, 0.0, experts, inputs);
@@ -892,7 +970,8 @@ mod tests {
                         "us_per_step": us, "kernels_per_step": 129.0 + drafter_kernels,
                         "verify_rows_per_step": verify, "tau": tau, "experts_touched_mean": experts,
                         "forward_us_per_step": split[0], "draft_us_per_step": split[1],
-                        "host_us_per_step": split[2], "speedup_vs_none": null, "extra": 1}));
+                        "host_us_per_step": split[2], "speedup_vs_none": null, "extra": 1,
+                        "drafter_on_device": true}));
                 }
             }
         }
@@ -903,9 +982,10 @@ mod tests {
     }
 
     /// launch graphs/eager, row, expert, moe call, drafter kernel, serial row, drafter
-    /// pass, request-pass, host step, host row, tile row, drafter row.
-    const TRUTH: [f64; 13] = [
-        1.3, 3.9, 4.0, 6.0, 0.0, 0.5, 3.5, 110.0, 3.2, 6.0, 0.7, 9.0, 1.5,
+    /// pass, request-pass, host step, host row, tile row, drafter row, drafter request,
+    /// drafter tile row.
+    const TRUTH: [f64; 15] = [
+        1.3, 3.9, 4.0, 6.0, 0.0, 0.5, 3.5, 110.0, 3.2, 6.0, 0.7, 9.0, 1.5, 0.25, 2.0,
     ];
 
     /// A known cost model generates e2e rows with the measured split; the fit recovers
@@ -932,7 +1012,7 @@ mod tests {
             .iter()
             .filter(|r| r.held_out_us.is_some())
             .collect();
-        assert_eq!(held.len(), 8);
+        assert_eq!(held.len(), 10);
         assert!(held.iter().all(|r| r.batch == 8));
     }
 
@@ -1009,6 +1089,70 @@ mod tests {
             .filter_map(|r| r.held_out_error.map(f64::abs))
             .fold(0.0, f64::max);
         assert!(worst_small > 0.03, "linear-in-rows fit: {worst_small}");
+    }
+
+    /// The drafter's GEMMs walk a tile's rows serially too (`draft_tile_row_us`): with
+    /// the feature zeroed, the held-out small-batch graphed drafter rows are mispredicted.
+    #[test]
+    fn drafter_tile_term_explains_small_batch_drafts() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("e2e.json");
+        let s = synthetic_e2e(&p, &TRUTH, None);
+        let (mut fr, _) = load_rows(&p, Some(s)).unwrap();
+        let tile = PARAMS
+            .iter()
+            .position(|n| *n == "draft_tile_row_us")
+            .unwrap();
+        // Eager rows carry none of it; graphed MTP N = 4 at c = 1 has 1 + 1 + 1 + 1 + tau.
+        assert!(fr
+            .iter()
+            .all(|r| r.label.ends_with("graphs") || r.features[tile] == 0.0));
+        assert!(fr.iter().any(|r| r.features[tile] > 0.0));
+        for r in &mut fr {
+            r.features[tile] = 0.0;
+        }
+        let rep = fit_report(std::slice::from_ref(&p), &fr, s, &[]).unwrap();
+        let worst_small = rep
+            .rows
+            .iter()
+            .filter(|r| r.batch <= 2 && r.label.ends_with("graphs") && !r.label.contains("none"))
+            .filter_map(|r| r.held_out_error.map(f64::abs))
+            .fold(0.0, f64::max);
+        assert!(worst_small > 0.01, "no drafter tile term: {worst_small}");
+    }
+
+    /// A DFlash2 step's drafter rows include the context append of each request's `tau`
+    /// committed rows: priced as the block alone (`N + 1` rows a request) its held-out
+    /// rows are mispredicted, priced with the append they are exact (the recovery test).
+    #[test]
+    fn dflash_rows_count_the_context_append() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("e2e.json");
+        let s = synthetic_e2e(&p, &TRUTH, None);
+        let (mut fr, _) = load_rows(&p, Some(s)).unwrap();
+        let col = PARAMS.iter().position(|n| *n == "draft_row_us").unwrap();
+        let mut changed = 0;
+        for r in fr.iter_mut().filter(|r| r.label.contains("dflash2")) {
+            let c = r.batch as f64;
+            assert!(
+                (r.features[col] - c * (dflash_tau(c) + 8.0)).abs() < 1e-9,
+                "{r:?}"
+            );
+            r.features[col] = c * 8.0;
+            changed += 1;
+        }
+        assert_eq!(changed, 12);
+        let rep = fit_report(std::slice::from_ref(&p), &fr, s, &[]).unwrap();
+        let worst = rep
+            .rows
+            .iter()
+            .filter(|r| r.label.contains("dflash2"))
+            .filter_map(|r| r.held_out_error.map(f64::abs))
+            .fold(0.0, f64::max);
+        // With the append counted they are exact to 1e-9 (the recovery test); the
+        // block alone leaves errors of order 1e-3 that the other drafter columns absorb
+        // only in part.
+        assert!(worst > 1e-3, "block rows alone: {worst}");
     }
 
     /// When every training row fills the tile (all c >= 8), the tile term is not
