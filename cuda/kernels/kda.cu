@@ -79,6 +79,14 @@ extern "C" __global__ void kda_conv(float* __restrict__ y, const float* __restri
 // softplus(f_i + dt_bias_i)), beta = sigmoid(b[h]).
 // Shapes: y [T, 3C] (post-conv q | k | v), fg [T, 2C] (f at column 0), xin [T, xin_stride]
 // (b at column b_col, [nl]), A_log [nl], dt_bias [C], o [T, C].
+// Tokens whose inputs are prepared together: their norms, decays and betas do not depend
+// on the state, so they are computed for a group at once (loads and reductions in
+// parallel, two barriers a group) and only the two state passes stay serial per token.
+template <int DL>
+struct KdaGroup {
+    static constexpr int G = DL <= 64 ? 8 : 2;  // registers: st[DL] + 4 G values a thread
+};
+
 template <int DL>
 __device__ __forceinline__ void kda_recurrent_impl(
     float* __restrict__ o, const float* __restrict__ y, const float* __restrict__ fg,
@@ -87,9 +95,11 @@ __device__ __forceinline__ void kda_recurrent_impl(
     long long fpb, int conv_len, int nl, float qscale, const int* __restrict__ row0,
     const int* __restrict__ len, const int* __restrict__ pos0, const int* __restrict__ snap,
     const int* __restrict__ state_tables, int max_state) {
-    __shared__ float qs[DL], ks[DL], al[DL];
-    __shared__ float scratch[32];
+    constexpr int G = KdaGroup<DL>::G;
+    __shared__ float qs[G][DL], ks[G][DL], al[G][DL];
+    __shared__ float part[2][G][16];  // warp partials of |q|^2, |k|^2 (block_sum2's scratch)
     const int h = blockIdx.x, s = blockIdx.y, j = threadIdx.x;
+    const int lane = j & 31, warp = j >> 5, nwarps = (DL + 31) >> 5;
     const int C = nl * DL;
     const int* table = state_tables + (size_t)s * max_state;
     const long long head_off = layer_off + conv_len + (long long)h * DL * DL + j;
@@ -101,51 +111,69 @@ __device__ __forceinline__ void kda_recurrent_impl(
     const float neg_a = -expf(a_log[h]);
     const float dtb = dt_bias[h * DL + j];
     const int n = len[s];
-    // Token t + 1's inputs are loaded while token t computes (a verify chunk's tokens
-    // otherwise each wait out the loads' latency); the two norms share one reduction
-    // (block_sum2: the same partial sums in the same order as two block_sums).
-    float nq = 0.0f, nk = 0.0f, nv = 0.0f, nf = 0.0f, nb = 0.0f;
-    auto load = [&](int t) {
-        const size_t row = (size_t)(row0[s] + t);
-        const float* yr = y + row * 3 * C + h * DL + j;
-        nq = yr[0];
-        nk = yr[C];
-        nv = yr[2 * C];
-        nf = fg[row * 2 * C + h * DL + j];
-        nb = xin[row * xin_stride + b_col + h];
-    };
-    if (n > 0) load(0);
-    for (int t = 0; t < n; ++t) {
-        const size_t row = (size_t)(row0[s] + t);
-        const float qv = nq, kv = nk, vv = nv, fv = nf, bv = nb;
-        if (t + 1 < n) load(t + 1);
-        float ssq, ssk;
-        block_sum2(qv * qv, kv * kv, scratch, ssq, ssk);
-        qs[j] = qv / sqrtf(ssq + 1e-6f) * qscale;
-        ks[j] = kv / sqrtf(ssk + 1e-6f);
-        al[j] = expf(neg_a * softplus_f(fv + dtb));
-        const float beta = sigmoid_f(bv);
+    for (int t0 = 0; t0 < n; t0 += G) {
+        const int m = min(G, n - t0);
+        // Prepare tokens t0 .. t0 + m - 1: the same per-token expressions and block_sum2
+        // partial order as one token at a time, so the same bits.
+        float qv[G], kv[G], vv[G], bt[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (g < m) {
+                const size_t row = (size_t)(row0[s] + t0 + g);
+                const float* yr = y + row * 3 * C + h * DL + j;
+                qv[g] = yr[0];
+                kv[g] = yr[C];
+                vv[g] = yr[2 * C];
+                al[g][j] = expf(neg_a * softplus_f(fg[row * 2 * C + h * DL + j] + dtb));
+                bt[g] = sigmoid_f(xin[row * xin_stride + b_col + h]);
+                const float a2 = warp_sum(qv[g] * qv[g]), b2 = warp_sum(kv[g] * kv[g]);
+                if (lane == 0) {
+                    part[0][g][warp] = a2;
+                    part[1][g][warp] = b2;
+                }
+            }
+        }
         __syncthreads();
-        float acc = 0.0f;
 #pragma unroll
-        for (int i = 0; i < DL; ++i) {
-            st[i] *= al[i];
-            acc += st[i] * ks[i];
+        for (int g = 0; g < G; ++g) {
+            if (g < m) {
+                float ssq = 0.0f, ssk = 0.0f;
+                for (int w = 0; w < nwarps; ++w) {
+                    ssq += part[0][g][w];
+                    ssk += part[1][g][w];
+                }
+                qs[g][j] = qv[g] / sqrtf(ssq + 1e-6f) * qscale;
+                ks[g][j] = kv[g] / sqrtf(ssk + 1e-6f);
+            }
         }
-        const float u = vv - acc;
-        float out = 0.0f;
+        __syncthreads();
 #pragma unroll
-        for (int i = 0; i < DL; ++i) {
-            st[i] += beta * (ks[i] * u);
-            out += st[i] * qs[i];
-        }
-        o[row * C + h * DL + j] = out;
-        if (snap[s] && t + 1 < n) {
-            float* pg = pool + (long long)table[t + 1] * fpb + head_off;
+        for (int g = 0; g < G; ++g) {
+            if (g < m) {
+                const int t = t0 + g;
+                const size_t row = (size_t)(row0[s] + t);
+                float acc = 0.0f;
 #pragma unroll
-            for (int i = 0; i < DL; ++i) pg[(long long)i * DL] = st[i];
+                for (int i = 0; i < DL; ++i) {
+                    st[i] *= al[g][i];
+                    acc += st[i] * ks[g][i];
+                }
+                const float u = vv[g] - acc;
+                float out = 0.0f;
+#pragma unroll
+                for (int i = 0; i < DL; ++i) {
+                    st[i] += bt[g] * (ks[g][i] * u);
+                    out += st[i] * qs[g][i];
+                }
+                o[row * C + h * DL + j] = out;
+                if (snap[s] && t + 1 < n) {
+                    float* pg = pool + (long long)table[t + 1] * fpb + head_off;
+#pragma unroll
+                    for (int i = 0; i < DL; ++i) pg[(long long)i * DL] = st[i];
+                }
+            }
         }
-        __syncthreads();  // qs / ks / al are rewritten by the next token
+        __syncthreads();  // qs / ks / al / part are rewritten by the next group
     }
     float* out0 = pool + (long long)table[0] * fpb + head_off;
 #pragma unroll
