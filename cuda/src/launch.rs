@@ -34,12 +34,14 @@ pub const W4_TARGET_ENV: &str = "SPECLAB_W4_TARGET_BLOCKS";
 pub const MOE_SYNC_FIXED: usize = 3;
 
 /// Environment variable turning the fused INT4 experts kernel (`moe_experts_w4`: split,
-/// gate/up and down in one launch) off: `0` runs the three kernels.
+/// gate/up and down in one launch) on: `1`. Off by default: it measured slower than the
+/// three kernels at GLM-5.3-Flash shapes and on models/tiny's graphed steps
+/// (runs/moe-variants/README.md, "Persistent grid ... fused experts kernel").
 pub const MOE_FUSED_ENV: &str = "SPECLAB_MOE_FUSED";
 
-/// Whether a `SPECLAB_MOE_FUSED` value asks for the fused kernel (anything but `0`).
+/// Whether a `SPECLAB_MOE_FUSED` value asks for the fused kernel (`1` only).
 pub fn moe_fused_wanted(v: Option<&str>) -> bool {
-    v.map(str::trim) != Some("0")
+    v.map(str::trim) == Some("1")
 }
 
 /// The fused INT4 experts kernel is used ([`MOE_FUSED_ENV`], read once).
@@ -396,8 +398,8 @@ mod tests {
             target: W4_TARGET_BLOCKS,
         };
         assert_eq!(parse_w4_target(" 512").unwrap(), 512);
-        assert!(moe_fused_wanted(None) && moe_fused_wanted(Some("1")));
-        assert!(!moe_fused_wanted(Some("0")) && !moe_fused_wanted(Some(" 0")));
+        assert!(moe_fused_wanted(Some("1")) && moe_fused_wanted(Some(" 1")));
+        assert!(!moe_fused_wanted(None) && !moe_fused_wanted(Some("0")));
         for bad in ["0", "x", "-3", "70000", ""] {
             let e = parse_w4_target(bad).unwrap_err().to_string();
             assert!(e.contains(W4_TARGET_ENV) && e.contains("1 to 65536"), "{e}");

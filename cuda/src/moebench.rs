@@ -370,7 +370,7 @@ pub struct MoeBenchReport {
     pub kernel_defines: Vec<String>,
     /// The INT4 GEMMs' target block count (`SPECLAB_W4_TARGET_BLOCKS`, launch.rs).
     pub w4_target_blocks: usize,
-    /// The experts ran as one fused kernel (`moe_experts_w4`; `SPECLAB_MOE_FUSED=0`: the
+    /// The experts ran as one fused kernel (`moe_experts_w4`; without `SPECLAB_MOE_FUSED=1`: the
     /// split, gate/up and down kernels).
     pub moe_fused: bool,
     pub timing: &'static str,
