@@ -80,7 +80,7 @@ extern "C" __global__ void kda_conv(float* __restrict__ y, const float* __restri
 // Shapes: y [T, 3C] (post-conv q | k | v), fg [T, 2C] (f at column 0), xin [T, xin_stride]
 // (b at column b_col, [nl]), A_log [nl], dt_bias [C], o [T, C].
 template <int DL>
-__device__ __forceinline__ void kda_recurrent_seq(
+__device__ __forceinline__ void kda_recurrent_impl(
     float* __restrict__ o, const float* __restrict__ y, const float* __restrict__ fg,
     const float* __restrict__ xin, int xin_stride, int b_col, const float* __restrict__ a_log,
     const float* __restrict__ dt_bias, float* __restrict__ pool, long long layer_off,
@@ -150,135 +150,6 @@ __device__ __forceinline__ void kda_recurrent_seq(
     float* out0 = pool + (long long)table[0] * fpb + head_off;
 #pragma unroll
     for (int i = 0; i < DL; ++i) out0[(long long)i * DL] = st[i];
-}
-
-// Tokens whose inputs are prepared together: their norms, decays and betas do not depend
-// on the state, so they are computed for a group at once (loads and reductions in
-// parallel, two barriers a group) and only the two state passes stay serial per token.
-template <int DL>
-struct KdaGroup {
-    static constexpr int G = DL <= 64 ? 8 : 2;  // registers: st[DL] + 4 G values a thread
-};
-
-template <int DL>
-__device__ __forceinline__ void kda_recurrent_grp(
-    float* __restrict__ o, const float* __restrict__ y, const float* __restrict__ fg,
-    const float* __restrict__ xin, int xin_stride, int b_col, const float* __restrict__ a_log,
-    const float* __restrict__ dt_bias, float* __restrict__ pool, long long layer_off,
-    long long fpb, int conv_len, int nl, float qscale, const int* __restrict__ row0,
-    const int* __restrict__ len, const int* __restrict__ pos0, const int* __restrict__ snap,
-    const int* __restrict__ state_tables, int max_state) {
-    constexpr int G = KdaGroup<DL>::G;
-    __shared__ float qs[G][DL], ks[G][DL], al[G][DL], vs[G][DL], bs[G];
-    __shared__ float part[2][G][16];  // warp partials of |q|^2, |k|^2 (block_sum2's scratch)
-    const int h = blockIdx.x, s = blockIdx.y, j = threadIdx.x;
-    const int lane = j & 31, warp = j >> 5, nwarps = (DL + 31) >> 5;
-    const int C = nl * DL;
-    const int* table = state_tables + (size_t)s * max_state;
-    const long long head_off = layer_off + conv_len + (long long)h * DL * DL + j;
-    float st[DL];
-    const float* page0 = pool + (long long)table[0] * fpb + head_off;
-    const bool fresh = pos0[s] == 0;
-#pragma unroll
-    for (int i = 0; i < DL; ++i) st[i] = fresh ? 0.0f : page0[(long long)i * DL];
-    const float neg_a = -expf(a_log[h]);
-    const float dtb = dt_bias[h * DL + j];
-    const int n = len[s];
-    for (int t0 = 0; t0 < n; t0 += G) {
-        const int m = min(G, n - t0);
-        // Prepare tokens t0 .. t0 + m - 1: the same per-token expressions and block_sum2
-        // partial order as one token at a time, so the same bits.
-        float qv[G], kv[G];
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            if (g < m) {
-                const size_t row = (size_t)(row0[s] + t0 + g);
-                const float* yr = y + row * 3 * C + h * DL + j;
-                qv[g] = yr[0];
-                kv[g] = yr[C];
-                vs[g][j] = yr[2 * C];
-                al[g][j] = expf(neg_a * softplus_f(fg[row * 2 * C + h * DL + j] + dtb));
-                if (j == 0) bs[g] = sigmoid_f(xin[row * xin_stride + b_col + h]);
-                const float a2 = warp_sum(qv[g] * qv[g]), b2 = warp_sum(kv[g] * kv[g]);
-                if (lane == 0) {
-                    part[0][g][warp] = a2;
-                    part[1][g][warp] = b2;
-                }
-            }
-        }
-        __syncthreads();
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            if (g < m) {
-                float ssq = 0.0f, ssk = 0.0f;
-                for (int w = 0; w < nwarps; ++w) {
-                    ssq += part[0][g][w];
-                    ssk += part[1][g][w];
-                }
-                qs[g][j] = qv[g] / sqrtf(ssq + 1e-6f) * qscale;
-                ks[g][j] = kv[g] / sqrtf(ssk + 1e-6f);
-            }
-        }
-        __syncthreads();
-        // One copy of the two 64-step passes (not G): the serial loop stays in the
-        // instruction cache.
-#pragma unroll 1
-        for (int g = 0; g < m; ++g) {
-            {
-                const int t = t0 + g;
-                const size_t row = (size_t)(row0[s] + t);
-                float acc = 0.0f;
-#pragma unroll
-                for (int i = 0; i < DL; ++i) {
-                    st[i] *= al[g][i];
-                    acc += st[i] * ks[g][i];
-                }
-                const float u = vs[g][j] - acc;
-                float out = 0.0f;
-#pragma unroll
-                for (int i = 0; i < DL; ++i) {
-                    st[i] += bs[g] * (ks[g][i] * u);
-                    out += st[i] * qs[g][i];
-                }
-                o[row * C + h * DL + j] = out;
-                if (snap[s] && t + 1 < n) {
-                    float* pg = pool + (long long)table[t + 1] * fpb + head_off;
-#pragma unroll
-                    for (int i = 0; i < DL; ++i) pg[(long long)i * DL] = st[i];
-                }
-            }
-        }
-        __syncthreads();  // the group's shared arrays are rewritten by the next group
-    }
-    float* out0 = pool + (long long)table[0] * fpb + head_off;
-#pragma unroll
-    for (int i = 0; i < DL; ++i) out0[(long long)i * DL] = st[i];
-}
-
-// KDA_GROUPED (an NVRTC tunable, SPECLAB_KERNEL_DEFINES): 1 prepares a group of tokens at
-// once (kda_recurrent_grp), 0 walks one token at a time with the next token's loads in
-// flight (kda_recurrent_seq).  Both give the same bits.
-#ifndef KDA_GROUPED
-#define KDA_GROUPED 1
-#endif
-
-template <int DL>
-__device__ __forceinline__ void kda_recurrent_impl(
-    float* __restrict__ o, const float* __restrict__ y, const float* __restrict__ fg,
-    const float* __restrict__ xin, int xin_stride, int b_col, const float* __restrict__ a_log,
-    const float* __restrict__ dt_bias, float* __restrict__ pool, long long layer_off,
-    long long fpb, int conv_len, int nl, float qscale, const int* __restrict__ row0,
-    const int* __restrict__ len, const int* __restrict__ pos0, const int* __restrict__ snap,
-    const int* __restrict__ state_tables, int max_state) {
-#if KDA_GROUPED
-    kda_recurrent_grp<DL>(o, y, fg, xin, xin_stride, b_col, a_log, dt_bias, pool, layer_off,
-                          fpb, conv_len, nl, qscale, row0, len, pos0, snap, state_tables,
-                          max_state);
-#else
-    kda_recurrent_seq<DL>(o, y, fg, xin, xin_stride, b_col, a_log, dt_bias, pool, layer_off,
-                          fpb, conv_len, nl, qscale, row0, len, pos0, snap, state_tables,
-                          max_state);
-#endif
 }
 
 #define KDA_RECURRENT(DL)                                                                   \

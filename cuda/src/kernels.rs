@@ -28,8 +28,7 @@ pub const CACHE_ENV: &str = "SPECLAB_KERNEL_CACHE";
 pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// The tunables [`DEFINES_ENV`] may set, with their allowed range: compile-time knobs of
 /// the INT4 expert GEMMs that the host's launch shapes do not depend on (linear.cu).
-pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 2] =
-    [("W4_XS", 2..=3), ("KDA_GROUPED", 0..=1)];
+pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 1] = [("W4_XS", 2..=3)];
 
 /// The prelude prepended to every source.
 pub const PRELUDE: &str = include_str!("../kernels/common.cuh");
