@@ -858,6 +858,15 @@ pub fn overlap_rows(rec: &crate::record::RunRecord, experts: u32, top_k: u32) ->
 mod tests {
     use super::*;
 
+    /// The largest |held-out relative error| of the rows `keep` selects (0 if none).
+    fn worst_held_out(rep: &FitReport, keep: impl Fn(&RowReport) -> bool) -> f64 {
+        rep.rows
+            .iter()
+            .filter(|r| keep(r))
+            .filter_map(|r| r.held_out_error.map(f64::abs))
+            .fold(0.0, f64::max)
+    }
+
     fn shape() -> FitShape {
         FitShape {
             dense_bytes: 2.0e7,
@@ -1082,12 +1091,7 @@ mod tests {
             r.features[tile] = 0.0;
         }
         let rep = fit_report(std::slice::from_ref(&p), &fr, s, &[]).unwrap();
-        let worst_small = rep
-            .rows
-            .iter()
-            .filter(|r| r.batch <= 2 && r.label.ends_with("graphs"))
-            .filter_map(|r| r.held_out_error.map(f64::abs))
-            .fold(0.0, f64::max);
+        let worst_small = worst_held_out(&rep, |r| r.batch <= 2 && r.label.ends_with("graphs"));
         assert!(worst_small > 0.03, "linear-in-rows fit: {worst_small}");
     }
 
@@ -1112,12 +1116,9 @@ mod tests {
             r.features[tile] = 0.0;
         }
         let rep = fit_report(std::slice::from_ref(&p), &fr, s, &[]).unwrap();
-        let worst_small = rep
-            .rows
-            .iter()
-            .filter(|r| r.batch <= 2 && r.label.ends_with("graphs") && !r.label.contains("none"))
-            .filter_map(|r| r.held_out_error.map(f64::abs))
-            .fold(0.0, f64::max);
+        let worst_small = worst_held_out(&rep, |r| {
+            r.batch <= 2 && r.label.ends_with("graphs") && !r.label.contains("none")
+        });
         assert!(worst_small > 0.01, "no drafter tile term: {worst_small}");
     }
 
@@ -1143,12 +1144,7 @@ mod tests {
         }
         assert_eq!(changed, 12);
         let rep = fit_report(std::slice::from_ref(&p), &fr, s, &[]).unwrap();
-        let worst = rep
-            .rows
-            .iter()
-            .filter(|r| r.label.contains("dflash2"))
-            .filter_map(|r| r.held_out_error.map(f64::abs))
-            .fold(0.0, f64::max);
+        let worst = worst_held_out(&rep, |r| r.label.contains("dflash2"));
         // With the append counted they are exact to 1e-9 (the recovery test); the
         // block alone leaves errors of order 1e-3 that the other drafter columns absorb
         // only in part.
