@@ -836,7 +836,8 @@ struct Fused {
     target: usize,
 }
 
-/// Kernel `moe_experts_w4`: split (unless `xs_ready`), gate/up and down in one launch. `p` = the checked pointers sorted, tile_expert, h, x, y, wts of `moe_experts`.
+/// Kernel `moe_experts_w4`: split (unless `xs_ready`), gate/up and down in one launch.
+/// `p` = the checked pointers sorted, tile_expert, h, x, y, wts of `moe_experts`.
 fn moe_experts_fused(
     g: &Gpu,
     r: &Routing<'_>,
