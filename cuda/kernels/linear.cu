@@ -527,11 +527,16 @@ __device__ __forceinline__ void w4_epilogue(const float* red, float* __restrict_
     }
 }
 
+// Items a tile of `nrb` row blocks takes at K split ks: groups of W4_WARPS / ks row blocks.
+__device__ __forceinline__ int w4_groups(int nrb, int ks) {
+    return (nrb + W4_WARPS / ks - 1) / (W4_WARPS / ks);
+}
+
 // Warps splitting K for `ntiles` real tiles (mirrored by cuda/src/launch.rs w4_ks): the
 // smallest power of two <= ks_hi whose blocks reach `target`.
 __device__ __forceinline__ int w4_ks(int nrb, int ntiles, int ks_hi, int target) {
     int ks = 1;
-    while (ks < ks_hi && (nrb + W4_WARPS / ks - 1) / (W4_WARPS / ks) * ntiles < target) ks *= 2;
+    while (ks < ks_hi && w4_groups(nrb, ks) * ntiles < target) ks *= 2;
     return ks;
 }
 
@@ -648,15 +653,15 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
                                        int K, int max_tiles, int ks_hi, int target) {
     const int nrb = N * NMAT / 64;
     const int ntiles = tile_expert[max_tiles];
-    const int ks = w4_ks(nrb, ntiles, ks_hi, target), per = W4_WARPS / ks;
-    const int xneed = (nrb + per - 1) / per;
+    const int ks = w4_ks(nrb, ntiles, ks_hi, target);
+    const int xneed = w4_groups(nrb, ks);
     if ((int)blockIdx.x >= ntiles * xneed) return;  // uniform per block
     w4_item<NMAT, false>(y, hs, xs, qw, scw, topk_w, sorted, tile_expert, div, N, K, ks,
                          blockIdx.x / xneed, blockIdx.x % xneed, nullptr, 0);
 }
 
 // Routed experts gate/up + SiLU, INT4: h[p, n] = silu(x[p / topk] . Wg[e, n]) *
-// (x[p / topk] . Wu[e, n]) for every pair p of tile blockIdx.y (expert e), written split
+// (x[p / topk] . Wu[e, n]) for every pair p of every real tile (expert e), written split
 // (w4_h_word, K = N).  Shapes: xs [T, K W4_XS / 2] u32 words (moe_split_x of the
 // post-norm input), q13 [E, 2N / 64, K / 16, 32, 4]
 // u32, s13 [E, 2N / 64, K / 128, 8, 8] bf16 (cuda/src/repack.rs), h [P, N W4_XS / 2] u32
@@ -722,8 +727,7 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_experts
     const int nrb_gu = 2 * Im / 64, nrb_dn = H / 64;
     const int ks_gu = w4_ks(nrb_gu, ntiles, ks_hi_gu, target);
     const int ks_dn = w4_ks(nrb_dn, ntiles, ks_hi_dn, target);
-    const int pgu = W4_WARPS / ks_gu, pdn = W4_WARPS / ks_dn;
-    const int xgu = (nrb_gu + pgu - 1) / pgu, xdn = (nrb_dn + pdn - 1) / pdn;
+    const int xgu = w4_groups(nrb_gu, ks_gu), xdn = w4_groups(nrb_dn, ks_dn);
     const int split_items = T * (H / 4);
     const int nsplit = x ? (split_items + blockDim.x - 1) / blockDim.x : 0;
     const int ngu = ntiles * xgu, ndn = ntiles * xdn;

@@ -775,7 +775,7 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
             Vec::new()
         })
     };
-    if let (true, ExpertPtrs::Int4 { .. }) = (launch::moe_fused(), &a.w) {
+    if int4 && launch::moe_fused() {
         let fused = Fused {
             gu_w,
             dn_w,

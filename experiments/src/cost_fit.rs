@@ -35,7 +35,8 @@
 //! device runs at commit d694102 measured 2.94, 3.76 and 4.43 us: runs/ab-d694102/
 //! bench-e2e-ab1.json, -ab2.json, runs/bench-e2e-h200.json), and a leg whose steps ran
 //! faster per kernel than the loop (runs/bench-e2e-h200.json: c = 1 eager MTP N = 3 at
-//! 3.89 us a kernel, c = 8 eager none at 3.90, against 4.43) is over-predicted by it. Rows whose drafter ran on the host (DFlash2 in
+//! 3.89 us a kernel, c = 8 eager none at 3.90, against 4.43) is over-predicted by it.
+//! Rows whose drafter ran on the host (DFlash2 in
 //! the bench-e2e records before 2026-12-02: its draft time is not device kernels) are
 //! left out ([`HOST_DRAFTERS`], `drafter_on_device`). Experts touched come from the record when it
 //! has them, else from the uniform overlap model at the row's batch
@@ -142,6 +143,27 @@ pub const PARAMS: [&str; 15] = [
 /// which are collinear in the total (both `serial_row_us` and `draft_pass_us` grow
 /// with N) are told apart by where the time was measured.
 pub const PARAM_PART: [usize; 15] = [0, 0, 0, 0, 0, 1, 0, 1, 1, 2, 2, 0, 1, 1, 1];
+
+/// A drafter's work a step at `c` requests, `n` speculative tokens and `tau` committed
+/// tokens a request: (passes, drafter rows [`StepInputs::draft_rows`], first-tile rows
+/// of its GEMM calls [`StepInputs::draft_tile_rows`]). A sequential drafter (MTP) makes
+/// `n` passes, the first over the committed rows, then one row a request a pass; a block
+/// drafter (DFlash2) appends the committed rows to its context and runs one block
+/// forward over `n + 1` rows a request (cuda/src/dflash.rs steps 1-2).
+pub fn drafter_work(drafter: &str, c: f64, n: f64, tau: f64) -> (f64, f64, f64) {
+    let tile = |rows: f64| rows.min(GEMM_TILE_ROWS);
+    if drafter == "none" || n == 0.0 {
+        (0.0, 0.0, 0.0)
+    } else if SEQUENTIAL_DRAFTERS.contains(&drafter) {
+        (n, c * (tau + n - 1.0), tile(c * tau) + (n - 1.0) * tile(c))
+    } else {
+        (
+            1.0,
+            c * (tau + n + 1.0),
+            tile(c * tau) + tile(c * (n + 1.0)),
+        )
+    }
+}
 
 /// Rows of one M tile of the engine's dense bf16 GEMMs (`ROWS_PER_TILE` in
 /// `cuda/kernels/linear.cu`): the rows one block walks serially (`tile_row_us`).
@@ -458,23 +480,8 @@ impl RowCtx<'_> {
             graph_word(r.graphs)
         );
         let target = self.target_kernels.min(r.kernels_per_step);
-        let passes = match r.drafter.as_str() {
-            "none" => 0.0,
-            _ if r.num_spec == 0 => 0.0,
-            d if SEQUENTIAL_DRAFTERS.contains(&d) => n,
-            _ => 1.0,
-        };
-        let tau = r.tau.unwrap_or(1.0);
-        let tile = |rows: f64| rows.min(GEMM_TILE_ROWS);
-        let (draft_rows, draft_tile_rows) = if passes == 0.0 {
-            (0.0, 0.0)
-        } else if SEQUENTIAL_DRAFTERS.contains(&r.drafter.as_str()) {
-            // The first pass over the committed rows, then N - 1 passes of one row each.
-            (c * (tau + n - 1.0), tile(c * tau) + (n - 1.0) * tile(c))
-        } else {
-            // The context append of the committed rows, then the block forward.
-            (c * (tau + n + 1.0), tile(c * tau) + tile(c * (n + 1.0)))
-        };
+        let (passes, draft_rows, draft_tile_rows) =
+            drafter_work(&r.drafter, c, n, r.tau.unwrap_or(1.0));
         let f = StepInputs {
             kernels: target,
             graphs: r.graphs,
@@ -928,20 +935,9 @@ mod tests {
                     } else {
                         1.0 + nf * (0.9 - 0.1 * nf)
                     };
-                    let passes = match drafter {
-                        "none" => 0.0,
-                        "dflash2" => 1.0,
-                        _ => nf,
-                    };
-                    let t8 = |x: f64| x.min(8.0);
-                    // MTP: first pass over the committed rows, then one row a request a
-                    // pass; DFlash2: the context append of the committed rows, then the
-                    // block of N + 1 rows a request (cuda/src/dflash.rs steps 1-2).
-                    let (draft_rows, draft_tile_rows) = match drafter {
-                        "none" => (0.0, 0.0),
-                        "dflash2" => (cf * (tau + nf + 1.0), t8(cf * tau) + t8(cf * (nf + 1.0))),
-                        _ => (cf * (tau + nf - 1.0), t8(cf * tau) + (nf - 1.0) * t8(cf)),
-                    };
+                    // The features as the loader derives them; the tests below check
+                    // the DFlash2 rows against c x (tau + N + 1) written out.
+                    let (passes, draft_rows, draft_tile_rows) = drafter_work(drafter, cf, nf, tau);
                     let experts = Routing::UNIFORM.expected_distinct_sr(16, 2, cf, verify);
                     let ctx = RowCtx {
                         path: p,
