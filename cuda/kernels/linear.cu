@@ -175,6 +175,174 @@ extern "C" __global__ void swiglu_dense_bf16(float* __restrict__ h, const float*
     gate_up_tile(h, N, n, x, x_stride, LoadBf16{W13, K}, (size_t)n * 2, K, in_row, in_row);
 }
 
+// ---- Register-tiled bf16 GEMMs for batches of more than one 8-row tile ----
+// linear_body re-reads every activation row once per output column (a warp owns one
+// column), so at 32-128 rows its time is activation traffic from L1 / L2, not weights.
+// Here a warp owns LT_RM (4) rows x LT_RN (8) weight rows and keeps both in registers
+// over a 16-byte k word, so each load feeds 4-8x more FMAs.  Numerics are linear_body's
+// bit for bit: lane l still sums k words l, l + 32, ... in order, 8 products a word in
+// order, in its own accumulator per output; the 32 lane partials of an output are then
+// added in warp_sum's xor-butterfly pairs (16, 8, 4, 2, 1), only spread over the lanes
+// (warp_spread) instead of repeated per output.  gpu_check's `tiled` lines compare the
+// two bit for bit (cuda/src/check.rs::tiled_parity).
+#define LT_RM 4
+#define LT_RN 8
+#define LT_WR 4  // warps along rows: block tile LT_TM = 16 rows
+#define LT_WC 2  // warps along weight rows: block tile LT_TN = 16 weight rows
+#define LT_TM (LT_RM * LT_WR)
+#define LT_TN (LT_RN * LT_WC)
+
+// The warp sums of S (a power of two <= 32) values per lane, spread: lane l returns the
+// sum over lanes of v[l >> (5 - log2 S)].  Each step pairs lanes l, l ^ d exactly as
+// warp_sum does (own value + partner's), so every sum equals warp_sum's bit for bit;
+// a lane only keeps the half of its values whose index bit matches its lane bit d.
+template <int S>
+__device__ __forceinline__ float warp_spread(float v[S]) {
+    const int lane = threadIdx.x & 31;
+    int n = S;
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+        if (n > 1) {
+            const bool up = (lane & d) != 0;
+            n >>= 1;
+#pragma unroll
+            for (int i = 0; i < S / 2; ++i) {
+                if (i < n) {
+                    const float send = up ? v[i] : v[i + n];
+                    const float keep = up ? v[i + n] : v[i];
+                    v[i] = keep + __shfl_xor_sync(FULL_MASK, send, d);
+                }
+            }
+        } else {
+            v[0] += __shfl_xor_sync(FULL_MASK, v[0], d);
+        }
+    }
+    return v[0];
+}
+
+// Warp sub-tile: rows m0 .. m0 + 4 of x times weight rows r0 .. r0 + 8 of W (R rows of K).
+// Out-of-range rows / weight rows are clamped to the last valid one (computed, never
+// stored).  Lane l returns output (row m0 + l / 8, weight row r0 + l % 8); with NORM the
+// rmsnorm scale of its row is applied (linear_body<true>'s formula).
+template <bool NORM>
+__device__ __forceinline__ float tiled_dot(const float* __restrict__ x, int x_stride,
+                                           const bf16_bits* __restrict__ W, int M, int R,
+                                           int K, int m0, int r0, const float* __restrict__ g,
+                                           float eps) {
+    const int lane = threadIdx.x & 31;
+    float acc[LT_RM * LT_RN], ss[LT_RM];
+#pragma unroll
+    for (int i = 0; i < LT_RM * LT_RN; ++i) acc[i] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < LT_RM; ++r) ss[r] = 0.0f;
+    for (int kw = lane; kw < K / 8; kw += WARP) {
+        float xv[LT_RM][8], gv[8];
+#pragma unroll
+        for (int r = 0; r < LT_RM; ++r)
+            load8(x + (size_t)min(m0 + r, M - 1) * x_stride + (size_t)kw * 8, xv[r]);
+        if (NORM) load8(g + (size_t)kw * 8, gv);
+#pragma unroll
+        for (int c = 0; c < LT_RN; ++c) {
+            float w[8];
+            widen8(*reinterpret_cast<const uint4*>(W + (size_t)min(r0 + c, R - 1) * K +
+                                                   (size_t)kw * 8),
+                   w);
+#pragma unroll
+            for (int r = 0; r < LT_RM; ++r) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    if (NORM)
+                        acc[r * LT_RN + c] += xv[r][j] * gv[j] * w[j];
+                    else
+                        acc[r * LT_RN + c] += xv[r][j] * w[j];
+                }
+            }
+        }
+        if (NORM) {
+#pragma unroll
+            for (int r = 0; r < LT_RM; ++r) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) ss[r] += xv[r][j] * xv[r][j];
+            }
+        }
+    }
+    float s = warp_spread<LT_RM * LT_RN>(acc);
+    if (NORM) s *= 1.0f / sqrtf(warp_spread<LT_RM>(ss) / (float)K + eps);
+    return s;
+}
+
+// The block's warp sub-tile origin: (row m0, weight row r0); false when it is past M / R.
+__device__ __forceinline__ bool tiled_origin(int M, int R, int& m0, int& r0) {
+    const int warp = threadIdx.x >> 5;
+    m0 = blockIdx.y * LT_TM + (warp / LT_WC) * LT_RM;
+    r0 = blockIdx.x * LT_TN + (warp % LT_WC) * LT_RN;
+    return m0 < M && r0 < R;
+}
+
+// y[m, n] (+)= s for the lane's output of tiled_dot.
+__device__ __forceinline__ void tiled_store(float* __restrict__ y, int y_stride, int M, int N,
+                                            int m0, int n0, float s, int accumulate) {
+    const int lane = threadIdx.x & 31;
+    const int m = m0 + lane / LT_RN, n = n0 + lane % LT_RN;
+    if (m < M && n < N) {
+        float* dst = y + (size_t)m * y_stride + n;
+        *dst = accumulate ? *dst + s : s;
+    }
+}
+
+// linear_bf16 / linear_norm_bf16 (NORM) register-tiled: the same arguments and results.
+// Launch: grid (ceil(N / 16), ceil(M / 16)), block 256 (launch.rs gemm_tiled).
+extern "C" __global__ void __launch_bounds__(256) linear_tiled_bf16(
+    float* __restrict__ y, int y_stride, const float* __restrict__ x, int x_stride,
+    const bf16_bits* __restrict__ W, int M, int N, int K, int accumulate) {
+    pdl_enter();
+    int m0, n0;
+    if (!tiled_origin(M, N, m0, n0)) return;  // whole warp: no barrier below
+    const float s = tiled_dot<false>(x, x_stride, W, M, N, K, m0, n0, nullptr, 0.0f);
+    tiled_store(y, y_stride, M, N, m0, n0, s, accumulate);
+}
+
+extern "C" __global__ void __launch_bounds__(256) linear_norm_tiled_bf16(
+    float* __restrict__ y, int y_stride, const float* __restrict__ x, int x_stride,
+    const bf16_bits* __restrict__ W, int M, int N, int K, int accumulate,
+    const float* __restrict__ g, float eps) {
+    pdl_enter();
+    int m0, n0;
+    if (!tiled_origin(M, N, m0, n0)) return;
+    const float s = tiled_dot<true>(x, x_stride, W, M, N, K, m0, n0, g, eps);
+    tiled_store(y, y_stride, M, N, m0, n0, s, accumulate);
+}
+
+// linear_pair_bf16 register-tiled.  Launch: grid (ceil(N / 16), ceil(M / 16), 2), block 256.
+extern "C" __global__ void __launch_bounds__(256) linear_pair_tiled_bf16(
+    float* __restrict__ y0, float* __restrict__ y1, int y_stride, const float* __restrict__ x0,
+    const float* __restrict__ x1, int x_stride, const bf16_bits* __restrict__ W0,
+    const bf16_bits* __restrict__ W1, int M, int N, int K) {
+    pdl_enter();
+    int m0, n0;
+    if (!tiled_origin(M, N, m0, n0)) return;
+    const bool z = blockIdx.z != 0;
+    const float s =
+        tiled_dot<false>(z ? x1 : x0, x_stride, z ? W1 : W0, M, N, K, m0, n0, nullptr, 0.0f);
+    tiled_store(z ? y1 : y0, y_stride, M, N, m0, n0, s, 0);
+}
+
+// swiglu_dense_bf16 register-tiled: the sub-tile's 8 weight rows are 4 columns' (gate, up)
+// pairs of W13 [N, 2, K]; the up sum comes from the neighbour lane (l ^ 1).  h [M, N].
+// Launch: grid (ceil(2 N / 16), ceil(M / 16)), block 256.
+extern "C" __global__ void __launch_bounds__(256) swiglu_tiled_bf16(
+    float* __restrict__ h, const float* __restrict__ x, int x_stride,
+    const bf16_bits* __restrict__ W13, int M, int N, int K) {
+    pdl_enter();
+    int m0, r0;
+    if (!tiled_origin(M, 2 * N, m0, r0)) return;
+    const float s = tiled_dot<false>(x, x_stride, W13, M, 2 * N, K, m0, r0, nullptr, 0.0f);
+    const float u = __shfl_xor_sync(FULL_MASK, s, 1);
+    const int lane = threadIdx.x & 31;
+    const int m = m0 + lane / LT_RN, r = r0 + lane % LT_RN;
+    if ((r & 1) == 0 && m < M && r < 2 * N) h[(size_t)m * N + r / 2] = silu_f(s) * u;
+}
+
 // Rows of MoE tile `tile`: pair ids (output rows) and their token rows (p / topk).
 __device__ __forceinline__ void tile_rows(const int* __restrict__ sorted, int tile, int topk,
                                           int in_row[ROWS_PER_TILE], int out_row[ROWS_PER_TILE]) {

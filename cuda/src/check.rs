@@ -200,6 +200,7 @@ pub fn parity(dir: &Path) -> Result<Vec<CheckLine>> {
     let (next, pos) = rig.decode(&mut out, last)?;
     rig.verify(&mut out, next, pos)?;
     rig.shared_head(&mut out, &w, &hidden)?;
+    crate::gemm_check::tiled_parity(&mut crate::device::Gpu::new(0)?, &mut out)?;
     Ok(out)
 }
 

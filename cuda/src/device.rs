@@ -116,6 +116,9 @@ pub struct Gpu {
     /// Launch with programmatic dependent launch (sm_90+, unless `SPECLAB_PDL=0`):
     /// [`pdl_wanted`].
     pub pdl: std::cell::Cell<bool>,
+    /// Rows from which the bf16 GEMMs launch their register-tiled kernels
+    /// ([`crate::launch::tiled_min_rows`], `SPECLAB_LIN_TILED_MIN`).
+    pub tiled_min_rows: usize,
     /// While profiling: (kernel name, an event recorded right after its launch).
     pub profile: std::cell::RefCell<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
 }
@@ -177,6 +180,9 @@ impl Gpu {
                 major,
                 std::env::var("SPECLAB_PDL").ok().as_deref(),
             )),
+            tiled_min_rows: crate::launch::tiled_min_rows(
+                std::env::var(crate::launch::TILED_MIN_ENV).ok().as_deref(),
+            ),
             profile: std::cell::RefCell::new(None),
         })
     }

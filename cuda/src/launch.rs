@@ -13,6 +13,27 @@ use crate::error::{CudaError, Result};
 pub const LIN_WARPS: u32 = 4;
 /// Rows per GEMM tile (`ROWS_PER_TILE`, `MOE_TILE`).
 pub const ROWS_PER_TILE: u32 = 8;
+/// Register-tiled GEMMs (`linear_tiled_bf16` and kin): a warp's rows (`LT_RM`) and weight
+/// rows (`LT_RN`), warps along rows (`LT_WR`) and weight rows (`LT_WC`).
+pub const LT_RM: u32 = 4;
+pub const LT_RN: u32 = 8;
+pub const LT_WR: u32 = 4;
+pub const LT_WC: u32 = 2;
+/// Rows from which the bf16 GEMMs run register-tiled (more than one 8-row tile): below
+/// it a warp per output column is the shorter chain (one 8-row tile, one k word a lane).
+pub const TILED_MIN_ROWS: usize = 9;
+/// Environment variable overriding [`TILED_MIN_ROWS`] (`off` never tiles: the A/B switch).
+pub const TILED_MIN_ENV: &str = "SPECLAB_LIN_TILED_MIN";
+
+/// [`TILED_MIN_ROWS`] as `SPECLAB_LIN_TILED_MIN` sets it (`off`, `0` or `none`: never tile;
+/// an unparsable value keeps the default, as the other tuning knobs do).
+pub fn tiled_min_rows(env: Option<&str>) -> usize {
+    match env.map(str::trim) {
+        Some("off" | "0" | "none") => usize::MAX,
+        Some(v) => v.parse().unwrap_or(TILED_MIN_ROWS),
+        None => TILED_MIN_ROWS,
+    }
+}
 /// mma tiles of 16 rows a warp of the INT4 expert GEMMs owns (`W4_RT`): a row block of 64.
 pub const W4_RT: u32 = 4;
 /// Warps per block of the INT4 expert GEMMs (`W4_WARPS`).
@@ -150,6 +171,16 @@ pub fn gemm(m: usize, n: usize, what: &str) -> Result<Shape> {
         n.div_ceil(LIN_WARPS as usize),
         m.div_ceil(ROWS_PER_TILE as usize),
         32 * LIN_WARPS,
+        what,
+    )
+}
+
+/// Register-tiled GEMMs over `r` weight rows: grid (ceil(r / 16), ceil(m / 16)), block 256.
+pub fn gemm_tiled(m: usize, r: usize, what: &str) -> Result<Shape> {
+    grid_2d(
+        r.div_ceil((LT_RN * LT_WC) as usize),
+        m.div_ceil((LT_RM * LT_WR) as usize),
+        32 * LT_WR * LT_WC,
         what,
     )
 }
@@ -307,6 +338,16 @@ mod tests {
         assert!(moe_tiles_unpacked(&[5, 9], 3) <= moe_tiles_used(&[5, 9]));
     }
 
+    #[test]
+    fn tiled_switch_and_shape() {
+        assert_eq!(tiled_min_rows(None), TILED_MIN_ROWS);
+        assert_eq!(tiled_min_rows(Some("off")), usize::MAX);
+        assert_eq!(tiled_min_rows(Some(" 33 ")), 33);
+        assert_eq!(tiled_min_rows(Some("x")), TILED_MIN_ROWS);
+        let s = gemm_tiled(17, 8196, "t").unwrap();
+        assert_eq!((s.grid, s.block), ((513, 2, 1), (256, 1, 1)));
+    }
+
     fn define(name: &str) -> Option<usize> {
         let prelude = [crate::kernels::PRELUDE];
         let texts = SOURCES.iter().map(|s| s.source).chain(prelude);
@@ -323,6 +364,10 @@ mod tests {
     fn constants_mirror_the_kernels() {
         assert_eq!(define("LIN_WARPS"), Some(LIN_WARPS as usize));
         assert_eq!(define("ROWS_PER_TILE"), Some(ROWS_PER_TILE as usize));
+        assert_eq!(define("LT_RM"), Some(LT_RM as usize));
+        assert_eq!(define("LT_RN"), Some(LT_RN as usize));
+        assert_eq!(define("LT_WR"), Some(LT_WR as usize));
+        assert_eq!(define("LT_WC"), Some(LT_WC as usize));
         assert_eq!(define("MOE_TILE"), Some(ROWS_PER_TILE as usize));
         assert_eq!(define("TOPK_MAX"), Some(TOPK_MAX));
         assert_eq!(define("W4_RT"), Some(W4_RT as usize));

@@ -252,20 +252,30 @@ fn linear_args(a: &Linear<'_>, what: &str) -> Result<Vec<Arg>> {
     ])
 }
 
-/// Kernel `linear_bf16`.
+/// The kernel and launch shape of a bf16 GEMM over `[m rows, n output columns, r weight
+/// rows]`: the warp-per-column kernel `base`, or from [`Gpu::tiled_min_rows`] rows its
+/// register-tiled twin `tiled` (bit-identical results, linear.cu).
+fn gemm_pick(
+    g: &Gpu,
+    [m, n, r]: [usize; 3],
+    base: &'static str,
+    tiled: &'static str,
+) -> Result<(&'static str, Shape)> {
+    if m >= g.tiled_min_rows {
+        Ok((tiled, launch::gemm_tiled(m, r, tiled)?))
+    } else {
+        Ok((base, launch::gemm(m, n, base)?))
+    }
+}
+
+/// Kernel `linear_bf16` (or `linear_tiled_bf16`).
 pub fn linear(g: &Gpu, a: &Linear<'_>) -> Result<()> {
     let args = linear_args(a, "linear_bf16")?;
+    let (name, shape) = gemm_pick(g, [a.m, a.n, a.n], "linear_bf16", "linear_tiled_bf16")?;
     // SAFETY: y spans (M-1)*y_stride + N, x spans (M-1)*x_stride + K, W spans N*K
-    // elements, all checked by `ptr`; the kernel touches y[m*ys + n], x[m*xs + k],
-    // W[n*K + k] for m < M, n < N, k < K (K % 8 == 0 and 16-byte alignment checked).
-    unsafe {
-        launch(
-            g,
-            "linear_bf16",
-            launch::gemm(a.m, a.n, "linear_bf16")?,
-            &args,
-        )
-    }
+    // elements, all checked by `ptr`; both kernels touch y[m*ys + n], x[m*xs + k],
+    // W[n*K + k] for m < M, n < N, k < K only (K % 8 == 0 and 16-byte alignment checked).
+    unsafe { launch(g, name, shape, &args) }
 }
 
 /// `y (+)= rmsnorm(x, norm, eps) @ W^T` in one kernel (`linear_norm_bf16`): the input
@@ -274,15 +284,14 @@ pub fn linear_norm(g: &Gpu, a: &Linear<'_>, norm: &DevBuf<f32>, eps: f32) -> Res
     let mut args = linear_args(a, "linear_norm_bf16")?;
     args.push(ptr(norm, 0, a.k, "linear norm weight")?);
     args.push(Arg::F(eps));
-    // SAFETY: as `linear`, plus g [K] checked; the kernel reads g[k] for k < K.
-    unsafe {
-        launch(
-            g,
-            "linear_norm_bf16",
-            launch::gemm(a.m, a.n, "linear_norm_bf16")?,
-            &args,
-        )
-    }
+    let (name, shape) = gemm_pick(
+        g,
+        [a.m, a.n, a.n],
+        "linear_norm_bf16",
+        "linear_norm_tiled_bf16",
+    )?;
+    // SAFETY: as `linear`, plus g [K] checked; the kernels read g[k] for k < K.
+    unsafe { launch(g, name, shape, &args) }
 }
 
 /// Two `linear`s of one shape (same m, n, k and strides, no accumulate) in one launch
@@ -310,10 +319,15 @@ pub fn linear_pair(g: &Gpu, a: &Linear<'_>, b: &Linear<'_>) -> Result<()> {
         int(a.n, "N")?,
         int(a.k, "K")?,
     ];
-    let mut shape = launch::gemm(a.m, a.n, "linear_pair_bf16")?;
+    let (name, mut shape) = gemm_pick(
+        g,
+        [a.m, a.n, a.n],
+        "linear_pair_bf16",
+        "linear_pair_tiled_bf16",
+    )?;
     shape.grid.2 = 2;
     // SAFETY: each (y_z, x_z, W_z) checked as in `linear`; block z touches only its own.
-    unsafe { launch(g, "linear_pair_bf16", shape, &args) }
+    unsafe { launch(g, name, shape, &args) }
 }
 
 /// `h = silu(x Wg^T) * (x Wu^T)` with fused bf16 `W13 [n, 2, k]` (kernel `swiglu_dense_bf16`).
@@ -338,16 +352,15 @@ pub fn swiglu(g: &Gpu, a: &Swiglu<'_>) -> Result<()> {
         int(a.n, "N")?,
         int(a.k, "K")?,
     ];
-    // SAFETY: h [M, N], x (M-1)*stride + K, W13 [N, 2, K], checked by `ptr`; the kernel
-    // touches exactly those for m < M, n < N.
-    unsafe {
-        launch(
-            g,
-            "swiglu_dense_bf16",
-            launch::gemm(a.m, a.n, "swiglu")?,
-            &args,
-        )
-    }
+    let (name, shape) = gemm_pick(
+        g,
+        [a.m, a.n, 2 * a.n],
+        "swiglu_dense_bf16",
+        "swiglu_tiled_bf16",
+    )?;
+    // SAFETY: h [M, N], x (M-1)*stride + K, W13 [N, 2, K], checked by `ptr`; both kernels
+    // touch exactly those for m < M, n < N.
+    unsafe { launch(g, name, shape, &args) }
 }
 
 /// Kernel `embed_gather`: `out [t, h]` rows of the bf16 table by token id.

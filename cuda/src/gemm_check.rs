@@ -1,0 +1,138 @@
+//! Bit-for-bit parity of the register-tiled bf16 GEMMs (`linear_tiled_bf16`,
+//! `linear_norm_tiled_bf16`, `linear_pair_tiled_bf16`, `swiglu_tiled_bf16`) against the
+//! warp-per-column kernels they replace from [`crate::launch::TILED_MIN_ROWS`] rows.
+//!
+//! Source: cuda/kernels/linear.cu (the tiled kernels keep each lane's summation order and
+//! warp_sum's butterfly pairs, so the results must be identical, not merely close).
+//!
+//! Invariants: both kernels of a pair run on the same device inputs (seeded, models/tiny's
+//! shapes plus ragged ones that exercise the clamped edge rows / columns, a strided and
+//! offset x, accumulate into a nonzero y); a line counts the output elements whose bit
+//! patterns differ, so its bound is 0.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::buf::DevBuf;
+use crate::check::{line, CheckLine};
+use crate::device::Gpu;
+use crate::error::Result;
+use crate::ops::{self, Linear, Mat, Swiglu};
+
+/// (M rows, N output columns, K) of the checked GEMMs: models/tiny's projections (hidden
+/// 256, qkv 768, dense intermediate 768, shared expert 128, vocab 8196) and ragged edges.
+const SHAPES: &[(usize, usize, usize)] = &[
+    (9, 768, 256),
+    (16, 256, 768),
+    (33, 8196, 256),
+    (128, 256, 128),
+    (136, 100, 264),
+    (64, 768, 256),
+];
+
+/// Which kernel family a case runs.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Linear,
+    Norm,
+    Pair,
+    Swiglu,
+}
+
+/// Device inputs of one shape: x [M, K + 8] (used from column 8), W [2N, K] bf16,
+/// W1 [N, K] bf16 (the pair's second matrix), g [K].
+struct Inputs {
+    x: DevBuf<f32>,
+    w: DevBuf<u16>,
+    w1: DevBuf<u16>,
+    g: DevBuf<f32>,
+    y0: Vec<f32>,
+}
+
+fn inputs(gpu: &Gpu, rng: &mut ChaCha8Rng, (m, n, k): (usize, usize, usize)) -> Result<Inputs> {
+    let s = &gpu.stream;
+    let mut f =
+        |len: usize| -> Vec<f32> { (0..len).map(|_| rng.random_range(-1.0..1.0)).collect() };
+    let bf = |v: Vec<f32>| -> Vec<u16> { v.iter().map(|x| (x.to_bits() >> 16) as u16).collect() };
+    Ok(Inputs {
+        x: DevBuf::upload(s, &f(m * (k + 8)), "tiled check x")?,
+        w: DevBuf::upload(s, &bf(f(2 * n * k)), "tiled check W")?,
+        w1: DevBuf::upload(s, &bf(f(n * k)), "tiled check W1")?,
+        g: DevBuf::upload(s, &f(k), "tiled check g")?,
+        y0: f(m * n),
+    })
+}
+
+/// Run `kind` on `inp` with the tiled kernels from `min_rows` rows; the two outputs, read
+/// back (the pair's are concatenated).
+fn run(
+    gpu: &mut Gpu,
+    kind: Kind,
+    inp: &Inputs,
+    shape: (usize, usize, usize),
+    min_rows: usize,
+) -> Result<Vec<f32>> {
+    let (m, n, k) = shape;
+    gpu.tiled_min_rows = min_rows;
+    let s = gpu.stream.clone();
+    let y = DevBuf::upload(&s, &inp.y0, "tiled check y")?;
+    let y1 = DevBuf::zeros(&s, m * n, "tiled check y1")?;
+    let x = Mat::rows(&inp.x, k + 8).col(8);
+    let lin = |y, w, accumulate| Linear {
+        y: Mat::rows(y, n),
+        x,
+        w,
+        m,
+        n,
+        k,
+        accumulate,
+    };
+    match kind {
+        Kind::Linear => ops::linear(gpu, &lin(&y, &inp.w, true))?,
+        Kind::Norm => ops::linear_norm(gpu, &lin(&y, &inp.w, false), &inp.g, 1e-6)?,
+        Kind::Pair => ops::linear_pair(gpu, &lin(&y, &inp.w, false), &lin(&y1, &inp.w1, false))?,
+        Kind::Swiglu => ops::swiglu(
+            gpu,
+            &Swiglu {
+                h: &y,
+                x,
+                w13: &inp.w,
+                m,
+                n,
+                k,
+            },
+        )?,
+    }
+    let mut out = y.read(&s, 0, m * n, "tiled check y")?;
+    if matches!(kind, Kind::Pair) {
+        out.extend(y1.read(&s, 0, m * n, "tiled check y1")?);
+    }
+    Ok(out)
+}
+
+/// One line per (kind, shape): elements whose bits differ between the tiled kernel and
+/// the warp-per-column kernel. Restores the device's own `tiled_min_rows` afterwards.
+pub fn tiled_parity(gpu: &mut Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
+    let keep = gpu.tiled_min_rows;
+    let mut rng = ChaCha8Rng::seed_from_u64(0x711e);
+    let result = (|| {
+        for &shape in SHAPES {
+            let inp = inputs(gpu, &mut rng, shape)?;
+            for kind in [Kind::Linear, Kind::Norm, Kind::Pair, Kind::Swiglu] {
+                let base = run(gpu, kind, &inp, shape, usize::MAX)?;
+                let tiled = run(gpu, kind, &inp, shape, 1)?;
+                let differ = base
+                    .iter()
+                    .zip(&tiled)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                let (m, n, k) = shape;
+                let name = format!("tiled {kind:?} M={m} N={n} K={k}: elements differing in bits");
+                line(out, name, differ as f64, 0.0);
+            }
+        }
+        Ok(())
+    })();
+    gpu.tiled_min_rows = keep;
+    result
+}
