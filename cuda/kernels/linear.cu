@@ -175,32 +175,25 @@ extern "C" __global__ void swiglu_dense_bf16(float* __restrict__ h, const float*
     gate_up_tile(h, N, n, x, x_stride, LoadBf16{W13, K}, (size_t)n * 2, K, in_row, in_row);
 }
 
-// ---- Register-tiled bf16 GEMMs ----
+// ---- Register-tiled bf16 GEMMs (the engine's default at every row count) ----
 // linear_body re-reads every activation row once per output column (a warp owns one
-// column), so at 32-128 rows its time is activation traffic from L1 / L2, not weights;
-// and at one row a warp has one 16-byte weight load in flight a lane.  Here a warp owns
-// RM rows x RN = 32 / RM weight rows and keeps both in registers over a 16-byte k word,
-// so each load feeds RM-RN times more FMAs and a lane has RN weight loads in flight.
-// Two tilings: T4 (4 rows x 8 weight rows, 8 warps a block: 16 x 16) for batches, and
-// T1 (1 row x 32 weight rows, 4 warps along weight rows: 1 x 128) for single rows.
-// Numerics are linear_body's bit for bit: lane l still sums k words l, l + 32, ... in
-// order, 8 products a word in order, in its own accumulator per output; the 32 lane
-// partials of an output are then added in warp_sum's xor-butterfly pairs (16, 8, 4, 2,
-// 1), only spread over the lanes (warp_spread) instead of repeated per output.
-// gpu_check's `tiled` lines compare them bit for bit (cuda/src/gemm_check.rs).
+// column), so at 32-128 rows its time is activation traffic from L1 / L2, not weights,
+// and at one row a lane has a single 16-byte weight load in flight.  Here a warp owns
+// LT_RM (4) rows x LT_RN (8) weight rows and keeps both in registers over a 16-byte k
+// word, so each load feeds 4-8x more FMAs and a lane has 8 weight loads in flight (rows
+// past M are clamped: at one row 3 of 4 are redundant, and it is still faster,
+// runs/ab-9268bac).  linear_body stays as the reference (SPECLAB_LIN_TILED_MIN=off).  Numerics are linear_body's
+// bit for bit: lane l still sums k words l, l + 32, ... in order, 8 products a word in
+// order, in its own accumulator per output; the 32 lane partials of an output are then
+// added in warp_sum's xor-butterfly pairs (16, 8, 4, 2, 1), only spread over the lanes
+// (warp_spread) instead of repeated per output.  gpu_check's `tiled` lines compare the
+// two bit for bit (cuda/src/check.rs::tiled_parity).
 #define LT_RM 4
 #define LT_RN 8
-#define LT_WR 4   // T4: warps along rows: block tile 16 rows
-#define LT_WC 2   // T4: warps along weight rows: block tile 16 weight rows
-#define LT1_WC 4  // T1: warps along weight rows: block tile 128 weight rows
-
-template <int RM_, int WR_, int WC_>
-struct Tiling {
-    static constexpr int RM = RM_, RN = 32 / RM_, WR = WR_, WC = WC_;
-    static constexpr int TM = RM * WR, TN = RN * WC;
-};
-typedef Tiling<LT_RM, LT_WR, LT_WC> T4;
-typedef Tiling<1, 1, LT1_WC> T1;
+#define LT_WR 4  // warps along rows: block tile LT_TM = 16 rows
+#define LT_WC 2  // warps along weight rows: block tile LT_TN = 16 weight rows
+#define LT_TM (LT_RM * LT_WR)
+#define LT_TN (LT_RN * LT_WC)
 
 // The warp sums of S (a power of two <= 32) values per lane, spread: lane l returns the
 // sum over lanes of v[l >> (5 - log2 S)].  Each step pairs lanes l, l ^ d exactly as
@@ -216,7 +209,7 @@ __device__ __forceinline__ float warp_spread(float v[S]) {
             const bool up = (lane & d) != 0;
             n >>= 1;
 #pragma unroll
-            for (int i = 0; i < (S + 1) / 2; ++i) {
+            for (int i = 0; i < S / 2; ++i) {
                 if (i < n) {
                     const float send = up ? v[i] : v[i + n];
                     const float keep = up ? v[i + n] : v[i];
@@ -230,143 +223,128 @@ __device__ __forceinline__ float warp_spread(float v[S]) {
     return v[0];
 }
 
-// Warp sub-tile: rows m0 .. m0 + RM of x times weight rows r0 .. r0 + RN of W (R rows of
-// K).  Out-of-range rows / weight rows are clamped to the last valid one (computed, never
-// stored).  Lane l returns output (row m0 + l / RN, weight row r0 + l % RN); with NORM the
+// Warp sub-tile: rows m0 .. m0 + 4 of x times weight rows r0 .. r0 + 8 of W (R rows of K).
+// Out-of-range rows / weight rows are clamped to the last valid one (computed, never
+// stored).  Lane l returns output (row m0 + l / 8, weight row r0 + l % 8); with NORM the
 // rmsnorm scale of its row is applied (linear_body<true>'s formula).
-template <class T, bool NORM>
+template <bool NORM>
 __device__ __forceinline__ float tiled_dot(const float* __restrict__ x, int x_stride,
                                            const bf16_bits* __restrict__ W, int M, int R,
                                            int K, int m0, int r0, const float* __restrict__ g,
                                            float eps) {
     const int lane = threadIdx.x & 31;
-    float acc[T::RM * T::RN], ss[T::RM];
+    float acc[LT_RM * LT_RN], ss[LT_RM];
 #pragma unroll
-    for (int i = 0; i < T::RM * T::RN; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < LT_RM * LT_RN; ++i) acc[i] = 0.0f;
 #pragma unroll
-    for (int r = 0; r < T::RM; ++r) ss[r] = 0.0f;
+    for (int r = 0; r < LT_RM; ++r) ss[r] = 0.0f;
     for (int kw = lane; kw < K / 8; kw += WARP) {
-        float xv[T::RM][8], gv[8];
+        float xv[LT_RM][8], gv[8];
 #pragma unroll
-        for (int r = 0; r < T::RM; ++r)
+        for (int r = 0; r < LT_RM; ++r)
             load8(x + (size_t)min(m0 + r, M - 1) * x_stride + (size_t)kw * 8, xv[r]);
         if (NORM) load8(g + (size_t)kw * 8, gv);
 #pragma unroll
-        for (int c = 0; c < T::RN; ++c) {
+        for (int c = 0; c < LT_RN; ++c) {
             float w[8];
             widen8(*reinterpret_cast<const uint4*>(W + (size_t)min(r0 + c, R - 1) * K +
                                                    (size_t)kw * 8),
                    w);
 #pragma unroll
-            for (int r = 0; r < T::RM; ++r) {
+            for (int r = 0; r < LT_RM; ++r) {
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     if (NORM)
-                        acc[r * T::RN + c] += xv[r][j] * gv[j] * w[j];
+                        acc[r * LT_RN + c] += xv[r][j] * gv[j] * w[j];
                     else
-                        acc[r * T::RN + c] += xv[r][j] * w[j];
+                        acc[r * LT_RN + c] += xv[r][j] * w[j];
                 }
             }
         }
         if (NORM) {
 #pragma unroll
-            for (int r = 0; r < T::RM; ++r) {
+            for (int r = 0; r < LT_RM; ++r) {
 #pragma unroll
                 for (int j = 0; j < 8; ++j) ss[r] += xv[r][j] * xv[r][j];
             }
         }
     }
-    float s = warp_spread<T::RM * T::RN>(acc);
-    if (NORM) s *= 1.0f / sqrtf(warp_spread<T::RM>(ss) / (float)K + eps);
+    float s = warp_spread<LT_RM * LT_RN>(acc);
+    if (NORM) s *= 1.0f / sqrtf(warp_spread<LT_RM>(ss) / (float)K + eps);
     return s;
 }
 
 // The block's warp sub-tile origin: (row m0, weight row r0); false when it is past M / R.
-template <class T>
 __device__ __forceinline__ bool tiled_origin(int M, int R, int& m0, int& r0) {
     const int warp = threadIdx.x >> 5;
-    m0 = blockIdx.y * T::TM + (warp / T::WC) * T::RM;
-    r0 = blockIdx.x * T::TN + (warp % T::WC) * T::RN;
+    m0 = blockIdx.y * LT_TM + (warp / LT_WC) * LT_RM;
+    r0 = blockIdx.x * LT_TN + (warp % LT_WC) * LT_RN;
     return m0 < M && r0 < R;
 }
 
 // y[m, n] (+)= s for the lane's output of tiled_dot.
-template <class T>
 __device__ __forceinline__ void tiled_store(float* __restrict__ y, int y_stride, int M, int N,
                                             int m0, int n0, float s, int accumulate) {
     const int lane = threadIdx.x & 31;
-    const int m = m0 + lane / T::RN, n = n0 + lane % T::RN;
+    const int m = m0 + lane / LT_RN, n = n0 + lane % LT_RN;
     if (m < M && n < N) {
         float* dst = y + (size_t)m * y_stride + n;
         *dst = accumulate ? *dst + s : s;
     }
 }
 
-template <class T, bool NORM>
-__device__ __forceinline__ void tiled_linear(float* __restrict__ y, int y_stride,
-                                             const float* __restrict__ x, int x_stride,
-                                             const bf16_bits* __restrict__ W, int M, int N,
-                                             int K, int accumulate, const float* __restrict__ g,
-                                             float eps) {
+// linear_bf16 / linear_norm_bf16 (NORM) register-tiled: the same arguments and results.
+// Launch: grid (ceil(N / 16), ceil(M / 16)), block 256 (launch.rs gemm_tiled).
+extern "C" __global__ void __launch_bounds__(256) linear_tiled_bf16(
+    float* __restrict__ y, int y_stride, const float* __restrict__ x, int x_stride,
+    const bf16_bits* __restrict__ W, int M, int N, int K, int accumulate) {
+    pdl_enter();
     int m0, n0;
-    if (!tiled_origin<T>(M, N, m0, n0)) return;  // whole warp: no barrier below
-    const float s = tiled_dot<T, NORM>(x, x_stride, W, M, N, K, m0, n0, g, eps);
-    tiled_store<T>(y, y_stride, M, N, m0, n0, s, accumulate);
+    if (!tiled_origin(M, N, m0, n0)) return;  // whole warp: no barrier below
+    const float s = tiled_dot<false>(x, x_stride, W, M, N, K, m0, n0, nullptr, 0.0f);
+    tiled_store(y, y_stride, M, N, m0, n0, s, accumulate);
 }
 
-// The sub-tile's RN weight rows are RN / 2 columns' (gate, up) pairs of W13 [N, 2, K]; the
-// up sum comes from the neighbour lane (l ^ 1).  h [M, N].
-template <class T>
-__device__ __forceinline__ void tiled_swiglu(float* __restrict__ h, const float* __restrict__ x,
-                                             int x_stride, const bf16_bits* __restrict__ W13,
-                                             int M, int N, int K) {
+extern "C" __global__ void __launch_bounds__(256) linear_norm_tiled_bf16(
+    float* __restrict__ y, int y_stride, const float* __restrict__ x, int x_stride,
+    const bf16_bits* __restrict__ W, int M, int N, int K, int accumulate,
+    const float* __restrict__ g, float eps) {
+    pdl_enter();
+    int m0, n0;
+    if (!tiled_origin(M, N, m0, n0)) return;
+    const float s = tiled_dot<true>(x, x_stride, W, M, N, K, m0, n0, g, eps);
+    tiled_store(y, y_stride, M, N, m0, n0, s, accumulate);
+}
+
+// linear_pair_bf16 register-tiled.  Launch: grid (ceil(N / 16), ceil(M / 16), 2), block 256.
+extern "C" __global__ void __launch_bounds__(256) linear_pair_tiled_bf16(
+    float* __restrict__ y0, float* __restrict__ y1, int y_stride, const float* __restrict__ x0,
+    const float* __restrict__ x1, int x_stride, const bf16_bits* __restrict__ W0,
+    const bf16_bits* __restrict__ W1, int M, int N, int K) {
+    pdl_enter();
+    int m0, n0;
+    if (!tiled_origin(M, N, m0, n0)) return;
+    const bool z = blockIdx.z != 0;
+    const float s =
+        tiled_dot<false>(z ? x1 : x0, x_stride, z ? W1 : W0, M, N, K, m0, n0, nullptr, 0.0f);
+    tiled_store(z ? y1 : y0, y_stride, M, N, m0, n0, s, 0);
+}
+
+// swiglu_dense_bf16 register-tiled: the sub-tile's 8 weight rows are 4 columns' (gate, up)
+// pairs of W13 [N, 2, K]; the up sum comes from the neighbour lane (l ^ 1).  h [M, N].
+// Launch: grid (ceil(2 N / 16), ceil(M / 16)), block 256.
+extern "C" __global__ void __launch_bounds__(256) swiglu_tiled_bf16(
+    float* __restrict__ h, const float* __restrict__ x, int x_stride,
+    const bf16_bits* __restrict__ W13, int M, int N, int K) {
+    pdl_enter();
     int m0, r0;
-    if (!tiled_origin<T>(M, 2 * N, m0, r0)) return;
-    const float s = tiled_dot<T, false>(x, x_stride, W13, M, 2 * N, K, m0, r0, nullptr, 0.0f);
+    if (!tiled_origin(M, 2 * N, m0, r0)) return;
+    const float s = tiled_dot<false>(x, x_stride, W13, M, 2 * N, K, m0, r0, nullptr, 0.0f);
     const float u = __shfl_xor_sync(FULL_MASK, s, 1);
     const int lane = threadIdx.x & 31;
-    const int m = m0 + lane / T::RN, r = r0 + lane % T::RN;
+    const int m = m0 + lane / LT_RN, r = r0 + lane % LT_RN;
     if ((r & 1) == 0 && m < M && r < 2 * N) h[(size_t)m * N + r / 2] = silu_f(s) * u;
 }
-
-// The four register-tiled entry points of tiling T, named <base>_<SUF>: linear_bf16,
-// linear_norm_bf16, linear_pair_bf16 and swiglu_dense_bf16 with the same arguments and
-// results.  Launch: grid (ceil(R / T::TN), ceil(M / T::TM)[, 2 for the pair]), block
-// 32 T::WR T::WC, R = N weight rows (2 N for swiglu) (launch.rs gemm_tiled).
-#define TILED_ENTRIES(SUF, T)                                                                \
-    extern "C" __global__ void __launch_bounds__(32 * T::WR * T::WC) linear_tiled##SUF(     \
-        float* __restrict__ y, int y_stride, const float* __restrict__ x, int x_stride,      \
-        const bf16_bits* __restrict__ W, int M, int N, int K, int accumulate) {              \
-        pdl_enter();                                                                         \
-        tiled_linear<T, false>(y, y_stride, x, x_stride, W, M, N, K, accumulate, nullptr,    \
-                               0.0f);                                                        \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * T::WR * T::WC) linear_norm_tiled##SUF( \
-        float* __restrict__ y, int y_stride, const float* __restrict__ x, int x_stride,      \
-        const bf16_bits* __restrict__ W, int M, int N, int K, int accumulate,                \
-        const float* __restrict__ g, float eps) {                                            \
-        pdl_enter();                                                                         \
-        tiled_linear<T, true>(y, y_stride, x, x_stride, W, M, N, K, accumulate, g, eps);     \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * T::WR * T::WC) linear_pair_tiled##SUF( \
-        float* __restrict__ y0, float* __restrict__ y1, int y_stride,                        \
-        const float* __restrict__ x0, const float* __restrict__ x1, int x_stride,            \
-        const bf16_bits* __restrict__ W0, const bf16_bits* __restrict__ W1, int M, int N,    \
-        int K) {                                                                             \
-        pdl_enter();                                                                         \
-        const bool z = blockIdx.z != 0;                                                      \
-        tiled_linear<T, false>(z ? y1 : y0, y_stride, z ? x1 : x0, x_stride, z ? W1 : W0, M, \
-                               N, K, 0, nullptr, 0.0f);                                      \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * T::WR * T::WC) swiglu_tiled##SUF(      \
-        float* __restrict__ h, const float* __restrict__ x, int x_stride,                    \
-        const bf16_bits* __restrict__ W13, int M, int N, int K) {                            \
-        pdl_enter();                                                                         \
-        tiled_swiglu<T>(h, x, x_stride, W13, M, N, K);                                       \
-    }
-
-TILED_ENTRIES(_bf16, T4)
-TILED_ENTRIES(1_bf16, T1)
 
 // Rows of MoE tile `tile`: pair ids (output rows) and their token rows (p / topk).
 __device__ __forceinline__ void tile_rows(const int* __restrict__ sorted, int tile, int topk,

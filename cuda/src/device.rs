@@ -116,12 +116,9 @@ pub struct Gpu {
     /// Launch with programmatic dependent launch (sm_90+, unless `SPECLAB_PDL=0`):
     /// [`pdl_wanted`].
     pub pdl: std::cell::Cell<bool>,
-    /// Rows from which the bf16 GEMMs launch their `T4` register-tiled kernels
-    /// ([`crate::launch::TILED_MIN_ROWS`], `SPECLAB_LIN_TILED_MIN`).
+    /// Rows from which the bf16 GEMMs launch their register-tiled kernels
+    /// ([`crate::launch::tiled_min_rows`], `SPECLAB_LIN_TILED_MIN`).
     pub tiled_min_rows: usize,
-    /// Rows up to which they launch the `T1` kernels instead
-    /// ([`crate::launch::T1_MAX_ROWS`], `SPECLAB_LIN_T1_MAX`).
-    pub t1_max_rows: usize,
     /// While profiling: (kernel name, an event recorded right after its launch).
     pub profile: std::cell::RefCell<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
 }
@@ -183,15 +180,8 @@ impl Gpu {
                 major,
                 std::env::var("SPECLAB_PDL").ok().as_deref(),
             )),
-            tiled_min_rows: crate::launch::rows_knob(
+            tiled_min_rows: crate::launch::tiled_min_rows(
                 std::env::var(crate::launch::TILED_MIN_ENV).ok().as_deref(),
-                crate::launch::TILED_MIN_ROWS,
-                usize::MAX,
-            ),
-            t1_max_rows: crate::launch::rows_knob(
-                std::env::var(crate::launch::T1_MAX_ENV).ok().as_deref(),
-                crate::launch::T1_MAX_ROWS,
-                0,
             ),
             profile: std::cell::RefCell::new(None),
         })

@@ -1,6 +1,6 @@
 //! Bit-for-bit parity of the register-tiled bf16 GEMMs (`linear_tiled_bf16`,
 //! `linear_norm_tiled_bf16`, `linear_pair_tiled_bf16`, `swiglu_tiled_bf16`) against the
-//! warp-per-column kernels they replace (the `T4` and `T1` tilings, cuda/src/launch.rs).
+//! warp-per-column kernels they replace from [`crate::launch::TILED_MIN_ROWS`] rows.
 //!
 //! Source: cuda/kernels/linear.cu (the tiled kernels keep each lane's summation order and
 //! warp_sum's butterfly pairs, so the results must be identical, not merely close).
@@ -66,21 +66,17 @@ fn inputs(gpu: &Gpu, rng: &mut ChaCha8Rng, (m, n, k): (usize, usize, usize)) -> 
     })
 }
 
-/// Which kernels a run launches: (`tiled_min_rows`, `t1_max_rows`).
-const BASE: (usize, usize) = (usize::MAX, 0);
-const TILED: [(&str, (usize, usize)); 2] = [("T4", (1, 0)), ("T1", (usize::MAX, usize::MAX))];
-
-/// Run `kind` on `inp` with the kernels `pick` selects; the output, read back (the
-/// pair's two are concatenated).
+/// Run `kind` on `inp` with the tiled kernels from `min_rows` rows; the two outputs, read
+/// back (the pair's are concatenated).
 fn run(
     gpu: &mut Gpu,
     kind: Kind,
     inp: &Inputs,
     shape: (usize, usize, usize),
-    pick: (usize, usize),
+    min_rows: usize,
 ) -> Result<Vec<f32>> {
     let (m, n, k) = shape;
-    (gpu.tiled_min_rows, gpu.t1_max_rows) = pick;
+    gpu.tiled_min_rows = min_rows;
     let s = gpu.stream.clone();
     let y = DevBuf::upload(&s, &inp.y0, "tiled check y")?;
     let y1 = DevBuf::zeros(&s, m * n, "tiled check y1")?;
@@ -117,33 +113,29 @@ fn run(
     Ok(out)
 }
 
-/// One line per (tiling, kind, shape): elements whose bits differ between the tiled
-/// kernel and the warp-per-column kernel. Restores the device's own selection afterwards.
+/// One line per (kind, shape): elements whose bits differ between the tiled kernel and
+/// the warp-per-column kernel. Restores the device's own `tiled_min_rows` afterwards.
 pub fn tiled_parity(gpu: &mut Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
-    let keep = (gpu.tiled_min_rows, gpu.t1_max_rows);
+    let keep = gpu.tiled_min_rows;
     let mut rng = ChaCha8Rng::seed_from_u64(0x711e);
     let result = (|| {
         for &shape in SHAPES {
             let inp = inputs(gpu, &mut rng, shape)?;
             for kind in [Kind::Linear, Kind::Norm, Kind::Pair, Kind::Swiglu] {
-                let base = run(gpu, kind, &inp, shape, BASE)?;
-                for (tiling, pick) in TILED {
-                    let tiled = run(gpu, kind, &inp, shape, pick)?;
-                    let differ = base
-                        .iter()
-                        .zip(&tiled)
-                        .filter(|(a, b)| a.to_bits() != b.to_bits())
-                        .count();
-                    let (m, n, k) = shape;
-                    let name = format!(
-                        "tiled {tiling} {kind:?} M={m} N={n} K={k}: elements differing in bits"
-                    );
-                    line(out, name, differ as f64, 0.0);
-                }
+                let base = run(gpu, kind, &inp, shape, usize::MAX)?;
+                let tiled = run(gpu, kind, &inp, shape, 1)?;
+                let differ = base
+                    .iter()
+                    .zip(&tiled)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                let (m, n, k) = shape;
+                let name = format!("tiled {kind:?} M={m} N={n} K={k}: elements differing in bits");
+                line(out, name, differ as f64, 0.0);
             }
         }
         Ok(())
     })();
-    (gpu.tiled_min_rows, gpu.t1_max_rows) = keep;
+    gpu.tiled_min_rows = keep;
     result
 }

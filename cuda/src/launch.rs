@@ -19,48 +19,22 @@ pub const LT_RM: u32 = 4;
 pub const LT_RN: u32 = 8;
 pub const LT_WR: u32 = 4;
 pub const LT_WC: u32 = 2;
-/// The single-row tiling (`T1`: 1 row x 32 weight rows a warp): warps along weight rows
-/// (`LT1_WC`), one row of warps.
-pub const LT1_WC: u32 = 4;
-/// A register tiling of the bf16 GEMMs: (rows, weight rows) of a block and its threads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Tiling {
-    pub tm: u32,
-    pub tn: u32,
-    pub threads: u32,
-}
-/// `T4`: 4 rows x 8 weight rows a warp, 4 x 2 warps: a 16 x 16 block tile.
-pub const T4: Tiling = Tiling {
-    tm: LT_RM * LT_WR,
-    tn: LT_RN * LT_WC,
-    threads: 32 * LT_WR * LT_WC,
-};
-/// `T1`: 1 row x 32 weight rows a warp, 1 x 4 warps: a 1 x 128 block tile.
-pub const T1: Tiling = Tiling {
-    tm: 1,
-    tn: 32 * LT1_WC,
-    threads: 32 * LT1_WC,
-};
-/// Rows from which the bf16 GEMMs run with the `T4` tiling. Measured on the H200
-/// (runs/ab-9268bac): tiling from one row made every concurrency faster than tiling from
-/// 9 rows (the second 8-row tile), so the default is 1.
+/// Rows from which the bf16 GEMMs run register-tiled. Measured on the H200
+/// (runs/ab-9268bac): tiling from one row was faster at every batch than tiling from 9
+/// rows (past the first 8-row tile) or not at all, so it is 1: the per-column kernels
+/// are the `off` reference. A one-row tiling of 32 weight rows a warp was slower still
+/// (runs/ab-64b1a5f: too few blocks for 256-768-row projections).
 pub const TILED_MIN_ROWS: usize = 1;
-/// Environment variable overriding [`TILED_MIN_ROWS`] (`off`: the per-column kernels, the
-/// A/B switch).
+/// Environment variable overriding [`TILED_MIN_ROWS`] (`off` never tiles: the A/B switch).
 pub const TILED_MIN_ENV: &str = "SPECLAB_LIN_TILED_MIN";
-/// Rows up to which the `T1` tiling is used instead (it has 32 weight loads in flight a
-/// lane where `T4` has 8, and no clamped rows at one row).
-pub const T1_MAX_ROWS: usize = 1;
-/// Environment variable overriding [`T1_MAX_ROWS`] (`off` / `0`: never).
-pub const T1_MAX_ENV: &str = "SPECLAB_LIN_T1_MAX";
 
-/// A row-count knob as its environment variable sets it: `off` / `none` give `off`, a
-/// number itself, anything else (or unset) the default, as the other tuning knobs do.
-pub fn rows_knob(env: Option<&str>, default: usize, off: usize) -> usize {
+/// [`TILED_MIN_ROWS`] as `SPECLAB_LIN_TILED_MIN` sets it (`off`, `0` or `none`: never tile;
+/// an unparsable value keeps the default, as the other tuning knobs do).
+pub fn tiled_min_rows(env: Option<&str>) -> usize {
     match env.map(str::trim) {
-        Some("off" | "none") => off,
-        Some(v) => v.parse().unwrap_or(default),
-        None => default,
+        Some("off" | "0" | "none") => usize::MAX,
+        Some(v) => v.parse().unwrap_or(TILED_MIN_ROWS),
+        None => TILED_MIN_ROWS,
     }
 }
 /// mma tiles of 16 rows a warp of the INT4 expert GEMMs owns (`W4_RT`): a row block of 64.
@@ -204,13 +178,12 @@ pub fn gemm(m: usize, n: usize, what: &str) -> Result<Shape> {
     )
 }
 
-/// Register-tiled GEMMs over `r` weight rows with tiling `t`: grid (ceil(r / t.tn),
-/// ceil(m / t.tm)), block t.threads.
-pub fn gemm_tiled(t: Tiling, m: usize, r: usize, what: &str) -> Result<Shape> {
+/// Register-tiled GEMMs over `r` weight rows: grid (ceil(r / 16), ceil(m / 16)), block 256.
+pub fn gemm_tiled(m: usize, r: usize, what: &str) -> Result<Shape> {
     grid_2d(
-        r.div_ceil(t.tn as usize),
-        m.div_ceil(t.tm as usize),
-        t.threads,
+        r.div_ceil((LT_RN * LT_WC) as usize),
+        m.div_ceil((LT_RM * LT_WR) as usize),
+        32 * LT_WR * LT_WC,
         what,
     )
 }
@@ -370,14 +343,12 @@ mod tests {
 
     #[test]
     fn tiled_switch_and_shape() {
-        assert_eq!(rows_knob(None, 9, usize::MAX), 9);
-        assert_eq!(rows_knob(Some("off"), 9, usize::MAX), usize::MAX);
-        assert_eq!(rows_knob(Some(" 33 "), 9, usize::MAX), 33);
-        assert_eq!(rows_knob(Some("x"), 9, 0), 9);
-        let s = gemm_tiled(T4, 17, 8196, "t").unwrap();
+        assert_eq!(tiled_min_rows(None), TILED_MIN_ROWS);
+        assert_eq!(tiled_min_rows(Some("off")), usize::MAX);
+        assert_eq!(tiled_min_rows(Some(" 33 ")), 33);
+        assert_eq!(tiled_min_rows(Some("x")), TILED_MIN_ROWS);
+        let s = gemm_tiled(17, 8196, "t").unwrap();
         assert_eq!((s.grid, s.block), ((513, 2, 1), (256, 1, 1)));
-        let s = gemm_tiled(T1, 1, 8196, "t").unwrap();
-        assert_eq!((s.grid, s.block), ((65, 1, 1), (128, 1, 1)));
     }
 
     fn define(name: &str) -> Option<usize> {
@@ -400,7 +371,6 @@ mod tests {
         assert_eq!(define("LT_RN"), Some(LT_RN as usize));
         assert_eq!(define("LT_WR"), Some(LT_WR as usize));
         assert_eq!(define("LT_WC"), Some(LT_WC as usize));
-        assert_eq!(define("LT1_WC"), Some(LT1_WC as usize));
         assert_eq!(define("MOE_TILE"), Some(ROWS_PER_TILE as usize));
         assert_eq!(define("TOPK_MAX"), Some(TOPK_MAX));
         assert_eq!(define("W4_RT"), Some(W4_RT as usize));

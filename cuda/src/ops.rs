@@ -253,31 +253,25 @@ fn linear_args(a: &Linear<'_>, what: &str) -> Result<Vec<Arg>> {
 }
 
 /// The kernel and launch shape of a bf16 GEMM over `[m rows, n output columns, r weight
-/// rows]`: up to [`Gpu::t1_max_rows`] rows the `T1` register-tiled kernel `names[2]`, from
-/// [`Gpu::tiled_min_rows`] the `T4` one `names[1]`, else the warp-per-column kernel
-/// `names[0]` (all bit-identical, linear.cu).
+/// rows]`: the warp-per-column kernel `base`, or from [`Gpu::tiled_min_rows`] rows its
+/// register-tiled twin `tiled` (bit-identical results, linear.cu).
 fn gemm_pick(
     g: &Gpu,
     [m, n, r]: [usize; 3],
-    names: [&'static str; 3],
+    base: &'static str,
+    tiled: &'static str,
 ) -> Result<(&'static str, Shape)> {
-    if m <= g.t1_max_rows {
-        Ok((names[2], launch::gemm_tiled(launch::T1, m, r, names[2])?))
-    } else if m >= g.tiled_min_rows {
-        Ok((names[1], launch::gemm_tiled(launch::T4, m, r, names[1])?))
+    if m >= g.tiled_min_rows {
+        Ok((tiled, launch::gemm_tiled(m, r, tiled)?))
     } else {
-        Ok((names[0], launch::gemm(m, n, names[0])?))
+        Ok((base, launch::gemm(m, n, base)?))
     }
 }
 
 /// Kernel `linear_bf16` (or `linear_tiled_bf16`).
 pub fn linear(g: &Gpu, a: &Linear<'_>) -> Result<()> {
     let args = linear_args(a, "linear_bf16")?;
-    let (name, shape) = gemm_pick(
-        g,
-        [a.m, a.n, a.n],
-        ["linear_bf16", "linear_tiled_bf16", "linear_tiled1_bf16"],
-    )?;
+    let (name, shape) = gemm_pick(g, [a.m, a.n, a.n], "linear_bf16", "linear_tiled_bf16")?;
     // SAFETY: y spans (M-1)*y_stride + N, x spans (M-1)*x_stride + K, W spans N*K
     // elements, all checked by `ptr`; both kernels touch y[m*ys + n], x[m*xs + k],
     // W[n*K + k] for m < M, n < N, k < K only (K % 8 == 0 and 16-byte alignment checked).
@@ -293,11 +287,8 @@ pub fn linear_norm(g: &Gpu, a: &Linear<'_>, norm: &DevBuf<f32>, eps: f32) -> Res
     let (name, shape) = gemm_pick(
         g,
         [a.m, a.n, a.n],
-        [
-            "linear_norm_bf16",
-            "linear_norm_tiled_bf16",
-            "linear_norm_tiled1_bf16",
-        ],
+        "linear_norm_bf16",
+        "linear_norm_tiled_bf16",
     )?;
     // SAFETY: as `linear`, plus g [K] checked; the kernels read g[k] for k < K.
     unsafe { launch(g, name, shape, &args) }
@@ -331,11 +322,8 @@ pub fn linear_pair(g: &Gpu, a: &Linear<'_>, b: &Linear<'_>) -> Result<()> {
     let (name, mut shape) = gemm_pick(
         g,
         [a.m, a.n, a.n],
-        [
-            "linear_pair_bf16",
-            "linear_pair_tiled_bf16",
-            "linear_pair_tiled1_bf16",
-        ],
+        "linear_pair_bf16",
+        "linear_pair_tiled_bf16",
     )?;
     shape.grid.2 = 2;
     // SAFETY: each (y_z, x_z, W_z) checked as in `linear`; block z touches only its own.
@@ -367,11 +355,8 @@ pub fn swiglu(g: &Gpu, a: &Swiglu<'_>) -> Result<()> {
     let (name, shape) = gemm_pick(
         g,
         [a.m, a.n, 2 * a.n],
-        [
-            "swiglu_dense_bf16",
-            "swiglu_tiled_bf16",
-            "swiglu_tiled1_bf16",
-        ],
+        "swiglu_dense_bf16",
+        "swiglu_tiled_bf16",
     )?;
     // SAFETY: h [M, N], x (M-1)*stride + K, W13 [N, 2, K], checked by `ptr`; both kernels
     // touch exactly those for m < M, n < N.
