@@ -79,6 +79,35 @@ extern "C" __global__ void moe_topk(int* __restrict__ ids, float* __restrict__ w
 }
 
 #define ROUTER_E_MAX 256
+// Largest hidden size whose post-attention rmsnorm the router kernel fuses (its shared row).
+#define ROUTER_NORM_K_MAX 4096
+
+// rmsnorm of one row into shared memory and out (both [D]), bit for bit basic.cu's
+// rmsnorm as ops.rs launches it (128 threads): the same per-thread partials (stride 128),
+// warp sums, and the 4 warp totals added in order from zero; then x * inv * w.
+// Called by the whole block (blockDim.x >= 128); returns the shared row.
+__device__ __forceinline__ const float* router_norm_row(float* s_row, float* __restrict__ out,
+                                                        const float* __restrict__ xr,
+                                                        const float* __restrict__ nw, int D,
+                                                        float eps, float* scratch) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float ss = 0.0f;
+    if (tid < 128)
+        for (int i = tid; i < D; i += 128) ss += xr[i] * xr[i];
+    ss = warp_sum(ss);
+    if (lane == 0 && warp < 4) scratch[warp] = ss;
+    __syncthreads();
+    float tot = 0.0f;
+    for (int w = 0; w < 4; ++w) tot += scratch[w];
+    const float inv = 1.0f / sqrtf(tot / (float)D + eps);
+    for (int i = tid; i < D; i += blockDim.x) {
+        const float v = xr[i] * inv * nw[i];
+        s_row[i] = v;
+        out[i] = v;
+    }
+    __syncthreads();
+    return s_row;
+}
 
 // The router GEMM fused with moe_topk for small routers (E <= 256): block t, warp w
 // computes logits[t, e] = x[t] . W[e] for e = w, w + 16, ... in linear_bf16's summation
@@ -88,21 +117,29 @@ extern "C" __global__ void moe_topk(int* __restrict__ ids, float* __restrict__ w
 // w4_split_item, as linear.cu moe_split_x would; requires x_stride == K).  Shapes: x
 // [T, x_stride] f32 (first K used), W [E, K] bf16, bias [E], logits [T, E] (written),
 // ids / wts [T, k], xs [T, K W4_XS / 2] u32 or null; K % 16 == 0.
+// When norm_w is not null the layer's post-attention rmsnorm is fused in: x is the raw
+// residual row, xn [T, K] receives rmsnorm(x, norm_w, eps) (router_norm_row, the shared
+// expert's input) and the router and split read that; K <= ROUTER_NORM_K_MAX.
 // Launch: grid (T), block 512.
 extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restrict__ wts,
                                            float* __restrict__ logits, u32* __restrict__ xs,
                                            const float* __restrict__ x, int x_stride,
                                            const bf16_bits* __restrict__ W,
                                            const float* __restrict__ bias, int T, int E, int K,
-                                           int k, int norm_topk, float rsf) {
+                                           int k, int norm_topk, float rsf,
+                                           const float* __restrict__ norm_w, float eps,
+                                           float* __restrict__ xn) {
     pdl_enter();
     __shared__ float lg[ROUTER_E_MAX];
     __shared__ float biased[ROUTER_E_MAX];
+    __shared__ __align__(16) float row[ROUTER_NORM_K_MAX];
+    __shared__ float scratch[32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int nwarps = blockDim.x >> 5;
     const int t = blockIdx.x;
     if (t >= T) return;  // uniform per block
     const float* xr = x + (size_t)t * x_stride;
+    if (norm_w != nullptr) xr = router_norm_row(row, xn + (size_t)t * K, xr, norm_w, K, eps, scratch);
     if (xs != nullptr)
         for (int i = threadIdx.x; i < K / 4; i += blockDim.x) w4_split_item(xs, xr, t, K, i);
     for (int e = warp; e < E; e += nwarps) {

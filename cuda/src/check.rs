@@ -200,7 +200,9 @@ pub fn parity(dir: &Path) -> Result<Vec<CheckLine>> {
     let (next, pos) = rig.decode(&mut out, last)?;
     rig.verify(&mut out, next, pos)?;
     rig.shared_head(&mut out, &w, &hidden)?;
-    crate::gemm_check::tiled_parity(&mut crate::device::Gpu::new(0)?, &mut out)?;
+    let mut g = crate::device::Gpu::new(0)?;
+    crate::gemm_check::tiled_parity(&mut g, &mut out)?;
+    crate::gemm_check::router_norm_parity(&g, &mut out)?;
     Ok(out)
 }
 

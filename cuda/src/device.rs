@@ -119,6 +119,9 @@ pub struct Gpu {
     /// Rows from which the bf16 GEMMs launch their register-tiled kernels
     /// ([`crate::launch::tiled_min_rows`], `SPECLAB_LIN_TILED_MIN`).
     pub tiled_min_rows: usize,
+    /// Fuse each MoE layer's post-attention rmsnorm into its router kernel (default;
+    /// `SPECLAB_ROUTER_NORM=0` launches kernel `rmsnorm` before it, the A/B reference).
+    pub fuse_router_norm: bool,
     /// While profiling: (kernel name, an event recorded right after its launch).
     pub profile: std::cell::RefCell<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
 }
@@ -182,6 +185,13 @@ impl Gpu {
             )),
             tiled_min_rows: crate::launch::tiled_min_rows(
                 std::env::var(crate::launch::TILED_MIN_ENV).ok().as_deref(),
+            ),
+            fuse_router_norm: !matches!(
+                std::env::var("SPECLAB_ROUTER_NORM")
+                    .ok()
+                    .as_deref()
+                    .map(str::trim),
+                Some("0" | "off" | "false")
             ),
             profile: std::cell::RefCell::new(None),
         })

@@ -5,6 +5,10 @@
 //! Source: cuda/kernels/linear.cu (the tiled kernels keep each lane's summation order and
 //! warp_sum's butterfly pairs, so the results must be identical, not merely close).
 //!
+//! Also the router kernel with the post-attention rmsnorm fused in against kernel
+//! `rmsnorm` then the router ([`router_norm_parity`]): normalized rows, logits, expert ids
+//! and weights, bit for bit.
+//!
 //! Invariants: both kernels of a pair run on the same device inputs (seeded, models/tiny's
 //! shapes plus ragged ones that exercise the clamped edge rows / columns, a strided and
 //! offset x, accumulate into a nonzero y); a line counts the output elements whose bit
@@ -17,7 +21,7 @@ use crate::buf::DevBuf;
 use crate::check::{line, CheckLine};
 use crate::device::Gpu;
 use crate::error::Result;
-use crate::ops::{self, Linear, Mat, Swiglu};
+use crate::ops::{self, Linear, Mat, Router, Routing, Swiglu};
 
 /// (M rows, N output columns, K) of the checked GEMMs: models/tiny's projections (hidden
 /// 256, qkv 768, dense intermediate 768, shared expert 128, vocab 8196) and ragged edges.
@@ -138,4 +142,98 @@ pub fn tiled_parity(gpu: &mut Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
     })();
     gpu.tiled_min_rows = keep;
     result
+}
+
+/// The fused-norm router (`Router::norm`) against `rmsnorm` + the router, on seeded rows
+/// of `t` tokens, hidden `h`, `e` experts top-`k`, with and without the INT4 split: one
+/// line per output (normed rows, logits, ids, weights, split words) counting differing
+/// elements. Returns the lines' count.
+pub fn router_norm_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<usize> {
+    let s = gpu.stream.clone();
+    let mut rng = ChaCha8Rng::seed_from_u64(0x4e04);
+    let mut n = 0;
+    for &(t, h, e, k) in &[
+        (1usize, 256usize, 16usize, 2usize),
+        (37, 256, 16, 2),
+        (5, 4096, 256, 8),
+    ] {
+        let mut f = |len: usize, a: f32| -> Vec<f32> {
+            (0..len).map(|_| rng.random_range(-a..a)).collect()
+        };
+        let resid = DevBuf::upload(&s, &f(t * h, 3.0), "router check residual")?;
+        let nw = DevBuf::upload(&s, &f(h, 1.5), "router check norm")?;
+        let w: Vec<u16> = f(e * h, 0.2)
+            .iter()
+            .map(|x| (x.to_bits() >> 16) as u16)
+            .collect();
+        let w = DevBuf::upload(&s, &w, "router check W")?;
+        let bias = DevBuf::upload(&s, &f(e, 0.1), "router check bias")?;
+        let max_tiles = crate::launch::moe_max_tiles(t * k, e);
+        let mut outs: Vec<[Vec<u32>; 5]> = Vec::new();
+        for fused in [false, true] {
+            let xn = DevBuf::<f32>::zeros(&s, t * h, "router check xn")?;
+            let logits = DevBuf::<f32>::zeros(&s, t * e, "router check logits")?;
+            let xs = DevBuf::<f32>::zeros(&s, t * h * crate::launch::W4_XS_MAX / 2, "xs")?;
+            let ids = DevBuf::<i32>::zeros(&s, t * k, "router check ids")?;
+            let wts = DevBuf::<f32>::zeros(&s, t * k, "router check wts")?;
+            let sorted = DevBuf::<i32>::zeros(&s, 8 * max_tiles, "router check sorted")?;
+            let tiles = DevBuf::<i32>::zeros(&s, max_tiles + 1, "router check tiles")?;
+            if !fused {
+                ops::rmsnorm(
+                    gpu,
+                    Mat::rows(&xn, h),
+                    Mat::rows(&resid, h),
+                    &nw,
+                    t,
+                    h,
+                    1e-6,
+                )?;
+            }
+            let r = Routing {
+                ids: &ids,
+                wts: &wts,
+                sorted: &sorted,
+                tile_expert: &tiles,
+                t,
+                k,
+                e,
+                max_tiles,
+            };
+            let rt = Router {
+                x: &xn,
+                w: &w,
+                k_dim: h,
+                logits: &logits,
+                bias: &bias,
+                xs: Some(&xs),
+                norm: fused.then_some((&resid, &nw, 1e-6)),
+            };
+            ops::moe_route_fused(gpu, &r, &rt, true, 2.5)?;
+            let bits = |v: Vec<f32>| -> Vec<u32> { v.iter().map(|x| x.to_bits()).collect() };
+            outs.push([
+                bits(xn.read(&s, 0, t * h, "xn")?),
+                bits(logits.read(&s, 0, t * e, "logits")?),
+                ids.read(&s, 0, t * k, "ids")?
+                    .iter()
+                    .map(|&i| i as u32)
+                    .collect(),
+                bits(wts.read(&s, 0, t * k, "wts")?),
+                bits(xs.read(&s, 0, t * h * crate::launch::W4_XS_MAX / 2, "xs")?),
+            ]);
+        }
+        for (i, what) in ["normed rows", "logits", "ids", "weights", "split"]
+            .iter()
+            .enumerate()
+        {
+            let differ = outs[0][i]
+                .iter()
+                .zip(&outs[1][i])
+                .filter(|(a, b)| a != b)
+                .count();
+            let name = format!("router norm fused T={t} H={h} E={e}: {what} differing");
+            line(out, name, differ as f64, 0.0);
+            n += 1;
+        }
+    }
+    Ok(n)
 }

@@ -578,7 +578,14 @@ pub struct Router<'a> {
     /// Shape: [T, K W4_XS_MAX / 2]: the INT4 experts' split input, written on the way
     /// (then [`Experts::xs_ready`]); `None` writes nothing.
     pub xs: Option<&'a DevBuf<f32>>,
+    /// The post-attention rmsnorm fused in: (raw residual [T, K], norm weight [K], eps).
+    /// The kernel writes rmsnorm(residual) into `x` (bit for bit kernel `rmsnorm`) and
+    /// routes that; `None`: `x` is the normalized input already.
+    pub norm: Option<(&'a DevBuf<f32>, &'a DevBuf<f32>, f32)>,
 }
+
+/// Largest hidden size whose norm the fused router takes (`ROUTER_NORM_K_MAX`).
+pub const ROUTER_NORM_K_MAX: usize = 4096;
 
 /// Largest router the fused kernel takes (its shared arrays).
 pub const ROUTER_FUSED_E_MAX: usize = 256;
@@ -613,12 +620,32 @@ pub fn moe_route_fused(
         }
         None => Arg::P(0),
     };
+    let (src, norm) = match rt.norm {
+        Some(_) if rt.k_dim > ROUTER_NORM_K_MAX => {
+            return Err(CudaError::Unsupported(format!(
+                "fused router norm with K = {} (at most {ROUTER_NORM_K_MAX})",
+                rt.k_dim
+            )))
+        }
+        Some((raw, w, eps)) => (
+            ptr(raw, 0, r.t * rt.k_dim, "router residual")?,
+            [
+                ptr(w, 0, rt.k_dim, "router norm weight")?,
+                Arg::F(eps),
+                ptr(rt.x, 0, r.t * rt.k_dim, "router normed input")?,
+            ],
+        ),
+        None => (
+            ptr(rt.x, 0, r.t * rt.k_dim, "router input")?,
+            [Arg::P(0), Arg::F(0.0), Arg::P(0)],
+        ),
+    };
     let args = [
         ptr(r.ids, 0, p, "topk ids")?,
         ptr(r.wts, 0, p, "topk wts")?,
         ptr(rt.logits, 0, r.t * r.e, "router logits")?,
         xs,
-        ptr(rt.x, 0, r.t * rt.k_dim, "router input")?,
+        src,
         int(rt.k_dim, "x stride")?,
         ptr(rt.w, 0, r.e * rt.k_dim, "router weight")?,
         ptr(rt.bias, 0, r.e, "router bias")?,
@@ -628,10 +655,14 @@ pub fn moe_route_fused(
         int(r.k, "k")?,
         Arg::I(i32::from(norm_topk)),
         Arg::F(rsf),
+        norm[0],
+        norm[1],
+        norm[2],
     ];
     // SAFETY: ids, wts [T*k], logits [T, E], x [T, K], W [E, K], bias [E], xs (null or
     // [T, K W4_XS_MAX / 2] words, K % 16 == 0) checked; k <= 8 and E <= 256 checked (the
-    // kernel's shared arrays), K % 8 == 0 checked; x stride = K.
+    // kernel's shared arrays), K % 8 == 0 checked; x stride = K; with the norm, the
+    // residual [T, K], weight [K] and output [T, K] checked and K <= ROUTER_NORM_K_MAX.
     unsafe {
         launch(
             g,

@@ -306,19 +306,26 @@ impl CudaBackend {
                 ))
             }
         }
-        ops::rmsnorm(
-            g,
-            Mat::rows(&ws.a, h),
-            Mat::rows(&ws.x, h),
-            &layer.post_norm,
-            cx.t,
-            h,
-            eps,
-        )?;
+        // The post-attention norm is fused into the MoE router when it can be.
+        let fused = match &layer.ffn {
+            DevFfn::Moe(_) => self.router_fuses_norm(),
+            DevFfn::Dense(_) => false,
+        };
+        if !fused {
+            ops::rmsnorm(
+                g,
+                Mat::rows(&ws.a, h),
+                Mat::rows(&ws.x, h),
+                &layer.post_norm,
+                cx.t,
+                h,
+                eps,
+            )?;
+        }
         match &layer.ffn {
             DevFfn::Dense(m) => self.dense_mlp(cx.t, m, &ws.x, true),
             DevFfn::Moe(m) => {
-                self.moe(cx, m, *moe)?;
+                self.moe(cx, m, *moe, fused.then_some(&layer.post_norm))?;
                 *moe += 1;
                 Ok(())
             }
@@ -457,7 +464,24 @@ impl CudaBackend {
     }
 
     /// MoE of `ws.a` added into `ws.x`: route, experts, shared expert, combine.
-    fn moe(&self, cx: &Ctx<'_>, m: &DevMoe, j: usize) -> Result<()> {
+    /// Whether the fused router kernel also applies the post-attention norm
+    /// (`SPECLAB_ROUTER_NORM=0` turns it off: [`crate::device::Gpu::fuse_router_norm`]).
+    fn router_fuses_norm(&self) -> bool {
+        let cfg = &self.w.cfg;
+        self.gpu.fuse_router_norm
+            && cfg.n_routed_experts <= ops::ROUTER_FUSED_E_MAX
+            && cfg.hidden_size <= ops::ROUTER_NORM_K_MAX
+    }
+
+    /// The MoE block on `ws.a` (the normalized input, or with `post_norm` the router
+    /// writes it from the residual `ws.x`), added into `ws.x`.
+    fn moe(
+        &self,
+        cx: &Ctx<'_>,
+        m: &DevMoe,
+        j: usize,
+        post_norm: Option<&crate::buf::DevBuf<f32>>,
+    ) -> Result<()> {
         let cfg = &self.w.cfg;
         let (h, e, k, t) = (
             cfg.hidden_size,
@@ -488,6 +512,7 @@ impl CudaBackend {
                 logits: &ws.router_logits,
                 bias: &m.bias,
                 xs: fused_split.then_some(&ws.xs_moe),
+                norm: post_norm.map(|w| (&ws.x, w, cfg.rms_norm_eps as f32)),
             };
             ops::moe_route_fused(g, &r, &rt, norm, rsf)?;
         } else {
