@@ -8,7 +8,10 @@
 #      on, the same concurrencies) under it, and bench moe when AB_MOE=1.
 # Switches: SPECLAB_PDL=0 (programmatic dependent launch off, cuda/src/device.rs),
 # SPECLAB_CAPTURE_AT=n (capture a step's graph at its n-th use, cuda/src/backend.rs),
-# SPECLAB_MTP_PAD=0 (the MTP chain's first pass unpadded, cuda/src/mtp.rs).
+# SPECLAB_MTP_PAD=0 (the MTP chain's first pass unpadded, cuda/src/mtp.rs),
+# SPECLAB_LIN_TILED_MIN=off (the per-column bf16 GEMMs instead of the register-tiled ones),
+# SPECLAB_ROUTER_NORM=0 (the post-attention rmsnorm as its own kernel, not in the router).
+# Several settings in one leg are space-separated: "A=0 B=off".
 # Everything lands in $OUT/results.tgz; leg i's outputs under ab<i>/ with its settings in
 # ab<i>/env.txt.
 #

@@ -182,12 +182,12 @@ extern "C" __global__ void swiglu_dense_bf16(float* __restrict__ h, const float*
 // LT_RM (4) rows x LT_RN (8) weight rows and keeps both in registers over a 16-byte k
 // word, so each load feeds 4-8x more FMAs and a lane has 8 weight loads in flight (rows
 // past M are clamped: at one row 3 of 4 are redundant, and it is still faster,
-// runs/ab-9268bac).  linear_body stays as the reference (SPECLAB_LIN_TILED_MIN=off).  Numerics are linear_body's
-// bit for bit: lane l still sums k words l, l + 32, ... in order, 8 products a word in
-// order, in its own accumulator per output; the 32 lane partials of an output are then
-// added in warp_sum's xor-butterfly pairs (16, 8, 4, 2, 1), only spread over the lanes
-// (warp_spread) instead of repeated per output.  gpu_check's `tiled` lines compare the
-// two bit for bit (cuda/src/check.rs::tiled_parity).
+// runs/ab-9268bac).  linear_body stays as the reference (SPECLAB_LIN_TILED_MIN=off).
+// Numerics are linear_body's bit for bit: lane l still sums k words l, l + 32, ... in
+// order, 8 products a word in order, in its own accumulator per output; the 32 lane
+// partials of an output are then added in warp_sum's xor-butterfly pairs (16, 8, 4, 2,
+// 1), only spread over the lanes (warp_spread) instead of repeated per output.
+// gpu_check's `tiled` lines compare the two bit for bit (cuda/src/gemm_check.rs).
 #define LT_RM 4
 #define LT_RN 8
 #define LT_WR 4  // warps along rows: block tile LT_TM = 16 rows

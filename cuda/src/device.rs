@@ -74,7 +74,13 @@ pub fn arch_for(major: i32, minor: i32) -> String {
 /// unless the environment says `SPECLAB_PDL=0` (or `off`), for an A/B comparison in one
 /// device call.
 pub fn pdl_wanted(major: i32, env: Option<&str>) -> bool {
-    major >= 9 && !matches!(env.map(str::trim), Some("0" | "off" | "false"))
+    major >= 9 && switch_on(env)
+}
+
+/// An on-by-default A/B switch as its environment variable sets it: off for `0`, `off`
+/// or `false`, on otherwise (`SPECLAB_PDL`, `SPECLAB_MTP_PAD`, `SPECLAB_ROUTER_NORM`).
+pub fn switch_on(env: Option<&str>) -> bool {
+    !matches!(env.map(str::trim), Some("0" | "off" | "false"))
 }
 
 /// The INT4 expert GEMMs (tensor-core mma over pre-shuffled fragments: cuda/kernels/linear.cu).
@@ -185,14 +191,8 @@ impl Gpu {
             )),
             tiled_min_rows: crate::launch::tiled_min_rows(
                 std::env::var(crate::launch::TILED_MIN_ENV).ok().as_deref(),
-            ),
-            fuse_router_norm: !matches!(
-                std::env::var("SPECLAB_ROUTER_NORM")
-                    .ok()
-                    .as_deref()
-                    .map(str::trim),
-                Some("0" | "off" | "false")
-            ),
+            )?,
+            fuse_router_norm: switch_on(std::env::var("SPECLAB_ROUTER_NORM").ok().as_deref()),
             profile: std::cell::RefCell::new(None),
         })
     }

@@ -28,13 +28,17 @@ pub const TILED_MIN_ROWS: usize = 1;
 /// Environment variable overriding [`TILED_MIN_ROWS`] (`off` never tiles: the A/B switch).
 pub const TILED_MIN_ENV: &str = "SPECLAB_LIN_TILED_MIN";
 
-/// [`TILED_MIN_ROWS`] as `SPECLAB_LIN_TILED_MIN` sets it (`off`, `0` or `none`: never tile;
-/// an unparsable value keeps the default, as the other tuning knobs do).
-pub fn tiled_min_rows(env: Option<&str>) -> usize {
+/// [`TILED_MIN_ROWS`] as `SPECLAB_LIN_TILED_MIN` sets it: `off` (never tile) or a row
+/// count of at least 1; anything else is an error naming the variable.
+pub fn tiled_min_rows(env: Option<&str>) -> Result<usize> {
     match env.map(str::trim) {
-        Some("off" | "0" | "none") => usize::MAX,
-        Some(v) => v.parse().unwrap_or(TILED_MIN_ROWS),
-        None => TILED_MIN_ROWS,
+        None => Ok(TILED_MIN_ROWS),
+        Some("off") => Ok(usize::MAX),
+        Some(v) => v.parse::<usize>().ok().filter(|&n| n >= 1).ok_or_else(|| {
+            CudaError::Input(format!(
+                "{TILED_MIN_ENV}=`{v}`: expected `off` or a row count of at least 1"
+            ))
+        }),
     }
 }
 /// mma tiles of 16 rows a warp of the INT4 expert GEMMs owns (`W4_RT`): a row block of 64.
@@ -343,10 +347,13 @@ mod tests {
 
     #[test]
     fn tiled_switch_and_shape() {
-        assert_eq!(tiled_min_rows(None), TILED_MIN_ROWS);
-        assert_eq!(tiled_min_rows(Some("off")), usize::MAX);
-        assert_eq!(tiled_min_rows(Some(" 33 ")), 33);
-        assert_eq!(tiled_min_rows(Some("x")), TILED_MIN_ROWS);
+        assert_eq!(tiled_min_rows(None).unwrap(), TILED_MIN_ROWS);
+        assert_eq!(tiled_min_rows(Some("off")).unwrap(), usize::MAX);
+        assert_eq!(tiled_min_rows(Some(" 33 ")).unwrap(), 33);
+        for bad in ["x", "0", "-1"] {
+            let e = tiled_min_rows(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains(TILED_MIN_ENV) && e.contains("at least 1"), "{e}");
+        }
         let s = gemm_tiled(17, 8196, "t").unwrap();
         assert_eq!((s.grid, s.block), ((513, 2, 1), (256, 1, 1)));
     }

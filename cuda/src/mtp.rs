@@ -402,7 +402,7 @@ pub struct CudaMtp {
 /// Whether the chain's first pass is padded: yes unless `env` (`SPECLAB_MTP_PAD`) says
 /// `0` / `off` / `false` (an A/B of the padding in one device call).
 pub fn pad_wanted(env: Option<&str>) -> bool {
-    !matches!(env.map(str::trim), Some("0" | "off" | "false"))
+    crate::device::switch_on(env)
 }
 
 impl CudaMtp {

@@ -463,7 +463,6 @@ impl CudaBackend {
         )
     }
 
-    /// MoE of `ws.a` added into `ws.x`: route, experts, shared expert, combine.
     /// Whether the fused router kernel also applies the post-attention norm
     /// (`SPECLAB_ROUTER_NORM=0` turns it off: [`crate::device::Gpu::fuse_router_norm`]).
     fn router_fuses_norm(&self) -> bool {
@@ -473,8 +472,8 @@ impl CudaBackend {
             && cfg.hidden_size <= ops::ROUTER_NORM_K_MAX
     }
 
-    /// The MoE block on `ws.a` (the normalized input, or with `post_norm` the router
-    /// writes it from the residual `ws.x`), added into `ws.x`.
+    /// MoE of `ws.a` added into `ws.x`: route, experts, shared expert, combine. With
+    /// `post_norm` the router kernel first writes `ws.a` = rmsnorm(`ws.x`).
     fn moe(
         &self,
         cx: &Ctx<'_>,
