@@ -141,23 +141,35 @@ fn to_i32(v: usize, what: &str) -> Result<i32> {
     i32::try_from(v).map_err(|_| input(format!("{what} = {v} exceeds i32")))
 }
 
+/// "request slot N" in error text, formatted only when an error is built.
+#[derive(Clone, Copy)]
+struct Who(u32);
+
+impl std::fmt::Display for Who {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "request slot {}", self.0)
+    }
+}
+
 /// Copy `need` real blocks of `table` into `row` (the rest of `row` stays 0).
 fn fill_table(
     row: &mut [i32],
     table: &[BlockId],
     need: usize,
     d: &MetaDims,
-    who: &str,
+    who: &dyn Fn() -> String,
 ) -> Result<()> {
     if need > row.len() {
         return Err(input(format!(
-            "{who}: needs {need} blocks, the table row holds {}",
+            "{}: needs {need} blocks, the table row holds {}",
+            who(),
             row.len()
         )));
     }
     if table.len() < need {
         return Err(input(format!(
-            "{who}: table has {} blocks, needs {need}; allocate with KvCacheManager::allocate_slots first",
+            "{}: table has {} blocks, needs {need}; allocate with KvCacheManager::allocate_slots first",
+            who(),
             table.len()
         )));
     }
@@ -166,7 +178,8 @@ fn fill_table(
         let b = table[i];
         if i < need && (b == NULL_BLOCK || b as usize >= d.num_blocks) {
             return Err(input(format!(
-                "{who}: table holds block {b}, the null block or outside the pool"
+                "{}: table holds block {b}, the null block or outside the pool",
+                who()
             )));
         }
         *dst = b as i32;
@@ -189,15 +202,21 @@ pub fn build(
     let s = chunks.len();
     let layout = MetaLayout::new(t_total, s, d.max_blocks, d.max_state);
     let mut data = vec![0i32; layout.total];
+    let mut slots: Vec<u32> = chunks.iter().map(|c| c.slot.0).collect();
+    slots.sort_unstable();
+    if let Some(w) = slots.windows(2).find(|w| w[0] == w[1]) {
+        return Err(input(format!(
+            "request slot {} appears twice in one batch",
+            w[0]
+        )));
+    }
     let mut row = 0usize;
     for (ci, ch) in chunks.iter().enumerate() {
-        let who = format!("request slot {}", ch.slot.0);
+        // Error text is built only on an error (this runs for every request every step).
+        let who = Who(ch.slot.0);
         let n = ch.tokens.len();
         if n == 0 {
             return Err(input(format!("{who}: empty chunk")));
-        }
-        if chunks[..ci].iter().any(|o| o.slot == ch.slot) {
-            return Err(input(format!("{who} appears twice in one batch")));
         }
         if let Some(&bad) = ch.tokens.iter().find(|&&t| t as usize >= d.vocab) {
             return Err(input(format!(
@@ -220,27 +239,19 @@ pub fn build(
         if let Some(g) = d.full_group {
             let need = end.div_ceil(d.block_size);
             let r = &mut data[layout.block_tables.off + ci * d.max_blocks..][..d.max_blocks];
-            fill_table(
-                r,
-                kv.table(g, ch.slot),
-                need,
-                d,
-                &format!("{who}, group `full`, positions 0..{end}"),
-            )?;
+            fill_table(r, kv.table(g, ch.slot), need, d, &|| {
+                format!("{who}, group `full`, positions 0..{end}")
+            })?;
         }
         if let Some(g) = d.state_group {
             let need = if ch.snapshot { n } else { 1 };
             let r = &mut data[layout.state_tables.off + ci * d.max_state..][..d.max_state];
-            fill_table(
-                r,
-                kv.table(g, ch.slot),
-                need,
-                d,
-                &format!(
+            fill_table(r, kv.table(g, ch.slot), need, d, &|| {
+                format!(
                     "{who}, group `kda_state`, chunk of {n} (snapshot {})",
                     ch.snapshot
-                ),
-            )?;
+                )
+            })?;
         }
         for (j, &tok) in ch.tokens.iter().enumerate() {
             data[layout.tokens.off + row + j] = tok as i32;

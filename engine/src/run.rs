@@ -192,7 +192,7 @@ fn pair_results<'a>(
                 by_id
                     .get(&s.id)
                     .map(|r| (s, *r))
-                    .ok_or(EngineError::UnknownRequest {
+                    .ok_or_else(|| EngineError::UnknownRequest {
                         req: s.id.to_string(),
                     })
             })

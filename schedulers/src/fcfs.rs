@@ -300,20 +300,22 @@ impl FcfsScheduler {
     }
 
     fn get(&self, slot: ReqSlot) -> Result<RequestState, SchedulerError> {
-        self.state(slot)
-            .copied()
-            .ok_or(SchedulerError::Engine(EngineError::UnknownRequest {
+        self.state(slot).copied().ok_or_else(|| {
+            SchedulerError::Engine(EngineError::UnknownRequest {
                 req: format!("slot {}", slot.0),
-            }))
+            })
+        })
     }
 
     fn get_mut(&mut self, slot: ReqSlot) -> Result<&mut RequestState, SchedulerError> {
         self.reqs
             .get_mut(slot.0 as usize)
             .and_then(Option::as_mut)
-            .ok_or(SchedulerError::Engine(EngineError::UnknownRequest {
-                req: format!("slot {}", slot.0),
-            }))
+            .ok_or_else(|| {
+                SchedulerError::Engine(EngineError::UnknownRequest {
+                    req: format!("slot {}", slot.0),
+                })
+            })
     }
 
     /// Lowest free slot, or a new one.
