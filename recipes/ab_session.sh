@@ -22,6 +22,8 @@
 #            carry=["target/gpu-pack"])
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# Records name the commit the binaries were built from (the device copy's .git is stale).
+[ -n "${COMMIT:-}" ] && export SPECLAB_GIT_COMMIT="$COMMIT"
 FINAL="${OUT:-/tmp/ab-session-out}"
 mkdir -p "$FINAL"
 W=$(mktemp -d)

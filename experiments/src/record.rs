@@ -288,7 +288,16 @@ pub fn now_unix() -> u64 {
 
 /// The current git commit of the working directory, if any; `-dirty` when tracked
 /// files other than records and findings (`runs/`, `findings/`) have changes.
+/// `SPECLAB_GIT_COMMIT`, when set and not empty, wins: a binary built here and run on a
+/// machine whose copy of the tree has a stale `.git` (the device machine) records the
+/// commit it was built from (`recipes/ab_session.sh` sets it from `COMMIT`).
 pub fn git_commit() -> Option<String> {
+    if let Some(c) = std::env::var("SPECLAB_GIT_COMMIT")
+        .ok()
+        .filter(|c| !c.trim().is_empty())
+    {
+        return Some(c.trim().to_string());
+    }
     let out = std::process::Command::new("git")
         .args(["rev-parse", "HEAD"])
         .output()
