@@ -33,8 +33,8 @@
 //! ([`FitRow::floor_us`]; models/tiny at c = 1 is launch-bound). The floor is the
 //! record's one empty-kernel launch loop, an input and not fitted; it is noisy (three
 //! device runs at commit d694102 measured 2.94, 3.76 and 4.43 us: runs/ab-d694102/
-//! bench-e2e-ab1.json, -ab2.json, runs/bench-e2e-h200.json), and a leg whose steps ran
-//! faster per kernel than the loop (runs/bench-e2e-h200.json: c = 1 eager MTP N = 3 at
+//! bench-e2e-ab1.json, -ab2.json, runs/bench-e2e-h200-d694102.json), and a leg whose steps ran
+//! faster per kernel than the loop (runs/bench-e2e-h200-d694102.json: c = 1 eager MTP N = 3 at
 //! 3.89 us a kernel, c = 8 eager none at 3.90, against 4.43) is over-predicted by it.
 //! Rows whose drafter ran on the host (DFlash2 in
 //! the bench-e2e records before 2026-12-02: its draft time is not device kernels) are
@@ -110,7 +110,7 @@ use crate::{ExperimentError, Result};
 ///   the timed propose call walks the batch's requests each step (`propose_all` in
 ///   `engine/src/exec/executor.rs`: per-request spans and states, the drafter's batch
 ///   call, then `check_proposal` per request; empty proposals for `none`, whose rows in
-///   runs/bench-e2e-h200.json measure 1-3 / 3 / 9 / 31-32 us of draft time at c = 1 / 8
+///   runs/bench-e2e-h200-d694102.json measure 1-3 / 3 / 9 / 31-32 us of draft time at c = 1 / 8
 ///   / 32 / 128). Feature: concurrency (bench-e2e rows only).
 /// - `draft_tile_row_us`: the drafter's counterpart of `tile_row_us`: its GEMMs run on
 ///   the same `linear_body` kernel, so each drafter GEMM call of fewer than 8 rows
