@@ -11,6 +11,9 @@
 # SPECLAB_MTP_PAD=0 (the MTP chain's first pass unpadded, cuda/src/mtp.rs),
 # SPECLAB_LIN_TILED_MIN=off (the per-column bf16 GEMMs instead of the register-tiled ones),
 # SPECLAB_ROUTER_NORM=0 (the post-attention rmsnorm as its own kernel, not in the router).
+# SPECLAB_ROUTER_ALIGN=0 (moe_align as its own kernel, not in the router's last block),
+# SPECLAB_MOE_COMBINE=0 (moe_combine as its own kernel, not the shared expert's epilogue),
+# SPECLAB_KERNEL_DEFINES=LT_PREWAIT=0 (the tiled GEMMs load weights after the PDL wait).
 # Several settings in one leg are space-separated: "A=0 B=off".
 # Everything lands in $OUT/results.tgz; leg i's outputs under ab<i>/ with its settings in
 # ab<i>/env.txt.

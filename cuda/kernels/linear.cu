@@ -227,11 +227,38 @@ __device__ __forceinline__ float warp_spread(float v[S]) {
 // Out-of-range rows / weight rows are clamped to the last valid one (computed, never
 // stored).  Lane l returns output (row m0 + l / 8, weight row r0 + l % 8); with NORM the
 // rmsnorm scale of its row is applied (linear_body<true>'s formula).
+// Weight prefetch before the grid-dependency wait (LT_PREWAIT, default on): the lane's
+// weight words of its first k word (kw = lane) are loaded before pdl_enter, since the
+// weights are constant and only x depends on the previous kernel, so those loads overlap
+// the previous kernel's tail (the prologue pattern programmatic dependent launch allows:
+// CUDA programming guide, "Programmatic Dependent Launch and Synchronization").  The
+// values and the order of the sums are unchanged.  SPECLAB_KERNEL_DEFINES=LT_PREWAIT=0
+// loads them after the wait as before (A/B).
+#ifndef LT_PREWAIT
+#define LT_PREWAIT 1
+#endif
+struct TiledPre {
+    uint4 w[LT_RN];  // lane's words: weight rows r0 .. r0 + 8 (clamped), k word `lane`
+};
+
+__device__ __forceinline__ void tiled_pre(TiledPre& pre, const bf16_bits* __restrict__ W, int R,
+                                          int K, int r0) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int c = 0; c < LT_RN; ++c) pre.w[c] = make_uint4(0u, 0u, 0u, 0u);
+    if (LT_PREWAIT && lane < K / 8) {
+#pragma unroll
+        for (int c = 0; c < LT_RN; ++c)
+            pre.w[c] = *reinterpret_cast<const uint4*>(W + (size_t)min(r0 + c, R - 1) * K +
+                                                       (size_t)lane * 8);
+    }
+}
+
 template <bool NORM>
 __device__ __forceinline__ float tiled_dot(const float* __restrict__ x, int x_stride,
                                            const bf16_bits* __restrict__ W, int M, int R,
                                            int K, int m0, int r0, const float* __restrict__ g,
-                                           float eps) {
+                                           float eps, const TiledPre& pre) {
     const int lane = threadIdx.x & 31;
     float acc[LT_RM * LT_RN], ss[LT_RM];
 #pragma unroll
@@ -247,8 +274,10 @@ __device__ __forceinline__ float tiled_dot(const float* __restrict__ x, int x_st
 #pragma unroll
         for (int c = 0; c < LT_RN; ++c) {
             float w[8];
-            widen8(*reinterpret_cast<const uint4*>(W + (size_t)min(r0 + c, R - 1) * K +
-                                                   (size_t)kw * 8),
+            widen8(LT_PREWAIT && kw == lane
+                       ? pre.w[c]
+                       : *reinterpret_cast<const uint4*>(W + (size_t)min(r0 + c, R - 1) * K +
+                                                         (size_t)kw * 8),
                    w);
 #pragma unroll
             for (int r = 0; r < LT_RM; ++r) {
@@ -298,21 +327,74 @@ __device__ __forceinline__ void tiled_store(float* __restrict__ y, int y_stride,
 extern "C" __global__ void __launch_bounds__(256) linear_tiled_bf16(
     float* __restrict__ y, int y_stride, const float* __restrict__ x, int x_stride,
     const bf16_bits* __restrict__ W, int M, int N, int K, int accumulate) {
-    pdl_enter();
     int m0, n0;
     if (!tiled_origin(M, N, m0, n0)) return;  // whole warp: no barrier below
-    const float s = tiled_dot<false>(x, x_stride, W, M, N, K, m0, n0, nullptr, 0.0f);
+    TiledPre pre;
+    tiled_pre(pre, W, N, K, n0);
+    pdl_enter();
+    const float s = tiled_dot<false>(x, x_stride, W, M, N, K, m0, n0, nullptr, 0.0f, pre);
     tiled_store(y, y_stride, M, N, m0, n0, s, accumulate);
+}
+
+// The shared expert's down-projection with the MoE combine as its epilogue (moe.cu
+// moe_combine's work): for the lane's output (t, n), s = h[t] . Wd[n] as linear_tiled_bf16
+// computes it, then x[t, n] += (sum over the token's slots in ascending expert id of
+// y[t k + slot, n], from zero) + s: moe_combine's order with s in place of the stored
+// shared[t, n], so the result is bit for bit the unfused pair's.  Shapes: x [M, N]
+// (stride N), y [M k, N], ids [M, k] (k <= 8, distinct ids), h [M, h_stride], Wd [N, K].
+// Launch: grid (ceil(N / 16), ceil(M / 16)), block 256 (as linear_tiled_bf16).
+#define COMBINE_K_MAX 8
+extern "C" __global__ void __launch_bounds__(256) linear_tiled_combine_bf16(
+    float* __restrict__ x, const float* __restrict__ y, const int* __restrict__ ids, int k,
+    const float* __restrict__ h, int h_stride, const bf16_bits* __restrict__ W, int M, int N,
+    int K) {
+    int m0, n0;
+    if (!tiled_origin(M, N, m0, n0)) return;
+    TiledPre pre;
+    tiled_pre(pre, W, N, K, n0);
+    pdl_enter();
+    const float s = tiled_dot<false>(h, h_stride, W, M, N, K, m0, n0, nullptr, 0.0f, pre);
+    const int lane = threadIdx.x & 31;
+    const int m = m0 + lane / LT_RN, n = n0 + lane % LT_RN;
+    if (m >= M || n >= N) return;
+    // Insertion sort of the token's k slots by expert id (moe_combine's order).
+    int ord[COMBINE_K_MAX], key[COMBINE_K_MAX];
+#pragma unroll
+    for (int j = 0; j < COMBINE_K_MAX; ++j) {
+        ord[j] = j;
+        key[j] = j < k ? ids[(size_t)m * k + j] : 0x7fffffff;
+    }
+#pragma unroll
+    for (int j = 1; j < COMBINE_K_MAX; ++j) {
+#pragma unroll
+        for (int i = j; i > 0; --i) {
+            if (key[i - 1] > key[i]) {
+                const int tk = key[i - 1], to = ord[i - 1];
+                key[i - 1] = key[i];
+                ord[i - 1] = ord[i];
+                key[i] = tk;
+                ord[i] = to;
+            }
+        }
+    }
+    float o = 0.0f;
+#pragma unroll
+    for (int j = 0; j < COMBINE_K_MAX; ++j)
+        if (j < k) o += y[((size_t)m * k + ord[j]) * N + n];
+    o += s;
+    x[(size_t)m * N + n] += o;
 }
 
 extern "C" __global__ void __launch_bounds__(256) linear_norm_tiled_bf16(
     float* __restrict__ y, int y_stride, const float* __restrict__ x, int x_stride,
     const bf16_bits* __restrict__ W, int M, int N, int K, int accumulate,
     const float* __restrict__ g, float eps) {
-    pdl_enter();
     int m0, n0;
     if (!tiled_origin(M, N, m0, n0)) return;
-    const float s = tiled_dot<true>(x, x_stride, W, M, N, K, m0, n0, g, eps);
+    TiledPre pre;
+    tiled_pre(pre, W, N, K, n0);
+    pdl_enter();
+    const float s = tiled_dot<true>(x, x_stride, W, M, N, K, m0, n0, g, eps, pre);
     tiled_store(y, y_stride, M, N, m0, n0, s, accumulate);
 }
 
@@ -321,12 +403,14 @@ extern "C" __global__ void __launch_bounds__(256) linear_pair_tiled_bf16(
     float* __restrict__ y0, float* __restrict__ y1, int y_stride, const float* __restrict__ x0,
     const float* __restrict__ x1, int x_stride, const bf16_bits* __restrict__ W0,
     const bf16_bits* __restrict__ W1, int M, int N, int K) {
-    pdl_enter();
     int m0, n0;
     if (!tiled_origin(M, N, m0, n0)) return;
     const bool z = blockIdx.z != 0;
-    const float s =
-        tiled_dot<false>(z ? x1 : x0, x_stride, z ? W1 : W0, M, N, K, m0, n0, nullptr, 0.0f);
+    TiledPre pre;
+    tiled_pre(pre, z ? W1 : W0, N, K, n0);
+    pdl_enter();
+    const float s = tiled_dot<false>(z ? x1 : x0, x_stride, z ? W1 : W0, M, N, K, m0, n0,
+                                     nullptr, 0.0f, pre);
     tiled_store(z ? y1 : y0, y_stride, M, N, m0, n0, s, 0);
 }
 
@@ -336,10 +420,12 @@ extern "C" __global__ void __launch_bounds__(256) linear_pair_tiled_bf16(
 extern "C" __global__ void __launch_bounds__(256) swiglu_tiled_bf16(
     float* __restrict__ h, const float* __restrict__ x, int x_stride,
     const bf16_bits* __restrict__ W13, int M, int N, int K) {
-    pdl_enter();
     int m0, r0;
     if (!tiled_origin(M, 2 * N, m0, r0)) return;
-    const float s = tiled_dot<false>(x, x_stride, W13, M, 2 * N, K, m0, r0, nullptr, 0.0f);
+    TiledPre pre;
+    tiled_pre(pre, W13, 2 * N, K, r0);
+    pdl_enter();
+    const float s = tiled_dot<false>(x, x_stride, W13, M, 2 * N, K, m0, r0, nullptr, 0.0f, pre);
     const float u = __shfl_xor_sync(FULL_MASK, s, 1);
     const int lane = threadIdx.x & 31;
     const int m = m0 + lane / LT_RN, r = r0 + lane % LT_RN;

@@ -78,6 +78,57 @@ extern "C" __global__ void moe_topk(int* __restrict__ ids, float* __restrict__ w
     topk_pick(ids, wts, t, lr, b, E, k, norm_topk, rsf);
 }
 
+// Sort the P = T * k routed pairs by expert.  sorted[0 .. P_pad) receives the pair ids
+// p = t * k + slot of expert 0, then expert 1, ..., each expert's segment padded with -1
+// to a multiple of 8 and in ascending p; tile_expert[i] = the expert of sorted positions
+// [8 i, 8 i + 8), -1 past the last tile, and tile_expert[max_tiles] = the number of tiles
+// used (the INT4 GEMMs size their work by it).  P_pad <= p_pad_max = 8 * max_tiles with
+// max_tiles = ceil((P + min(E, P) * 7) / 8) (cuda/src/launch.rs::moe_max_tiles).
+// Shapes: ids [P] i32 (< E), sorted [p_pad_max] i32, tile_expert [max_tiles + 1] i32;
+// count [E], offset [E + 1] are the caller's shared arrays.  Run by a whole block (any
+// size that is a multiple of 32); ids are read through L2 (ld.global.cg), so the router's
+// last block (moe_router_topk) sees the ids the other blocks wrote.
+__device__ __forceinline__ void align_tiles(int* __restrict__ sorted, int* __restrict__ tile_expert,
+                                            const int* __restrict__ ids, int P, int E,
+                                            int max_tiles, int* count, int* offset) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nwarps = blockDim.x >> 5;
+    for (int i = tid; i < max_tiles * MOE_TILE; i += blockDim.x) sorted[i] = -1;
+    for (int i = tid; i < max_tiles; i += blockDim.x) tile_expert[i] = -1;
+    for (int e = warp; e < E; e += nwarps) {
+        int c = 0;
+        for (int base = 0; base < P; base += WARP) {
+            const int p = base + lane;
+            c += __popc(__ballot_sync(FULL_MASK, p < P && __ldcg(ids + p) == e));
+        }
+        if (lane == 0) count[e] = c;
+    }
+    __syncthreads();  // also orders the -1 fills before the scatter below
+    if (tid == 0) {
+        int acc = 0;
+        for (int e = 0; e < E; ++e) {
+            offset[e] = acc;
+            acc += (count[e] + MOE_TILE - 1) / MOE_TILE * MOE_TILE;
+        }
+        offset[E] = acc;
+        tile_expert[max_tiles] = acc / MOE_TILE;
+    }
+    __syncthreads();
+    for (int e = warp; e < E; e += nwarps) {
+        int run = 0;
+        const int base_pos = offset[e];
+        for (int base = 0; base < P; base += WARP) {
+            const int p = base + lane;
+            const bool m = p < P && __ldcg(ids + p) == e;
+            const u32 mask = __ballot_sync(FULL_MASK, m);
+            if (m) sorted[base_pos + run + __popc(mask & ((1u << lane) - 1u))] = p;
+            run += __popc(mask);
+        }
+        for (int t = offset[e] / MOE_TILE + lane; t < offset[e + 1] / MOE_TILE; t += WARP)
+            tile_expert[t] = e;
+    }
+}
+
 #define ROUTER_E_MAX 256
 // Largest hidden size whose post-attention rmsnorm the router kernel fuses (its shared row).
 #define ROUTER_NORM_K_MAX 4096
@@ -120,6 +171,12 @@ __device__ __forceinline__ const float* router_norm_row(float* s_row, float* __r
 // When norm_w is not null the layer's post-attention rmsnorm is fused in: x is the raw
 // residual row, xn [T, K] receives rmsnorm(x, norm_w, eps) (router_norm_row, the shared
 // expert's input) and the router and split read that; K <= ROUTER_NORM_K_MAX.
+// When ticket is not null the block that finishes last also sorts the pairs (align_tiles,
+// moe_align's work and result) into sorted / tile_expert: each block fences its ids and
+// takes a ticket; the one drawing T - 1 aligns and resets *ticket to 0 (it is zero
+// between launches: allocated zeroed). The pattern of the CUDA threadFenceReduction
+// sample; it saves the moe_align launch.  E <= ROUTER_E_MAX here, so the shared count /
+// offset arrays are sized by it.
 // Launch: grid (T), block 512.
 extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restrict__ wts,
                                            float* __restrict__ logits, u32* __restrict__ xs,
@@ -128,7 +185,9 @@ extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restr
                                            const float* __restrict__ bias, int T, int E, int K,
                                            int k, int norm_topk, float rsf,
                                            const float* __restrict__ norm_w, float eps,
-                                           float* __restrict__ xn) {
+                                           float* __restrict__ xn, int* __restrict__ ticket,
+                                           int* __restrict__ sorted, int* __restrict__ tile_expert,
+                                           int max_tiles) {
     pdl_enter();
     __shared__ float lg[ROUTER_E_MAX];
     __shared__ float biased[ROUTER_E_MAX];
@@ -160,58 +219,28 @@ extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restr
     }
     __syncthreads();
     if (warp == 0) topk_pick(ids, wts, t, lg, biased, E, k, norm_topk, rsf);
+    if (ticket == nullptr) return;  // uniform
+    __shared__ int count[ROUTER_E_MAX];
+    __shared__ int offset[ROUTER_E_MAX + 1];
+    __shared__ int last;
+    __threadfence();  // this block's ids before its ticket
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == T - 1;
+    __syncthreads();
+    if (!last) return;  // uniform per block
+    __threadfence();
+    align_tiles(sorted, tile_expert, ids, T * k, E, max_tiles, count, offset);
+    if (threadIdx.x == 0) *ticket = 0;
 }
 
-// Sort the P = T * k routed pairs by expert.  sorted[0 .. P_pad) receives the pair ids
-// p = t * k + slot of expert 0, then expert 1, ..., each expert's segment padded with -1
-// to a multiple of 8 and in ascending p; tile_expert[i] = the expert of sorted positions
-// [8 i, 8 i + 8), -1 past the last tile, and tile_expert[max_tiles] = the number of tiles
-// used (the INT4 GEMMs size their work by it).  P_pad <= p_pad_max = 8 * max_tiles with
-// max_tiles = ceil((P + min(E, P) * 7) / 8) (cuda/src/launch.rs::moe_max_tiles).
-// Shapes: ids [P] i32 (< E), sorted [p_pad_max] i32, tile_expert [max_tiles + 1] i32.
-// Launch: grid (1), block 1024; E <= 1024.
+// align_tiles as its own launch.  Launch: grid (1), block 1024; E <= 1024.
 extern "C" __global__ void __launch_bounds__(1024) moe_align(int* __restrict__ sorted, int* __restrict__ tile_expert,
                                      const int* __restrict__ ids, int P, int E,
                                      int max_tiles) {
     pdl_enter();
     __shared__ int count[EXPERTS_MAX];
     __shared__ int offset[EXPERTS_MAX + 1];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int nwarps = blockDim.x >> 5;
-    for (int i = tid; i < max_tiles * MOE_TILE; i += blockDim.x) sorted[i] = -1;
-    for (int i = tid; i < max_tiles; i += blockDim.x) tile_expert[i] = -1;
-    for (int e = warp; e < E; e += nwarps) {
-        int c = 0;
-        for (int base = 0; base < P; base += WARP) {
-            const int p = base + lane;
-            c += __popc(__ballot_sync(FULL_MASK, p < P && ids[p] == e));
-        }
-        if (lane == 0) count[e] = c;
-    }
-    __syncthreads();  // also orders the -1 fills before the scatter below
-    if (tid == 0) {
-        int acc = 0;
-        for (int e = 0; e < E; ++e) {
-            offset[e] = acc;
-            acc += (count[e] + MOE_TILE - 1) / MOE_TILE * MOE_TILE;
-        }
-        offset[E] = acc;
-        tile_expert[max_tiles] = acc / MOE_TILE;
-    }
-    __syncthreads();
-    for (int e = warp; e < E; e += nwarps) {
-        int run = 0;
-        const int base_pos = offset[e];
-        for (int base = 0; base < P; base += WARP) {
-            const int p = base + lane;
-            const bool m = p < P && ids[p] == e;
-            const u32 mask = __ballot_sync(FULL_MASK, m);
-            if (m) sorted[base_pos + run + __popc(mask & ((1u << lane) - 1u))] = p;
-            run += __popc(mask);
-        }
-        for (int t = offset[e] / MOE_TILE + lane; t < offset[e + 1] / MOE_TILE; t += WARP)
-            tile_expert[t] = e;
-    }
+    align_tiles(sorted, tile_expert, ids, P, E, max_tiles, count, offset);
 }
 
 // x[t, n] += (sum over the token's experts in ascending id of y[t*k + slot, n]) + shared[t, n].

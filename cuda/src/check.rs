@@ -203,6 +203,7 @@ pub fn parity(dir: &Path) -> Result<Vec<CheckLine>> {
     let mut g = crate::device::Gpu::new(0)?;
     crate::gemm_check::tiled_parity(&mut g, &mut out)?;
     crate::gemm_check::router_norm_parity(&g, &mut out)?;
+    crate::gemm_check::combine_parity(&g, &mut out)?;
     Ok(out)
 }
 

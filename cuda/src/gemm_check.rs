@@ -7,7 +7,9 @@
 //!
 //! Also the router kernel with the post-attention rmsnorm fused in against kernel
 //! `rmsnorm` then the router ([`router_norm_parity`]): normalized rows, logits, expert ids
-//! and weights, bit for bit.
+//! and weights, bit for bit, with the router's last block doing `moe_align`'s sort
+//! against the `moe_align` launch; and the shared expert's down-projection with the MoE
+//! combine as its epilogue against `linear` + `moe_combine` ([`combine_parity`]).
 //!
 //! Invariants: both kernels of a pair run on the same device inputs (seeded, models/tiny's
 //! shapes plus ragged ones that exercise the clamped edge rows / columns, a strided and
@@ -144,9 +146,11 @@ pub fn tiled_parity(gpu: &mut Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
     result
 }
 
-/// The fused-norm router (`Router::norm`) against `rmsnorm` + the router, on seeded rows
-/// of `t` tokens, hidden `h`, `e` experts top-`k`, both writing the INT4 split: one line
-/// per output (normed rows, logits, ids, weights, split words) counting differing elements.
+/// The fused-norm, fused-align router (`Router::norm`, `Router::ticket`) against
+/// `rmsnorm`, the router and `moe_align`, on seeded rows of `t` tokens, hidden `h`, `e` experts
+/// top-`k`, both writing the INT4 split: one line per output (normed rows, logits, ids,
+/// weights, split words, sorted pairs, tile experts) counting differing elements. The
+/// fused router runs twice, so a ticket left nonzero by the first launch fails the lines.
 pub fn router_norm_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
     let s = gpu.stream.clone();
     let mut rng = ChaCha8Rng::seed_from_u64(0x4e04);
@@ -167,7 +171,9 @@ pub fn router_norm_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
         let w = DevBuf::upload(&s, &w, "router check W")?;
         let bias = DevBuf::upload(&s, &f(e, 0.1), "router check bias")?;
         let max_tiles = crate::launch::moe_max_tiles(t * k, e);
-        let mut outs: Vec<[Vec<u32>; 5]> = Vec::new();
+        let mut outs: Vec<[Vec<u32>; 7]> = Vec::new();
+        let ticket = DevBuf::<i32>::zeros(&s, 1, "router check ticket")?;
+        let words = |v: Vec<i32>| -> Vec<u32> { v.iter().map(|&i| i as u32).collect() };
         for fused in [false, true] {
             let xn = DevBuf::<f32>::zeros(&s, t * h, "router check xn")?;
             let logits = DevBuf::<f32>::zeros(&s, t * e, "router check logits")?;
@@ -205,7 +211,20 @@ pub fn router_norm_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
                 bias: &bias,
                 xs: Some(&xs),
                 norm: fused.then_some((&resid, &nw, 1e-6)),
+                ticket: fused.then_some(&ticket),
             };
+            if fused {
+                // A first launch into scratch tiles: the measured one below only aligns if
+                // this one's last block reset the ticket.
+                let sorted0 = DevBuf::<i32>::zeros(&s, 8 * max_tiles, "router check sorted0")?;
+                let tiles0 = DevBuf::<i32>::zeros(&s, max_tiles + 1, "router check tiles0")?;
+                let r0 = Routing {
+                    sorted: &sorted0,
+                    tile_expert: &tiles0,
+                    ..r
+                };
+                ops::moe_route_fused(gpu, &r0, &rt, true, 2.5)?;
+            }
             ops::moe_route_fused(gpu, &r, &rt, true, 2.5)?;
             let bits = |v: Vec<f32>| -> Vec<u32> { v.iter().map(|x| x.to_bits()).collect() };
             outs.push([
@@ -217,20 +236,99 @@ pub fn router_norm_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
                     .collect(),
                 bits(wts.read(&s, 0, t * k, "wts")?),
                 bits(xs.read(&s, 0, t * h * crate::launch::W4_XS_MAX / 2, "xs")?),
+                words(sorted.read(&s, 0, 8 * max_tiles, "sorted")?),
+                words(tiles.read(&s, 0, max_tiles + 1, "tiles")?),
             ]);
         }
-        for (i, what) in ["normed rows", "logits", "ids", "weights", "split"]
-            .iter()
-            .enumerate()
-        {
+        let names = [
+            "normed rows",
+            "logits",
+            "ids",
+            "weights",
+            "split",
+            "sorted",
+            "tiles",
+        ];
+        for (i, what) in names.iter().enumerate() {
             let differ = outs[0][i]
                 .iter()
                 .zip(&outs[1][i])
                 .filter(|(a, b)| a != b)
                 .count();
-            let name = format!("router norm fused T={t} H={h} E={e}: {what} differing");
+            let name = format!("router norm+align fused T={t} H={h} E={e}: {what} differing");
             line(out, name, differ as f64, 0.0);
         }
+    }
+    Ok(())
+}
+
+/// The shared expert's down-projection with the MoE combine fused in
+/// (`ops::linear_combine`) against `linear` into a shared buffer then `moe_combine`, on
+/// seeded rows of `t` tokens, hidden `h`, shared intermediate `inter`, top-`k` of `e`
+/// distinct experts per token: one line counting the residual elements whose bits differ.
+pub fn combine_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
+    let s = gpu.stream.clone();
+    let mut rng = ChaCha8Rng::seed_from_u64(0xc0b1);
+    for &(t, h, inter, e, k) in &[
+        (1usize, 256usize, 128usize, 16usize, 2usize),
+        (37, 256, 128, 16, 2),
+        (9, 520, 136, 64, 8),
+    ] {
+        let mut f = |len: usize, a: f32| -> Vec<f32> {
+            (0..len).map(|_| rng.random_range(-a..a)).collect()
+        };
+        let x0 = f(t * h, 2.0);
+        let y = DevBuf::upload(&s, &f(t * k * h, 1.0), "combine check y")?;
+        let hid = DevBuf::upload(&s, &f(t * inter, 1.0), "combine check h")?;
+        let w: Vec<u16> = f(h * inter, 0.2)
+            .iter()
+            .map(|v| (v.to_bits() >> 16) as u16)
+            .collect();
+        let w = DevBuf::upload(&s, &w, "combine check W")?;
+        // Distinct, unsorted expert ids per token: a rotation of a descending run.
+        let ids: Vec<i32> = (0..t * k)
+            .map(|p| ((e - 1 - (p % k) * (e / k)) + p / k) as i32 % e as i32)
+            .collect();
+        let ids = DevBuf::upload(&s, &ids, "combine check ids")?;
+        let wts = DevBuf::<f32>::zeros(&s, t * k, "combine check wts")?;
+        let max_tiles = crate::launch::moe_max_tiles(t * k, e);
+        let sorted = DevBuf::<i32>::zeros(&s, 8 * max_tiles, "combine check sorted")?;
+        let tiles = DevBuf::<i32>::zeros(&s, max_tiles + 1, "combine check tiles")?;
+        let r = Routing {
+            ids: &ids,
+            wts: &wts,
+            sorted: &sorted,
+            tile_expert: &tiles,
+            t,
+            k,
+            e,
+            max_tiles,
+        };
+        let mut res = Vec::new();
+        for fused in [false, true] {
+            let x = DevBuf::upload(&s, &x0, "combine check x")?;
+            let shared = DevBuf::<f32>::zeros(&s, t * h, "combine check shared")?;
+            let down = Linear {
+                y: Mat::rows(if fused { &x } else { &shared }, h),
+                x: Mat::rows(&hid, inter),
+                w: &w,
+                m: t,
+                n: h,
+                k: inter,
+                accumulate: false,
+            };
+            if fused {
+                ops::linear_combine(gpu, &down, &r, &y)?;
+            } else {
+                ops::linear(gpu, &down)?;
+                ops::moe_combine(gpu, &r, &x, &y, &shared, h)?;
+            }
+            let v = x.read(&s, 0, t * h, "combine check x")?;
+            res.push(v.iter().map(|v| v.to_bits()).collect::<Vec<u32>>());
+        }
+        let differ = res[0].iter().zip(&res[1]).filter(|(a, b)| a != b).count();
+        let name = format!("combine fused T={t} H={h} I={inter} k={k}: residual differing");
+        line(out, name, differ as f64, 0.0);
     }
     Ok(())
 }

@@ -27,8 +27,11 @@ pub const CACHE_ENV: &str = "SPECLAB_KERNEL_CACHE";
 /// Environment variable of NVRTC-time kernel tunables, e.g. `W4_XS=2`.
 pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// The tunables [`DEFINES_ENV`] may set, with their allowed range: compile-time knobs of
-/// the INT4 expert GEMMs that the host's launch shapes do not depend on (linear.cu).
-pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 1] = [("W4_XS", 2..=3)];
+/// linear.cu that the host's launch shapes do not depend on (`W4_XS`: the INT4 expert
+/// GEMMs' activation split terms; `LT_PREWAIT`: the tiled bf16 GEMMs load their first
+/// weight words before the programmatic-dependent-launch wait).
+pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 2] =
+    [("W4_XS", 2..=3), ("LT_PREWAIT", 0..=1)];
 
 /// The prelude prepended to every source.
 pub const PRELUDE: &str = include_str!("../kernels/common.cuh");
@@ -69,6 +72,7 @@ pub const SOURCES: &[KernelSource] = &[
             "linear_pair_bf16",
             "swiglu_dense_bf16",
             "linear_tiled_bf16",
+            "linear_tiled_combine_bf16",
             "linear_norm_tiled_bf16",
             "linear_pair_tiled_bf16",
             "swiglu_tiled_bf16",

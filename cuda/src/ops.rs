@@ -582,6 +582,9 @@ pub struct Router<'a> {
     /// The kernel writes rmsnorm(residual) into `x` (bit for bit kernel `rmsnorm`) and
     /// routes that; `None`: `x` is the normalized input already.
     pub norm: Option<(&'a DevBuf<f32>, &'a DevBuf<f32>, f32)>,
+    /// Shape: [1] i32, zero between launches. `Some`: the router's last block also sorts
+    /// the pairs (moe_align's work, no `moe_align` launch); `None`: `moe_align` follows.
+    pub ticket: Option<&'a DevBuf<i32>>,
 }
 
 /// Largest hidden size whose norm the fused router takes (`ROUTER_NORM_K_MAX`).
@@ -591,7 +594,8 @@ pub const ROUTER_NORM_K_MAX: usize = 4096;
 pub const ROUTER_FUSED_E_MAX: usize = 256;
 
 /// Kernels `moe_router_topk` (router GEMM + top-k, logits bit-identical to `linear` +
-/// `moe_topk`) then `moe_align`; routers with E <= [`ROUTER_FUSED_E_MAX`].
+/// `moe_topk`) then `moe_align`, or with [`Router::ticket`] the align done by the router's
+/// last block (one launch); routers with E <= [`ROUTER_FUSED_E_MAX`].
 pub fn moe_route_fused(
     g: &Gpu,
     r: &Routing<'_>,
@@ -658,11 +662,25 @@ pub fn moe_route_fused(
         norm[0],
         norm[1],
         norm[2],
+        match rt.ticket {
+            Some(b) => ptr(b, 0, 1, "router ticket")?,
+            None => Arg::P(0),
+        },
+        ptr(
+            r.sorted,
+            0,
+            launch::ROWS_PER_TILE as usize * r.max_tiles,
+            "sorted",
+        )?,
+        ptr(r.tile_expert, 0, r.max_tiles + 1, "tile_expert")?,
+        int(r.max_tiles, "max_tiles")?,
     ];
     // SAFETY: ids, wts [T*k], logits [T, E], x [T, K], W [E, K], bias [E], xs (null or
     // [T, K W4_XS_MAX / 2] words, K % 16 == 0) checked; k <= 8 and E <= 256 checked (the
     // kernel's shared arrays), K % 8 == 0 checked; x stride = K; with the norm, the
-    // residual [T, K], weight [K] and output [T, K] checked and K <= ROUTER_NORM_K_MAX.
+    // residual [T, K], weight [K] and output [T, K] checked and K <= ROUTER_NORM_K_MAX;
+    // with the ticket ([1], zero between launches) the last block writes sorted / tiles
+    // as `moe_align` does (bounds as there: `r.check`).
     unsafe {
         launch(
             g,
@@ -671,7 +689,10 @@ pub fn moe_route_fused(
             &args,
         )?
     };
-    moe_align(g, r)
+    match rt.ticket {
+        Some(_) => Ok(()),
+        None => moe_align(g, r),
+    }
 }
 
 /// Kernel `moe_align`: the pairs of `r.ids` (each `< E`) sorted per expert into tiles.
@@ -927,6 +948,44 @@ fn moe_experts_fused(
     // zeroed, reset by the last block). Blocks take items in ticket order, so a block only
     // waits on items already taken by running blocks: no deadlock whatever the residency.
     unsafe { launch(g, "moe_experts_w4", shape, &args) }
+}
+
+/// Kernel `linear_tiled_combine_bf16`: the shared expert's down-projection `s = h @ Wd^T`
+/// with `moe_combine` as its epilogue, `x += routed (ascending expert) + s`, bit for bit
+/// the unfused `linear` + `moe_combine`. `a.y` is the residual `x` [T, H] (stride H),
+/// `a.x` the shared expert's hidden rows, `a.w` its down weight [H, inter]; `a.accumulate`
+/// must be false (the epilogue always adds). Register-tiled only: callers use it when
+/// [`Gpu::tiled_min_rows`] picks the tiled GEMMs.
+pub fn linear_combine(g: &Gpu, a: &Linear<'_>, r: &Routing<'_>, y: &DevBuf<f32>) -> Result<()> {
+    r.check()?;
+    if a.accumulate || a.y.stride != a.n || a.m != r.t {
+        return Err(CudaError::Input(
+            "linear_combine: y must be the [T, H] residual, rows = routed tokens, no accumulate (internal)".into(),
+        ));
+    }
+    launch::check_gemm_operands(
+        a.k,
+        a.x.stride,
+        a.x.off % a.x.stride.max(1),
+        "linear_combine",
+    )?;
+    let args = [
+        a.y.arg(a.m, a.n, "combine x")?,
+        ptr(y, 0, r.t * r.k * a.n, "combine y")?,
+        ptr(r.ids, 0, r.t * r.k, "combine ids")?,
+        int(r.k, "k")?,
+        a.x.arg(a.m, a.k, "combine h")?,
+        int(a.x.stride, "h stride")?,
+        ptr(a.w, 0, a.n * a.k, "combine Wd")?,
+        int(a.m, "M")?,
+        int(a.n, "N")?,
+        int(a.k, "K")?,
+    ];
+    let name = "linear_tiled_combine_bf16";
+    // SAFETY: x [T, H] (stride H), y [T*k, H], ids [T*k], h spans (T-1)*stride + K, Wd
+    // [H, K], all checked; k <= 8 (`r.check`: the kernel's slot arrays); the kernel reads
+    // and writes only those (K % 8 == 0 and 16-byte alignment checked).
+    unsafe { launch(g, name, launch::gemm_tiled(a.m, a.n, name)?, &args) }
 }
 
 /// Kernel `moe_combine`: `x += routed (ascending expert) + shared`.

@@ -428,14 +428,8 @@ impl CudaBackend {
         )
     }
 
-    /// Dense SwiGLU of `ws.a` into `out` (`accumulate`: out += mlp, else out = mlp).
-    fn dense_mlp(
-        &self,
-        t: usize,
-        m: &DevMlp,
-        out: &crate::buf::DevBuf<f32>,
-        accumulate: bool,
-    ) -> Result<()> {
+    /// `ws.h_dense` = SwiGLU(`ws.a` @ W13^T) of `m`, the MLP's first launch.
+    fn mlp_hidden(&self, t: usize, m: &DevMlp) -> Result<()> {
         let h = self.w.cfg.hidden_size;
         let (g, ws) = (&self.gpu, &self.ws);
         ops::swiglu(
@@ -448,7 +442,20 @@ impl CudaBackend {
                 n: m.inter,
                 k: h,
             },
-        )?;
+        )
+    }
+
+    /// Dense SwiGLU of `ws.a` into `out` (`accumulate`: out += mlp, else out = mlp).
+    fn dense_mlp(
+        &self,
+        t: usize,
+        m: &DevMlp,
+        out: &crate::buf::DevBuf<f32>,
+        accumulate: bool,
+    ) -> Result<()> {
+        let h = self.w.cfg.hidden_size;
+        let (g, ws) = (&self.gpu, &self.ws);
+        self.mlp_hidden(t, m)?;
         ops::linear(
             g,
             &ops::Linear {
@@ -512,6 +519,7 @@ impl CudaBackend {
                 bias: &m.bias,
                 xs: fused_split.then_some(&ws.xs_moe),
                 norm: post_norm.map(|w| (&ws.x, w, cfg.rms_norm_eps as f32)),
+                ticket: g.fuse_router_align.then_some(&ws.route_ticket),
             };
             ops::moe_route_fused(g, &r, &rt, norm, rsf)?;
         } else {
@@ -550,7 +558,29 @@ impl CudaBackend {
             inter: cfg.moe_intermediate_size,
         };
         ops::moe_experts(g, &r, &ex)?;
+        if g.fuse_combine && t >= g.tiled_min_rows {
+            return self.shared_combine(t, &m.shared, &r);
+        }
         self.dense_mlp(t, &m.shared, &ws.shared_out, false)?;
         ops::moe_combine(g, &r, &ws.x, &ws.y_pairs, &ws.shared_out, h)
+    }
+
+    /// The shared expert with the MoE combine fused into its down-projection:
+    /// `ws.x += routed + shared(ws.a)` in two launches (swiglu, then
+    /// `ops::linear_combine`), bit for bit `dense_mlp` into `ws.shared_out` + `moe_combine`.
+    fn shared_combine(&self, t: usize, m: &DevMlp, r: &ops::Routing<'_>) -> Result<()> {
+        let h = self.w.cfg.hidden_size;
+        let (g, ws) = (&self.gpu, &self.ws);
+        self.mlp_hidden(t, m)?;
+        let down = ops::Linear {
+            y: Mat::rows(&ws.x, h),
+            x: Mat::rows(&ws.h_dense, m.inter),
+            w: &m.wd,
+            m: t,
+            n: h,
+            k: m.inter,
+            accumulate: false,
+        };
+        ops::linear_combine(g, &down, r, &ws.y_pairs)
     }
 }

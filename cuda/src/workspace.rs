@@ -102,6 +102,9 @@ pub struct Workspace {
     /// Counters of the fused INT4 experts kernel, zero between launches (allocated zeroed;
     /// the kernel's last block resets them). Shape: [MOE_SYNC_FIXED + max_tiles].
     pub moe_sync: DevBuf<i32>,
+    /// The fused router's ticket (ops::Router::ticket): zero between launches (allocated
+    /// zeroed; the router's last block resets it). Shape: [1].
+    pub route_ticket: DevBuf<i32>,
     /// Final hidden (post-norm, or the MTP head-norm output). Shape: [t_cap, H].
     pub hidden: DevBuf<f32>,
     /// Scratch rows (embeddings, last rows, MTP hidden input). Shape: [t_cap, H].
@@ -141,6 +144,7 @@ impl Workspace {
             sorted: i(8 * max_tiles, "sorted")?,
             tile_expert: i(max_tiles + 1, "tile_expert")?,
             moe_sync: i(crate::launch::MOE_SYNC_FIXED + max_tiles, "moe_sync")?,
+            route_ticket: i(1, "route_ticket")?,
             hidden: f(t_cap * z.hidden, "hidden")?,
             tmp: f(t_cap * z.hidden, "tmp")?,
             logits: f(t_cap * z.vocab, "logits")?,

@@ -52,6 +52,19 @@ fn every_kernel_compiles_to_ptx_for_sm_90a() {
             Err(e) => failures.push(e.to_string()),
         }
     }
+    // Every tunable's non-default values compile too (SPECLAB_KERNEL_DEFINES, linear.cu).
+    // This file's only test, so setting the process environment races nothing.
+    let linear = SOURCES
+        .iter()
+        .find(|s| s.name == "linear.cu")
+        .expect("linear.cu");
+    for defines in ["W4_XS=2", "LT_PREWAIT=0"] {
+        std::env::set_var(kernels::DEFINES_ENV, defines);
+        if let Err(e) = kernels::compile(linear, kernels::DEFAULT_ARCH, &dir) {
+            failures.push(format!("{defines}: {e}"));
+        }
+        std::env::remove_var(kernels::DEFINES_ENV);
+    }
     // The second compile of one source is served from the cache.
     let again = kernels::compile(&SOURCES[0], kernels::DEFAULT_ARCH, &dir).unwrap();
     assert!(again.cached, "second compile was not a cache hit");
