@@ -722,18 +722,71 @@ pub struct FitReport {
     pub kind: String,
     pub inputs: Vec<String>,
     pub shape: FitShape,
-    /// How rows were held out: `leave-one-batch-out` or `batch in [..]`.
+    /// How rows were held out: `leave-one-batch-out`, `batch in [..]` or
+    /// `leave-one-config-out`.
     pub held_out: String,
     /// Parameters fitted on every row (name, value).
     pub params: Vec<(String, f64)>,
     /// Parameters of each held-out fit: (held-out batches, values).
     pub held_out_params: Vec<(Vec<u64>, Vec<f64>)>,
+    /// Each held-out fit's fold, in the order of `held_out_params` (`batch 8`, or a
+    /// configuration such as `e2e mtp n=2 graphs`).
+    #[serde(default)]
+    pub held_out_folds: Vec<String>,
     pub rows: Vec<RowReport>,
     /// Largest |held-out error| over the held-out rows.
     pub max_abs_held_out_error: Option<f64>,
     /// Held-out rows, and those predicted within 10% (the goal).
     pub held_out_rows: usize,
     pub held_out_within_10pct: usize,
+}
+
+/// How [`fit_report`] holds rows out of the fit.
+#[derive(Debug, Clone, Copy)]
+pub enum HoldOut<'a> {
+    /// The rows of these batch values, in one fold; empty: each distinct batch value in
+    /// turn, predicted from the others (leave-one-batch-out).
+    Batches(&'a [u64]),
+    /// Each configuration in turn ([`config_key`]: the row label without its batch
+    /// value, e.g. `e2e mtp n=2 graphs`), predicted at every batch from the other
+    /// configurations: how well the model prices a drafter / N not yet run.
+    Configs,
+}
+
+/// A row's configuration: its label without the batch token (`c=`, `b=`, `m=`).
+pub fn config_key(label: &str) -> String {
+    label
+        .split_whitespace()
+        .filter(|t| !["c=", "b=", "m="].iter().any(|p| t.starts_with(p)))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The folds of `how` over `rows`: (fold name, the rows it holds out).
+fn folds(rows: &[FitRow], how: HoldOut<'_>) -> Vec<(String, Vec<bool>)> {
+    let by = |name: String, held: &dyn Fn(&FitRow) -> bool| (name, rows.iter().map(held).collect());
+    match how {
+        HoldOut::Batches([]) => {
+            let mut batches: Vec<u64> = rows.iter().map(|r| r.batch).collect();
+            batches.sort_unstable();
+            batches.dedup();
+            batches
+                .into_iter()
+                .map(|b| by(format!("batch {b}"), &|r| r.batch == b))
+                .collect()
+        }
+        HoldOut::Batches(list) => vec![by(format!("batch in {list:?}"), &|r| {
+            list.contains(&r.batch)
+        })],
+        HoldOut::Configs => {
+            let mut keys: Vec<String> = rows.iter().map(|r| config_key(&r.label)).collect();
+            keys.sort();
+            keys.dedup();
+            keys.into_iter()
+                .map(|k| by(k.clone(), &|r| config_key(&r.label) == k))
+                .collect()
+        }
+    }
 }
 
 /// Fit on every row, and predict held-out rows: the batches in `hold_out`, or (empty)
@@ -744,30 +797,43 @@ pub fn fit_report(
     shape: FitShape,
     hold_out: &[u64],
 ) -> Result<FitReport> {
+    fit_report_by(inputs, rows, shape, HoldOut::Batches(hold_out))
+}
+
+/// [`fit_report`] with any [`HoldOut`] scheme.
+pub fn fit_report_by(
+    inputs: &[PathBuf],
+    rows: &[FitRow],
+    shape: FitShape,
+    how: HoldOut<'_>,
+) -> Result<FitReport> {
     let all: Vec<&FitRow> = rows.iter().collect();
     let theta = fit(&all)?;
-    let mut batches: Vec<u64> = rows.iter().map(|r| r.batch).collect();
-    batches.sort_unstable();
-    batches.dedup();
-    let folds: Vec<Vec<u64>> = if hold_out.is_empty() {
-        batches.iter().map(|&b| vec![b]).collect()
-    } else {
-        vec![hold_out.to_vec()]
-    };
     let mut held: Vec<Option<f64>> = vec![None; rows.len()];
     let mut held_out_params = Vec::new();
-    for fold in folds {
-        let train: Vec<&FitRow> = rows.iter().filter(|r| !fold.contains(&r.batch)).collect();
+    let mut held_out_folds = Vec::new();
+    for (name, mask) in folds(rows, how) {
+        let train: Vec<&FitRow> = rows
+            .iter()
+            .zip(&mask)
+            .filter(|(_, &m)| !m)
+            .map(|(r, _)| r)
+            .collect();
         if train.is_empty() {
             continue;
         }
         let t = fit(&train)?;
+        let mut fold_batches = Vec::new();
         for (i, r) in rows.iter().enumerate() {
-            if fold.contains(&r.batch) {
+            if mask[i] {
                 held[i] = Some(predict(r, &t));
+                fold_batches.push(r.batch);
             }
         }
-        held_out_params.push((fold, t));
+        fold_batches.sort_unstable();
+        fold_batches.dedup();
+        held_out_params.push((fold_batches, t));
+        held_out_folds.push(name);
     }
     let reports: Vec<RowReport> = rows
         .iter()
@@ -785,13 +851,14 @@ pub fn fit_report(
         kind: "cost-fit".into(),
         inputs: inputs.iter().map(|p| p.display().to_string()).collect(),
         shape,
-        held_out: if hold_out.is_empty() {
-            "leave-one-batch-out".into()
-        } else {
-            format!("batch in {hold_out:?}")
+        held_out: match how {
+            HoldOut::Batches([]) => "leave-one-batch-out".into(),
+            HoldOut::Batches(list) => format!("batch in {list:?}"),
+            HoldOut::Configs => "leave-one-config-out".into(),
         },
         params: PARAMS.iter().map(|s| s.to_string()).zip(theta).collect(),
         held_out_params,
+        held_out_folds,
         rows: reports,
         max_abs_held_out_error,
     })
@@ -1019,6 +1086,24 @@ mod tests {
             .collect();
         assert_eq!(held.len(), 10);
         assert!(held.iter().all(|r| r.batch == 8));
+        // Leave-one-config-out: every row predicted once, from a fit without its config.
+        let repc = fit_report_by(std::slice::from_ref(&p), &fr, s, HoldOut::Configs).unwrap();
+        assert_eq!(repc.held_out, "leave-one-config-out");
+        assert_eq!(repc.held_out_rows, fr.len());
+        assert!(repc.max_abs_held_out_error.unwrap() < 1e-9);
+        let mut keys: Vec<String> = fr.iter().map(|r| config_key(&r.label)).collect();
+        keys.sort();
+        keys.dedup();
+        assert_eq!(repc.held_out_folds, keys);
+        assert!(keys.iter().all(|k| !k.contains("c=")), "{keys:?}");
+        assert!(repc.held_out_params.iter().all(|(b, _)| b.len() > 1));
+    }
+
+    #[test]
+    fn config_key_drops_only_the_batch_token() {
+        assert_eq!(config_key("e2e mtp n=2 c=8 graphs"), "e2e mtp n=2 graphs");
+        assert_eq!(config_key("gpu-check b=128 eager"), "gpu-check eager");
+        assert_eq!(config_key("moe m=4 zipf"), "moe zipf");
     }
 
     /// Without the split the total alone cannot tell `serial_row_us` from

@@ -37,11 +37,23 @@ pub struct FitArgs {
     /// default: leave-one-batch-out (each value predicted from the others).
     #[arg(long, value_delimiter = ',')]
     pub hold_out: Vec<u64>,
+    /// Hold out by `batch` (the default: `--hold-out`'s values, or each batch in turn) or
+    /// by `config`: each configuration (drafter, N, graphs) in turn, predicted at every
+    /// batch from the others.
+    #[arg(long, value_enum, default_value = "batch")]
+    pub hold_out_by: HoldOutBy,
     /// Write the report here (e.g. runs/cost-fit-tiny.json).
     #[arg(long)]
     pub out: Option<PathBuf>,
     #[arg(long)]
     pub json: bool,
+}
+
+/// `--hold-out-by`.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum HoldOutBy {
+    Batch,
+    Config,
 }
 
 #[derive(Debug, Args)]
@@ -86,7 +98,18 @@ fn fit(a: FitArgs) -> anyhow::Result<ExitCode> {
     }
     anyhow::ensure!(!rows.is_empty(), "no timing rows in {:?}", a.records);
     let shape = shape.context("no record")?;
-    let rep = cost_fit::fit_report(&a.records, &rows, shape, &a.hold_out)?;
+    let how = match a.hold_out_by {
+        HoldOutBy::Batch => cost_fit::HoldOut::Batches(&a.hold_out),
+        HoldOutBy::Config => {
+            anyhow::ensure!(
+                a.hold_out.is_empty(),
+                "--hold-out {:?} names batches; it cannot be combined with --hold-out-by config",
+                a.hold_out
+            );
+            cost_fit::HoldOut::Configs
+        }
+    };
+    let rep = cost_fit::fit_report_by(&a.records, &rows, shape, how)?;
     if let Some(out) = &a.out {
         save(out, &rep)?;
     }
