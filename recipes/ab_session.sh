@@ -14,6 +14,7 @@
 # SPECLAB_ROUTER_ALIGN=0 (moe_align as its own kernel, not in the router's last block),
 # SPECLAB_MOE_COMBINE=0 (moe_combine as its own kernel, not the shared expert's epilogue),
 # SPECLAB_KERNEL_DEFINES=LT_PREWAIT=0 (the tiled GEMMs load weights after the PDL wait).
+# SPECLAB_KDA_FUSED=0 (each KDA layer's conv, recurrence and gated norm as three kernels).
 # Several settings in one leg are space-separated: "A=0 B=off".
 # Everything lands in $OUT/results.tgz; leg i's outputs under ab<i>/ with its settings in
 # ab<i>/env.txt.

@@ -79,14 +79,24 @@ extern "C" __global__ void kda_conv(float* __restrict__ y, const float* __restri
 // softplus(f_i + dt_bias_i)), beta = sigmoid(b[h]).
 // Shapes: y [T, 3C] (post-conv q | k | v), fg [T, 2C] (f at column 0), xin [T, xin_stride]
 // (b at column b_col, [nl]), A_log [nl], dt_bias [C], o [T, C].
-template <int DL>
+//
+// FUSED (kernel kda_fused_{DL}): the layer's three launches in one. Thread j also runs
+// kda_conv for its channels of head h (q, k, v at column h * DL + j of each third), from
+// the pre-conv xin, its windows in registers (same taps order, same page layout, the
+// same snapshots), so y is neither written nor read; and after the last token the block
+// applies kda_gate_norm to its rows (one warp per token, the same lane-strided sums and
+// warp_sum, reading back o, which this block wrote: visible after __syncthreads).  Every
+// value is computed by the same operations in the same order as the three kernels.
+// Extra shapes: taps [3C, kc] f32, o_norm [DL], out [T, C].
+template <int DL, bool FUSED>
 __device__ __forceinline__ void kda_recurrent_impl(
     float* __restrict__ o, const float* __restrict__ y, const float* __restrict__ fg,
     const float* __restrict__ xin, int xin_stride, int b_col, const float* __restrict__ a_log,
     const float* __restrict__ dt_bias, float* __restrict__ pool, long long layer_off,
     long long fpb, int conv_len, int nl, float qscale, const int* __restrict__ row0,
     const int* __restrict__ len, const int* __restrict__ pos0, const int* __restrict__ snap,
-    const int* __restrict__ state_tables, int max_state) {
+    const int* __restrict__ state_tables, int max_state, const float* __restrict__ taps,
+    int kc, float* __restrict__ gated, const float* __restrict__ o_norm, float eps) {
     __shared__ float qs[DL], ks[DL], al[DL];
     __shared__ float scratch[32];
     const int h = blockIdx.x, s = blockIdx.y, j = threadIdx.x;
@@ -101,13 +111,54 @@ __device__ __forceinline__ void kda_recurrent_impl(
     const float neg_a = -expf(a_log[h]);
     const float dtb = dt_bias[h * DL + j];
     const int n = len[s];
+    // FUSED: the conv windows and taps of the thread's q, k, v channels (kda_conv's).
+    float win[3][KC_MAX - 1], tap[3][KC_MAX];
+    float* conv0 = pool + (long long)table[0] * fpb + layer_off;
+    if (FUSED) {
+#pragma unroll
+        for (int w = 0; w < 3; ++w) {
+            const long long elem0 = (long long)w * (kc - 1) * C + h * DL + j;
+#pragma unroll
+            for (int q = 0; q < KC_MAX - 1; ++q)
+                win[w][q] = (q < kc - 1 && !fresh) ? conv0[elem0 + (long long)q * C] : 0.0f;
+#pragma unroll
+            for (int q = 0; q < KC_MAX; ++q)
+                tap[w][q] = q < kc ? taps[(size_t)(w * C + h * DL + j) * kc + q] : 0.0f;
+        }
+    }
+    // kda_conv's step for window w: the output for input xt, then the window shifted.
+    auto conv = [&](int w, float xt) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int q = 0; q < KC_MAX - 1; ++q)
+            if (q < kc - 1) acc += tap[w][q] * win[w][q];
+#pragma unroll
+        for (int q = 0; q < KC_MAX; ++q)
+            if (q == kc - 1) acc += tap[w][q] * xt;
+#pragma unroll
+        for (int q = 0; q < KC_MAX - 2; ++q)
+            if (q < kc - 2) win[w][q] = win[w][q + 1];
+#pragma unroll
+        for (int q = 0; q < KC_MAX - 1; ++q)
+            if (q == kc - 2) win[w][q] = xt;
+        return silu_f(acc);
+    };
+    auto conv_store = [&](float* page) {
+#pragma unroll
+        for (int w = 0; w < 3; ++w) {
+            const long long elem0 = (long long)w * (kc - 1) * C + h * DL + j;
+#pragma unroll
+            for (int q = 0; q < KC_MAX - 1; ++q)
+                if (q < kc - 1) page[elem0 + (long long)q * C] = win[w][q];
+        }
+    };
     // Token t + 1's inputs are loaded while token t computes (a verify chunk's tokens
     // otherwise each wait out the loads' latency); the two norms share one reduction
     // (block_sum2: the same partial sums in the same order as two block_sums).
     float nq = 0.0f, nk = 0.0f, nv = 0.0f, nf = 0.0f, nb = 0.0f;
     auto load = [&](int t) {
         const size_t row = (size_t)(row0[s] + t);
-        const float* yr = y + row * 3 * C + h * DL + j;
+        const float* yr = FUSED ? xin + row * xin_stride + h * DL + j : y + row * 3 * C + h * DL + j;
         nq = yr[0];
         nk = yr[C];
         nv = yr[2 * C];
@@ -117,8 +168,15 @@ __device__ __forceinline__ void kda_recurrent_impl(
     if (n > 0) load(0);
     for (int t = 0; t < n; ++t) {
         const size_t row = (size_t)(row0[s] + t);
-        const float qv = nq, kv = nk, vv = nv, fv = nf, bv = nb;
+        float qv = nq, kv = nk, vv = nv;
+        const float fv = nf, bv = nb;
         if (t + 1 < n) load(t + 1);
+        if (FUSED) {
+            qv = conv(0, qv);
+            kv = conv(1, kv);
+            vv = conv(2, vv);
+            if (snap[s] && t + 1 < n) conv_store(pool + (long long)table[t + 1] * fpb + layer_off);
+        }
         float ssq, ssk;
         block_sum2(qv * qv, kv * kv, scratch, ssq, ssk);
         qs[j] = qv / sqrtf(ssq + 1e-6f) * qscale;
@@ -150,6 +208,21 @@ __device__ __forceinline__ void kda_recurrent_impl(
     float* out0 = pool + (long long)table[0] * fpb + head_off;
 #pragma unroll
     for (int i = 0; i < DL; ++i) out0[(long long)i * DL] = st[i];
+    if (!FUSED) return;
+    conv_store(conv0);
+    // kda_gate_norm of this block's rows (the loop ended on a barrier: o is visible).
+    const int warp = j >> 5, lane = j & 31;
+    for (int t = warp; t < n; t += DL / WARP) {
+        const size_t row = (size_t)(row0[s] + t);
+        const float* orow = o + row * C + (size_t)h * DL;
+        float ss = 0.0f;
+        for (int i = lane; i < DL; i += WARP) ss += orow[i] * orow[i];
+        ss = warp_sum(ss);
+        const float inv = 1.0f / sqrtf(ss / (float)DL + eps);
+        const float* g = fg + row * 2 * C + C + (size_t)h * DL;
+        float* dst = gated + row * C + (size_t)h * DL;
+        for (int i = lane; i < DL; i += WARP) dst[i] = orow[i] * inv * o_norm[i] * sigmoid_f(g[i]);
+    }
 }
 
 #define KDA_RECURRENT(DL)                                                                   \
@@ -160,11 +233,26 @@ __device__ __forceinline__ void kda_recurrent_impl(
         const int* row0, const int* len, const int* pos0, const int* snap,                  \
         const int* state_tables, int max_state) {                                          \
         pdl_enter();                                                                        \
-        kda_recurrent_impl<DL>(o, y, fg, xin, xin_stride, b_col, a_log, dt_bias, pool,      \
-                               layer_off, fpb, conv_len, nl, qscale, row0, len, pos0, snap,  \
-                               state_tables, max_state);                                    \
+        kda_recurrent_impl<DL, false>(o, y, fg, xin, xin_stride, b_col, a_log, dt_bias,     \
+                                      pool, layer_off, fpb, conv_len, nl, qscale, row0, len, \
+                                      pos0, snap, state_tables, max_state, nullptr, 0,       \
+                                      nullptr, nullptr, 0.0f);                               \
+    }                                                                                       \
+    extern "C" __global__ void kda_fused_##DL(                                               \
+        float* gated, float* o, const float* fg, const float* xin, int xin_stride,          \
+        int b_col, const float* a_log, const float* dt_bias, float* pool,                   \
+        long long layer_off, long long fpb, int conv_len, int nl, float qscale,             \
+        const int* row0, const int* len, const int* pos0, const int* snap,                  \
+        const int* state_tables, int max_state, const float* taps, int kc,                  \
+        const float* o_norm, float eps) {                                                   \
+        pdl_enter();                                                                        \
+        kda_recurrent_impl<DL, true>(o, nullptr, fg, xin, xin_stride, b_col, a_log, dt_bias, \
+                                     pool, layer_off, fpb, conv_len, nl, qscale, row0, len,  \
+                                     pos0, snap, state_tables, max_state, taps, kc, gated,   \
+                                     o_norm, eps);                                          \
     }
 
+// kda_recurrent_{DL} and kda_fused_{DL} (conv + recurrence + gated norm, FUSED above).
 // Launch: grid (nl, S), block DL (linear_head_dim: 32, 64 or 128).
 KDA_RECURRENT(32)
 KDA_RECURRENT(64)

@@ -79,7 +79,7 @@ pub fn pdl_wanted(major: i32, env: Option<&str>) -> bool {
 
 /// An on-by-default A/B switch as its environment variable sets it: off for `0`, `off`
 /// or `false`, on otherwise (`SPECLAB_PDL`, `SPECLAB_MTP_PAD`, `SPECLAB_ROUTER_NORM`, `SPECLAB_ROUTER_ALIGN`,
-/// `SPECLAB_MOE_COMBINE`).
+/// `SPECLAB_MOE_COMBINE`, `SPECLAB_KDA_FUSED`).
 pub fn switch_on(env: Option<&str>) -> bool {
     !matches!(env.map(str::trim), Some("0" | "off" | "false"))
 }
@@ -135,6 +135,9 @@ pub struct Gpu {
     /// The MoE combine as the shared expert's down-projection epilogue (default with the
     /// tiled GEMMs; `SPECLAB_MOE_COMBINE=0` launches `moe_combine`, the A/B reference).
     pub fuse_combine: bool,
+    /// Each KDA layer's conv, recurrence and gated norm in one launch (`kda_fused_{dl}`,
+    /// default; `SPECLAB_KDA_FUSED=0` launches the three kernels, the A/B reference).
+    pub fuse_kda: bool,
     /// While profiling: (kernel name, an event recorded right after its launch).
     pub profile: std::cell::RefCell<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
 }
@@ -202,6 +205,7 @@ impl Gpu {
             fuse_router_norm: switch_on(std::env::var("SPECLAB_ROUTER_NORM").ok().as_deref()),
             fuse_router_align: switch_on(std::env::var("SPECLAB_ROUTER_ALIGN").ok().as_deref()),
             fuse_combine: switch_on(std::env::var("SPECLAB_MOE_COMBINE").ok().as_deref()),
+            fuse_kda: switch_on(std::env::var("SPECLAB_KDA_FUSED").ok().as_deref()),
             profile: std::cell::RefCell::new(None),
         })
     }

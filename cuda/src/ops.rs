@@ -1169,7 +1169,8 @@ pub struct Kda<'a> {
     pub eps: f32,
 }
 
-/// Kernels `kda_conv`, `kda_recurrent_{dl}`, `kda_gate_norm`.
+/// Kernels `kda_conv`, `kda_recurrent_{dl}`, `kda_gate_norm`, or with
+/// [`Gpu::fuse_kda`] the one kernel `kda_fused_{dl}` doing all three (`a.y` unused).
 pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
     let (c, dl, nl, t) = (a.nl * a.dl, a.dl, a.nl, a.t);
     if !(2..=launch::KC_MAX).contains(&a.kc) || ![32, 64, 128].contains(&dl) {
@@ -1198,6 +1199,9 @@ pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
         s.tables,
         int(s.max_state, "max_state")?,
     ];
+    if g.fuse_kda {
+        return kda_fused(g, s, a, [pool, xin, fg], meta);
+    }
     let mut args = vec![
         y,
         xin,
@@ -1267,6 +1271,53 @@ pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
             &args,
         )
     }
+}
+
+/// Kernel `kda_fused_{dl}` for [`kda`] (its checks done): `[pool, xin, fg]` and the
+/// chunk metadata as `kda` built them.
+fn kda_fused(
+    g: &Gpu,
+    s: &StatePages<'_>,
+    a: &Kda<'_>,
+    [pool, xin, fg]: [Arg; 3],
+    meta: [Arg; 6],
+) -> Result<()> {
+    let (c, dl, nl, t) = (a.nl * a.dl, a.dl, a.nl, a.t);
+    let mut args = vec![
+        ptr(a.out, 0, t * c, "kda out")?,
+        ptr(a.o, 0, t * c, "kda o")?,
+        fg,
+        xin,
+        int(a.in_width, "xin stride")?,
+        int(a.b_col, "b col")?,
+        ptr(a.a_log, 0, nl, "A_log")?,
+        ptr(a.dt_bias, 0, c, "dt_bias")?,
+        pool,
+        long(s.layer_off),
+        long(s.fpb),
+        int(s.conv_len, "conv_len")?,
+        int(nl, "nl")?,
+        Arg::F((dl as f64).powf(-0.5) as f32),
+    ];
+    args.extend(meta);
+    args.extend([
+        ptr(a.taps, 0, 3 * c * a.kc, "taps")?,
+        int(a.kc, "kc")?,
+        ptr(a.o_norm, 0, dl, "o_norm")?,
+        Arg::F(a.eps),
+    ]);
+    let shape = launch::Shape {
+        grid: (int_u32(nl)?, int_u32(s.num_seqs)?, 1),
+        block: (int_u32(dl)?, 1, 1),
+        smem: 0,
+    };
+    let name = format!("kda_fused_{dl}");
+    // SAFETY: the union of the three kernels' operands, each checked as in `kda`: out, o
+    // [T, C], fg [T, 2C], xin [T, in_width >= 3C] (b at b_col + nl <= in_width), A_log
+    // [nl], dt_bias [C], taps [3C, kc] (2 <= kc <= 8), o_norm [dl], the pool; chunk rows
+    // and state blocks from meta::build; conv elements inside the first conv_len floats of
+    // the layer's page and S elements below conv_len + nl dl^2 (checked in `kda`).
+    unsafe { launch(g, &name, shape, &args) }
 }
 
 /// Kernel `copy_f32` on 4-byte words of any type (e.g. i32 expert ids): `n` words.
