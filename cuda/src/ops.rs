@@ -1169,8 +1169,13 @@ pub struct Kda<'a> {
     pub eps: f32,
 }
 
+/// Mean rows a chunk up to which [`kda`] takes the fused kernel (the graphed decode /
+/// verify chunks are at most 16 tokens: cuda/src/backend.rs).
+pub const KDA_FUSED_MEAN_ROWS: usize = 16;
+
 /// Kernels `kda_conv`, `kda_recurrent_{dl}`, `kda_gate_norm`, or with
-/// [`Gpu::fuse_kda`] the one kernel `kda_fused_{dl}` doing all three (`a.y` unused).
+/// [`Gpu::fuse_kda`] and chunks of at most [`KDA_FUSED_MEAN_ROWS`] rows on average the one
+/// kernel `kda_fused_{dl}` doing all three (`a.y` unused).
 pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
     let (c, dl, nl, t) = (a.nl * a.dl, a.dl, a.nl, a.t);
     if !(2..=launch::KC_MAX).contains(&a.kc) || ![32, 64, 128].contains(&dl) {
@@ -1199,7 +1204,9 @@ pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
         s.tables,
         int(s.max_state, "max_state")?,
     ];
-    if g.fuse_kda {
+    // Fused for decode / verify-sized chunks only: its gated-norm epilogue walks a
+    // chunk's rows with DL / 32 warps, where kda_gate_norm spreads prefill rows over the GPU.
+    if g.fuse_kda && t <= KDA_FUSED_MEAN_ROWS * s.num_seqs {
         return kda_fused(g, s, a, [pool, xin, fg], meta);
     }
     let mut args = vec![
