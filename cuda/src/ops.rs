@@ -1169,12 +1169,14 @@ pub struct Kda<'a> {
     pub eps: f32,
 }
 
-/// Mean rows a chunk up to which [`kda`] takes the fused kernel (the graphed decode /
-/// verify chunks are at most 16 tokens: cuda/src/backend.rs).
-pub const KDA_FUSED_MEAN_ROWS: usize = 16;
+/// Mean rows a chunk up to which [`kda`] takes the fused kernel: one, decode steps only.
+/// In multi-row verify chunks the fused kernel was slower (runs/ab-59303f3/: DFlash2 N = 7
+/// at c1 6,774 tok/s against 7,372 unfused, MTP N = 2 5,724 against 5,845), its gated-norm
+/// epilogue walking the chunk's rows with DL / 32 warps.
+pub const KDA_FUSED_MEAN_ROWS: usize = 1;
 
 /// Kernels `kda_conv`, `kda_recurrent_{dl}`, `kda_gate_norm`, or with
-/// [`Gpu::fuse_kda`] and chunks of at most [`KDA_FUSED_MEAN_ROWS`] rows on average the one
+/// [`Gpu::fuse_kda`] and chunks of at most [`KDA_FUSED_MEAN_ROWS`] row on average the one
 /// kernel `kda_fused_{dl}` doing all three (`a.y` unused).
 pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
     let (c, dl, nl, t) = (a.nl * a.dl, a.dl, a.nl, a.t);
@@ -1204,8 +1206,8 @@ pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
         s.tables,
         int(s.max_state, "max_state")?,
     ];
-    // Fused for decode / verify-sized chunks only: its gated-norm epilogue walks a
-    // chunk's rows with DL / 32 warps, where kda_gate_norm spreads prefill rows over the GPU.
+    // Fused for one-row (decode) chunks only: its gated-norm epilogue walks a chunk's rows
+    // with DL / 32 warps, where kda_gate_norm spreads them over the GPU.
     if g.fuse_kda && t <= KDA_FUSED_MEAN_ROWS * s.num_seqs {
         return kda_fused(g, s, a, [pool, xin, fg], meta);
     }
