@@ -1235,28 +1235,8 @@ pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
         )?
     };
     let name = format!("kda_recurrent_{dl}");
-    let mut args = vec![
-        ptr(a.o, 0, t * c, "kda o")?,
-        y,
-        fg,
-        xin,
-        int(a.in_width, "xin stride")?,
-        int(a.b_col, "b col")?,
-        ptr(a.a_log, 0, nl, "A_log")?,
-        ptr(a.dt_bias, 0, c, "dt_bias")?,
-        pool,
-        long(s.layer_off),
-        long(s.fpb),
-        int(s.conv_len, "conv_len")?,
-        int(nl, "nl")?,
-        Arg::F((dl as f64).powf(-0.5) as f32),
-    ];
-    args.extend(meta);
-    let shape = launch::Shape {
-        grid: (int_u32(nl)?, int_u32(s.num_seqs)?, 1),
-        block: (int_u32(dl)?, 1, 1),
-        smem: 0,
-    };
+    let o = ptr(a.o, 0, t * c, "kda o")?;
+    let (args, shape) = recurrent_args(s, a, [o, y, fg, xin, pool], meta)?;
     // SAFETY: o [T, C], y, fg [T, 2C], xin (b at b_col + nl <= in_width), A_log [nl],
     // dt_bias [C], pool checked; S elements of head h lie at conv_len + h dl^2 + i dl + j
     // < conv_len + nl dl^2 (inside the page, checked above); block = dl threads.
@@ -1282,19 +1262,19 @@ pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
     }
 }
 
-/// Kernel `kda_fused_{dl}` for [`kda`] (its checks done): `[pool, xin, fg]` and the
-/// chunk metadata as `kda` built them.
-fn kda_fused(
-    g: &Gpu,
+/// The arguments `kda_recurrent_{dl}` and `kda_fused_{dl}` share, from their first two
+/// pointers (`o, y` / `out, o`) to the chunk metadata, and their launch shape: grid (nl, S),
+/// block dl.
+fn recurrent_args(
     s: &StatePages<'_>,
     a: &Kda<'_>,
-    [pool, xin, fg]: [Arg; 3],
+    [p0, p1, fg, xin, pool]: [Arg; 5],
     meta: [Arg; 6],
-) -> Result<()> {
-    let (c, dl, nl, t) = (a.nl * a.dl, a.dl, a.nl, a.t);
+) -> Result<(Vec<Arg>, launch::Shape)> {
+    let (c, dl, nl) = (a.nl * a.dl, a.dl, a.nl);
     let mut args = vec![
-        ptr(a.out, 0, t * c, "kda out")?,
-        ptr(a.o, 0, t * c, "kda o")?,
+        p0,
+        p1,
         fg,
         xin,
         int(a.in_width, "xin stride")?,
@@ -1309,17 +1289,35 @@ fn kda_fused(
         Arg::F((dl as f64).powf(-0.5) as f32),
     ];
     args.extend(meta);
+    let shape = launch::Shape {
+        grid: (int_u32(nl)?, int_u32(s.num_seqs)?, 1),
+        block: (int_u32(dl)?, 1, 1),
+        smem: 0,
+    };
+    Ok((args, shape))
+}
+
+/// Kernel `kda_fused_{dl}` for [`kda`] (its checks done): `[pool, xin, fg]` and the
+/// chunk metadata as `kda` built them.
+fn kda_fused(
+    g: &Gpu,
+    s: &StatePages<'_>,
+    a: &Kda<'_>,
+    [pool, xin, fg]: [Arg; 3],
+    meta: [Arg; 6],
+) -> Result<()> {
+    let (c, dl, t) = (a.nl * a.dl, a.dl, a.t);
+    let (out, o) = (
+        ptr(a.out, 0, t * c, "kda out")?,
+        ptr(a.o, 0, t * c, "kda o")?,
+    );
+    let (mut args, shape) = recurrent_args(s, a, [out, o, fg, xin, pool], meta)?;
     args.extend([
         ptr(a.taps, 0, 3 * c * a.kc, "taps")?,
         int(a.kc, "kc")?,
         ptr(a.o_norm, 0, dl, "o_norm")?,
         Arg::F(a.eps),
     ]);
-    let shape = launch::Shape {
-        grid: (int_u32(nl)?, int_u32(s.num_seqs)?, 1),
-        block: (int_u32(dl)?, 1, 1),
-        smem: 0,
-    };
     let name = format!("kda_fused_{dl}");
     // SAFETY: the union of the three kernels' operands, each checked as in `kda`: out, o
     // [T, C], fg [T, 2C], xin [T, in_width >= 3C] (b at b_col + nl <= in_width), A_log
