@@ -231,11 +231,8 @@ __device__ __forceinline__ float warp_spread(float v[S]) {
 // weight words of its first k word (kw = lane) are loaded before pdl_enter, since the
 // weights are constant and only x depends on the previous kernel, so those loads overlap
 // the previous kernel's tail (the prologue pattern programmatic dependent launch allows:
-// CUDA programming guide, "Programmatic Dependent Launch and Synchronization").  Only when
-// one k word a lane covers K (K <= 256, models/tiny's projections): at GLM-5.3 shapes
-// (K = 2048 / 4096) the prologue made bench moe's router + shared-expert GEMMs 19 us
-// slower a layer at M = 1 (runs/ab-ac41812/README.md).  The values and the order of the
-// sums are unchanged.  SPECLAB_KERNEL_DEFINES=LT_PREWAIT=0
+// CUDA programming guide, "Programmatic Dependent Launch and Synchronization").  The
+// values and the order of the sums are unchanged.  SPECLAB_KERNEL_DEFINES=LT_PREWAIT=0
 // loads them after the wait as before (A/B).
 #ifndef LT_PREWAIT
 #define LT_PREWAIT 1
@@ -249,7 +246,7 @@ __device__ __forceinline__ void tiled_pre(TiledPre& pre, const bf16_bits* __rest
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int c = 0; c < LT_RN; ++c) pre.w[c] = make_uint4(0u, 0u, 0u, 0u);
-    if (LT_PREWAIT && K <= 8 * WARP && lane < K / 8) {
+    if (LT_PREWAIT && lane < K / 8) {
 #pragma unroll
         for (int c = 0; c < LT_RN; ++c)
             pre.w[c] = *reinterpret_cast<const uint4*>(W + (size_t)min(r0 + c, R - 1) * K +
@@ -277,7 +274,7 @@ __device__ __forceinline__ float tiled_dot(const float* __restrict__ x, int x_st
 #pragma unroll
         for (int c = 0; c < LT_RN; ++c) {
             float w[8];
-            widen8(LT_PREWAIT && K <= 8 * WARP && kw == lane
+            widen8(LT_PREWAIT && kw == lane
                        ? pre.w[c]
                        : *reinterpret_cast<const uint4*>(W + (size_t)min(r0 + c, R - 1) * K +
                                                          (size_t)kw * 8),
