@@ -231,7 +231,10 @@ __device__ __forceinline__ float warp_spread(float v[S]) {
 // weight words of its first k word (kw = lane) are loaded before pdl_enter, since the
 // weights are constant and only x depends on the previous kernel, so those loads overlap
 // the previous kernel's tail (the prologue pattern programmatic dependent launch allows:
-// CUDA programming guide, "Programmatic Dependent Launch and Synchronization").  The
+// CUDA programming guide, "Programmatic Dependent Launch and Synchronization").  On
+// models/tiny it saves 4-17 us a graphed decode step at batch 8-32; at GLM-5.3 shapes it
+// costs bench moe's router + shared-expert GEMMs about 19 us a layer at M = 1
+// (runs/ab-ac41812/), and a run-time K test was worse on both (runs/ab-ca738eb/).  The
 // values and the order of the sums are unchanged.  SPECLAB_KERNEL_DEFINES=LT_PREWAIT=0
 // loads them after the wait as before (A/B).
 #ifndef LT_PREWAIT
