@@ -644,6 +644,7 @@ pub fn moe_route_fused(
             [Arg::P(0), Arg::F(0.0), Arg::P(0)],
         ),
     };
+    let [sorted, tiles] = tile_args(r)?;
     let args = [
         ptr(r.ids, 0, p, "topk ids")?,
         ptr(r.wts, 0, p, "topk wts")?,
@@ -666,13 +667,8 @@ pub fn moe_route_fused(
             Some(b) => ptr(b, 0, 1, "router ticket")?,
             None => Arg::P(0),
         },
-        ptr(
-            r.sorted,
-            0,
-            launch::ROWS_PER_TILE as usize * r.max_tiles,
-            "sorted",
-        )?,
-        ptr(r.tile_expert, 0, r.max_tiles + 1, "tile_expert")?,
+        sorted,
+        tiles,
         int(r.max_tiles, "max_tiles")?,
     ];
     // SAFETY: ids, wts [T*k], logits [T, E], x [T, K], W [E, K], bias [E], xs (null or
@@ -695,11 +691,10 @@ pub fn moe_route_fused(
     }
 }
 
-/// Kernel `moe_align`: the pairs of `r.ids` (each `< E`) sorted per expert into tiles.
-pub fn moe_align(g: &Gpu, r: &Routing<'_>) -> Result<()> {
-    r.check()?;
-    let p = r.t * r.k;
-    let args = [
+/// The `sorted` [8 * max_tiles] and `tile_expert` [max_tiles + 1] pointers that
+/// `moe_align`, and the router's aligning last block, write.
+fn tile_args(r: &Routing<'_>) -> Result<[Arg; 2]> {
+    Ok([
         ptr(
             r.sorted,
             0,
@@ -707,6 +702,17 @@ pub fn moe_align(g: &Gpu, r: &Routing<'_>) -> Result<()> {
             "sorted",
         )?,
         ptr(r.tile_expert, 0, r.max_tiles + 1, "tile_expert")?,
+    ])
+}
+
+/// Kernel `moe_align`: the pairs of `r.ids` (each `< E`) sorted per expert into tiles.
+pub fn moe_align(g: &Gpu, r: &Routing<'_>) -> Result<()> {
+    r.check()?;
+    let p = r.t * r.k;
+    let [sorted, tiles] = tile_args(r)?;
+    let args = [
+        sorted,
+        tiles,
         ptr(r.ids, 0, p, "ids")?,
         int(p, "P")?,
         int(r.e, "E")?,
