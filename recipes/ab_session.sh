@@ -15,6 +15,9 @@
 # SPECLAB_MOE_COMBINE=0 (moe_combine as its own kernel, not the shared expert's epilogue),
 # SPECLAB_KERNEL_DEFINES=LT_PREWAIT=0 (the tiled GEMMs load weights after the PDL wait).
 # SPECLAB_KDA_FUSED=0 (each KDA layer's conv, recurrence and gated norm as three kernels).
+# SPECLAB_ROUTER_PRE=0 (the router without its weight prologue and one-block no-ticket path),
+# SPECLAB_W4_PRE=0 (the INT4 expert GEMMs without their weight prologue),
+# SPECLAB_SHARED_MERGE=0 (the shared expert's SwiGLU as its own launch after the experts).
 # Several settings in one leg are space-separated: "A=0 B=off".
 # Everything lands in $OUT/results.tgz; leg i's outputs under ab<i>/ with its settings in
 # ab<i>/env.txt.

@@ -306,12 +306,18 @@ __device__ __forceinline__ float tiled_dot(const float* __restrict__ x, int x_st
     return s;
 }
 
-// The block's warp sub-tile origin: (row m0, weight row r0); false when it is past M / R.
-__device__ __forceinline__ bool tiled_origin(int M, int R, int& m0, int& r0) {
+// The warp sub-tile origin of block (bx, by): (row m0, weight row r0); false when it is
+// past M / R.
+__device__ __forceinline__ bool tiled_origin_at(int M, int R, int bx, int by, int& m0, int& r0) {
     const int warp = threadIdx.x >> 5;
-    m0 = blockIdx.y * LT_TM + (warp / LT_WC) * LT_RM;
-    r0 = blockIdx.x * LT_TN + (warp % LT_WC) * LT_RN;
+    m0 = by * LT_TM + (warp / LT_WC) * LT_RM;
+    r0 = bx * LT_TN + (warp % LT_WC) * LT_RN;
     return m0 < M && r0 < R;
+}
+
+// tiled_origin_at of this block (blockIdx.x, blockIdx.y).
+__device__ __forceinline__ bool tiled_origin(int M, int R, int& m0, int& r0) {
+    return tiled_origin_at(M, R, blockIdx.x, blockIdx.y, m0, r0);
 }
 
 // y[m, n] (+)= s for the lane's output of tiled_dot.
@@ -420,11 +426,14 @@ extern "C" __global__ void __launch_bounds__(256) linear_pair_tiled_bf16(
 // swiglu_dense_bf16 register-tiled: the sub-tile's 8 weight rows are 4 columns' (gate, up)
 // pairs of W13 [N, 2, K]; the up sum comes from the neighbour lane (l ^ 1).  h [M, N].
 // Launch: grid (ceil(2 N / 16), ceil(M / 16)), block 256.
-extern "C" __global__ void __launch_bounds__(256) swiglu_tiled_bf16(
-    float* __restrict__ h, const float* __restrict__ x, int x_stride,
-    const bf16_bits* __restrict__ W13, int M, int N, int K) {
+// Block (bx, by) of that grid; calls pdl_enter (after its weight prologue) unless the
+// warp's sub-tile is past the output.
+__device__ __forceinline__ void swiglu_tiled_block(float* __restrict__ h,
+                                                   const float* __restrict__ x, int x_stride,
+                                                   const bf16_bits* __restrict__ W13, int M,
+                                                   int N, int K, int bx, int by) {
     int m0, r0;
-    if (!tiled_origin(M, 2 * N, m0, r0)) return;
+    if (!tiled_origin_at(M, 2 * N, bx, by, m0, r0)) return;
     TiledPre pre;
     tiled_pre(pre, W13, 2 * N, K, r0);
     pdl_enter();
@@ -433,6 +442,12 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_tiled_bf16(
     const int lane = threadIdx.x & 31;
     const int m = m0 + lane / LT_RN, r = r0 + lane % LT_RN;
     if ((r & 1) == 0 && m < M && r < 2 * N) h[(size_t)m * N + r / 2] = silu_f(s) * u;
+}
+
+extern "C" __global__ void __launch_bounds__(256) swiglu_tiled_bf16(
+    float* __restrict__ h, const float* __restrict__ x, int x_stride,
+    const bf16_bits* __restrict__ W13, int M, int N, int K) {
+    swiglu_tiled_block(h, x, x_stride, W13, M, N, K, blockIdx.x, blockIdx.y);
 }
 
 // Rows of MoE tile `tile`: pair ids (output rows) and their token rows (p / topk).
@@ -832,7 +847,9 @@ __device__ __forceinline__ int w4_signal(int* ctr) {
 // One item: (tile, group bx of W4_WARPS / ks row blocks).  R = N * NMAT weight rows of K;
 // q [E, R / 64, K / 16, 32, 4] words, sc [E, R / 64, K / 128, 8, 8] bf16.  With `wait`
 // (the fused kernel) the B operand is read only once *wait >= need; the weights' first
-// copy is in flight by then.
+// copy is in flight by then.  With `pre` the grid-dependency wait (pdl_enter) comes here,
+// after the routing is read (through L2) and the weights' first copy issued: the caller
+// guarantees the routing was written at least two grids back (see w4_mma).
 template <int NMAT, bool CG>
 __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__ hs,
                                         const u32* __restrict__ xs,
@@ -842,9 +859,9 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
                                         const int* __restrict__ sorted,
                                         const int* __restrict__ tile_expert, int div, int N,
                                         int K, int ks, int tile, int bx,
-                                        const int* wait, int need) {
+                                        const int* wait, int need, bool pre) {
     const int nrb = N * NMAT / 64, per = W4_WARPS / ks;
-    const int e = tile_expert[tile];
+    const int e = pre ? __ldcg(tile_expert + tile) : tile_expert[tile];
     extern __shared__ uint4 w4_smem[];
     float* red = reinterpret_cast<float*>(w4_smem + W4_WARPS * W4_STAGES * W4_SLOT * WARP);
     __shared__ int tp[ROWS_PER_TILE];
@@ -861,7 +878,11 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
     // pairs are read.
     if (live && h0 < h1) w4_issue(l, h0, 0);
     cp_async_commit();
-    if (threadIdx.x < ROWS_PER_TILE) tp[threadIdx.x] = sorted[(size_t)tile * ROWS_PER_TILE + threadIdx.x];
+    if (threadIdx.x < ROWS_PER_TILE) {
+        const int* sp = sorted + (size_t)tile * ROWS_PER_TILE + threadIdx.x;
+        tp[threadIdx.x] = pre ? __ldcg(sp) : *sp;
+    }
+    if (pre) pdl_enter();  // every thread: the B operand below is the previous grid's output
     if (wait) {
         w4_wait(wait, need);  // includes the barrier
     } else {
@@ -900,8 +921,17 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
     w4_epilogue<NMAT>(red, y, hs, topk_w, tp, np, pk, ks, nrb, N, bx);
 }
 
-// One block: item blockIdx.x of (real tile, group of W4_WARPS / ks row blocks), tile-major;
+// One block: item `bid` of (real tile, group of W4_WARPS / ks row blocks), tile-major;
 // items past the real tiles exit at once (the grid is sized for ks_hi and every tile).
+// pdl_enter first, or with `pre` (weight prologue) inside w4_item once the first weight
+// copy is in flight.  `pre` reads the routing (tile_expert, sorted) before the wait, so
+// the host sets it only when the routing is at least two grids back: the grid just
+// before this one then triggered its dependents (this grid's launch) only after its own
+// wait returned, i.e. after the routing's grid completed and its writes became visible
+// (CUDA programming guide, "Programmatic Dependent Launch and Synchronization"; every
+// kernel here waits before it triggers, common.cuh pdl_enter).  Always true of the down
+// projection (gate/up runs between), and of gate/up when moe_split_x ran after the
+// routing.  Unset, the kernel reads nothing before the wait.
 template <int NMAT>
 __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ hs,
                                        const u32* __restrict__ xs,
@@ -910,14 +940,16 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
                                        const float* __restrict__ topk_w,
                                        const int* __restrict__ sorted,
                                        const int* __restrict__ tile_expert, int div, int N,
-                                       int K, int max_tiles, int ks_hi, int target) {
+                                       int K, int max_tiles, int ks_hi, int target,
+                                       bool pre, int bid) {
+    if (!pre) pdl_enter();
     const int nrb = N * NMAT / 64;
-    const int ntiles = tile_expert[max_tiles];
+    const int ntiles = pre ? __ldcg(tile_expert + max_tiles) : tile_expert[max_tiles];
     const int ks = w4_ks(nrb, ntiles, ks_hi, target);
     const int xneed = w4_groups(nrb, ks);
-    if ((int)blockIdx.x >= ntiles * xneed) return;  // uniform per block
+    if (bid >= ntiles * xneed) return;  // uniform per block
     w4_item<NMAT, false>(y, hs, xs, qw, scw, topk_w, sorted, tile_expert, div, N, K, ks,
-                         blockIdx.x / xneed, blockIdx.x % xneed, nullptr, 0);
+                         bid / xneed, bid % xneed, nullptr, 0, pre);
 }
 
 // Routed experts gate/up + SiLU, INT4: h[p, n] = silu(x[p / topk] . Wg[e, n]) *
@@ -926,34 +958,62 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
 // post-norm input), q13 [E, 2N / 64, K / 16, 32, 4]
 // u32, s13 [E, 2N / 64, K / 128, 8, 8] bf16 (cuda/src/repack.rs), h [P, N W4_XS / 2] u32
 // words (N = moe_intermediate_size).
-// tile_expert [max_tiles + 1] (moe_align: experts, then the count used).
+// tile_expert [max_tiles + 1] (moe_align: experts, then the count used).  pre: the
+// weight prologue before the grid-dependency wait (w4_mma; only when a grid runs between
+// the routing and this one).
 // Launch: grid (max_tiles ceil(2N / 64 / (W4_WARPS / ks_hi))), block 32 W4_WARPS, dynamic
 // shared memory W4_SMEM (launch.rs moe_w4).
 extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up_w4(
     u32* __restrict__ h, const u32* __restrict__ xs, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
     const int* __restrict__ tile_expert, int topk, int N, int K, int max_tiles, int ks_hi,
-    int target) {
-    pdl_enter();
+    int target, int pre) {
     w4_mma<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
               reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K,
-              max_tiles, ks_hi, target);
+              max_tiles, ks_hi, target, pre != 0, blockIdx.x);
+}
+
+// moe_gate_up_w4 and the shared expert's SwiGLU hidden (swiglu_tiled_bf16) in one launch:
+// blocks [0, sh_blocks) are swiglu_tiled_bf16's grid (sh_gx x sh_blocks / sh_gx, x
+// fastest), the rest moe_gate_up_w4's grid in order.  The two read only the router's
+// output (the post-norm input and its split) and write disjoint buffers, so the shared
+// expert's first GEMM leaves the MoE layer's serial chain; each block computes what its
+// kernel's block computes, bit for bit.  Shapes: as moe_gate_up_w4, plus sh_h [sh_m,
+// sh_n], sh_x [sh_m, sh_x_stride] (first sh_k used), sh_w13 [sh_n, 2, sh_k] bf16.
+// Launch: grid (sh_blocks + moe_gate_up_w4's), block 32 W4_WARPS (= swiglu_tiled_bf16's
+// 256), dynamic shared memory W4_SMEM.
+extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up_shared_w4(
+    u32* __restrict__ h, const u32* __restrict__ xs, const u32* __restrict__ q13,
+    const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
+    const int* __restrict__ tile_expert, int topk, int N, int K, int max_tiles, int ks_hi,
+    int target, int pre, float* __restrict__ sh_h, const float* __restrict__ sh_x,
+    int sh_x_stride, const bf16_bits* __restrict__ sh_w13, int sh_m, int sh_n, int sh_k,
+    int sh_gx, int sh_blocks) {
+    const int b = blockIdx.x;
+    if (b < sh_blocks) {
+        swiglu_tiled_block(sh_h, sh_x, sh_x_stride, sh_w13, sh_m, sh_n, sh_k, b % sh_gx,
+                           b / sh_gx);
+        return;
+    }
+    w4_mma<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
+              reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K,
+              max_tiles, ks_hi, target, pre != 0, b - sh_blocks);
 }
 
 // Routed experts down-projection with the router weight applied: y[p, n] = w_p *
 // (h[p] . Wd[e, n]).  Shapes: h [P, K W4_XS / 2] u32 words (gate/up's split output, K =
 // moe_intermediate_size), qd [E, N / 64, K / 16, 32, 4] u32, sd [E, N / 64, K / 128, 8, 8]
-// bf16, topk_w [P], y [P, N] f32 (N = hidden).
+// bf16, topk_w [P], y [P, N] f32 (N = hidden).  pre: as moe_gate_up_w4 (the routing is
+// always two grids back here, gate/up ran between).
 // Launch: as moe_gate_up_w4 with N rows.
 extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_down_w4(
     float* __restrict__ y, const u32* __restrict__ h, const u32* __restrict__ qd,
     const bf16_bits* __restrict__ sd, const float* __restrict__ topk_w,
     const int* __restrict__ sorted, const int* __restrict__ tile_expert, int N, int K,
-    int max_tiles, int ks_hi, int target) {
-    pdl_enter();
+    int max_tiles, int ks_hi, int target, int pre) {
     w4_mma<1>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
               reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, N, K, max_tiles,
-              ks_hi, target);
+              ks_hi, target, pre != 0, blockIdx.x);
 }
 
 // The routed experts in one launch (issue 12): the split of x (when x is not null),
@@ -1005,17 +1065,17 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_experts
         const uint4* sc = reinterpret_cast<const uint4*>(s13);
         if (nsplit) {
             w4_item<2, true>(nullptr, h, xs, q, sc, nullptr, sorted, tile_expert, topk, Im, H,
-                             ks_gu, tile, bx, sync + 2, nsplit);
+                             ks_gu, tile, bx, sync + 2, nsplit, false);
         } else {
             w4_item<2, false>(nullptr, h, xs, q, sc, nullptr, sorted, tile_expert, topk, Im, H,
-                              ks_gu, tile, bx, nullptr, 0);
+                              ks_gu, tile, bx, nullptr, 0, false);
         }
         w4_signal(gu_done + tile);
     } else if (item < nsplit + ngu + ndn) {
         const int j = item - nsplit - ngu, tile = j / xdn;
         w4_item<1, true>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
                          reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, H, Im,
-                         ks_dn, tile, j % xdn, gu_done + tile, xgu);
+                         ks_dn, tile, j % xdn, gu_done + tile, xgu, false);
     }
     // Every block, item or not, counts out; the last one resets what this launch touched.
     const int out = w4_signal(sync + 1);

@@ -177,6 +177,12 @@ __device__ __forceinline__ const float* router_norm_row(float* s_row, float* __r
 // between launches: allocated zeroed). The pattern of the CUDA threadFenceReduction
 // sample; it saves the moe_align launch.  E <= ROUTER_E_MAX here, so the shared count /
 // offset arrays are sized by it.
+// With `pre` two latency cuts, the values unchanged: each warp's first router-weight word
+// (expert e = warp, k word = lane) is loaded before the grid-dependency wait (the weights
+// are constant; the prologue programmatic dependent launch allows, as linear.cu
+// LT_PREWAIT), and a one-block grid (T = 1, a decode step of one sequence) aligns
+// straight after its barrier, without the fence and ticket round trips (the block's own
+// id writes are visible to it after __syncthreads; the ticket stays 0).
 // Launch: grid (T), block 512.
 extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restrict__ wts,
                                            float* __restrict__ logits, u32* __restrict__ xs,
@@ -187,13 +193,17 @@ extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restr
                                            const float* __restrict__ norm_w, float eps,
                                            float* __restrict__ xn, int* __restrict__ ticket,
                                            int* __restrict__ sorted, int* __restrict__ tile_expert,
-                                           int max_tiles) {
+                                           int max_tiles, int pre) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // warp < E: a real expert row; lane < K / 8: its first k word (kw = lane).
+    const bool pw = pre && warp < E && lane < K / 8;
+    uint4 w0 = make_uint4(0u, 0u, 0u, 0u);
+    if (pw) w0 = *reinterpret_cast<const uint4*>(W + (size_t)warp * K + (size_t)lane * 8);
     pdl_enter();
     __shared__ float lg[ROUTER_E_MAX];
     __shared__ float biased[ROUTER_E_MAX];
     __shared__ __align__(16) float row[ROUTER_NORM_K_MAX];
     __shared__ float scratch[32];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int nwarps = blockDim.x >> 5;
     const int t = blockIdx.x;
     if (t >= T) return;  // uniform per block
@@ -205,7 +215,10 @@ extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restr
         float acc = 0.0f;
         for (int kw = lane; kw < K / 8; kw += WARP) {
             float w[8], xv[8];
-            widen8(*reinterpret_cast<const uint4*>(W + (size_t)e * K + (size_t)kw * 8), w);
+            widen8(pw && e == warp && kw == lane
+                       ? w0
+                       : *reinterpret_cast<const uint4*>(W + (size_t)e * K + (size_t)kw * 8),
+                   w);
             load8(xr + (size_t)kw * 8, xv);
 #pragma unroll
             for (int j = 0; j < 8; ++j) acc += xv[j] * w[j];
@@ -223,6 +236,11 @@ extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restr
     __shared__ int count[ROUTER_E_MAX];
     __shared__ int offset[ROUTER_E_MAX + 1];
     __shared__ int last;
+    if (pre && gridDim.x == 1) {
+        __syncthreads();  // warp 0's ids, visible to the block
+        align_tiles(sorted, tile_expert, ids, T * k, E, max_tiles, count, offset);
+        return;
+    }
     __threadfence();  // this block's ids before its ticket
     __syncthreads();
     if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == T - 1;

@@ -79,13 +79,19 @@ pub fn pdl_wanted(major: i32, env: Option<&str>) -> bool {
 
 /// An on-by-default A/B switch as its environment variable sets it: off for `0`, `off`
 /// or `false`, on otherwise (`SPECLAB_PDL`, `SPECLAB_MTP_PAD`, `SPECLAB_ROUTER_NORM`, `SPECLAB_ROUTER_ALIGN`,
-/// `SPECLAB_MOE_COMBINE`, `SPECLAB_KDA_FUSED`).
+/// `SPECLAB_MOE_COMBINE`, `SPECLAB_KDA_FUSED`, `SPECLAB_ROUTER_PRE`, `SPECLAB_W4_PRE`,
+/// `SPECLAB_SHARED_MERGE`).
 pub fn switch_on(env: Option<&str>) -> bool {
     !matches!(env.map(str::trim), Some("0" | "off" | "false"))
 }
 
 /// The INT4 expert GEMMs (tensor-core mma over pre-shuffled fragments: cuda/kernels/linear.cu).
-pub const W4_KERNELS: [&str; 3] = ["moe_gate_up_w4", "moe_down_w4", "moe_experts_w4"];
+pub const W4_KERNELS: [&str; 4] = [
+    "moe_gate_up_w4",
+    "moe_down_w4",
+    "moe_experts_w4",
+    "moe_gate_up_shared_w4",
+];
 
 /// Shared-memory carveout (percent of the SM's 228 KB) asked for the INT4 GEMMs: all of
 /// it, room for 2 blocks of their 96 KB cp.async ring + accumulator array (2 blocks of
@@ -138,6 +144,17 @@ pub struct Gpu {
     /// Each KDA layer's conv, recurrence and gated norm in one launch (`kda_fused_{dl}`,
     /// default; `SPECLAB_KDA_FUSED=0` launches the three kernels, the A/B reference).
     pub fuse_kda: bool,
+    /// The fused router's latency cuts (kernel `moe_router_topk`'s `pre`: router-weight
+    /// prologue before the grid-dependency wait, and no ticket in a one-block grid);
+    /// default, `SPECLAB_ROUTER_PRE=0` turns both off (A/B).
+    pub router_pre: bool,
+    /// The INT4 expert GEMMs' weight prologue before the grid-dependency wait where the
+    /// routing is two grids back (linear.cu `w4_mma`); default, `SPECLAB_W4_PRE=0` off.
+    pub w4_pre: bool,
+    /// The shared expert's SwiGLU hidden computed by extra blocks of the routed gate/up
+    /// launch (`moe_gate_up_shared_w4`) instead of its own launch after the experts;
+    /// default with INT4 experts and the tiled GEMMs, `SPECLAB_SHARED_MERGE=0` off.
+    pub merge_shared: bool,
     /// While profiling: (kernel name, an event recorded right after its launch).
     pub profile: std::cell::RefCell<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
 }
@@ -206,6 +223,9 @@ impl Gpu {
             fuse_router_align: switch_on(std::env::var("SPECLAB_ROUTER_ALIGN").ok().as_deref()),
             fuse_combine: switch_on(std::env::var("SPECLAB_MOE_COMBINE").ok().as_deref()),
             fuse_kda: switch_on(std::env::var("SPECLAB_KDA_FUSED").ok().as_deref()),
+            router_pre: switch_on(std::env::var("SPECLAB_ROUTER_PRE").ok().as_deref()),
+            w4_pre: switch_on(std::env::var("SPECLAB_W4_PRE").ok().as_deref()),
+            merge_shared: switch_on(std::env::var("SPECLAB_SHARED_MERGE").ok().as_deref()),
             profile: std::cell::RefCell::new(None),
         })
     }

@@ -212,6 +212,7 @@ pub fn router_norm_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
                 xs: Some(&xs),
                 norm: fused.then_some((&resid, &nw, 1e-6)),
                 ticket: fused.then_some(&ticket),
+                pre: fused && gpu.router_pre,
             };
             if fused {
                 // A first launch into scratch tiles: the measured one below only aligns if

@@ -78,6 +78,7 @@ pub const SOURCES: &[KernelSource] = &[
             "swiglu_tiled_bf16",
             "moe_split_x",
             "moe_gate_up_w4",
+            "moe_gate_up_shared_w4",
             "moe_gate_up_bf16",
             "moe_down_w4",
             "moe_down_bf16",

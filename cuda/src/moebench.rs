@@ -360,12 +360,11 @@ pub struct MoeBenchReport {
     pub copy_gb_s_end: f64,
     pub expert_bytes_each: usize,
     pub layer_copy_bytes: usize,
-    /// Resident blocks an SM of moe_gate_up_w4 / moe_down_w4 / moe_experts_w4 (the
-    /// occupancy API).
-    pub w4_blocks_per_sm: [u32; 3],
-    /// Registers a thread and local (spill) bytes a thread of moe_gate_up_w4 / moe_down_w4 /
-    /// moe_experts_w4.
-    pub w4_regs_local: [[i32; 2]; 3],
+    /// Resident blocks an SM of moe_gate_up_w4 / moe_down_w4 / moe_experts_w4 /
+    /// moe_gate_up_shared_w4 (`device::W4_KERNELS` order; the occupancy API).
+    pub w4_blocks_per_sm: Vec<u32>,
+    /// Registers a thread and local (spill) bytes a thread of the same kernels.
+    pub w4_regs_local: Vec<[i32; 2]>,
     /// NVRTC tunables the kernels were compiled with (`SPECLAB_KERNEL_DEFINES`).
     pub kernel_defines: Vec<String>,
     /// The INT4 GEMMs' target block count (`SPECLAB_W4_TARGET_BLOCKS`, launch.rs).
@@ -564,8 +563,92 @@ fn experts_call(
         sync: &sc.sync,
         hidden: s.hidden,
         inter: s.inter,
+        shared: None,
     };
     ops::moe_experts(g, &d.routing(s, m), &ex)
+}
+
+/// The INT4 gate/up launch with the shared expert's SwiGLU merged in
+/// (`moe_gate_up_shared_w4`) against `moe_gate_up_w4` then `swiglu`, on models/tiny's MoE
+/// shape with seeded weights and uniform routing of `m` = 1, 8, 37 tokens: one line per
+/// output (routed hidden split words, routed outputs, shared hidden) counting differing
+/// bits. Both sides run the weight prologues as the engine would (`Gpu::w4_pre`).
+pub fn shared_merge_parity(g: &Gpu, out: &mut Vec<crate::check::CheckLine>) -> Result<()> {
+    let s = MoeShape {
+        hidden: 256,
+        inter: 128,
+        experts: 16,
+        topk: 2,
+        shared_inter: 128,
+    };
+    let c = LayerCopy::new(g, &s, 0x5a3e)?;
+    for m in [1usize, 8, 37] {
+        let seed = draw_seed(0x5a3e, m, RoutingMode::Uniform, 0);
+        let draw = draw_routing(RoutingMode::Uniform, m, s.experts, s.topk, seed);
+        let d = upload_draw(g, &s, m, draw, seed as u32)?;
+        let mut res: Vec<[Vec<u32>; 3]> = Vec::new();
+        for merged in [false, true] {
+            let sc = Scratch::new(g, &s, m)?;
+            let ex = ops::Experts {
+                w: c.experts(),
+                x: &d.x,
+                xs: &sc.xs,
+                xs_ready: false,
+                h: &sc.h,
+                y: &sc.y,
+                sync: &sc.sync,
+                hidden: s.hidden,
+                inter: s.inter,
+                shared: merged.then(|| ex_shared(&sc, &d, &c, &s, m)),
+            };
+            ops::moe_experts(g, &d.routing(&s, m), &ex)?;
+            if !merged {
+                ops::swiglu(g, &ex_shared(&sc, &d, &c, &s, m))?;
+            }
+            let bits = |b: &DevBuf<f32>, what: &str| -> Result<Vec<u32>> {
+                Ok(b.read(&g.stream, 0, b.len, what)?
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect())
+            };
+            res.push([
+                bits(&sc.h, "h")?,
+                bits(&sc.y, "y")?,
+                bits(&sc.sh_h, "shared h")?,
+            ]);
+        }
+        for (i, what) in ["routed hidden", "routed outputs", "shared hidden"]
+            .iter()
+            .enumerate()
+        {
+            let differ = res[0][i]
+                .iter()
+                .zip(&res[1][i])
+                .filter(|(a, b)| a != b)
+                .count();
+            let name = format!("gate/up + shared merged M={m}: {what} differing");
+            crate::check::line(out, name, differ as f64, 0.0);
+        }
+    }
+    Ok(())
+}
+
+/// The shared expert's SwiGLU of draw `d` into `sc.sh_h`.
+fn ex_shared<'a>(
+    sc: &'a Scratch,
+    d: &'a DevDraw,
+    c: &'a LayerCopy,
+    s: &MoeShape,
+    m: usize,
+) -> ops::Swiglu<'a> {
+    ops::Swiglu {
+        h: &sc.sh_h,
+        x: Mat::rows(&d.x, s.hidden),
+        w13: &c.sh13,
+        m,
+        n: s.shared_inter,
+        k: s.hidden,
+    }
 }
 
 /// The MoE layer as step.rs runs it, on the injected routing of `d`.
@@ -843,16 +926,17 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         ));
     }
     let g = Gpu::new(0)?;
-    let mut occ = [0u32; 3];
-    let mut regs = [[0i32; 2]; 3];
-    for (i, name) in crate::device::W4_KERNELS.iter().enumerate() {
-        occ[i] = g.blocks_per_sm(name, 32 * launch::W4_WARPS, launch::W4_SMEM)?;
-        regs[i] = g.regs_and_local(name)?;
+    let mut occ = Vec::new();
+    let mut regs = Vec::new();
+    for name in crate::device::W4_KERNELS {
+        occ.push(g.blocks_per_sm(name, 32 * launch::W4_WARPS, launch::W4_SMEM)?);
+        regs.push(g.regs_and_local(name)?);
     }
     log(&format!(
         "device {} ({}), kernels loaded; INT4 GEMMs resident blocks an SM: gate/up {}, down {}, \
-         fused {}; registers / local bytes a thread: gate/up {:?}, down {:?}, fused {:?}",
-        g.name, g.arch, occ[0], occ[1], occ[2], regs[0], regs[1], regs[2]
+         fused {}, gate/up + shared {}; registers / local bytes a thread: gate/up {:?}, down \
+         {:?}, fused {:?}, gate/up + shared {:?}",
+        g.name, g.arch, occ[0], occ[1], occ[2], occ[3], regs[0], regs[1], regs[2], regs[3]
     ));
     let copy_gb_s = copy_bandwidth(&g, cfg.copy_bytes)?;
     log(&format!("copy bandwidth {copy_gb_s:.0} GB/s"));

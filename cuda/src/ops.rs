@@ -340,10 +340,10 @@ pub struct Swiglu<'a> {
     pub k: usize,
 }
 
-/// Kernel `swiglu_dense_bf16`.
-pub fn swiglu(g: &Gpu, a: &Swiglu<'_>) -> Result<()> {
+/// The checked arguments of the swiglu kernels (h, x, x stride, W13, M, N, K).
+fn swiglu_args(a: &Swiglu<'_>) -> Result<Vec<Arg>> {
     launch::check_gemm_operands(a.k, a.x.stride, a.x.off % a.x.stride.max(1), "swiglu")?;
-    let args = [
+    Ok(vec![
         ptr(a.h, 0, a.m * a.n, "swiglu h")?,
         a.x.arg(a.m, a.k, "swiglu x")?,
         int(a.x.stride, "x stride")?,
@@ -351,7 +351,12 @@ pub fn swiglu(g: &Gpu, a: &Swiglu<'_>) -> Result<()> {
         int(a.m, "M")?,
         int(a.n, "N")?,
         int(a.k, "K")?,
-    ];
+    ])
+}
+
+/// Kernel `swiglu_dense_bf16`.
+pub fn swiglu(g: &Gpu, a: &Swiglu<'_>) -> Result<()> {
+    let args = swiglu_args(a)?;
     let (name, shape) = gemm_pick(
         g,
         [a.m, a.n, 2 * a.n],
@@ -585,6 +590,9 @@ pub struct Router<'a> {
     /// Shape: [1] i32, zero between launches. `Some`: the router's last block also sorts
     /// the pairs (moe_align's work, no `moe_align` launch); `None`: `moe_align` follows.
     pub ticket: Option<&'a DevBuf<i32>>,
+    /// The kernel's latency cuts (`pre`: router-weight prologue before the
+    /// grid-dependency wait, no ticket in a one-block grid; [`Gpu::router_pre`]).
+    pub pre: bool,
 }
 
 /// Largest hidden size whose norm the fused router takes (`ROUTER_NORM_K_MAX`).
@@ -670,6 +678,7 @@ pub fn moe_route_fused(
         sorted,
         tiles,
         int(r.max_tiles, "max_tiles")?,
+        Arg::I(i32::from(rt.pre)),
     ];
     // SAFETY: ids, wts [T*k], logits [T, E], x [T, K], W [E, K], bias [E], xs (null or
     // [T, K W4_XS_MAX / 2] words, K % 16 == 0) checked; k <= 8 and E <= 256 checked (the
@@ -764,6 +773,17 @@ pub struct Experts<'a> {
     pub sync: &'a DevBuf<i32>,
     pub hidden: usize,
     pub inter: usize,
+    /// The shared expert's SwiGLU hidden, computed by extra blocks of the INT4 gate/up
+    /// launch (`moe_gate_up_shared_w4`, its tiled `swiglu` bit for bit); `None`: the
+    /// caller launches it. Only with INT4 experts, not the fused launch.
+    pub shared: Option<Swiglu<'a>>,
+}
+
+/// The weight-prologue flags (`pre`) of the INT4 gate/up and down launches: the routing
+/// must be at least two grids back (linear.cu `w4_mma`). Down always has gate/up between;
+/// gate/up only when `moe_split_x` runs after the routing (`xs_ready` false).
+fn w4_pre(g: &Gpu, xs_ready: bool) -> [bool; 2] {
+    [g.w4_pre && !xs_ready, g.w4_pre]
 }
 
 /// Kernels `moe_gate_up_*` then `moe_down_*`.
@@ -834,18 +854,25 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     } else {
         (launch::moe_gemm(hd, r.max_tiles, dn_name)?, 0)
     };
-    // The INT4 kernels' last arguments: the grid's tiles, the K-split bound, the target.
-    let w4_tail = |ks: usize| -> Result<Vec<Arg>> {
+    // The INT4 kernels' last arguments: the grid's tiles, the K-split bound, the target,
+    // the weight prologue.
+    let w4_tail = |ks: usize, pre: bool| -> Result<Vec<Arg>> {
         Ok(if int4 {
             vec![
                 int(r.max_tiles, "max_tiles")?,
                 int(ks, "ks_hi")?,
                 int(w4t.target, "target")?,
+                Arg::I(i32::from(pre)),
             ]
         } else {
             Vec::new()
         })
     };
+    if a.shared.is_some() && (!int4 || launch::moe_fused()) {
+        return Err(CudaError::Input(
+            "moe_experts: the shared expert rides only on the separate INT4 gate/up launch (internal)".into(),
+        ));
+    }
     if int4 && launch::moe_fused() {
         let fused = Fused {
             gu_w,
@@ -882,19 +909,43 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
         int(im, "N")?,
         int(hd, "K")?,
     ]);
-    args.extend(w4_tail(gu_ks)?);
-    // SAFETY: h [P, Im] (INT4: P Im W4_XS_MAX / 2 words), x [T, H], the expert weights
-    // [E, Im, 2, H] (as words / scales), sorted [8 max_tiles], tile_expert
-    // [max_tiles + 1] checked; pair ids in `sorted` are < P and tile experts < E (moe_align's output over
-    // ids < E). The INT4 kernels touch whole row blocks of 64 rows only (2 Im, H % 64 == 0,
-    // checked by moe_w4; launch.rs tests the row-block cover).
-    unsafe { launch(g, gu_name, gu_shape, &args)? };
+    let pre = w4_pre(g, a.xs_ready);
+    args.extend(w4_tail(gu_ks, pre[0])?);
+    match &a.shared {
+        // SAFETY: h [P, Im] (INT4: P Im W4_XS_MAX / 2 words), x [T, H], the expert weights
+        // [E, Im, 2, H] (as words / scales), sorted [8 max_tiles], tile_expert
+        // [max_tiles + 1] checked; pair ids in `sorted` are < P and tile experts < E (moe_align's output over
+        // ids < E). The INT4 kernels touch whole row blocks of 64 rows only (2 Im, H % 64 == 0,
+        // checked by moe_w4; launch.rs tests the row-block cover).
+        None => unsafe { launch(g, gu_name, gu_shape, &args)? },
+        Some(sw) => gate_up_shared(g, sw, gu_shape, args)?,
+    }
     let mut args = vec![y, h];
     args.extend(dn_w);
     args.extend([wts, sorted, tiles, int(hd, "N")?, int(im, "K")?]);
-    args.extend(w4_tail(dn_ks)?);
+    args.extend(w4_tail(dn_ks, pre[1])?);
     // SAFETY: y [P, H], h as above, weights [E, H, Im], wts [P] checked; indices as above.
     unsafe { launch(g, dn_name, dn_shape, &args) }
+}
+
+/// Kernel `moe_gate_up_shared_w4`: the INT4 gate/up launch `gu` (its checked `args`)
+/// with the tiled `swiglu` of `sw` as extra leading blocks.
+fn gate_up_shared(g: &Gpu, sw: &Swiglu<'_>, gu: launch::Shape, mut args: Vec<Arg>) -> Result<()> {
+    let name = "moe_gate_up_shared_w4";
+    let mut sh_args = swiglu_args(sw)?;
+    let sh = launch::gemm_tiled(sw.m, 2 * sw.n, name)?;
+    let (gx, blocks) = (sh.grid.0 as usize, sh.grid.0 as usize * sh.grid.1 as usize);
+    sh_args.extend([int(gx, "shared grid x")?, int(blocks, "shared blocks")?]);
+    args.extend(sh_args);
+    let mut shape = gu;
+    shape.grid.0 = u32::try_from(gu.grid.0 as usize + blocks).map_err(|_| {
+        CudaError::Unsupported(format!("{name}: grid of {} + {blocks} blocks", gu.grid.0))
+    })?;
+    // SAFETY: the gate/up arguments as checked by `moe_experts`; the shared expert's as
+    // `swiglu` checks them (h [M, N], x (M-1)*stride + K, W13 [N, 2, K]); blocks below
+    // `blocks` run swiglu_tiled_bf16's block (x, y) = (b % gx, b / gx) of the grid
+    // `gemm_tiled` gives, the rest moe_gate_up_w4's blocks in order (both 256 threads).
+    unsafe { launch(g, name, shape, &args) }
 }
 
 /// What `moe_experts` hands the fused INT4 kernel: the two weight-pointer pairs, the

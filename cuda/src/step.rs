@@ -323,7 +323,7 @@ impl CudaBackend {
             )?;
         }
         match &layer.ffn {
-            DevFfn::Dense(m) => self.dense_mlp(cx.t, m, &ws.x, true),
+            DevFfn::Dense(m) => self.dense_mlp(cx.t, m, &ws.x, true, false),
             DevFfn::Moe(m) => {
                 self.moe(cx, m, *moe, fused.then_some(&layer.post_norm))?;
                 *moe += 1;
@@ -428,34 +428,33 @@ impl CudaBackend {
         )
     }
 
-    /// `ws.h_dense` = SwiGLU(`ws.a` @ W13^T) of `m`, the MLP's first launch.
-    fn mlp_hidden(&self, t: usize, m: &DevMlp) -> Result<()> {
-        let h = self.w.cfg.hidden_size;
-        let (g, ws) = (&self.gpu, &self.ws);
-        ops::swiglu(
-            g,
-            &ops::Swiglu {
-                h: &ws.h_dense,
-                x: Mat::rows(&ws.a, h),
-                w13: &m.w13,
-                m: t,
-                n: m.inter,
-                k: h,
-            },
-        )
+    /// The MLP's first GEMM: `ws.h_dense` = SwiGLU(`ws.a` @ W13^T) of `m`.
+    fn mlp_swiglu<'s>(&'s self, t: usize, m: &'s DevMlp) -> ops::Swiglu<'s> {
+        ops::Swiglu {
+            h: &self.ws.h_dense,
+            x: Mat::rows(&self.ws.a, self.w.cfg.hidden_size),
+            w13: &m.w13,
+            m: t,
+            n: m.inter,
+            k: self.w.cfg.hidden_size,
+        }
     }
 
-    /// Dense SwiGLU of `ws.a` into `out` (`accumulate`: out += mlp, else out = mlp).
+    /// Dense SwiGLU of `ws.a` into `out` (`accumulate`: out += mlp, else out = mlp);
+    /// `hidden_ready`: `ws.h_dense` already holds the first GEMM's output.
     fn dense_mlp(
         &self,
         t: usize,
         m: &DevMlp,
         out: &crate::buf::DevBuf<f32>,
         accumulate: bool,
+        hidden_ready: bool,
     ) -> Result<()> {
         let h = self.w.cfg.hidden_size;
         let (g, ws) = (&self.gpu, &self.ws);
-        self.mlp_hidden(t, m)?;
+        if !hidden_ready {
+            ops::swiglu(g, &self.mlp_swiglu(t, m))?;
+        }
         ops::linear(
             g,
             &ops::Linear {
@@ -520,6 +519,7 @@ impl CudaBackend {
                 xs: fused_split.then_some(&ws.xs_moe),
                 norm: post_norm.map(|w| (&ws.x, w, cfg.rms_norm_eps as f32)),
                 ticket: g.fuse_router_align.then_some(&ws.route_ticket),
+                pre: g.router_pre,
             };
             ops::moe_route_fused(g, &r, &rt, norm, rsf)?;
         } else {
@@ -546,6 +546,8 @@ impl CudaBackend {
             DevExperts::Int4 { q13, s13, qd, sd } => ops::ExpertPtrs::Int4 { q13, s13, qd, sd },
             DevExperts::Bf16 { w13, wd } => ops::ExpertPtrs::Bf16 { w13, wd },
         };
+        // The shared expert's first GEMM rides on the INT4 gate/up launch (tiled GEMMs only).
+        let merge = int4 && g.merge_shared && t >= g.tiled_min_rows && !crate::launch::moe_fused();
         let ex = ops::Experts {
             w,
             x: &ws.a,
@@ -556,22 +558,32 @@ impl CudaBackend {
             sync: &ws.moe_sync,
             hidden: h,
             inter: cfg.moe_intermediate_size,
+            shared: merge.then(|| self.mlp_swiglu(t, &m.shared)),
         };
         ops::moe_experts(g, &r, &ex)?;
         if g.fuse_combine && t >= g.tiled_min_rows {
-            return self.shared_combine(t, &m.shared, &r);
+            return self.shared_combine(t, &m.shared, &r, merge);
         }
-        self.dense_mlp(t, &m.shared, &ws.shared_out, false)?;
+        self.dense_mlp(t, &m.shared, &ws.shared_out, false, merge)?;
         ops::moe_combine(g, &r, &ws.x, &ws.y_pairs, &ws.shared_out, h)
     }
 
     /// The shared expert with the MoE combine fused into its down-projection:
     /// `ws.x += routed + shared(ws.a)` in two launches (swiglu, then
-    /// `ops::linear_combine`), bit for bit `dense_mlp` into `ws.shared_out` + `moe_combine`.
-    fn shared_combine(&self, t: usize, m: &DevMlp, r: &ops::Routing<'_>) -> Result<()> {
+    /// `ops::linear_combine`), bit for bit `dense_mlp` into `ws.shared_out` + `moe_combine`;
+    /// `hidden_ready`: the swiglu ran already (merged into the gate/up launch).
+    fn shared_combine(
+        &self,
+        t: usize,
+        m: &DevMlp,
+        r: &ops::Routing<'_>,
+        hidden_ready: bool,
+    ) -> Result<()> {
         let h = self.w.cfg.hidden_size;
         let (g, ws) = (&self.gpu, &self.ws);
-        self.mlp_hidden(t, m)?;
+        if !hidden_ready {
+            ops::swiglu(g, &self.mlp_swiglu(t, m))?;
+        }
         let down = ops::Linear {
             y: Mat::rows(&ws.x, h),
             x: Mat::rows(&ws.h_dense, m.inter),
