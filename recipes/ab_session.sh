@@ -17,7 +17,8 @@
 # SPECLAB_KDA_FUSED=0 (each KDA layer's conv, recurrence and gated norm as three kernels).
 # SPECLAB_ROUTER_PRE=0 (the router without its weight prologue and one-block no-ticket path),
 # SPECLAB_W4_PRE=0 (the INT4 expert GEMMs without their weight prologue),
-# SPECLAB_SHARED_MERGE=0 (the shared expert's SwiGLU as its own launch after the experts).
+# SPECLAB_SHARED_MERGE=0 (the shared expert's SwiGLU as its own launch after the experts),
+# SPECLAB_KDA_LOWRANK=0 (decode's KDA f / g up-projections as a linear_pair launch).
 # Several settings in one leg are space-separated: "A=0 B=off".
 # Everything lands in $OUT/results.tgz; leg i's outputs under ab<i>/ with its settings in
 # ab<i>/env.txt.

@@ -88,19 +88,69 @@ extern "C" __global__ void kda_conv(float* __restrict__ y, const float* __restri
 // warp_sum, reading back o, which this block wrote: visible after __syncthreads).  Every
 // value is computed by the same operations in the same order as the three kernels.
 // Extra shapes: taps [3C, kc] f32, o_norm [DL], out [T, C].
+// FUSED with wf / wg not null: the f / g low-rank up-projections too (linear_pair's work:
+// f = xin[:, fcol .. fcol + DL) Wf^T, g = xin[:, fcol + DL .. fcol + 2 DL) Wg^T, Wf / Wg
+// [C, DL] bf16): thread j computes column h DL + j of both for each token, bit for bit
+// linear_pair_tiled_bf16 (lowrank_dot), uses f in place of the fg read and writes g to
+// fg for the epilogue; fg's f half is not written.  The weight rows are prefetched into
+// L2 before the grid-dependency wait (constant).
+// Lane l of linear_pair_tiled_bf16 sums k word l (8 products, in order, from zero) and
+// the 32 lane partials meet in warp_sum's xor butterfly (16, 8, 4, 2, 1): lane 0's value
+// of that tree, with the lanes past K / 8 contributing +0 as there.
+template <int DL>
+__device__ __forceinline__ float lowrank_dot(const float* x, const uint4* __restrict__ w) {
+    static_assert(DL / 8 <= WARP && WARP == 32, "one k word a lane, a 32-lane butterfly");
+    float v[WARP];
+#pragma unroll
+    for (int l = 0; l < WARP; ++l) v[l] = 0.0f;
+#pragma unroll
+    for (int kw = 0; kw < DL / 8; ++kw) {
+        float wv[8];
+        widen8(__ldg(w + kw), wv);
+        float acc = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc += x[8 * kw + i] * wv[i];
+        v[kw] = acc;
+    }
+#pragma unroll
+    for (int l = 0; l < 16; ++l) v[l] = v[l] + v[l + 16];
+#pragma unroll
+    for (int l = 0; l < 8; ++l) v[l] = v[l] + v[l + 8];
+#pragma unroll
+    for (int l = 0; l < 4; ++l) v[l] = v[l] + v[l + 4];
+#pragma unroll
+    for (int l = 0; l < 2; ++l) v[l] = v[l] + v[l + 2];
+    return v[0] + v[1];
+}
+
 template <int DL, bool FUSED>
 __device__ __forceinline__ void kda_recurrent_impl(
-    float* __restrict__ o, const float* __restrict__ y, const float* __restrict__ fg,
+    float* __restrict__ o, const float* __restrict__ y, float* __restrict__ fg,
     const float* __restrict__ xin, int xin_stride, int b_col, const float* __restrict__ a_log,
     const float* __restrict__ dt_bias, float* __restrict__ pool, long long layer_off,
     long long fpb, int conv_len, int nl, float qscale, const int* __restrict__ row0,
     const int* __restrict__ len, const int* __restrict__ pos0, const int* __restrict__ snap,
     const int* __restrict__ state_tables, int max_state, const float* __restrict__ taps,
-    int kc, float* __restrict__ gated, const float* __restrict__ o_norm, float eps) {
+    int kc, float* __restrict__ gated, const float* __restrict__ o_norm, float eps,
+    const bf16_bits* __restrict__ wf, const bf16_bits* __restrict__ wg, int fcol) {
     __shared__ float qs[DL], ks[DL], al[DL];
     __shared__ float scratch[32];
+    __shared__ float lr[2][DL];  // the token's f / g low-rank inputs (lowrank)
     const int h = blockIdx.x, s = blockIdx.y, j = threadIdx.x;
     const int C = nl * DL;
+    const bool lowrank = FUSED && wf != nullptr;
+    const uint4* wfp = lowrank ? reinterpret_cast<const uint4*>(wf + (size_t)(h * DL + j) * DL) : nullptr;
+    const uint4* wgp = lowrank ? reinterpret_cast<const uint4*>(wg + (size_t)(h * DL + j) * DL) : nullptr;
+    // The thread's f and g weight rows (DL bf16 each) are fetched into L2 before the wait
+    // (held in registers they spilled the recurrence's state); read at use.
+    if (lowrank) {
+#pragma unroll
+        for (int b = 0; b < DL * 2; b += 128) {
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(wfp) + b));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(wgp) + b));
+        }
+    }
+    pdl_enter();
     const int* table = state_tables + (size_t)s * max_state;
     const long long head_off = layer_off + conv_len + (long long)h * DL * DL + j;
     float st[DL];
@@ -162,15 +212,24 @@ __device__ __forceinline__ void kda_recurrent_impl(
         nq = yr[0];
         nk = yr[C];
         nv = yr[2 * C];
-        nf = fg[row * 2 * C + h * DL + j];
+        nf = lowrank ? 0.0f : fg[row * 2 * C + h * DL + j];  // lowrank: computed below
         nb = xin[row * xin_stride + b_col + h];
     };
     if (n > 0) load(0);
     for (int t = 0; t < n; ++t) {
         const size_t row = (size_t)(row0[s] + t);
         float qv = nq, kv = nk, vv = nv;
-        const float fv = nf, bv = nb;
+        float fv = nf;
+        const float bv = nb;
         if (t + 1 < n) load(t + 1);
+        if (lowrank) {
+            const float* xr = xin + row * xin_stride + fcol;
+            lr[0][j] = xr[j];
+            lr[1][j] = xr[DL + j];
+            __syncthreads();
+            fv = lowrank_dot<DL>(lr[0], wfp);
+            fg[row * 2 * C + C + h * DL + j] = lowrank_dot<DL>(lr[1], wgp);
+        }
         if (FUSED) {
             qv = conv(0, qv);
             kv = conv(1, kv);
@@ -227,32 +286,33 @@ __device__ __forceinline__ void kda_recurrent_impl(
 
 #define KDA_RECURRENT(DL)                                                                   \
     extern "C" __global__ void kda_recurrent_##DL(                                           \
-        float* o, const float* y, const float* fg, const float* xin, int xin_stride,        \
+        float* o, const float* y, float* fg, const float* xin, int xin_stride,           \
         int b_col, const float* a_log, const float* dt_bias, float* pool,                   \
         long long layer_off, long long fpb, int conv_len, int nl, float qscale,             \
         const int* row0, const int* len, const int* pos0, const int* snap,                  \
         const int* state_tables, int max_state) {                                          \
-        pdl_enter();                                                                        \
         kda_recurrent_impl<DL, false>(o, y, fg, xin, xin_stride, b_col, a_log, dt_bias,     \
                                       pool, layer_off, fpb, conv_len, nl, qscale, row0, len, \
                                       pos0, snap, state_tables, max_state, nullptr, 0,       \
-                                      nullptr, nullptr, 0.0f);                               \
+                                      nullptr, nullptr, 0.0f, nullptr, nullptr, 0);          \
     }                                                                                       \
     extern "C" __global__ void kda_fused_##DL(                                               \
-        float* gated, float* o, const float* fg, const float* xin, int xin_stride,          \
+        float* gated, float* o, float* fg, const float* xin, int xin_stride,             \
         int b_col, const float* a_log, const float* dt_bias, float* pool,                   \
         long long layer_off, long long fpb, int conv_len, int nl, float qscale,             \
         const int* row0, const int* len, const int* pos0, const int* snap,                  \
         const int* state_tables, int max_state, const float* taps, int kc,                  \
-        const float* o_norm, float eps) {                                                   \
-        pdl_enter();                                                                        \
+        const float* o_norm, float eps, const bf16_bits* wf, const bf16_bits* wg,         \
+        int fcol) {                                                                         \
         kda_recurrent_impl<DL, true>(o, nullptr, fg, xin, xin_stride, b_col, a_log, dt_bias, \
                                      pool, layer_off, fpb, conv_len, nl, qscale, row0, len,  \
                                      pos0, snap, state_tables, max_state, taps, kc, gated,   \
-                                     o_norm, eps);                                          \
+                                     o_norm, eps, wf, wg, fcol);                            \
     }
 
-// kda_recurrent_{DL} and kda_fused_{DL} (conv + recurrence + gated norm, FUSED above).
+// kda_recurrent_{DL} and kda_fused_{DL} (conv + recurrence + gated norm, FUSED above; with
+// wf / wg the f / g up-projections too).  Both wait for the previous grid in the impl
+// (pdl_enter), kda_fused after its weight prologue.
 // Launch: grid (nl, S), block DL (linear_head_dim: 32, 64 or 128).
 KDA_RECURRENT(32)
 KDA_RECURRENT(64)

@@ -80,7 +80,7 @@ pub fn pdl_wanted(major: i32, env: Option<&str>) -> bool {
 /// An on-by-default A/B switch as its environment variable sets it: off for `0`, `off`
 /// or `false`, on otherwise (`SPECLAB_PDL`, `SPECLAB_MTP_PAD`, `SPECLAB_ROUTER_NORM`, `SPECLAB_ROUTER_ALIGN`,
 /// `SPECLAB_MOE_COMBINE`, `SPECLAB_KDA_FUSED`, `SPECLAB_ROUTER_PRE`, `SPECLAB_W4_PRE`,
-/// `SPECLAB_SHARED_MERGE`).
+/// `SPECLAB_SHARED_MERGE`, `SPECLAB_KDA_LOWRANK`).
 pub fn switch_on(env: Option<&str>) -> bool {
     !matches!(env.map(str::trim), Some("0" | "off" | "false"))
 }
@@ -144,6 +144,9 @@ pub struct Gpu {
     /// Each KDA layer's conv, recurrence and gated norm in one launch (`kda_fused_{dl}`,
     /// default; `SPECLAB_KDA_FUSED=0` launches the three kernels, the A/B reference).
     pub fuse_kda: bool,
+    /// With [`Gpu::fuse_kda`], the fused KDA kernel also does the f / g up-projections
+    /// (no `linear_pair` launch before it); default, `SPECLAB_KDA_LOWRANK=0` off.
+    pub fuse_kda_lowrank: bool,
     /// The fused router's latency cuts (kernel `moe_router_topk`'s `pre`: router-weight
     /// prologue before the grid-dependency wait, and no ticket in a one-block grid);
     /// default, `SPECLAB_ROUTER_PRE=0` turns both off (A/B).
@@ -223,6 +226,7 @@ impl Gpu {
             fuse_router_align: switch_on(std::env::var("SPECLAB_ROUTER_ALIGN").ok().as_deref()),
             fuse_combine: switch_on(std::env::var("SPECLAB_MOE_COMBINE").ok().as_deref()),
             fuse_kda: switch_on(std::env::var("SPECLAB_KDA_FUSED").ok().as_deref()),
+            fuse_kda_lowrank: switch_on(std::env::var("SPECLAB_KDA_LOWRANK").ok().as_deref()),
             router_pre: switch_on(std::env::var("SPECLAB_ROUTER_PRE").ok().as_deref()),
             w4_pre: switch_on(std::env::var("SPECLAB_W4_PRE").ok().as_deref()),
             merge_shared: switch_on(std::env::var("SPECLAB_SHARED_MERGE").ok().as_deref()),
@@ -342,45 +346,89 @@ mod tests {
             assert!(!pdl_wanted(9, Some(off)), "{off:?}");
         }
     }
+    /// The lines of `body` (from its opening brace) before its first `pdl_enter();` or
+    /// call of one of `delegates`; `None` when it has neither.
+    fn before_wait<'a>(body: &'a str, delegates: &[&str]) -> Option<&'a str> {
+        let open = body.find('{')?;
+        let body = &body[open + 1..];
+        let cut = std::iter::once("pdl_enter();")
+            .chain(delegates.iter().copied())
+            .filter_map(|m| body.find(m))
+            .min()?;
+        Some(&body[..cut])
+    }
+
     #[test]
     fn every_kernel_entry_waits_for_the_grid_before_it() {
         // A kernel launched with the programmatic attribute must wait before touching
         // memory the previous kernel writes (cuda/kernels/common.cuh pdl_enter): every
-        // entry point calls it first, or after the tiled GEMMs' weight-only prologue.
+        // entry point calls it first, or after a prologue that only computes indices and
+        // loads constant weights (the tiled GEMMs' LT_PREWAIT, the router's and KDA's
+        // weight prologues), or first calls a device function held to the same rule.
+        // The INT4 GEMMs' `pre` path (w4_mma / w4_item) also reads the routing before the
+        // wait, which the host allows only two grids after the routing (linear.cu w4_mma).
+        let delegates = ["swiglu_tiled_block(", "w4_mma<", "kda_recurrent_impl<"];
+        let allowed = [
+            "int m0, n0;",
+            "int m0, r0;",
+            "if (!tiled_origin(",
+            "if (!tiled_origin_at(",
+            "TiledPre pre;",
+            "tiled_pre(pre, ",
+            "const bool z = blockIdx.z != 0;",
+            // moe_gate_up_shared_w4: block dispatch to the two delegates.
+            "const int b = blockIdx.x;",
+            "if (b < sh_blocks) {",
+            // moe_router_topk: the first router-weight word of each warp.
+            "const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;",
+            "// warp < E",
+            "const bool pw = pre && warp < E && lane < K / 8;",
+            "uint4 w0 = make_uint4(",
+            "if (pw) w0 = *reinterpret_cast<const uint4*>(W + ",
+            // w4_mma: the wait unless `pre` (then in w4_item, after the routing reads).
+            "if (!pre)",
+            // kda_recurrent_impl: indices, shared arrays, the weight rows' L2 prefetch.
+            "__shared__ float ",
+            "const int h = blockIdx.x, s = blockIdx.y, j = threadIdx.x;",
+            "const int C = nl * DL;",
+            "const bool lowrank = FUSED && wf != nullptr;",
+            "const uint4* wfp = ",
+            "const uint4* wgp = ",
+            "// The thread's f and g",
+            "// (held in registers",
+            "if (lowrank) {",
+            "#pragma unroll",
+            "for (int b = 0; b < DL * 2; b += 128) {",
+            "asm volatile(\"prefetch.global.L2",
+            "}",
+        ];
+        let mut bodies: Vec<(String, &str)> = Vec::new();
         for src in crate::kernels::SOURCES {
             for (i, _) in src.source.match_indices("extern \"C\" __global__") {
-                let body = &src.source[i..];
-                let open = body.find('{').expect("a body");
-                let first = body[open + 1..]
-                    .trim_start()
-                    .trim_start_matches('\\')
-                    .trim_start();
-                if first.starts_with("pdl_enter();") {
-                    continue;
-                }
-                // The tiled GEMMs' prologue (linear.cu LT_PREWAIT): only the block's tile
-                // origin and loads of the constant weights may come before the wait.
-                let pre = first.split("pdl_enter();").next().unwrap_or("");
-                let allowed = [
-                    "int m0, n0;",
-                    "int m0, r0;",
-                    "if (!tiled_origin(",
-                    "TiledPre pre;",
-                    "tiled_pre(pre, ",
-                    "const bool z = blockIdx.z != 0;",
-                ];
-                let ok = first.contains("pdl_enter();")
-                    && pre
-                        .lines()
-                        .map(str::trim)
-                        .filter(|l| !l.is_empty())
-                        .all(|l| allowed.iter().any(|a| l.starts_with(a)));
-                assert!(
-                    ok,
-                    "{}: an entry point at byte {i} touches memory before pdl_enter()",
-                    src.name
-                );
+                bodies.push((format!("{} entry at byte {i}", src.name), &src.source[i..]));
             }
+            for d in delegates {
+                let name = d.trim_end_matches(['(', '<']);
+                for (i, _) in src.source.match_indices(&format!(" {name}(")) {
+                    // A definition: the signature is followed by its body, not a `;`.
+                    let rest = &src.source[i..];
+                    let (brace, semi) = (rest.find('{'), rest.find(';'));
+                    if brace.is_some_and(|b| semi.is_none_or(|s| b < s)) {
+                        bodies.push((format!("{} {name} at byte {i}", src.name), rest));
+                    }
+                }
+            }
+        }
+        assert!(bodies.len() > 40, "found {} bodies", bodies.len());
+        for (what, body) in bodies {
+            let pre = before_wait(body, &delegates);
+            let ok = pre.is_some_and(|p| {
+                p.lines()
+                    .map(|l| l.trim().trim_end_matches('\\').trim())
+                    .filter(|l| !l.is_empty())
+                    .all(|l| allowed.iter().any(|a| l.starts_with(a)))
+            });
+            assert!(ok, "{what} touches memory before pdl_enter(): {pre:?}");
         }
     }
     #[test]

@@ -1224,6 +1224,15 @@ pub struct Kda<'a> {
     pub dl: usize,
     pub kc: usize,
     pub eps: f32,
+    /// The f / g up-projections done by the fused kernel (`Wf`, `Wg` [C, dl] bf16 and the
+    /// xin column of f's low-rank input, g's following it): only where [`kda_fuses`];
+    /// `None`: `fg` holds them already (`linear_pair`).
+    pub lowrank: Option<(&'a DevBuf<u16>, &'a DevBuf<u16>, usize)>,
+}
+
+/// Whether [`kda`] takes the one fused kernel for `t` rows in `num_seqs` chunks.
+pub fn kda_fuses(g: &Gpu, t: usize, num_seqs: usize) -> bool {
+    g.fuse_kda && t <= KDA_FUSED_MEAN_ROWS * num_seqs
 }
 
 /// Mean rows a chunk up to which [`kda`] takes the fused kernel: one, decode steps only.
@@ -1265,8 +1274,13 @@ pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
     ];
     // Fused for one-row (decode) chunks only: its gated-norm epilogue walks a chunk's rows
     // with DL / 32 warps, where kda_gate_norm spreads them over the GPU.
-    if g.fuse_kda && t <= KDA_FUSED_MEAN_ROWS * s.num_seqs {
+    if kda_fuses(g, t, s.num_seqs) {
         return kda_fused(g, s, a, [pool, xin, fg], meta);
+    }
+    if a.lowrank.is_some() {
+        return Err(CudaError::Input(
+            "kda: the f / g up-projections ride only on the fused kernel (internal)".into(),
+        ));
     }
     let mut args = vec![
         y,
@@ -1375,10 +1389,25 @@ fn kda_fused(
         ptr(a.o_norm, 0, dl, "o_norm")?,
         Arg::F(a.eps),
     ]);
+    match a.lowrank {
+        Some((wf, wg, fcol)) if fcol + 2 * dl <= a.in_width => args.extend([
+            ptr(wf, 0, c * dl, "kda Wf")?,
+            ptr(wg, 0, c * dl, "kda Wg")?,
+            int(fcol, "f col")?,
+        ]),
+        Some(_) => {
+            return Err(CudaError::Input(
+                "kda: low-rank inputs past the projection width (internal)".into(),
+            ))
+        }
+        None => args.extend([Arg::P(0), Arg::P(0), Arg::I(0)]),
+    }
     let name = format!("kda_fused_{dl}");
     // SAFETY: the union of the three kernels' operands, each checked as in `kda`: out, o
     // [T, C], fg [T, 2C], xin [T, in_width >= 3C] (b at b_col + nl <= in_width), A_log
-    // [nl], dt_bias [C], taps [3C, kc] (2 <= kc <= 8), o_norm [dl], the pool; chunk rows
+    // [nl], dt_bias [C], taps [3C, kc] (2 <= kc <= 8), o_norm [dl], the pool, with the
+    // low-rank GEMMs Wf / Wg [C, dl] and xin columns fcol .. fcol + 2 dl (checked above:
+    // thread j of head h reads row h dl + j, 16-byte aligned as dl % 32 == 0); chunk rows
     // and state blocks from meta::build; conv elements inside the first conv_len floats of
     // the layer's page and S elements below conv_len + nl dl^2 (checked in `kda`).
     unsafe { launch(g, &name, shape, &args) }

@@ -361,27 +361,31 @@ impl CudaBackend {
             cfg.rms_norm_eps as f32,
         )?;
         let fg = Mat::rows(&ws.fg, 2 * c);
-        ops::linear_pair(
-            g,
-            &ops::Linear {
-                y: fg,
-                x: xin.col(3 * c),
-                w: &w.w_fb,
-                m: t,
-                n: c,
-                k: dl,
-                accumulate: false,
-            },
-            &ops::Linear {
-                y: fg.col(c),
-                x: xin.col(3 * c + dl),
-                w: &w.w_gb,
-                m: t,
-                n: c,
-                k: dl,
-                accumulate: false,
-            },
-        )?;
+        // Decode steps: the fused KDA kernel does the f / g up-projections itself.
+        let lowrank = g.fuse_kda_lowrank && ops::kda_fuses(g, t, cx.m.num_seqs);
+        if !lowrank {
+            ops::linear_pair(
+                g,
+                &ops::Linear {
+                    y: fg,
+                    x: xin.col(3 * c),
+                    w: &w.w_fb,
+                    m: t,
+                    n: c,
+                    k: dl,
+                    accumulate: false,
+                },
+                &ops::Linear {
+                    y: fg.col(c),
+                    x: xin.col(3 * c + dl),
+                    w: &w.w_gb,
+                    m: t,
+                    n: c,
+                    k: dl,
+                    accumulate: false,
+                },
+            )?;
+        }
         let pages = ops::StatePages {
             pool: &self.pool,
             fpb: self.geo.floats_per_block,
@@ -412,6 +416,7 @@ impl CudaBackend {
             dl,
             kc: cfg.linear_conv_kernel_dim,
             eps: cfg.rms_norm_eps as f32,
+            lowrank: lowrank.then_some((&w.w_fb, &w.w_gb, 3 * c)),
         };
         ops::kda(g, &pages, &k)?;
         ops::linear(
