@@ -34,6 +34,35 @@ extern "C" __global__ void rmsnorm(float* __restrict__ out, int out_stride,
     for (int i = threadIdx.x; i < D; i += blockDim.x) orow[i] = xr[i] * inv * w[i];
 }
 
+// The MTP layer's two input norms in one launch (docs/model.md §8): block (t, 0) writes
+// out[t, 0 .. D) = rmsnorm(f32(table[tokens[t], :]), we, eps) (embed_gather then rmsnorm),
+// block (t, 1) out[t, D .. 2D) = rmsnorm(h[t, :], wh, eps); each bit for bit the kernels it
+// replaces (the same values, per-thread strides and block_sum).  Shapes: out [T,
+// out_stride >= 2D], table [V, D] bf16, tokens [T] (< V, host-checked), h [T, h_stride],
+// we / wh [D].  Launch: grid (T, 2), block 128.
+extern "C" __global__ void mtp_in_norm(float* __restrict__ out, int out_stride,
+                                       const bf16_bits* __restrict__ table,
+                                       const u32* __restrict__ tokens,
+                                       const float* __restrict__ h, int h_stride,
+                                       const float* __restrict__ we,
+                                       const float* __restrict__ wh, int T, int D, float eps) {
+    pdl_enter();
+    __shared__ float scratch[32];
+    const int t = blockIdx.x;
+    if (t >= T) return;
+    const bool emb = blockIdx.y == 0;
+    const bf16_bits* er = emb ? table + (size_t)tokens[t] * D : nullptr;
+    const float* hr = h + (size_t)t * h_stride;
+    auto val = [&](int i) { return emb ? bf16_to_f32(er[i]) : hr[i]; };
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) ss += val(i) * val(i);
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+    const float* w = emb ? we : wh;
+    float* orow = out + (size_t)t * out_stride + (emb ? 0 : D);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) orow[i] = val(i) * inv * w[i];
+}
+
 // out[i, :] = x[rows[i], :].  Shapes: out [R, D], x [*, D], rows [R] (in range, host-built).
 // Launch: grid (R), block 128.
 extern "C" __global__ void gather_rows(float* __restrict__ out, const float* __restrict__ x,

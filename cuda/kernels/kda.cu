@@ -83,17 +83,18 @@ extern "C" __global__ void kda_conv(float* __restrict__ y, const float* __restri
 // FUSED (kernel kda_fused_{DL}): the layer's three launches in one. Thread j also runs
 // kda_conv for its channels of head h (q, k, v at column h * DL + j of each third), from
 // the pre-conv xin, its windows in registers (same taps order, same page layout, the
-// same snapshots), so y is neither written nor read; and after the last token the block
-// applies kda_gate_norm to its rows (one warp per token, the same lane-strided sums and
-// warp_sum, reading back o, which this block wrote: visible after __syncthreads).  Every
-// value is computed by the same operations in the same order as the three kernels.
+// same snapshots), so y is neither written nor read; and each token's output gets
+// kda_gate_norm right after the token (the head's DL outputs through shared memory, every
+// warp taking the same lane-strided sums and warp_sum as kda_gate_norm's one warp), so o
+// is not written either.  Every value is computed by the same operations in the same
+// order as the three kernels.
 // Extra shapes: taps [3C, kc] f32, o_norm [DL], out [T, C].
 // FUSED with wf / wg not null: the f / g low-rank up-projections too (linear_pair's work:
 // f = xin[:, fcol .. fcol + DL) Wf^T, g = xin[:, fcol + DL .. fcol + 2 DL) Wg^T, Wf / Wg
 // [C, DL] bf16): thread j computes column h DL + j of both for each token, bit for bit
-// linear_pair_tiled_bf16 (lowrank_dot), uses f in place of the fg read and writes g to
-// fg for the epilogue; fg's f half is not written.  The weight rows are prefetched into
-// L2 before the grid-dependency wait (constant).
+// linear_pair_tiled_bf16 (lowrank_dot), in place of the fg reads; fg is neither read nor
+// written.  The weight rows are prefetched into L2 before the grid-dependency wait
+// (constant), and later tokens find them in L1.
 // Lane l of linear_pair_tiled_bf16 sums k word l (8 products, in order, from zero) and
 // the 32 lane partials meet in warp_sum's xor butterfly (16, 8, 4, 2, 1): lane 0's value
 // of that tree, with the lanes past K / 8 contributing +0 as there.
@@ -136,6 +137,7 @@ __device__ __forceinline__ void kda_recurrent_impl(
     __shared__ float qs[DL], ks[DL], al[DL];
     __shared__ float scratch[32];
     __shared__ float lr[2][DL];  // the token's f / g low-rank inputs (lowrank)
+    __shared__ float os[DL];     // the token's outputs of this head (FUSED: the gated norm)
     const int h = blockIdx.x, s = blockIdx.y, j = threadIdx.x;
     const int C = nl * DL;
     const bool lowrank = FUSED && wf != nullptr;
@@ -205,7 +207,7 @@ __device__ __forceinline__ void kda_recurrent_impl(
     // Token t + 1's inputs are loaded while token t computes (a verify chunk's tokens
     // otherwise each wait out the loads' latency); the two norms share one reduction
     // (block_sum2: the same partial sums in the same order as two block_sums).
-    float nq = 0.0f, nk = 0.0f, nv = 0.0f, nf = 0.0f, nb = 0.0f;
+    float nq = 0.0f, nk = 0.0f, nv = 0.0f, nf = 0.0f, nb = 0.0f, ng = 0.0f;
     auto load = [&](int t) {
         const size_t row = (size_t)(row0[s] + t);
         const float* yr = FUSED ? xin + row * xin_stride + h * DL + j : y + row * 3 * C + h * DL + j;
@@ -213,13 +215,14 @@ __device__ __forceinline__ void kda_recurrent_impl(
         nk = yr[C];
         nv = yr[2 * C];
         nf = lowrank ? 0.0f : fg[row * 2 * C + h * DL + j];  // lowrank: computed below
+        if (FUSED) ng = lowrank ? 0.0f : fg[row * 2 * C + C + h * DL + j];
         nb = xin[row * xin_stride + b_col + h];
     };
     if (n > 0) load(0);
     for (int t = 0; t < n; ++t) {
         const size_t row = (size_t)(row0[s] + t);
         float qv = nq, kv = nk, vv = nv;
-        float fv = nf;
+        float fv = nf, gv = ng;
         const float bv = nb;
         if (t + 1 < n) load(t + 1);
         if (lowrank) {
@@ -228,7 +231,7 @@ __device__ __forceinline__ void kda_recurrent_impl(
             lr[1][j] = xr[DL + j];
             __syncthreads();
             fv = lowrank_dot<DL>(lr[0], wfp);
-            fg[row * 2 * C + C + h * DL + j] = lowrank_dot<DL>(lr[1], wgp);
+            gv = lowrank_dot<DL>(lr[1], wgp);
         }
         if (FUSED) {
             qv = conv(0, qv);
@@ -256,32 +259,32 @@ __device__ __forceinline__ void kda_recurrent_impl(
             st[i] += beta * (ks[i] * u);
             out += st[i] * qs[i];
         }
-        o[row * C + h * DL + j] = out;
+        if (FUSED) {
+            os[j] = out;  // read after the barrier below
+        } else {
+            o[row * C + h * DL + j] = out;
+        }
         if (snap[s] && t + 1 < n) {
             float* pg = pool + (long long)table[t + 1] * fpb + head_off;
 #pragma unroll
             for (int i = 0; i < DL; ++i) pg[(long long)i * DL] = st[i];
         }
         __syncthreads();  // qs / ks / al are rewritten by the next token
+        if (FUSED) {
+            // kda_gate_norm of row `row`, head h: os is rewritten only after the next
+            // token's first barrier, which every thread reaches after these reads.
+            const int lane = j & 31;
+            float ss = 0.0f;
+            for (int i = lane; i < DL; i += WARP) ss += os[i] * os[i];
+            ss = warp_sum(ss);
+            const float inv = 1.0f / sqrtf(ss / (float)DL + eps);
+            gated[row * C + (size_t)h * DL + j] = out * inv * o_norm[j] * sigmoid_f(gv);
+        }
     }
     float* out0 = pool + (long long)table[0] * fpb + head_off;
 #pragma unroll
     for (int i = 0; i < DL; ++i) out0[(long long)i * DL] = st[i];
-    if (!FUSED) return;
-    conv_store(conv0);
-    // kda_gate_norm of this block's rows (the loop ended on a barrier: o is visible).
-    const int warp = j >> 5, lane = j & 31;
-    for (int t = warp; t < n; t += DL / WARP) {
-        const size_t row = (size_t)(row0[s] + t);
-        const float* orow = o + row * C + (size_t)h * DL;
-        float ss = 0.0f;
-        for (int i = lane; i < DL; i += WARP) ss += orow[i] * orow[i];
-        ss = warp_sum(ss);
-        const float inv = 1.0f / sqrtf(ss / (float)DL + eps);
-        const float* g = fg + row * 2 * C + C + (size_t)h * DL;
-        float* dst = gated + row * C + (size_t)h * DL;
-        for (int i = lane; i < DL; i += WARP) dst[i] = orow[i] * inv * o_norm[i] * sigmoid_f(g[i]);
-    }
+    if (FUSED) conv_store(conv0);
 }
 
 #define KDA_RECURRENT(DL)                                                                   \

@@ -80,9 +80,24 @@ pub fn pdl_wanted(major: i32, env: Option<&str>) -> bool {
 /// An on-by-default A/B switch as its environment variable sets it: off for `0`, `off`
 /// or `false`, on otherwise (`SPECLAB_PDL`, `SPECLAB_MTP_PAD`, `SPECLAB_ROUTER_NORM`, `SPECLAB_ROUTER_ALIGN`,
 /// `SPECLAB_MOE_COMBINE`, `SPECLAB_KDA_FUSED`, `SPECLAB_ROUTER_PRE`, `SPECLAB_W4_PRE`,
-/// `SPECLAB_SHARED_MERGE`, `SPECLAB_KDA_LOWRANK`).
+/// `SPECLAB_SHARED_MERGE`, `SPECLAB_KDA_LOWRANK`, `SPECLAB_MTP_IN_NORM`).
 pub fn switch_on(env: Option<&str>) -> bool {
     !matches!(env.map(str::trim), Some("0" | "off" | "false"))
+}
+
+/// A row-count setting from the environment variable `var` (at least 1), else `default`.
+pub fn rows_env(var: &str, default: usize) -> Result<usize> {
+    match std::env::var(var) {
+        Err(_) => Ok(default),
+        Ok(v) => v
+            .trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|&n| n >= 1)
+            .ok_or_else(|| {
+                CudaError::Input(format!("{var}=`{v}`: expected a row count of at least 1"))
+            }),
+    }
 }
 
 /// The INT4 expert GEMMs (tensor-core mma over pre-shuffled fragments: cuda/kernels/linear.cu).
@@ -147,6 +162,12 @@ pub struct Gpu {
     /// With [`Gpu::fuse_kda`], the fused KDA kernel also does the f / g up-projections
     /// (no `linear_pair` launch before it); default, `SPECLAB_KDA_LOWRANK=0` off.
     pub fuse_kda_lowrank: bool,
+    /// Mean rows a chunk up to which the fused KDA kernel is taken
+    /// ([`crate::ops::KDA_FUSED_MEAN_ROWS`]; `SPECLAB_KDA_FUSED_ROWS=n`, n >= 1).
+    pub kda_fused_rows: usize,
+    /// The MTP layer's embedding and two input norms in one launch (`mtp_in_norm`);
+    /// default, `SPECLAB_MTP_IN_NORM=0` launches `embed_gather` and two `rmsnorm`s.
+    pub fuse_mtp_in: bool,
     /// The fused router's latency cuts (kernel `moe_router_topk`'s `pre`: router-weight
     /// prologue before the grid-dependency wait, and no ticket in a one-block grid);
     /// default, `SPECLAB_ROUTER_PRE=0` turns both off (A/B).
@@ -226,6 +247,8 @@ impl Gpu {
             fuse_router_align: switch_on(std::env::var("SPECLAB_ROUTER_ALIGN").ok().as_deref()),
             fuse_combine: switch_on(std::env::var("SPECLAB_MOE_COMBINE").ok().as_deref()),
             fuse_kda: switch_on(std::env::var("SPECLAB_KDA_FUSED").ok().as_deref()),
+            kda_fused_rows: rows_env("SPECLAB_KDA_FUSED_ROWS", crate::ops::KDA_FUSED_MEAN_ROWS)?,
+            fuse_mtp_in: switch_on(std::env::var("SPECLAB_MTP_IN_NORM").ok().as_deref()),
             fuse_kda_lowrank: switch_on(std::env::var("SPECLAB_KDA_LOWRANK").ok().as_deref()),
             router_pre: switch_on(std::env::var("SPECLAB_ROUTER_PRE").ok().as_deref()),
             w4_pre: switch_on(std::env::var("SPECLAB_W4_PRE").ok().as_deref()),

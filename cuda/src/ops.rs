@@ -414,6 +414,50 @@ pub fn rmsnorm(
     unsafe { launch(g, "rmsnorm", launch::per_row(rows, 128, "rmsnorm")?, &args) }
 }
 
+/// Kernel `mtp_in_norm`: `out[:, ..d] = rmsnorm(embed(tokens), we)` and `out[:, d..2d] =
+/// rmsnorm(h, wh)` over `t` rows in one launch (`embed` + two `rmsnorm`s bit for bit).
+/// `out`: [t, stride >= 2d]; `h`: [t, stride >= d]; `table` [vocab, d] bf16; `tokens` the
+/// meta section of `t` ids (< vocab).
+pub struct MtpIn<'a> {
+    pub out: Mat<'a>,
+    pub table: &'a DevBuf<u16>,
+    pub tokens: Arg,
+    pub h: Mat<'a>,
+    pub we: &'a DevBuf<f32>,
+    pub wh: &'a DevBuf<f32>,
+    pub t: usize,
+    pub d: usize,
+    pub vocab: usize,
+    pub eps: f32,
+}
+
+/// Kernel `mtp_in_norm` ([`MtpIn`]).
+pub fn mtp_in_norm(g: &Gpu, a: &MtpIn<'_>) -> Result<()> {
+    if a.out.stride < 2 * a.d {
+        return Err(CudaError::Input(
+            "mtp_in_norm: out rows narrower than 2 d (internal)".into(),
+        ));
+    }
+    let args = [
+        a.out.arg(a.t, 2 * a.d, "mtp in out")?,
+        int(a.out.stride, "out stride")?,
+        ptr(a.table, 0, a.vocab * a.d, "embed table")?,
+        a.tokens,
+        a.h.arg(a.t, a.d, "mtp in h")?,
+        int(a.h.stride, "h stride")?,
+        ptr(a.we, 0, a.d, "enorm")?,
+        ptr(a.wh, 0, a.d, "hnorm")?,
+        int(a.t, "T")?,
+        int(a.d, "D")?,
+        Arg::F(a.eps),
+    ];
+    let mut shape = launch::per_row(a.t, 128, "mtp_in_norm")?;
+    shape.grid.1 = 2;
+    // SAFETY: out spans (T-1)*stride + 2D, h (T-1)*stride + D, table [V, D], we / wh [D],
+    // all checked; `tokens` is the meta section of T ids, each < V (meta::build).
+    unsafe { launch(g, "mtp_in_norm", shape, &args) }
+}
+
 /// Kernel `gather_rows`: `out [r, d] = x[rows[i]]`; `rows` (meta) indexes `< x_rows`.
 pub fn gather_rows(
     g: &Gpu,
@@ -1232,14 +1276,17 @@ pub struct Kda<'a> {
 
 /// Whether [`kda`] takes the one fused kernel for `t` rows in `num_seqs` chunks.
 pub fn kda_fuses(g: &Gpu, t: usize, num_seqs: usize) -> bool {
-    g.fuse_kda && t <= KDA_FUSED_MEAN_ROWS * num_seqs
+    g.fuse_kda && t <= g.kda_fused_rows * num_seqs
 }
 
-/// Mean rows a chunk up to which [`kda`] takes the fused kernel: one, decode steps only.
-/// In multi-row verify chunks the fused kernel was slower (runs/ab-59303f3/: DFlash2 N = 7
-/// at c1 6,774 tok/s against 7,372 unfused, MTP N = 2 5,724 against 5,845), its gated-norm
-/// epilogue walking the chunk's rows with DL / 32 warps.
-pub const KDA_FUSED_MEAN_ROWS: usize = 1;
+/// Mean rows a chunk up to which [`kda`] takes the fused kernel: decode and verify steps
+/// (up to 15 drafts), not prefill chunks, where the unfused conv and gated norm run over all
+/// tokens in parallel while the fused kernel does them inside its sequential token loop.
+/// (With the gated norm after the loop, walked by DL / 32 warps, the fused kernel was slower
+/// in verify: runs/ab-59303f3/, DFlash2 N = 7 at c1 6,774 tok/s against 7,372; it now
+/// normalizes each token inside the loop.)  `SPECLAB_KDA_FUSED_ROWS=n` sets another bound
+/// ([`Gpu::kda_fused_rows`]; 1 is the previous decode-only rule).
+pub const KDA_FUSED_MEAN_ROWS: usize = 16;
 
 /// Kernels `kda_conv`, `kda_recurrent_{dl}`, `kda_gate_norm`, or with
 /// [`Gpu::fuse_kda`] and chunks of at most [`KDA_FUSED_MEAN_ROWS`] row on average the one

@@ -210,10 +210,28 @@ impl CudaBackend {
             .as_ref()
             .ok_or_else(|| CudaError::Input("no MTP layer".into()))?;
         let (g, ws) = (&self.gpu, &self.ws);
-        ops::embed(g, &ws.a, &self.w.embed, cx.ma.tokens, t, h, cfg.vocab_size)?;
         let cat = Mat::rows(&ws.proj, 2 * h);
-        ops::rmsnorm(g, cat, Mat::rows(&ws.a, h), &mtp.enorm, t, h, eps)?;
-        ops::rmsnorm(g, cat.col(h), Mat::rows(&ws.tmp, h), &mtp.hnorm, t, h, eps)?;
+        if g.fuse_mtp_in {
+            ops::mtp_in_norm(
+                g,
+                &ops::MtpIn {
+                    out: cat,
+                    table: &self.w.embed,
+                    tokens: cx.ma.tokens,
+                    h: Mat::rows(&ws.tmp, h),
+                    we: &mtp.enorm,
+                    wh: &mtp.hnorm,
+                    t,
+                    d: h,
+                    vocab: cfg.vocab_size,
+                    eps,
+                },
+            )?;
+        } else {
+            ops::embed(g, &ws.a, &self.w.embed, cx.ma.tokens, t, h, cfg.vocab_size)?;
+            ops::rmsnorm(g, cat, Mat::rows(&ws.a, h), &mtp.enorm, t, h, eps)?;
+            ops::rmsnorm(g, cat.col(h), Mat::rows(&ws.tmp, h), &mtp.hnorm, t, h, eps)?;
+        }
         ops::linear(
             g,
             &ops::Linear {
