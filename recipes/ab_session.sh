@@ -20,7 +20,7 @@
 # SPECLAB_W4_PRE=0 (the INT4 expert GEMMs without their weight prologue),
 # SPECLAB_SHARED_MERGE=0 (the shared expert's SwiGLU as its own launch after the experts),
 # SPECLAB_KDA_LOWRANK=0 (the KDA f / g up-projections as a linear_pair launch),
-# SPECLAB_KDA_FUSED_ROWS=1 (the fused KDA kernel for decode chunks only, not verify),
+# SPECLAB_KDA_FUSED_ROWS=16 (the fused KDA kernel for verify chunks too, not decode only),
 # SPECLAB_MTP_IN_NORM=0 (the MTP layer's embedding + input norms as three launches).
 # Several settings in one leg are space-separated: "A=0 B=off".
 # Everything lands in $OUT/results.tgz; leg i's outputs under ab<i>/ with its settings in

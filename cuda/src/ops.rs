@@ -1279,14 +1279,14 @@ pub fn kda_fuses(g: &Gpu, t: usize, num_seqs: usize) -> bool {
     g.fuse_kda && t <= g.kda_fused_rows * num_seqs
 }
 
-/// Mean rows a chunk up to which [`kda`] takes the fused kernel: decode and verify steps
-/// (up to 15 drafts), not prefill chunks, where the unfused conv and gated norm run over all
-/// tokens in parallel while the fused kernel does them inside its sequential token loop.
-/// (With the gated norm after the loop, walked by DL / 32 warps, the fused kernel was slower
-/// in verify: runs/ab-59303f3/, DFlash2 N = 7 at c1 6,774 tok/s against 7,372; it now
-/// normalizes each token inside the loop.)  `SPECLAB_KDA_FUSED_ROWS=n` sets another bound
-/// ([`Gpu::kda_fused_rows`]; 1 is the previous decode-only rule).
-pub const KDA_FUSED_MEAN_ROWS: usize = 16;
+/// Mean rows a chunk up to which [`kda`] takes the fused kernel: one, decode steps only.
+/// In multi-row verify chunks it is slower: the conv, the f / g up-projections and the
+/// gated norm run inside its sequential token loop, where the separate kernels spread them
+/// over the GPU. DFlash2 N = 7 verify at c1 took 406.3 us a step fused against 353.6 us
+/// with this bound (runs/ab-3f7d51f/, `SPECLAB_KDA_FUSED_ROWS=16` against 1); with the
+/// gated norm after the loop it was slower too (runs/ab-59303f3/). `SPECLAB_KDA_FUSED_ROWS=n`
+/// sets another bound ([`Gpu::kda_fused_rows`]).
+pub const KDA_FUSED_MEAN_ROWS: usize = 1;
 
 /// Kernels `kda_conv`, `kda_recurrent_{dl}`, `kda_gate_norm`, or with
 /// [`Gpu::fuse_kda`] and chunks of at most [`KDA_FUSED_MEAN_ROWS`] row on average the one
