@@ -21,7 +21,9 @@
 # SPECLAB_SHARED_MERGE=0 (the shared expert's SwiGLU as its own launch after the experts),
 # SPECLAB_KDA_LOWRANK=0 (the KDA f / g up-projections as a linear_pair launch),
 # SPECLAB_KDA_FUSED_ROWS=16 (the fused KDA kernel for verify chunks too, not decode only),
-# SPECLAB_MTP_IN_NORM=0 (the MTP layer's embedding + input norms as three launches).
+# SPECLAB_MTP_IN_NORM=0 (the MTP layer's embedding + input norms as three launches),
+# SPECLAB_KDA_PRE=0 (the KDA kernels read state and metadata after the PDL wait),
+# SPECLAB_FINAL_DUP=0 (a decode step's final norm + an identity gather_rows).
 # Several settings in one leg are space-separated: "A=0 B=off".
 # Everything lands in $OUT/results.tgz; leg i's outputs under ab<i>/ with its settings in
 # ab<i>/env.txt.

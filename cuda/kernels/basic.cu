@@ -15,13 +15,12 @@ extern "C" __global__ void embed_gather(float* __restrict__ out,
     for (int i = threadIdx.x; i < H; i += blockDim.x) out[(size_t)t * H + i] = bf16_to_f32(row[i]);
 }
 
-// out[r, :] = rmsnorm(x[r, :], w, eps), rows of length D with their own strides.
-// Shapes: x [R, x_stride] f32, out [R, out_stride] f32, w [D] f32.
-// Launch: grid (R), block 128 (any multiple of 32 <= 1024).
-extern "C" __global__ void rmsnorm(float* __restrict__ out, int out_stride,
-                                   const float* __restrict__ x, int x_stride,
-                                   const float* __restrict__ w, int R, int D, float eps) {
-    pdl_enter();
+// out[r, :] = rmsnorm(x[r, :], w, eps), rows of length D with their own strides; also
+// into out2 (same stride) when it is not null.
+__device__ __forceinline__ void rmsnorm_row(float* __restrict__ out, float* __restrict__ out2,
+                                            int out_stride, const float* __restrict__ x,
+                                            int x_stride, const float* __restrict__ w, int R,
+                                            int D, float eps) {
     __shared__ float scratch[32];
     const int r = blockIdx.x;
     if (r >= R) return;
@@ -31,7 +30,30 @@ extern "C" __global__ void rmsnorm(float* __restrict__ out, int out_stride,
     ss = block_sum(ss, scratch);
     const float inv = 1.0f / sqrtf(ss / (float)D + eps);
     float* orow = out + (size_t)r * out_stride;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) orow[i] = xr[i] * inv * w[i];
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        const float v = xr[i] * inv * w[i];
+        orow[i] = v;
+        if (out2) out2[(size_t)r * out_stride + i] = v;
+    }
+}
+
+// Shapes: x [R, x_stride] f32, out [R, out_stride] f32, w [D] f32.
+// Launch: grid (R), block 128 (any multiple of 32 <= 1024).
+extern "C" __global__ void rmsnorm(float* __restrict__ out, int out_stride,
+                                   const float* __restrict__ x, int x_stride,
+                                   const float* __restrict__ w, int R, int D, float eps) {
+    pdl_enter();
+    rmsnorm_row(out, nullptr, out_stride, x, x_stride, w, R, D, eps);
+}
+
+// rmsnorm written twice, to out and out2 (the final norm of a step whose chunks are one
+// row each: its row gather would copy out to out2 unchanged).  Launch: as rmsnorm.
+extern "C" __global__ void rmsnorm_dup(float* __restrict__ out, float* __restrict__ out2,
+                                       int out_stride, const float* __restrict__ x,
+                                       int x_stride, const float* __restrict__ w, int R, int D,
+                                       float eps) {
+    pdl_enter();
+    rmsnorm_row(out, out2, out_stride, x, x_stride, w, R, D, eps);
 }
 
 // The MTP layer's two input norms in one launch (docs/model.md §8): block (t, 0) writes

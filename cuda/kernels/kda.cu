@@ -133,7 +133,7 @@ __device__ __forceinline__ void kda_recurrent_impl(
     const int* __restrict__ len, const int* __restrict__ pos0, const int* __restrict__ snap,
     const int* __restrict__ state_tables, int max_state, const float* __restrict__ taps,
     int kc, float* __restrict__ gated, const float* __restrict__ o_norm, float eps,
-    const bf16_bits* __restrict__ wf, const bf16_bits* __restrict__ wg, int fcol) {
+    const bf16_bits* __restrict__ wf, const bf16_bits* __restrict__ wg, int fcol, int pre) {
     __shared__ float qs[DL], ks[DL], al[DL];
     __shared__ float scratch[32];
     __shared__ float lr[2][DL];  // the token's f / g low-rank inputs (lowrank)
@@ -152,7 +152,13 @@ __device__ __forceinline__ void kda_recurrent_impl(
             asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(wgp) + b));
         }
     }
-    pdl_enter();
+    if (!pre) pdl_enter();
+    // With `pre` the state, conv windows and chunk metadata are read before the
+    // grid-dependency wait: the host wrote the metadata before the step, and this layer's
+    // state pages were last written by an earlier step's kernels (or the rollback copies
+    // between steps), which completed before the grid before this one passed its own wait
+    // and triggered this launch (common.cuh pdl_enter: every kernel waits, then triggers).
+    // Only the projections (xin, fg, y) are the previous grids' outputs: read after it.
     const int* table = state_tables + (size_t)s * max_state;
     const long long head_off = layer_off + conv_len + (long long)h * DL * DL + j;
     float st[DL];
@@ -218,6 +224,7 @@ __device__ __forceinline__ void kda_recurrent_impl(
         if (FUSED) ng = lowrank ? 0.0f : fg[row * 2 * C + C + h * DL + j];
         nb = xin[row * xin_stride + b_col + h];
     };
+    if (pre) pdl_enter();
     if (n > 0) load(0);
     for (int t = 0; t < n; ++t) {
         const size_t row = (size_t)(row0[s] + t);
@@ -293,11 +300,11 @@ __device__ __forceinline__ void kda_recurrent_impl(
         int b_col, const float* a_log, const float* dt_bias, float* pool,                   \
         long long layer_off, long long fpb, int conv_len, int nl, float qscale,             \
         const int* row0, const int* len, const int* pos0, const int* snap,                  \
-        const int* state_tables, int max_state) {                                          \
+        const int* state_tables, int max_state, int pre) {                                 \
         kda_recurrent_impl<DL, false>(o, y, fg, xin, xin_stride, b_col, a_log, dt_bias,     \
                                       pool, layer_off, fpb, conv_len, nl, qscale, row0, len, \
                                       pos0, snap, state_tables, max_state, nullptr, 0,       \
-                                      nullptr, nullptr, 0.0f, nullptr, nullptr, 0);          \
+                                      nullptr, nullptr, 0.0f, nullptr, nullptr, 0, pre);     \
     }                                                                                       \
     extern "C" __global__ void kda_fused_##DL(                                               \
         float* gated, float* o, float* fg, const float* xin, int xin_stride,             \
@@ -306,11 +313,11 @@ __device__ __forceinline__ void kda_recurrent_impl(
         const int* row0, const int* len, const int* pos0, const int* snap,                  \
         const int* state_tables, int max_state, const float* taps, int kc,                  \
         const float* o_norm, float eps, const bf16_bits* wf, const bf16_bits* wg,         \
-        int fcol) {                                                                         \
+        int fcol, int pre) {                                                                \
         kda_recurrent_impl<DL, true>(o, nullptr, fg, xin, xin_stride, b_col, a_log, dt_bias, \
                                      pool, layer_off, fpb, conv_len, nl, qscale, row0, len,  \
                                      pos0, snap, state_tables, max_state, taps, kc, gated,   \
-                                     o_norm, eps, wf, wg, fcol);                            \
+                                     o_norm, eps, wf, wg, fcol, pre);                       \
     }
 
 // kda_recurrent_{DL} and kda_fused_{DL} (conv + recurrence + gated norm, FUSED above; with

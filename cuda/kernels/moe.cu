@@ -15,10 +15,11 @@
 #define EXPERTS_MAX 1024
 
 // The top-k pick of one token by one warp: b [E] holds sigmoid(logit) + bias (taken
-// entries are overwritten), lr [E] the logits. Writes ids[t, :k], wts[t, :k].
+// entries are overwritten), lr [E] the logits. Writes ids[t, :k], wts[t, :k], and the ids
+// to sids[:k] too when sids (shared memory) is not null.
 __device__ __forceinline__ void topk_pick(int* __restrict__ ids, float* __restrict__ wts,
                                           int t, const float* lr, float* b, int E, int k,
-                                          int norm_topk, float rsf) {
+                                          int norm_topk, float rsf, int* sids = nullptr) {
     const int lane = threadIdx.x & 31;
     int sel[TOPK_MAX];
     float w[TOPK_MAX];
@@ -54,6 +55,7 @@ __device__ __forceinline__ void topk_pick(int* __restrict__ ids, float* __restri
                 float v = norm_topk ? w[j] / sum : w[j];
                 ids[(size_t)t * k + j] = sel[j];
                 wts[(size_t)t * k + j] = v * rsf;
+                if (sids) sids[j] = sel[j];
             }
         }
     }
@@ -87,10 +89,13 @@ extern "C" __global__ void moe_topk(int* __restrict__ ids, float* __restrict__ w
 // Shapes: ids [P] i32 (< E), sorted [p_pad_max] i32, tile_expert [max_tiles + 1] i32;
 // count [E], offset [E + 1] are the caller's shared arrays.  Run by a whole block (any
 // size that is a multiple of 32); ids are read through L2 (ld.global.cg), so the router's
-// last block (moe_router_topk) sees the ids the other blocks wrote.
+// last block (moe_router_topk) sees the ids the other blocks wrote; SMEM: ids is this
+// block's shared copy (a one-block router grid), read directly.
+template <bool SMEM = false>
 __device__ __forceinline__ void align_tiles(int* __restrict__ sorted, int* __restrict__ tile_expert,
                                             const int* __restrict__ ids, int P, int E,
                                             int max_tiles, int* count, int* offset) {
+    auto id = [&](int p) { return SMEM ? ids[p] : __ldcg(ids + p); };
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nwarps = blockDim.x >> 5;
     for (int i = tid; i < max_tiles * MOE_TILE; i += blockDim.x) sorted[i] = -1;
@@ -99,7 +104,7 @@ __device__ __forceinline__ void align_tiles(int* __restrict__ sorted, int* __res
         int c = 0;
         for (int base = 0; base < P; base += WARP) {
             const int p = base + lane;
-            c += __popc(__ballot_sync(FULL_MASK, p < P && __ldcg(ids + p) == e));
+            c += __popc(__ballot_sync(FULL_MASK, p < P && id(p) == e));
         }
         if (lane == 0) count[e] = c;
     }
@@ -119,7 +124,7 @@ __device__ __forceinline__ void align_tiles(int* __restrict__ sorted, int* __res
         const int base_pos = offset[e];
         for (int base = 0; base < P; base += WARP) {
             const int p = base + lane;
-            const bool m = p < P && __ldcg(ids + p) == e;
+            const bool m = p < P && id(p) == e;
             const u32 mask = __ballot_sync(FULL_MASK, m);
             if (m) sorted[base_pos + run + __popc(mask & ((1u << lane) - 1u))] = p;
             run += __popc(mask);
@@ -181,8 +186,8 @@ __device__ __forceinline__ const float* router_norm_row(float* s_row, float* __r
 // (expert e = warp, k word = lane) is loaded before the grid-dependency wait (the weights
 // are constant; the prologue programmatic dependent launch allows, as linear.cu
 // LT_PREWAIT), and a one-block grid (T = 1, a decode step of one sequence) aligns
-// straight after its barrier, without the fence and ticket round trips (the block's own
-// id writes are visible to it after __syncthreads; the ticket stays 0).
+// straight after its barrier from a shared copy of its ids, without the fence, ticket
+// and L2 round trips (the ticket stays 0).
 // Launch: grid (T), block 512.
 extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restrict__ wts,
                                            float* __restrict__ logits, u32* __restrict__ xs,
@@ -231,14 +236,16 @@ extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restr
         }
     }
     __syncthreads();
-    if (warp == 0) topk_pick(ids, wts, t, lg, biased, E, k, norm_topk, rsf);
+    __shared__ int sids[TOPK_MAX];
+    const bool one = pre && ticket != nullptr && gridDim.x == 1;  // uniform
+    if (warp == 0) topk_pick(ids, wts, t, lg, biased, E, k, norm_topk, rsf, one ? sids : nullptr);
     if (ticket == nullptr) return;  // uniform
     __shared__ int count[ROUTER_E_MAX];
     __shared__ int offset[ROUTER_E_MAX + 1];
     __shared__ int last;
-    if (pre && gridDim.x == 1) {
-        __syncthreads();  // warp 0's ids, visible to the block
-        align_tiles(sorted, tile_expert, ids, T * k, E, max_tiles, count, offset);
+    if (one) {
+        __syncthreads();  // warp 0's shared ids, visible to the block
+        align_tiles<true>(sorted, tile_expert, sids, T * k, E, max_tiles, count, offset);
         return;
     }
     __threadfence();  // this block's ids before its ticket

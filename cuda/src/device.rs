@@ -80,7 +80,8 @@ pub fn pdl_wanted(major: i32, env: Option<&str>) -> bool {
 /// An on-by-default A/B switch as its environment variable sets it: off for `0`, `off`
 /// or `false`, on otherwise (`SPECLAB_PDL`, `SPECLAB_MTP_PAD`, `SPECLAB_ROUTER_NORM`, `SPECLAB_ROUTER_ALIGN`,
 /// `SPECLAB_MOE_COMBINE`, `SPECLAB_KDA_FUSED`, `SPECLAB_ROUTER_PRE`, `SPECLAB_W4_PRE`,
-/// `SPECLAB_SHARED_MERGE`, `SPECLAB_KDA_LOWRANK`, `SPECLAB_MTP_IN_NORM`).
+/// `SPECLAB_SHARED_MERGE`, `SPECLAB_KDA_LOWRANK`, `SPECLAB_MTP_IN_NORM`, `SPECLAB_KDA_PRE`,
+/// `SPECLAB_FINAL_DUP`).
 pub fn switch_on(env: Option<&str>) -> bool {
     !matches!(env.map(str::trim), Some("0" | "off" | "false"))
 }
@@ -168,6 +169,12 @@ pub struct Gpu {
     /// The MTP layer's embedding and two input norms in one launch (`mtp_in_norm`);
     /// default, `SPECLAB_MTP_IN_NORM=0` launches `embed_gather` and two `rmsnorm`s.
     pub fuse_mtp_in: bool,
+    /// The KDA kernels read the state pages, conv windows and chunk metadata before the
+    /// grid-dependency wait (kda.cu `pre`); default, `SPECLAB_KDA_PRE=0` after it.
+    pub kda_pre: bool,
+    /// A decode step's final norm also writes the head's input rows (`rmsnorm_dup`, no
+    /// identity row gather); default, `SPECLAB_FINAL_DUP=0` launches `gather_rows`.
+    pub final_dup: bool,
     /// The fused router's latency cuts (kernel `moe_router_topk`'s `pre`: router-weight
     /// prologue before the grid-dependency wait, and no ticket in a one-block grid);
     /// default, `SPECLAB_ROUTER_PRE=0` turns both off (A/B).
@@ -248,6 +255,8 @@ impl Gpu {
             fuse_combine: switch_on(std::env::var("SPECLAB_MOE_COMBINE").ok().as_deref()),
             fuse_kda: switch_on(std::env::var("SPECLAB_KDA_FUSED").ok().as_deref()),
             kda_fused_rows: rows_env("SPECLAB_KDA_FUSED_ROWS", crate::ops::KDA_FUSED_MEAN_ROWS)?,
+            final_dup: switch_on(std::env::var("SPECLAB_FINAL_DUP").ok().as_deref()),
+            kda_pre: switch_on(std::env::var("SPECLAB_KDA_PRE").ok().as_deref()),
             fuse_mtp_in: switch_on(std::env::var("SPECLAB_MTP_IN_NORM").ok().as_deref()),
             fuse_kda_lowrank: switch_on(std::env::var("SPECLAB_KDA_LOWRANK").ok().as_deref()),
             router_pre: switch_on(std::env::var("SPECLAB_ROUTER_PRE").ok().as_deref()),
@@ -389,7 +398,9 @@ mod tests {
         // loads constant weights (the tiled GEMMs' LT_PREWAIT, the router's and KDA's
         // weight prologues), or first calls a device function held to the same rule.
         // The INT4 GEMMs' `pre` path (w4_mma / w4_item) also reads the routing before the
-        // wait, which the host allows only two grids after the routing (linear.cu w4_mma).
+        // wait, which the host allows only two grids after the routing (linear.cu w4_mma),
+        // and the KDA kernels' `pre` path the state pages and chunk metadata, written by
+        // earlier steps or the host (kda.cu kda_recurrent_impl).
         let delegates = ["swiglu_tiled_block(", "w4_mma<", "kda_recurrent_impl<"];
         let allowed = [
             "int m0, n0;",

@@ -55,6 +55,7 @@ pub const SOURCES: &[KernelSource] = &[
         entries: &[
             "embed_gather",
             "rmsnorm",
+            "rmsnorm_dup",
             "mtp_in_norm",
             "gather_rows",
             "argmax_rows",

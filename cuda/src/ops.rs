@@ -458,6 +458,39 @@ pub fn mtp_in_norm(g: &Gpu, a: &MtpIn<'_>) -> Result<()> {
     unsafe { launch(g, "mtp_in_norm", shape, &args) }
 }
 
+/// Kernel `rmsnorm_dup`: [`rmsnorm`] of `rows` rows written to both `out` and `out2`
+/// (contiguous rows of `d`).
+pub fn rmsnorm_dup(
+    g: &Gpu,
+    [out, out2]: [&DevBuf<f32>; 2],
+    x: Mat<'_>,
+    w: &DevBuf<f32>,
+    rows: usize,
+    d: usize,
+    eps: f32,
+) -> Result<()> {
+    let args = [
+        ptr(out, 0, rows * d, "rmsnorm out")?,
+        ptr(out2, 0, rows * d, "rmsnorm out2")?,
+        int(d, "out stride")?,
+        x.arg(rows, d, "rmsnorm x")?,
+        int(x.stride, "x stride")?,
+        ptr(w, 0, d, "rmsnorm w")?,
+        int(rows, "R")?,
+        int(d, "D")?,
+        Arg::F(eps),
+    ];
+    // SAFETY: out and out2 [R, D] (stride D), x spans (R-1)*stride + D, w [D], all checked.
+    unsafe {
+        launch(
+            g,
+            "rmsnorm_dup",
+            launch::per_row(rows, 128, "rmsnorm_dup")?,
+            &args,
+        )
+    }
+}
+
 /// Kernel `gather_rows`: `out [r, d] = x[rows[i]]`; `rows` (meta) indexes `< x_rows`.
 pub fn gather_rows(
     g: &Gpu,
@@ -1354,7 +1387,8 @@ pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
     };
     let name = format!("kda_recurrent_{dl}");
     let o = ptr(a.o, 0, t * c, "kda o")?;
-    let (args, shape) = recurrent_args(s, a, [o, y, fg, xin, pool], meta)?;
+    let (mut args, shape) = recurrent_args(s, a, [o, y, fg, xin, pool], meta)?;
+    args.push(Arg::I(i32::from(g.kda_pre)));
     // SAFETY: o [T, C], y, fg [T, 2C], xin (b at b_col + nl <= in_width), A_log [nl],
     // dt_bias [C], pool checked; S elements of head h lie at conv_len + h dl^2 + i dl + j
     // < conv_len + nl dl^2 (inside the page, checked above); block = dl threads.
@@ -1449,6 +1483,7 @@ fn kda_fused(
         }
         None => args.extend([Arg::P(0), Arg::P(0), Arg::I(0)]),
     }
+    args.push(Arg::I(i32::from(g.kda_pre)));
     let name = format!("kda_fused_{dl}");
     // SAFETY: the union of the three kernels' operands, each checked as in `kda`: out, o
     // [T, C], fg [T, 2C], xin [T, in_width >= 3C] (b at b_col + nl <= in_width), A_log

@@ -134,16 +134,8 @@ impl CudaBackend {
                     self.layer(&cx, layer, cache, &mut moe)?;
                     self.snap_hidden(&cx, i + 1)?;
                 }
-                ops::rmsnorm(
-                    g,
-                    Mat::rows(&ws.hidden, h),
-                    Mat::rows(&ws.x, h),
-                    &self.w.norm,
-                    t,
-                    h,
-                    cfg.rms_norm_eps as f32,
-                )?;
-                self.head(&cx, last_rows, argmax)
+                let gathered = self.final_norm(&cx, &self.w.norm, last_rows)?;
+                self.head(&cx, last_rows, argmax, gathered)
             }
             StepKind::Mtp {
                 last_rows, argmax, ..
@@ -164,11 +156,43 @@ impl CudaBackend {
         }
     }
 
-    /// lm_head over every row of `ws.hidden`, or over each chunk's last row; then argmax.
-    fn head(&self, cx: &Ctx<'_>, last_rows: bool, argmax: bool) -> Result<()> {
+    /// `ws.hidden` = rmsnorm(`ws.x`, `w`). When only each chunk's last row goes to the head
+    /// and every chunk is one row (a decode step), the row gather is the identity: the norm
+    /// also writes `ws.tmp` (`rmsnorm_dup`, unless `SPECLAB_FINAL_DUP=0`) and returns true.
+    fn final_norm(
+        &self,
+        cx: &Ctx<'_>,
+        w: &crate::buf::DevBuf<f32>,
+        last_rows: bool,
+    ) -> Result<bool> {
+        let cfg = &self.w.cfg;
+        let (h, t, eps) = (cfg.hidden_size, cx.t, cfg.rms_norm_eps as f32);
+        let (g, ws) = (&self.gpu, &self.ws);
+        let dup = g.final_dup && last_rows && t == cx.m.num_seqs;
+        if dup {
+            ops::rmsnorm_dup(g, [&ws.hidden, &ws.tmp], Mat::rows(&ws.x, h), w, t, h, eps)?;
+        } else {
+            ops::rmsnorm(
+                g,
+                Mat::rows(&ws.hidden, h),
+                Mat::rows(&ws.x, h),
+                w,
+                t,
+                h,
+                eps,
+            )?;
+        }
+        Ok(dup)
+    }
+
+    /// lm_head over every row of `ws.hidden`, or over each chunk's last row (in `ws.tmp`,
+    /// gathered here unless `gathered`); then argmax.
+    fn head(&self, cx: &Ctx<'_>, last_rows: bool, argmax: bool, gathered: bool) -> Result<()> {
         let (h, v) = (self.w.cfg.hidden_size, self.w.cfg.vocab_size);
         let (g, ws) = (&self.gpu, &self.ws);
-        let (src, rows) = if last_rows {
+        let (src, rows) = if last_rows && gathered {
+            (&ws.tmp, cx.m.num_seqs)
+        } else if last_rows {
             ops::gather_rows(
                 g,
                 &ws.tmp,
@@ -246,16 +270,8 @@ impl CudaBackend {
         )?;
         let mut moe = 0;
         self.layer(cx, &mtp.layer, Cache::Attn(cfg.num_full_layers()), &mut moe)?;
-        ops::rmsnorm(
-            g,
-            Mat::rows(&ws.hidden, h),
-            Mat::rows(&ws.x, h),
-            &mtp.head_norm,
-            t,
-            h,
-            eps,
-        )?;
-        self.head(cx, last_rows, argmax)
+        let gathered = self.final_norm(cx, &mtp.head_norm, last_rows)?;
+        self.head(cx, last_rows, argmax, gathered)
     }
 
     /// One decoder layer in place on `ws.x` (docs/model.md §2 body).
