@@ -553,7 +553,19 @@ fn experts_call(
     d: &DevDraw,
     sc: &Scratch,
 ) -> Result<()> {
-    let ex = ops::Experts {
+    ops::moe_experts(g, &d.routing(s, m), &experts_of(s, c, d, sc, None))
+}
+
+/// The routed experts of copy `c` on draw `d` into `sc` (the input split by the launch),
+/// with `shared` merged into the gate/up launch when given.
+fn experts_of<'a>(
+    s: &MoeShape,
+    c: &'a LayerCopy,
+    d: &'a DevDraw,
+    sc: &'a Scratch,
+    shared: Option<ops::Swiglu<'a>>,
+) -> ops::Experts<'a> {
+    ops::Experts {
         w: c.experts(),
         x: &d.x,
         xs: &sc.xs,
@@ -563,9 +575,8 @@ fn experts_call(
         sync: &sc.sync,
         hidden: s.hidden,
         inter: s.inter,
-        shared: None,
-    };
-    ops::moe_experts(g, &d.routing(s, m), &ex)
+        shared,
+    }
 }
 
 /// The INT4 gate/up launch with the shared expert's SwiGLU merged in
@@ -589,18 +600,13 @@ pub fn shared_merge_parity(g: &Gpu, out: &mut Vec<crate::check::CheckLine>) -> R
         let mut res: Vec<[Vec<u32>; 3]> = Vec::new();
         for merged in [false, true] {
             let sc = Scratch::new(g, &s, m)?;
-            let ex = ops::Experts {
-                w: c.experts(),
-                x: &d.x,
-                xs: &sc.xs,
-                xs_ready: false,
-                h: &sc.h,
-                y: &sc.y,
-                sync: &sc.sync,
-                hidden: s.hidden,
-                inter: s.inter,
-                shared: merged.then(|| ex_shared(&sc, &d, &c, &s, m)),
-            };
+            let ex = experts_of(
+                &s,
+                &c,
+                &d,
+                &sc,
+                merged.then(|| ex_shared(&sc, &d, &c, &s, m)),
+            );
             ops::moe_experts(g, &d.routing(&s, m), &ex)?;
             if !merged {
                 ops::swiglu(g, &ex_shared(&sc, &d, &c, &s, m))?;

@@ -390,6 +390,18 @@ pub fn embed(
     unsafe { launch(g, "embed_gather", launch::per_row(t, 128, "embed")?, &args) }
 }
 
+/// The arguments the rmsnorm kernels share after their outputs: x, its stride, w, R, D, eps.
+fn norm_tail(x: Mat<'_>, w: &DevBuf<f32>, rows: usize, d: usize, eps: f32) -> Result<[Arg; 6]> {
+    Ok([
+        x.arg(rows, d, "rmsnorm x")?,
+        int(x.stride, "x stride")?,
+        ptr(w, 0, d, "rmsnorm w")?,
+        int(rows, "R")?,
+        int(d, "D")?,
+        Arg::F(eps),
+    ])
+}
+
 /// Kernel `rmsnorm` over `rows` rows of `d`.
 pub fn rmsnorm(
     g: &Gpu,
@@ -400,16 +412,11 @@ pub fn rmsnorm(
     d: usize,
     eps: f32,
 ) -> Result<()> {
-    let args = [
+    let mut args = vec![
         out.arg(rows, d, "rmsnorm out")?,
         int(out.stride, "out stride")?,
-        x.arg(rows, d, "rmsnorm x")?,
-        int(x.stride, "x stride")?,
-        ptr(w, 0, d, "rmsnorm w")?,
-        int(rows, "R")?,
-        int(d, "D")?,
-        Arg::F(eps),
     ];
+    args.extend(norm_tail(x, w, rows, d, eps)?);
     // SAFETY: out and x span (R-1)*stride + D, w spans D, all checked.
     unsafe { launch(g, "rmsnorm", launch::per_row(rows, 128, "rmsnorm")?, &args) }
 }
@@ -469,17 +476,12 @@ pub fn rmsnorm_dup(
     d: usize,
     eps: f32,
 ) -> Result<()> {
-    let args = [
+    let mut args = vec![
         ptr(out, 0, rows * d, "rmsnorm out")?,
         ptr(out2, 0, rows * d, "rmsnorm out2")?,
         int(d, "out stride")?,
-        x.arg(rows, d, "rmsnorm x")?,
-        int(x.stride, "x stride")?,
-        ptr(w, 0, d, "rmsnorm w")?,
-        int(rows, "R")?,
-        int(d, "D")?,
-        Arg::F(eps),
     ];
+    args.extend(norm_tail(x, w, rows, d, eps)?);
     // SAFETY: out and out2 [R, D] (stride D), x spans (R-1)*stride + D, w [D], all checked.
     unsafe {
         launch(
