@@ -242,6 +242,7 @@ __device__ __forceinline__ float warp_spread(float v[S]) {
 #endif
 struct TiledPre {
     uint4 w[LT_RN];  // lane's words: weight rows r0 .. r0 + 8 (clamped), k word `lane`
+    float g[8];      // NORM: the lane's norm weights of k word `lane` (linear_norm_tiled)
 };
 
 __device__ __forceinline__ void tiled_pre(TiledPre& pre, const bf16_bits* __restrict__ W, int R,
@@ -255,6 +256,15 @@ __device__ __forceinline__ void tiled_pre(TiledPre& pre, const bf16_bits* __rest
             pre.w[c] = *reinterpret_cast<const uint4*>(W + (size_t)min(r0 + c, R - 1) * K +
                                                        (size_t)lane * 8);
     }
+}
+
+// tiled_pre plus the lane's first norm-weight word (linear_norm_tiled_bf16's g, constant).
+__device__ __forceinline__ void tiled_pre_norm(TiledPre& pre, const bf16_bits* __restrict__ W,
+                                               int R, int K, int r0,
+                                               const float* __restrict__ g) {
+    tiled_pre(pre, W, R, K, r0);
+    const int lane = threadIdx.x & 31;
+    if (LT_PREWAIT && lane < K / 8) load8(g + (size_t)lane * 8, pre.g);
 }
 
 template <bool NORM>
@@ -273,7 +283,14 @@ __device__ __forceinline__ float tiled_dot(const float* __restrict__ x, int x_st
 #pragma unroll
         for (int r = 0; r < LT_RM; ++r)
             load8(x + (size_t)min(m0 + r, M - 1) * x_stride + (size_t)kw * 8, xv[r]);
-        if (NORM) load8(g + (size_t)kw * 8, gv);
+        if (NORM) {
+            if (LT_PREWAIT && kw == lane) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) gv[j] = pre.g[j];
+            } else {
+                load8(g + (size_t)kw * 8, gv);
+            }
+        }
 #pragma unroll
         for (int c = 0; c < LT_RN; ++c) {
             float w[8];
@@ -401,7 +418,7 @@ extern "C" __global__ void __launch_bounds__(256) linear_norm_tiled_bf16(
     int m0, n0;
     if (!tiled_origin(M, N, m0, n0)) return;
     TiledPre pre;
-    tiled_pre(pre, W, N, K, n0);
+    tiled_pre_norm(pre, W, N, K, n0, g);
     pdl_enter();
     const float s = tiled_dot<true>(x, x_stride, W, M, N, K, m0, n0, g, eps, pre);
     tiled_store(y, y_stride, M, N, m0, n0, s, accumulate);

@@ -142,10 +142,12 @@ __device__ __forceinline__ void align_tiles(int* __restrict__ sorted, int* __res
 // rmsnorm as ops.rs launches it (128 threads): the same per-thread partials (stride 128),
 // warp sums, and the 4 warp totals added in order from zero; then x * inv * w.
 // Called by the whole block (blockDim.x >= 128); returns the shared row.
+// nw0: this thread's nw[threadIdx.x] when `pre` (loaded before the grid-dependency wait).
 __device__ __forceinline__ const float* router_norm_row(float* s_row, float* __restrict__ out,
                                                         const float* __restrict__ xr,
                                                         const float* __restrict__ nw, int D,
-                                                        float eps, float* scratch) {
+                                                        float eps, float* scratch, bool pre,
+                                                        float nw0) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     float ss = 0.0f;
     if (tid < 128)
@@ -157,7 +159,7 @@ __device__ __forceinline__ const float* router_norm_row(float* s_row, float* __r
     for (int w = 0; w < 4; ++w) tot += scratch[w];
     const float inv = 1.0f / sqrtf(tot / (float)D + eps);
     for (int i = tid; i < D; i += blockDim.x) {
-        const float v = xr[i] * inv * nw[i];
+        const float v = xr[i] * inv * (pre && i == tid ? nw0 : nw[i]);
         s_row[i] = v;
         out[i] = v;
     }
@@ -183,9 +185,9 @@ __device__ __forceinline__ const float* router_norm_row(float* s_row, float* __r
 // sample; it saves the moe_align launch.  E <= ROUTER_E_MAX here, so the shared count /
 // offset arrays are sized by it.
 // With `pre` two latency cuts, the values unchanged: each warp's first router-weight word
-// (expert e = warp, k word = lane) is loaded before the grid-dependency wait (the weights
-// are constant; the prologue programmatic dependent launch allows, as linear.cu
-// LT_PREWAIT), and a one-block grid (T = 1, a decode step of one sequence) aligns
+// (expert e = warp, k word = lane), its expert's bias and each thread's first norm weight
+// are loaded before the grid-dependency wait (constants; the prologue programmatic
+// dependent launch allows, as linear.cu LT_PREWAIT), and a one-block grid (T = 1, a decode step of one sequence) aligns
 // straight after its barrier from a shared copy of its ids, without the fence, ticket
 // and L2 round trips (the ticket stays 0).
 // Launch: grid (T), block 512.
@@ -204,6 +206,9 @@ extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restr
     const bool pw = pre && warp < E && lane < K / 8;
     uint4 w0 = make_uint4(0u, 0u, 0u, 0u);
     if (pw) w0 = *reinterpret_cast<const uint4*>(W + (size_t)warp * K + (size_t)lane * 8);
+    float nw0 = 0.0f, b0 = 0.0f;  // the norm weight and router bias this thread reads first
+    if (pre && norm_w != nullptr && threadIdx.x < K) nw0 = norm_w[threadIdx.x];
+    if (pre && warp < E) b0 = bias[warp];
     pdl_enter();
     __shared__ float lg[ROUTER_E_MAX];
     __shared__ float biased[ROUTER_E_MAX];
@@ -213,7 +218,8 @@ extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restr
     const int t = blockIdx.x;
     if (t >= T) return;  // uniform per block
     const float* xr = x + (size_t)t * x_stride;
-    if (norm_w != nullptr) xr = router_norm_row(row, xn + (size_t)t * K, xr, norm_w, K, eps, scratch);
+    if (norm_w != nullptr)
+        xr = router_norm_row(row, xn + (size_t)t * K, xr, norm_w, K, eps, scratch, pre, nw0);
     if (xs != nullptr)
         for (int i = threadIdx.x; i < K / 4; i += blockDim.x) w4_split_item(xs, xr, t, K, i);
     for (int e = warp; e < E; e += nwarps) {
@@ -231,7 +237,7 @@ extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restr
         const float s = warp_sum(acc);
         if (lane == 0) {
             lg[e] = s;
-            biased[e] = sigmoid_f(s) + bias[e];
+            biased[e] = sigmoid_f(s) + (pre && e == warp ? b0 : bias[e]);
             logits[(size_t)t * E + e] = s;
         }
     }

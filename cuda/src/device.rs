@@ -409,6 +409,7 @@ mod tests {
             "if (!tiled_origin_at(",
             "TiledPre pre;",
             "tiled_pre(pre, ",
+            "tiled_pre_norm(pre, ",
             "const bool z = blockIdx.z != 0;",
             // moe_gate_up_shared_w4: block dispatch to the two delegates.
             "const int b = blockIdx.x;",
@@ -419,6 +420,9 @@ mod tests {
             "const bool pw = pre && warp < E && lane < K / 8;",
             "uint4 w0 = make_uint4(",
             "if (pw) w0 = *reinterpret_cast<const uint4*>(W + ",
+            "float nw0 = 0.0f, b0 = 0.0f;",
+            "if (pre && norm_w != nullptr && threadIdx.x < K) nw0 = norm_w[threadIdx.x];",
+            "if (pre && warp < E) b0 = bias[warp];",
             // w4_mma: the wait unless `pre` (then in w4_item, after the routing reads).
             "if (!pre)",
             // kda_recurrent_impl: indices, shared arrays, the weight rows' L2 prefetch.
