@@ -23,7 +23,8 @@
 # SPECLAB_KDA_FUSED_ROWS=16 (the fused KDA kernel for verify chunks too, not decode only),
 # SPECLAB_MTP_IN_NORM=0 (the MTP layer's embedding + input norms as three launches),
 # SPECLAB_KDA_PRE=0 (the KDA kernels read state and metadata after the PDL wait),
-# SPECLAB_FINAL_DUP=0 (a decode step's final norm + an identity gather_rows).
+# SPECLAB_FINAL_DUP=0 (a decode step's final norm + an identity gather_rows),
+# SPECLAB_KDA_PAIR=0 (verify chunks' KDA layer in four launches, not two).
 # Several settings in one leg are space-separated: "A=0 B=off".
 # Everything lands in $OUT/results.tgz; leg i's outputs under ab<i>/ with its settings in
 # ab<i>/env.txt.

@@ -21,16 +21,19 @@
 // Shapes: xin [T, xin_stride] (columns [0, 3C): pre-conv q | k | v), taps [3C, kc] f32,
 // y [T, 3C] (post-SiLU).  kc <= 8 (host-checked).
 // Launch: grid (ceil(3C / 128), S), block 128.
-extern "C" __global__ void kda_conv(float* __restrict__ y, const float* __restrict__ xin,
-                                    int xin_stride, const float* __restrict__ taps,
-                                    float* __restrict__ pool, long long layer_off,
-                                    long long fpb, int C, int kc,
-                                    const int* __restrict__ row0, const int* __restrict__ len,
-                                    const int* __restrict__ pos0, const int* __restrict__ snap,
-                                    const int* __restrict__ state_tables, int max_state) {
+// Block (bx, s) of kda_conv's grid (calls pdl_enter).
+__device__ __forceinline__ void kda_conv_block(float* __restrict__ y, const float* __restrict__ xin,
+                                               int xin_stride, const float* __restrict__ taps,
+                                               float* __restrict__ pool, long long layer_off,
+                                               long long fpb, int C, int kc,
+                                               const int* __restrict__ row0,
+                                               const int* __restrict__ len,
+                                               const int* __restrict__ pos0,
+                                               const int* __restrict__ snap,
+                                               const int* __restrict__ state_tables,
+                                               int max_state, int bx, int s) {
     pdl_enter();
-    const int c3 = blockIdx.x * blockDim.x + threadIdx.x;
-    const int s = blockIdx.y;
+    const int c3 = bx * blockDim.x + threadIdx.x;
     if (c3 >= 3 * C) return;
     const int which = c3 / C, c = c3 % C;
     const int* table = state_tables + (size_t)s * max_state;
@@ -68,6 +71,17 @@ extern "C" __global__ void kda_conv(float* __restrict__ y, const float* __restri
 #pragma unroll
     for (int j = 0; j < KC_MAX - 1; ++j)
         if (j < kc - 1) page0[elem0 + (long long)j * C] = win[j];
+}
+
+extern "C" __global__ void kda_conv(float* __restrict__ y, const float* __restrict__ xin,
+                                    int xin_stride, const float* __restrict__ taps,
+                                    float* __restrict__ pool, long long layer_off,
+                                    long long fpb, int C, int kc,
+                                    const int* __restrict__ row0, const int* __restrict__ len,
+                                    const int* __restrict__ pos0, const int* __restrict__ snap,
+                                    const int* __restrict__ state_tables, int max_state) {
+    kda_conv_block(y, xin, xin_stride, taps, pool, layer_off, fpb, C, kc, row0, len, pos0,
+                   snap, state_tables, max_state, blockIdx.x, blockIdx.y);
 }
 
 // Gated delta rule for one (head, chunk): thread j owns column j (value index) of
@@ -124,7 +138,29 @@ __device__ __forceinline__ float lowrank_dot(const float* x, const uint4* __rest
     return v[0] + v[1];
 }
 
-template <int DL, bool FUSED>
+// Item `it` of the f / g up-projections (linear_pair's work, for the verify pair): row
+// it / 2, f (it even, xin columns fcol ..) or g (odd, fcol + DL ..) into fg's half of that
+// row, every column c < C by its own thread (block-strided) with lowrank_dot's sums.
+template <int DL>
+__device__ __forceinline__ void lowrank_block(float* __restrict__ fg, const float* __restrict__ xin,
+                                              int xin_stride, int fcol,
+                                              const bf16_bits* __restrict__ wf,
+                                              const bf16_bits* __restrict__ wg, int C, int it) {
+    __shared__ float lx[DL];
+    const int row = it / 2, which = it % 2;
+    pdl_enter();
+    for (int i = threadIdx.x; i < DL; i += blockDim.x)
+        lx[i] = xin[(size_t)row * xin_stride + fcol + which * DL + i];
+    __syncthreads();
+    const bf16_bits* w = which ? wg : wf;
+    for (int c = threadIdx.x; c < C; c += blockDim.x)
+        fg[(size_t)row * 2 * C + (size_t)which * C + c] =
+            lowrank_dot<DL>(lx, reinterpret_cast<const uint4*>(w + (size_t)c * DL));
+}
+
+// NORM (implied by FUSED; kernel kda_recurrent_norm_{DL} without FUSED): the per-token
+// gated norm above, from the post-conv y and fg's g; o is not written.
+template <int DL, bool FUSED, bool NORM = FUSED>
 __device__ __forceinline__ void kda_recurrent_impl(
     float* __restrict__ o, const float* __restrict__ y, float* __restrict__ fg,
     const float* __restrict__ xin, int xin_stride, int b_col, const float* __restrict__ a_log,
@@ -221,7 +257,7 @@ __device__ __forceinline__ void kda_recurrent_impl(
         nk = yr[C];
         nv = yr[2 * C];
         nf = lowrank ? 0.0f : fg[row * 2 * C + h * DL + j];  // lowrank: computed below
-        if (FUSED) ng = lowrank ? 0.0f : fg[row * 2 * C + C + h * DL + j];
+        if (NORM) ng = lowrank ? 0.0f : fg[row * 2 * C + C + h * DL + j];
         nb = xin[row * xin_stride + b_col + h];
     };
     if (pre) pdl_enter();
@@ -266,7 +302,7 @@ __device__ __forceinline__ void kda_recurrent_impl(
             st[i] += beta * (ks[i] * u);
             out += st[i] * qs[i];
         }
-        if (FUSED) {
+        if (NORM) {
             os[j] = out;  // read after the barrier below
         } else {
             o[row * C + h * DL + j] = out;
@@ -277,7 +313,7 @@ __device__ __forceinline__ void kda_recurrent_impl(
             for (int i = 0; i < DL; ++i) pg[(long long)i * DL] = st[i];
         }
         __syncthreads();  // qs / ks / al are rewritten by the next token
-        if (FUSED) {
+        if (NORM) {
             // kda_gate_norm of row `row`, head h: os is rewritten only after the next
             // token's first barrier, which every thread reaches after these reads.
             const int lane = j & 31;
@@ -318,12 +354,43 @@ __device__ __forceinline__ void kda_recurrent_impl(
                                      pool, layer_off, fpb, conv_len, nl, qscale, row0, len,  \
                                      pos0, snap, state_tables, max_state, taps, kc, gated,   \
                                      o_norm, eps, wf, wg, fcol, pre);                       \
+    }                                                                                       \
+    extern "C" __global__ void kda_recurrent_norm_##DL(                                      \
+        float* gated, const float* y, float* fg, const float* xin, int xin_stride,          \
+        int b_col, const float* a_log, const float* dt_bias, float* pool,                   \
+        long long layer_off, long long fpb, int conv_len, int nl, float qscale,             \
+        const int* row0, const int* len, const int* pos0, const int* snap,                  \
+        const int* state_tables, int max_state, const float* o_norm, float eps, int pre) {  \
+        kda_recurrent_impl<DL, false, true>(nullptr, y, fg, xin, xin_stride, b_col, a_log,  \
+                                            dt_bias, pool, layer_off, fpb, conv_len, nl,     \
+                                            qscale, row0, len, pos0, snap, state_tables,     \
+                                            max_state, nullptr, 0, gated, o_norm, eps,       \
+                                            nullptr, nullptr, 0, pre);                      \
+    }                                                                                       \
+    extern "C" __global__ void kda_conv_lowrank_##DL(                                        \
+        float* y, const float* xin, int xin_stride, const float* taps, float* pool,         \
+        long long layer_off, long long fpb, int C, int kc, const int* row0, const int* len,  \
+        const int* pos0, const int* snap, const int* state_tables, int max_state,          \
+        int conv_gx, int conv_blocks, float* fg, const bf16_bits* wf, const bf16_bits* wg,  \
+        int fcol) {                                                                         \
+        const int b = blockIdx.x;                                                           \
+        if (b < conv_blocks) {                                                              \
+            kda_conv_block(y, xin, xin_stride, taps, pool, layer_off, fpb, C, kc, row0, len, \
+                           pos0, snap, state_tables, max_state, b % conv_gx, b / conv_gx);  \
+            return;                                                                         \
+        }                                                                                   \
+        lowrank_block<DL>(fg, xin, xin_stride, fcol, wf, wg, C, b - conv_blocks);           \
     }
 
 // kda_recurrent_{DL} and kda_fused_{DL} (conv + recurrence + gated norm, FUSED above; with
 // wf / wg the f / g up-projections too).  Both wait for the previous grid in the impl
 // (pdl_enter), kda_fused after its weight prologue.
 // Launch: grid (nl, S), block DL (linear_head_dim: 32, 64 or 128).
+// The verify pair (multi-row chunks in two launches instead of four): kda_conv_lowrank_{DL}
+// = kda_conv's blocks (x fastest, conv_gx x S of them, any block size) then lowrank_block's
+// (2 T of them: f and g of each row, the linear_pair launch's values); then
+// kda_recurrent_norm_{DL} = kda_recurrent_{DL} with kda_gate_norm inside its token loop.
+// Launch of kda_conv_lowrank: grid (conv_blocks + 2 T), block 256.
 KDA_RECURRENT(32)
 KDA_RECURRENT(64)
 KDA_RECURRENT(128)

@@ -81,7 +81,7 @@ pub fn pdl_wanted(major: i32, env: Option<&str>) -> bool {
 /// or `false`, on otherwise (`SPECLAB_PDL`, `SPECLAB_MTP_PAD`, `SPECLAB_ROUTER_NORM`, `SPECLAB_ROUTER_ALIGN`,
 /// `SPECLAB_MOE_COMBINE`, `SPECLAB_KDA_FUSED`, `SPECLAB_ROUTER_PRE`, `SPECLAB_W4_PRE`,
 /// `SPECLAB_SHARED_MERGE`, `SPECLAB_KDA_LOWRANK`, `SPECLAB_MTP_IN_NORM`, `SPECLAB_KDA_PRE`,
-/// `SPECLAB_FINAL_DUP`).
+/// `SPECLAB_FINAL_DUP`, `SPECLAB_KDA_PAIR`).
 pub fn switch_on(env: Option<&str>) -> bool {
     !matches!(env.map(str::trim), Some("0" | "off" | "false"))
 }
@@ -175,6 +175,10 @@ pub struct Gpu {
     /// A decode step's final norm also writes the head's input rows (`rmsnorm_dup`, no
     /// identity row gather); default, `SPECLAB_FINAL_DUP=0` launches `gather_rows`.
     pub final_dup: bool,
+    /// Multi-row (verify) chunks' KDA layer in two launches (`kda_conv_lowrank_{dl}` +
+    /// `kda_recurrent_norm_{dl}`, [`crate::ops::KdaPath::Pair`]); default,
+    /// `SPECLAB_KDA_PAIR=0` launches linear_pair + the three kernels.
+    pub kda_pair: bool,
     /// The fused router's latency cuts (kernel `moe_router_topk`'s `pre`: router-weight
     /// prologue before the grid-dependency wait, and no ticket in a one-block grid);
     /// default, `SPECLAB_ROUTER_PRE=0` turns both off (A/B).
@@ -255,6 +259,7 @@ impl Gpu {
             fuse_combine: switch_on(std::env::var("SPECLAB_MOE_COMBINE").ok().as_deref()),
             fuse_kda: switch_on(std::env::var("SPECLAB_KDA_FUSED").ok().as_deref()),
             kda_fused_rows: rows_env("SPECLAB_KDA_FUSED_ROWS", crate::ops::KDA_FUSED_MEAN_ROWS)?,
+            kda_pair: switch_on(std::env::var("SPECLAB_KDA_PAIR").ok().as_deref()),
             final_dup: switch_on(std::env::var("SPECLAB_FINAL_DUP").ok().as_deref()),
             kda_pre: switch_on(std::env::var("SPECLAB_KDA_PRE").ok().as_deref()),
             fuse_mtp_in: switch_on(std::env::var("SPECLAB_MTP_IN_NORM").ok().as_deref()),
@@ -401,7 +406,13 @@ mod tests {
         // wait, which the host allows only two grids after the routing (linear.cu w4_mma),
         // and the KDA kernels' `pre` path the state pages and chunk metadata, written by
         // earlier steps or the host (kda.cu kda_recurrent_impl).
-        let delegates = ["swiglu_tiled_block(", "w4_mma<", "kda_recurrent_impl<"];
+        let delegates = [
+            "swiglu_tiled_block(",
+            "w4_mma<",
+            "kda_recurrent_impl<",
+            "kda_conv_block(",
+            "lowrank_block<",
+        ];
         let allowed = [
             "int m0, n0;",
             "int m0, r0;",
@@ -414,6 +425,9 @@ mod tests {
             // moe_gate_up_shared_w4: block dispatch to the two delegates.
             "const int b = blockIdx.x;",
             "if (b < sh_blocks) {",
+            // kda_conv_lowrank: block dispatch; lowrank_block: its item's indices.
+            "if (b < conv_blocks) {",
+            "const int row = it / 2, which = it % 2;",
             // moe_router_topk: the first router-weight word of each warp.
             "const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;",
             "// warp < E",

@@ -1314,6 +1314,33 @@ pub fn kda_fuses(g: &Gpu, t: usize, num_seqs: usize) -> bool {
     g.fuse_kda && t <= g.kda_fused_rows * num_seqs
 }
 
+/// Mean rows a chunk up to which [`kda`] runs a multi-row chunk in two launches (the verify
+/// pair, `kda_conv_lowrank_{dl}` + `kda_recurrent_norm_{dl}`): verify steps of up to 15
+/// drafts; prefill keeps the separate kernels, whose gated norm runs over all tokens at once.
+pub const KDA_PAIR_MEAN_ROWS: usize = 16;
+
+/// How [`kda`] runs a step's KDA layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KdaPath {
+    /// One kernel (`kda_fused_{dl}`, decode).
+    Fused,
+    /// Two kernels (verify; [`Gpu::kda_pair`]).
+    Pair,
+    /// `kda_conv`, `kda_recurrent_{dl}`, `kda_gate_norm` (after `linear_pair`).
+    Split,
+}
+
+/// The [`KdaPath`] of `t` rows in `num_seqs` chunks.
+pub fn kda_path(g: &Gpu, t: usize, num_seqs: usize) -> KdaPath {
+    if kda_fuses(g, t, num_seqs) {
+        KdaPath::Fused
+    } else if g.kda_pair && t <= KDA_PAIR_MEAN_ROWS * num_seqs {
+        KdaPath::Pair
+    } else {
+        KdaPath::Split
+    }
+}
+
 /// Mean rows a chunk up to which [`kda`] takes the fused kernel: one, decode steps only.
 /// In multi-row verify chunks it is slower: the conv, the f / g up-projections and the
 /// gated norm run inside its sequential token loop, where the separate kernels spread them
@@ -1354,14 +1381,17 @@ pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
         s.tables,
         int(s.max_state, "max_state")?,
     ];
-    // Fused for one-row (decode) chunks only: its gated-norm epilogue walks a chunk's rows
-    // with DL / 32 warps, where kda_gate_norm spreads them over the GPU.
-    if kda_fuses(g, t, s.num_seqs) {
-        return kda_fused(g, s, a, [pool, xin, fg], meta);
+    // Fused for one-row (decode) chunks only (KDA_FUSED_MEAN_ROWS); verify chunks in two
+    // launches (KDA_PAIR_MEAN_ROWS); prefill in the separate kernels.
+    match kda_path(g, t, s.num_seqs) {
+        KdaPath::Fused => return kda_fused(g, s, a, [pool, xin, fg], meta),
+        KdaPath::Pair => return kda_pair(g, s, a, [pool, xin, y, fg], meta),
+        KdaPath::Split => {}
     }
     if a.lowrank.is_some() {
         return Err(CudaError::Input(
-            "kda: the f / g up-projections ride only on the fused kernel (internal)".into(),
+            "kda: the f / g up-projections ride only on the fused and pair kernels (internal)"
+                .into(),
         ));
     }
     let mut args = vec![
@@ -1494,6 +1524,76 @@ fn kda_fused(
     // thread j of head h reads row h dl + j, 16-byte aligned as dl % 32 == 0); chunk rows
     // and state blocks from meta::build; conv elements inside the first conv_len floats of
     // the layer's page and S elements below conv_len + nl dl^2 (checked in `kda`).
+    unsafe { launch(g, &name, shape, &args) }
+}
+
+/// The verify pair for [`kda`] (its checks done): `kda_conv_lowrank_{dl}` (the conv, and the
+/// f / g up-projections when `a.lowrank`; else `kda_conv` after the caller's `linear_pair`),
+/// then `kda_recurrent_norm_{dl}` (the recurrence with the gated norm in its token loop).
+fn kda_pair(
+    g: &Gpu,
+    s: &StatePages<'_>,
+    a: &Kda<'_>,
+    [pool, xin, y, fg]: [Arg; 4],
+    meta: [Arg; 6],
+) -> Result<()> {
+    let (c, dl, t) = (a.nl * a.dl, a.dl, a.t);
+    let conv_gx = (3 * c).div_ceil(256);
+    let conv_blocks = conv_gx * s.num_seqs;
+    let mut args = vec![
+        y,
+        xin,
+        int(a.in_width, "xin stride")?,
+        ptr(a.taps, 0, 3 * c * a.kc, "taps")?,
+        pool,
+        long(s.layer_off),
+        long(s.fpb),
+        int(c, "C")?,
+        int(a.kc, "kc")?,
+    ];
+    args.extend(meta);
+    let (name, shape) = match a.lowrank {
+        Some((wf, wg, fcol)) if fcol + 2 * dl <= a.in_width => {
+            args.extend([
+                int(conv_gx, "conv grid x")?,
+                int(conv_blocks, "conv blocks")?,
+                fg,
+                ptr(wf, 0, c * dl, "kda Wf")?,
+                ptr(wg, 0, c * dl, "kda Wg")?,
+                int(fcol, "f col")?,
+            ]);
+            let shape = launch::grid_2d(conv_blocks + 2 * t, 1, 256, "kda_conv_lowrank")?;
+            (format!("kda_conv_lowrank_{dl}"), shape)
+        }
+        Some(_) => {
+            return Err(CudaError::Input(
+                "kda: low-rank inputs past the projection width (internal)".into(),
+            ))
+        }
+        None => (
+            "kda_conv".to_string(),
+            launch::grid_2d(conv_gx, s.num_seqs, 256, "kda_conv")?,
+        ),
+    };
+    // SAFETY: as kda_conv in `kda` (y [T, 3C], xin, taps, the pool, chunk metadata; blocks
+    // cover the 3C channels of every chunk at 256 threads); with the low-rank GEMMs, blocks
+    // past the conv's write row it / 2's f or g half of fg [T, 2C] from xin columns
+    // fcol .. fcol + 2 dl <= in_width and Wf / Wg [C, dl] (checked above).
+    unsafe { launch(g, &name, shape, &args)? };
+    let (mut args, shape) = recurrent_args(
+        s,
+        a,
+        [ptr(a.out, 0, t * c, "kda out")?, y, fg, xin, pool],
+        meta,
+    )?;
+    args.extend([
+        ptr(a.o_norm, 0, dl, "o_norm")?,
+        Arg::F(a.eps),
+        Arg::I(i32::from(g.kda_pre)),
+    ]);
+    let name = format!("kda_recurrent_norm_{dl}");
+    // SAFETY: as kda_recurrent_{dl} in `kda`, with out [T, C] and o_norm [dl] in place of
+    // o (the gated norm written per token, kda_gate_norm's operands).
     unsafe { launch(g, &name, shape, &args) }
 }
 

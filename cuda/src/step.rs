@@ -395,8 +395,10 @@ impl CudaBackend {
             cfg.rms_norm_eps as f32,
         )?;
         let fg = Mat::rows(&ws.fg, 2 * c);
-        // Decode steps: the fused KDA kernel does the f / g up-projections itself.
-        let lowrank = g.fuse_kda_lowrank && ops::kda_fuses(g, t, cx.m.num_seqs);
+        // Decode and verify steps: the fused / pair KDA kernels do the f / g
+        // up-projections themselves.
+        let lowrank =
+            g.fuse_kda_lowrank && ops::kda_path(g, t, cx.m.num_seqs) != ops::KdaPath::Split;
         if !lowrank {
             ops::linear_pair(
                 g,
