@@ -1394,18 +1394,7 @@ pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
                 .into(),
         ));
     }
-    let mut args = vec![
-        y,
-        xin,
-        int(a.in_width, "xin stride")?,
-        ptr(a.taps, 0, 3 * c * a.kc, "taps")?,
-        pool,
-        long(s.layer_off),
-        long(s.fpb),
-        int(c, "C")?,
-        int(a.kc, "kc")?,
-    ];
-    args.extend(meta);
+    let args = conv_args(s, a, [y, xin, pool], meta)?;
     // SAFETY: y [T, 3C], xin [T, in_width >= 3C], taps [3C, kc], the pool checked; chunk
     // rows row0 + len <= T and state blocks real and < num_blocks (meta::build); conv
     // elements lie in the first conv_len floats of this layer's page (inside the block).
@@ -1527,6 +1516,30 @@ fn kda_fused(
     unsafe { launch(g, &name, shape, &args) }
 }
 
+/// `kda_conv`'s arguments (which `kda_conv_lowrank_{dl}` begins with): y, xin, its stride,
+/// taps, the pool, the layer's page offset, floats a block, C, kc, the chunk metadata.
+fn conv_args(
+    s: &StatePages<'_>,
+    a: &Kda<'_>,
+    [y, xin, pool]: [Arg; 3],
+    meta: [Arg; 6],
+) -> Result<Vec<Arg>> {
+    let c = a.nl * a.dl;
+    let mut args = vec![
+        y,
+        xin,
+        int(a.in_width, "xin stride")?,
+        ptr(a.taps, 0, 3 * c * a.kc, "taps")?,
+        pool,
+        long(s.layer_off),
+        long(s.fpb),
+        int(c, "C")?,
+        int(a.kc, "kc")?,
+    ];
+    args.extend(meta);
+    Ok(args)
+}
+
 /// The verify pair for [`kda`] (its checks done): `kda_conv_lowrank_{dl}` (the conv, and the
 /// f / g up-projections when `a.lowrank`; else `kda_conv` after the caller's `linear_pair`),
 /// then `kda_recurrent_norm_{dl}` (the recurrence with the gated norm in its token loop).
@@ -1540,18 +1553,7 @@ fn kda_pair(
     let (c, dl, t) = (a.nl * a.dl, a.dl, a.t);
     let conv_gx = (3 * c).div_ceil(256);
     let conv_blocks = conv_gx * s.num_seqs;
-    let mut args = vec![
-        y,
-        xin,
-        int(a.in_width, "xin stride")?,
-        ptr(a.taps, 0, 3 * c * a.kc, "taps")?,
-        pool,
-        long(s.layer_off),
-        long(s.fpb),
-        int(c, "C")?,
-        int(a.kc, "kc")?,
-    ];
-    args.extend(meta);
+    let mut args = conv_args(s, a, [y, xin, pool], meta)?;
     let (name, shape) = match a.lowrank {
         Some((wf, wg, fcol)) if fcol + 2 * dl <= a.in_width => {
             args.extend([
