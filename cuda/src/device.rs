@@ -78,12 +78,15 @@ pub fn pdl_wanted(major: i32, env: Option<&str>) -> bool {
 }
 
 /// An on-by-default A/B switch as its environment variable sets it: off for `0`, `off`
-/// or `false`, on otherwise (`SPECLAB_PDL`, `SPECLAB_MTP_PAD`, `SPECLAB_ROUTER_NORM`, `SPECLAB_ROUTER_ALIGN`,
-/// `SPECLAB_MOE_COMBINE`, `SPECLAB_KDA_FUSED`, `SPECLAB_ROUTER_PRE`, `SPECLAB_W4_PRE`,
-/// `SPECLAB_SHARED_MERGE`, `SPECLAB_KDA_LOWRANK`, `SPECLAB_MTP_IN_NORM`, `SPECLAB_KDA_PRE`,
-/// `SPECLAB_FINAL_DUP`, `SPECLAB_KDA_PAIR`).
+/// or `false`, on otherwise (`SPECLAB_PDL`, `SPECLAB_MTP_PAD`, and each switch field of
+/// [`Gpu`], whose doc names its variable).
 pub fn switch_on(env: Option<&str>) -> bool {
     !matches!(env.map(str::trim), Some("0" | "off" | "false"))
+}
+
+/// [`switch_on`] of the environment variable `var`.
+pub fn env_on(var: &str) -> bool {
+    switch_on(std::env::var(var).ok().as_deref())
 }
 
 /// A row-count setting from the environment variable `var` (at least 1), else `default`.
@@ -179,9 +182,10 @@ pub struct Gpu {
     /// `kda_recurrent_norm_{dl}`, [`crate::ops::KdaPath::Pair`]); default,
     /// `SPECLAB_KDA_PAIR=0` launches linear_pair + the three kernels.
     pub kda_pair: bool,
-    /// The fused router's latency cuts (kernel `moe_router_topk`'s `pre`: router-weight
-    /// prologue before the grid-dependency wait, and no ticket in a one-block grid);
-    /// default, `SPECLAB_ROUTER_PRE=0` turns both off (A/B).
+    /// The fused router's latency cuts (kernel `moe_router_topk`'s `pre`: its first
+    /// router-weight word, bias and norm weight loaded before the grid-dependency wait, and
+    /// a one-block grid aligning from shared ids without the ticket); default,
+    /// `SPECLAB_ROUTER_PRE=0` turns them off (A/B).
     pub router_pre: bool,
     /// The INT4 expert GEMMs' weight prologue before the grid-dependency wait where the
     /// routing is two grids back (linear.cu `w4_mma`); default, `SPECLAB_W4_PRE=0` off.
@@ -254,19 +258,19 @@ impl Gpu {
             tiled_min_rows: crate::launch::tiled_min_rows(
                 std::env::var(crate::launch::TILED_MIN_ENV).ok().as_deref(),
             )?,
-            fuse_router_norm: switch_on(std::env::var("SPECLAB_ROUTER_NORM").ok().as_deref()),
-            fuse_router_align: switch_on(std::env::var("SPECLAB_ROUTER_ALIGN").ok().as_deref()),
-            fuse_combine: switch_on(std::env::var("SPECLAB_MOE_COMBINE").ok().as_deref()),
-            fuse_kda: switch_on(std::env::var("SPECLAB_KDA_FUSED").ok().as_deref()),
+            fuse_router_norm: env_on("SPECLAB_ROUTER_NORM"),
+            fuse_router_align: env_on("SPECLAB_ROUTER_ALIGN"),
+            fuse_combine: env_on("SPECLAB_MOE_COMBINE"),
+            fuse_kda: env_on("SPECLAB_KDA_FUSED"),
             kda_fused_rows: rows_env("SPECLAB_KDA_FUSED_ROWS", crate::ops::KDA_FUSED_MEAN_ROWS)?,
-            kda_pair: switch_on(std::env::var("SPECLAB_KDA_PAIR").ok().as_deref()),
-            final_dup: switch_on(std::env::var("SPECLAB_FINAL_DUP").ok().as_deref()),
-            kda_pre: switch_on(std::env::var("SPECLAB_KDA_PRE").ok().as_deref()),
-            fuse_mtp_in: switch_on(std::env::var("SPECLAB_MTP_IN_NORM").ok().as_deref()),
-            fuse_kda_lowrank: switch_on(std::env::var("SPECLAB_KDA_LOWRANK").ok().as_deref()),
-            router_pre: switch_on(std::env::var("SPECLAB_ROUTER_PRE").ok().as_deref()),
-            w4_pre: switch_on(std::env::var("SPECLAB_W4_PRE").ok().as_deref()),
-            merge_shared: switch_on(std::env::var("SPECLAB_SHARED_MERGE").ok().as_deref()),
+            kda_pair: env_on("SPECLAB_KDA_PAIR"),
+            final_dup: env_on("SPECLAB_FINAL_DUP"),
+            kda_pre: env_on("SPECLAB_KDA_PRE"),
+            fuse_mtp_in: env_on("SPECLAB_MTP_IN_NORM"),
+            fuse_kda_lowrank: env_on("SPECLAB_KDA_LOWRANK"),
+            router_pre: env_on("SPECLAB_ROUTER_PRE"),
+            w4_pre: env_on("SPECLAB_W4_PRE"),
+            merge_shared: env_on("SPECLAB_SHARED_MERGE"),
             profile: std::cell::RefCell::new(None),
         })
     }

@@ -1303,9 +1303,9 @@ pub struct Kda<'a> {
     pub dl: usize,
     pub kc: usize,
     pub eps: f32,
-    /// The f / g up-projections done by the fused kernel (`Wf`, `Wg` [C, dl] bf16 and the
-    /// xin column of f's low-rank input, g's following it): only where [`kda_fuses`];
-    /// `None`: `fg` holds them already (`linear_pair`).
+    /// The f / g up-projections done by the fused or pair kernels (`Wf`, `Wg` [C, dl] bf16
+    /// and the xin column of f's low-rank input, g's following it): only where
+    /// [`kda_path`] is not `Split`; `None`: `fg` holds them already (`linear_pair`).
     pub lowrank: Option<(&'a DevBuf<u16>, &'a DevBuf<u16>, usize)>,
 }
 
@@ -1435,9 +1435,9 @@ pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
     }
 }
 
-/// The arguments `kda_recurrent_{dl}` and `kda_fused_{dl}` share, from their first two
-/// pointers (`o, y` / `out, o`) to the chunk metadata, and their launch shape: grid (nl, S),
-/// block dl.
+/// The arguments `kda_recurrent_{dl}`, `kda_fused_{dl}` and `kda_recurrent_norm_{dl}`
+/// share, from their first two pointers (`o, y` / `out, o` / `out, y`) to the chunk
+/// metadata, and their launch shape: grid (nl, S), block dl.
 fn recurrent_args(
     s: &StatePages<'_>,
     a: &Kda<'_>,
@@ -1491,19 +1491,7 @@ fn kda_fused(
         ptr(a.o_norm, 0, dl, "o_norm")?,
         Arg::F(a.eps),
     ]);
-    match a.lowrank {
-        Some((wf, wg, fcol)) if fcol + 2 * dl <= a.in_width => args.extend([
-            ptr(wf, 0, c * dl, "kda Wf")?,
-            ptr(wg, 0, c * dl, "kda Wg")?,
-            int(fcol, "f col")?,
-        ]),
-        Some(_) => {
-            return Err(CudaError::Input(
-                "kda: low-rank inputs past the projection width (internal)".into(),
-            ))
-        }
-        None => args.extend([Arg::P(0), Arg::P(0), Arg::I(0)]),
-    }
+    args.extend(lowrank_args(a)?.unwrap_or([Arg::P(0), Arg::P(0), Arg::I(0)]));
     args.push(Arg::I(i32::from(g.kda_pre)));
     let name = format!("kda_fused_{dl}");
     // SAFETY: the union of the three kernels' operands, each checked as in `kda`: out, o
@@ -1514,6 +1502,22 @@ fn kda_fused(
     // and state blocks from meta::build; conv elements inside the first conv_len floats of
     // the layer's page and S elements below conv_len + nl dl^2 (checked in `kda`).
     unsafe { launch(g, &name, shape, &args) }
+}
+
+/// The checked `Wf`, `Wg`, f column arguments of [`Kda::lowrank`], or `None` without it.
+fn lowrank_args(a: &Kda<'_>) -> Result<Option<[Arg; 3]>> {
+    let (c, dl) = (a.nl * a.dl, a.dl);
+    match a.lowrank {
+        Some((wf, wg, fcol)) if fcol + 2 * dl <= a.in_width => Ok(Some([
+            ptr(wf, 0, c * dl, "kda Wf")?,
+            ptr(wg, 0, c * dl, "kda Wg")?,
+            int(fcol, "f col")?,
+        ])),
+        Some(_) => Err(CudaError::Input(
+            "kda: low-rank inputs past the projection width (internal)".into(),
+        )),
+        None => Ok(None),
+    }
 }
 
 /// `kda_conv`'s arguments (which `kda_conv_lowrank_{dl}` begins with): y, xin, its stride,
@@ -1554,23 +1558,16 @@ fn kda_pair(
     let conv_gx = (3 * c).div_ceil(256);
     let conv_blocks = conv_gx * s.num_seqs;
     let mut args = conv_args(s, a, [y, xin, pool], meta)?;
-    let (name, shape) = match a.lowrank {
-        Some((wf, wg, fcol)) if fcol + 2 * dl <= a.in_width => {
+    let (name, shape) = match lowrank_args(a)? {
+        Some(lr) => {
             args.extend([
                 int(conv_gx, "conv grid x")?,
                 int(conv_blocks, "conv blocks")?,
                 fg,
-                ptr(wf, 0, c * dl, "kda Wf")?,
-                ptr(wg, 0, c * dl, "kda Wg")?,
-                int(fcol, "f col")?,
             ]);
+            args.extend(lr);
             let shape = launch::grid_2d(conv_blocks + 2 * t, 1, 256, "kda_conv_lowrank")?;
             (format!("kda_conv_lowrank_{dl}"), shape)
-        }
-        Some(_) => {
-            return Err(CudaError::Input(
-                "kda: low-rank inputs past the projection width (internal)".into(),
-            ))
         }
         None => (
             "kda_conv".to_string(),
