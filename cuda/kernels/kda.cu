@@ -177,8 +177,9 @@ __device__ __forceinline__ void kda_recurrent_impl(
     const int h = blockIdx.x, s = blockIdx.y, j = threadIdx.x;
     const int C = nl * DL;
     const bool lowrank = FUSED && wf != nullptr;
-    const uint4* wfp = lowrank ? reinterpret_cast<const uint4*>(wf + (size_t)(h * DL + j) * DL) : nullptr;
-    const uint4* wgp = lowrank ? reinterpret_cast<const uint4*>(wg + (size_t)(h * DL + j) * DL) : nullptr;
+    const size_t wrow = (size_t)(h * DL + j) * DL;  // this thread's row of Wf / Wg
+    const uint4* wfp = lowrank ? reinterpret_cast<const uint4*>(wf + wrow) : nullptr;
+    const uint4* wgp = lowrank ? reinterpret_cast<const uint4*>(wg + wrow) : nullptr;
     // The thread's f and g weight rows (DL bf16 each) are fetched into L2 before the wait
     // (held in registers they spilled the recurrence's state); read at use.
     if (lowrank) {

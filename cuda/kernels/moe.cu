@@ -187,9 +187,9 @@ __device__ __forceinline__ const float* router_norm_row(float* s_row, float* __r
 // With `pre` two latency cuts, the values unchanged: each warp's first router-weight word
 // (expert e = warp, k word = lane), its expert's bias and each thread's first norm weight
 // are loaded before the grid-dependency wait (constants; the prologue programmatic
-// dependent launch allows, as linear.cu LT_PREWAIT), and a one-block grid (T = 1, a decode step of one sequence) aligns
-// straight after its barrier from a shared copy of its ids, without the fence, ticket
-// and L2 round trips (the ticket stays 0).
+// dependent launch allows, as linear.cu LT_PREWAIT); and a one-block grid (T = 1, a
+// decode step of one sequence) aligns straight after its barrier from a shared copy of
+// its ids, without the fence, ticket and L2 round trips (the ticket stays 0).
 // Launch: grid (T), block 512.
 extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restrict__ wts,
                                            float* __restrict__ logits, u32* __restrict__ xs,

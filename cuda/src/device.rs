@@ -448,6 +448,7 @@ mod tests {
             "const int h = blockIdx.x, s = blockIdx.y, j = threadIdx.x;",
             "const int C = nl * DL;",
             "const bool lowrank = FUSED && wf != nullptr;",
+            "const size_t wrow = (size_t)(h * DL + j) * DL;",
             "const uint4* wfp = ",
             "const uint4* wgp = ",
             "// The thread's f and g",
