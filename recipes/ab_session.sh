@@ -6,7 +6,8 @@
 #   2. for each entry of AB_ENVS (';'-separated environment settings, default
 #      "SPECLAB_PDL=0"): gpu_check --timing-only and a bench e2e of AB_DRAFTERS (graphs
 #      on, the same concurrencies) under it, and bench moe when AB_MOE=1 (every leg) or
-#      when the leg's number is in AB_MOE_LEGS (space-separated, e.g. "2 5").
+#      when the leg's number is in AB_MOE_LEGS (space-separated, e.g. "2 5"); legs whose
+#      number is in AB_NO_E2E_LEGS skip the bench e2e (MoE-only legs).
 # Switches: SPECLAB_PDL=0 (programmatic dependent launch off, cuda/src/device.rs),
 # SPECLAB_CAPTURE_AT=n (capture a step's graph at its n-th use, cuda/src/backend.rs),
 # SPECLAB_MTP_PAD=0 (the MTP chain's first pass unpadded, cuda/src/mtp.rs),
@@ -24,7 +25,9 @@
 # SPECLAB_MTP_IN_NORM=0 (the MTP layer's embedding + input norms as three launches),
 # SPECLAB_KDA_PRE=0 (the KDA kernels read state and metadata after the PDL wait),
 # SPECLAB_FINAL_DUP=0 (a decode step's final norm + an identity gather_rows),
-# SPECLAB_KDA_PAIR=0 (verify chunks' KDA layer in four launches, not two).
+# SPECLAB_KDA_PAIR=0 (verify chunks' KDA layer in four launches, not two),
+# SPECLAB_W4_STARTUP=0 (the INT4 GEMMs' K split by the reaching rule alone; n: the wave
+# rule's start-up cost, default 4).
 # Several settings in one leg are space-separated: "A=0 B=off".
 # Everything lands in $OUT/results.tgz; leg i's outputs under ab<i>/ with its settings in
 # ab<i>/env.txt.
@@ -56,9 +59,11 @@ for e in "${ENVS[@]}"; do
   env $e timeout 120 $BIN/gpu_check --timing-only --model models/tiny --json "$d/gpu_check.json" \
     --steps 50 > "$d/gpu_check.log" 2>&1
   sed -n '/^| batch/,/^$/p' "$d/gpu_check.log"
-  env $e timeout 200 $BIN/speclab bench e2e --model models/tiny --graphs on --cpu-check-max 0 \
-    --drafters "${AB_DRAFTERS:-none,mtp:2,dflash2:7}" --out "$d/bench-e2e.json" \
-    ${COMMIT:+--commit $COMMIT} 2> "$d/bench-e2e.err" | tail -16
+  if [[ " ${AB_NO_E2E_LEGS:-} " != *" $i "* ]]; then
+    env $e timeout 200 $BIN/speclab bench e2e --model models/tiny --graphs on --cpu-check-max 0 \
+      --drafters "${AB_DRAFTERS:-none,mtp:2,dflash2:7}" --out "$d/bench-e2e.json" \
+      ${COMMIT:+--commit $COMMIT} 2> "$d/bench-e2e.err" | tail -16
+  fi
   if [ "${AB_MOE:-0}" = 1 ] || [[ " ${AB_MOE_LEGS:-} " == *" $i "* ]]; then
     env $e timeout 200 $BIN/speclab bench moe --out "$d/bench_moe.json" \
       > "$d/bench_moe.txt" 2> "$d/bench_moe.log"

@@ -33,3 +33,13 @@ for name,g,e in legs:
         d=[E[k] for k in E if k[2]==c and k[0]=='dflash2']
         cells.append(f"{n:,.0f} ({m[0]/n:.2f}x / {d[0]/n:.2f}x)" if m and d else f"{n:,.0f}")
     print(f"| {name} | "+" | ".join(cells)+" |")
+# bench moe legs (bench-moe.json for the defaults, bench-moe-ab<i>.json): experts us per
+# routing and M <= 64, one column per leg, then the legs' sums over those rows.
+moe=[(n,f) for n,f in [('defaults','bench-moe.json')]+[(legs[i][0],f'bench-moe-ab{i}.json') for i in range(1,len(legs))] if os.path.exists(os.path.join(D,f))]
+if moe:
+    R=[{(x['routing'],x['m']):x for x in json.load(open(os.path.join(D,f)))['rows']} for _,f in moe]
+    print('\n| routing | M | '+' | '.join(n for n,_ in moe)+' |')
+    keys=[k for k in R[0] if k[1]<=64]
+    for k in keys:
+        print(f"| {k[0]} | {k[1]} | "+' | '.join(f"{r[k]['experts_us']:.1f} ({100*r[k]['frac_copy']:.0f}%)" if k in r else '-' for r in R)+' |')
+    print('| sum | <=64 | '+' | '.join(f"{sum(r[k]['experts_us'] for k in keys if k in r):.0f}" for r in R)+' |')

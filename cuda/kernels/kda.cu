@@ -344,14 +344,14 @@ __device__ __forceinline__ void kda_recurrent_impl(
                                       nullptr, nullptr, 0.0f, nullptr, nullptr, 0, pre);     \
     }                                                                                       \
     extern "C" __global__ void kda_fused_##DL(                                               \
-        float* gated, float* o, float* fg, const float* xin, int xin_stride,             \
+        float* gated, float* fg, const float* xin, int xin_stride,                          \
         int b_col, const float* a_log, const float* dt_bias, float* pool,                   \
         long long layer_off, long long fpb, int conv_len, int nl, float qscale,             \
         const int* row0, const int* len, const int* pos0, const int* snap,                  \
         const int* state_tables, int max_state, const float* taps, int kc,                  \
         const float* o_norm, float eps, const bf16_bits* wf, const bf16_bits* wg,         \
         int fcol, int pre) {                                                                \
-        kda_recurrent_impl<DL, true>(o, nullptr, fg, xin, xin_stride, b_col, a_log, dt_bias, \
+        kda_recurrent_impl<DL, true>(nullptr, nullptr, fg, xin, xin_stride, b_col, a_log, dt_bias, \
                                      pool, layer_off, fpb, conv_len, nl, qscale, row0, len,  \
                                      pos0, snap, state_tables, max_state, taps, kc, gated,   \
                                      o_norm, eps, wf, wg, fcol, pre);                       \

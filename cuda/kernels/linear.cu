@@ -568,9 +568,11 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 // - A warp owns a row block of 64 weight rows (W4_RT = 4 mma tiles of 16) over a K range
 //   of whole half 128-groups; the block's W4_WARPS warps split K ks ways and cover
 //   W4_WARPS / ks row blocks.  ks (w4_ks) is chosen in the kernel from moe_align's count of
-//   real tiles: the smallest split whose blocks reach `target` (longer walks amortize a
-//   warp's start-up), at most the host's bound ks_hi; the 1-D grid of (tile, row-block
-//   group) items is sized for ks_hi and every tile, and items past the real ones exit.
+//   real tiles, at most the host's bound ks_hi: the smallest split whose blocks reach
+//   `target` (longer walks amortize a warp's start-up), w4_ks; then by default (startup >
+//   0) the split up to that one minimizing waves of resident blocks x (a warp's half groups
+//   + a start-up cost), w4_ks_waves.  The 1-D grid of (tile, row-block group) items is
+//   sized for ks_hi and every tile, and items past the real ones exit.
 // - Weights (cuda/src/repack.rs, "the device INT4 layout"): per (expert, row block, k16
 //   step) 32 lanes x uint4, word i of lane (g, t) = the A fragment of mma tile i, nibble
 //   slot j + 4 e = element e of register j, so (w >> 4 j) & 0x000f000f | 0x43004300 is the
@@ -832,6 +834,23 @@ __device__ __forceinline__ int w4_ks(int nrb, int ntiles, int ks_hi, int target)
     return ks;
 }
 
+// The wave rule (startup > 0; mirrored by cuda/src/launch.rs w4_ks_waves): of the splits
+// up to the reaching rule's `ks_hi` (w4_ks with target = slots), the one minimizing waves
+// x (half groups a warp + startup), waves = the items over the `slots` blocks resident at
+// once, rounded up; ties go to the smaller split (the longer walk).  The reaching rule
+// overshoots into a partial second wave (15 tiles at 4 ways: 480 items for 264 slots)
+// where half the split fits one wave; it never splits further than reaching needs.
+__device__ __forceinline__ int w4_ks_waves(int nrb, int ntiles, int ks_hi, int slots,
+                                           int halves, int startup) {
+    int best = 1, cost = 0x7fffffff;
+    for (int ks = 1; ks <= ks_hi; ks *= 2) {
+        const int waves = (w4_groups(nrb, ks) * ntiles + slots - 1) / slots;
+        const int c = waves * (halves / ks + startup);
+        if (c < cost) best = ks, cost = c;
+    }
+    return best;
+}
+
 // The acquire side of the fused kernel's counters: thread 0 polls *ctr until it reaches
 // `need`, then the block goes on.  Bounded: past 2^26 polls (seconds) the kernel traps, an
 // error instead of a hang should the invariant (counters zero between launches) break.
@@ -948,7 +967,9 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
 // (CUDA programming guide, "Programmatic Dependent Launch and Synchronization"; every
 // kernel here waits before it triggers, common.cuh pdl_enter).  Always true of the down
 // projection (gate/up runs between), and of gate/up when moe_split_x ran after the
-// routing.  Unset, the kernel reads nothing before the wait.
+// routing.  Unset, the kernel reads nothing before the wait.  The K split: the reaching
+// rule (w4_ks, `target` blocks, at most ks_hi), then with startup > 0 the wave rule
+// below it (w4_ks_waves; `target` is then the blocks resident at once).
 template <int NMAT>
 __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ hs,
                                        const u32* __restrict__ xs,
@@ -958,11 +979,12 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
                                        const int* __restrict__ sorted,
                                        const int* __restrict__ tile_expert, int div, int N,
                                        int K, int max_tiles, int ks_hi, int target,
-                                       bool pre, int bid) {
+                                       int startup, bool pre, int bid) {
     if (!pre) pdl_enter();
     const int nrb = N * NMAT / 64;
     const int ntiles = pre ? __ldcg(tile_expert + max_tiles) : tile_expert[max_tiles];
-    const int ks = w4_ks(nrb, ntiles, ks_hi, target);
+    int ks = w4_ks(nrb, ntiles, ks_hi, target);
+    if (startup > 0) ks = w4_ks_waves(nrb, ntiles, ks, target, K / 64, startup);
     const int xneed = w4_groups(nrb, ks);
     if (bid >= ntiles * xneed) return;  // uniform per block
     w4_item<NMAT, false>(y, hs, xs, qw, scw, topk_w, sorted, tile_expert, div, N, K, ks,
@@ -975,19 +997,19 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
 // post-norm input), q13 [E, 2N / 64, K / 16, 32, 4]
 // u32, s13 [E, 2N / 64, K / 128, 8, 8] bf16 (cuda/src/repack.rs), h [P, N W4_XS / 2] u32
 // words (N = moe_intermediate_size).
-// tile_expert [max_tiles + 1] (moe_align: experts, then the count used).  pre: the
-// weight prologue before the grid-dependency wait (w4_mma; only when a grid runs between
-// the routing and this one).
+// tile_expert [max_tiles + 1] (moe_align: experts, then the count used).  target /
+// startup: the K-split rules (w4_mma).  pre: the weight prologue before the
+// grid-dependency wait (w4_mma; only when a grid runs between the routing and this one).
 // Launch: grid (max_tiles ceil(2N / 64 / (W4_WARPS / ks_hi))), block 32 W4_WARPS, dynamic
 // shared memory W4_SMEM (launch.rs moe_w4).
 extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up_w4(
     u32* __restrict__ h, const u32* __restrict__ xs, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
     const int* __restrict__ tile_expert, int topk, int N, int K, int max_tiles, int ks_hi,
-    int target, int pre) {
+    int target, int startup, int pre) {
     w4_mma<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
               reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K,
-              max_tiles, ks_hi, target, pre != 0, blockIdx.x);
+              max_tiles, ks_hi, target, startup, pre != 0, blockIdx.x);
 }
 
 // moe_gate_up_w4 and the shared expert's SwiGLU hidden (swiglu_tiled_bf16) in one launch:
@@ -1003,9 +1025,9 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up
     u32* __restrict__ h, const u32* __restrict__ xs, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
     const int* __restrict__ tile_expert, int topk, int N, int K, int max_tiles, int ks_hi,
-    int target, int pre, float* __restrict__ sh_h, const float* __restrict__ sh_x,
-    int sh_x_stride, const bf16_bits* __restrict__ sh_w13, int sh_m, int sh_n, int sh_k,
-    int sh_gx, int sh_blocks) {
+    int target, int startup, int pre, float* __restrict__ sh_h,
+    const float* __restrict__ sh_x, int sh_x_stride, const bf16_bits* __restrict__ sh_w13,
+    int sh_m, int sh_n, int sh_k, int sh_gx, int sh_blocks) {
     const int b = blockIdx.x;
     if (b < sh_blocks) {
         swiglu_tiled_block(sh_h, sh_x, sh_x_stride, sh_w13, sh_m, sh_n, sh_k, b % sh_gx,
@@ -1014,7 +1036,7 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up
     }
     w4_mma<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
               reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K,
-              max_tiles, ks_hi, target, pre != 0, b - sh_blocks);
+              max_tiles, ks_hi, target, startup, pre != 0, b - sh_blocks);
 }
 
 // Routed experts down-projection with the router weight applied: y[p, n] = w_p *
@@ -1027,10 +1049,10 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_down_w4
     float* __restrict__ y, const u32* __restrict__ h, const u32* __restrict__ qd,
     const bf16_bits* __restrict__ sd, const float* __restrict__ topk_w,
     const int* __restrict__ sorted, const int* __restrict__ tile_expert, int N, int K,
-    int max_tiles, int ks_hi, int target, int pre) {
+    int max_tiles, int ks_hi, int target, int startup, int pre) {
     w4_mma<1>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
               reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, N, K, max_tiles,
-              ks_hi, target, pre != 0, blockIdx.x);
+              ks_hi, target, startup, pre != 0, blockIdx.x);
 }
 
 // The routed experts in one launch (issue 12): the split of x (when x is not null),

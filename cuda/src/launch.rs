@@ -57,6 +57,13 @@ pub const W4_TARGET_BLOCKS: usize = 256;
 /// `bench moe`).
 pub const W4_TARGET_ENV: &str = "SPECLAB_W4_TARGET_BLOCKS";
 
+/// Start-up cost of an INT4 expert GEMM block in half 128-groups of a warp's walk, the
+/// wave rule's constant ([`w4_ks_waves`]); 0 selects the reaching rule ([`w4_ks`]).
+pub const W4_STARTUP: usize = 4;
+/// Environment variable overriding [`W4_STARTUP`] (`0` restores the reaching rule with
+/// [`W4_TARGET_ENV`]'s target; recorded by `bench moe`).
+pub const W4_STARTUP_ENV: &str = "SPECLAB_W4_STARTUP";
+
 /// Fixed counters ahead of the per-tile ones in the fused INT4 experts kernel's `sync`
 /// buffer (linear.cu `moe_experts_w4`): ticket, blocks done, split chunks done.
 pub const MOE_SYNC_FIXED: usize = 3;
@@ -94,6 +101,32 @@ pub fn w4_target_blocks() -> Result<usize> {
         })
         .clone()
         .map_err(CudaError::Input)
+}
+
+/// The wave rule's start-up cost: [`W4_STARTUP_ENV`] if set (0..=64), else [`W4_STARTUP`].
+pub fn w4_startup() -> Result<usize> {
+    static STARTUP: std::sync::OnceLock<std::result::Result<usize, String>> =
+        std::sync::OnceLock::new();
+    STARTUP
+        .get_or_init(|| match std::env::var(W4_STARTUP_ENV) {
+            Err(_) => Ok(W4_STARTUP),
+            Ok(v) => parse_w4_startup(&v).map_err(|e| e.to_string()),
+        })
+        .clone()
+        .map_err(CudaError::Input)
+}
+
+/// A [`W4_STARTUP_ENV`] value.
+pub fn parse_w4_startup(v: &str) -> Result<usize> {
+    v.trim()
+        .parse::<usize>()
+        .ok()
+        .filter(|n| *n <= 64)
+        .ok_or_else(|| {
+            CudaError::Input(format!(
+                "{W4_STARTUP_ENV}=`{v}`: expected a start-up cost from 0 to 64 half groups"
+            ))
+        })
 }
 
 /// A [`W4_TARGET_ENV`] value.
@@ -222,6 +255,44 @@ pub fn w4_ks(rows: usize, tiles: usize, ks_hi: usize, target: usize) -> usize {
     ks
 }
 
+/// The wave rule (linear.cu `w4_ks_waves`, used when `startup` > 0): the K split
+/// `ks <= ks_hi` minimizing `ceil(items / slots) * (k / 64 / ks + startup)`, items =
+/// row-block groups x `tiles`, `slots` = INT4 blocks resident at once; ties to the smaller
+/// split. `ks_hi` is the reaching rule's split ([`w4_ks_for`]). Where [`w4_ks`] reaches
+/// its target by spilling into a partial second wave (15 tiles of 64 row blocks at 4
+/// ways: 480 items for 264 slots), this takes 2 ways, one wave of walks twice as long.
+pub fn w4_ks_waves(
+    rows: usize,
+    k: usize,
+    tiles: usize,
+    ks_hi: usize,
+    slots: usize,
+    startup: usize,
+) -> usize {
+    let (mut best, mut cost, mut ks) = (1, usize::MAX, 1);
+    while ks <= ks_hi {
+        let items = (rows / 64).div_ceil(W4_WARPS as usize / ks) * tiles;
+        let c = items.div_ceil(slots.max(1)) * (k / 64 / ks + startup);
+        if c < cost {
+            (best, cost) = (ks, c);
+        }
+        ks *= 2;
+    }
+    best
+}
+
+/// The K split the INT4 kernels pick for `tiles` real tiles under the host's bound
+/// `ks_hi`: [`w4_ks`] to the kernels' target ([`W4Tiles::kernel_target`]), then with
+/// `t.startup` > 0 [`w4_ks_waves`] at or below it.
+pub fn w4_ks_for(rows: usize, k: usize, tiles: usize, ks_hi: usize, t: &W4Tiles) -> usize {
+    let reach = w4_ks(rows, tiles, ks_hi, t.kernel_target());
+    if t.startup > 0 {
+        w4_ks_waves(rows, k, tiles, reach, t.slots, t.startup)
+    } else {
+        reach
+    }
+}
+
 /// The largest K split of `k`: `min(W4_WARPS, k / 64)`, a power of two as W4_WARPS is.
 pub fn w4_ks_max(k: usize) -> usize {
     let mut ks = 1;
@@ -238,8 +309,24 @@ pub struct W4Tiles {
     pub max: usize,
     /// A lower bound of the real ones ([`moe_min_tiles`]).
     pub min: usize,
-    /// Target real blocks ([`w4_target_blocks`]).
+    /// Target real blocks ([`w4_target_blocks`]): the reaching rule's, and the host's
+    /// bound `ks_hi` (the reaching rule at `min` tiles) in either rule.
     pub target: usize,
+    /// INT4 blocks resident at once (`Gpu::w4_slots`), the wave rule's wave.
+    pub slots: usize,
+    /// The wave rule's start-up cost ([`w4_startup`]); 0: the reaching rule.
+    pub startup: usize,
+}
+
+impl W4Tiles {
+    /// The kernels' `target` argument: the slots for the wave rule, else the target.
+    pub fn kernel_target(&self) -> usize {
+        if self.startup > 0 {
+            self.slots
+        } else {
+            self.target
+        }
+    }
 }
 
 /// INT4 expert GEMMs (`moe_gate_up_w4` with `nmat` 2, `moe_down_w4` with 1) over
@@ -425,9 +512,15 @@ mod tests {
     /// (real when below `rows / 64`) and half groups `[kw G / ks, (kw + 1) G / ks)` with
     /// `kw = w % ks`, `G = k / 64`. Counts each (tile, row block, half group); also returns
     /// the blocks the kernel needs.
-    fn w4_owned(rows: usize, k: usize, ntiles: usize, ks_hi: usize) -> (Vec<u8>, usize) {
+    fn w4_owned(
+        rows: usize,
+        k: usize,
+        ntiles: usize,
+        ks_hi: usize,
+        t: &W4Tiles,
+    ) -> (Vec<u8>, usize) {
         let (groups, nrb) = (k / 64, rows / 64);
-        let ks = w4_ks(rows, ntiles, ks_hi, W4_TARGET_BLOCKS);
+        let ks = w4_ks_for(rows, k, ntiles, ks_hi, t);
         let per = W4_WARPS as usize / ks;
         let xneed = nrb.div_ceil(per);
         let mut owned = vec![0u8; ntiles * nrb * groups];
@@ -451,6 +544,8 @@ mod tests {
             max,
             min,
             target: W4_TARGET_BLOCKS,
+            slots: 264,
+            startup: 0,
         };
         assert_eq!(parse_w4_target(" 512").unwrap(), 512);
         assert!(moe_fused_wanted(Some("1")) && moe_fused_wanted(Some(" 1")));
@@ -471,6 +566,24 @@ mod tests {
         assert_eq!(w4_ks(4096, 8, 8, 512), 8);
         assert_eq!(w4_ks(4096, 106, 8, 256), 1);
         assert_eq!(w4_ks(256, 2, 4, 256), 4);
+        // The wave rule (264 slots, start-up 4 half groups): GLM gate/up at 15 tiles (a
+        // sequence's M = 4) takes 2 ways, one wave (240 items), where reaching 256 takes 4
+        // (480 items, two waves); 8 tiles keep 4 ways (256 items fit one wave; 8 ways
+        // would be two), and it never splits beyond the reaching rule (106 tiles: 1).
+        assert_eq!(w4_ks(4096, 15, 8, 264), 4);
+        assert_eq!(w4_ks_waves(4096, 4096, 15, 4, 264, 4), 2);
+        assert_eq!(w4_ks_waves(4096, 4096, 8, 8, 264, 4), 4);
+        let waves = |tiles: usize| W4Tiles {
+            startup: 4,
+            ..tl(tiles, tiles.min(8))
+        };
+        assert_eq!(w4_ks_for(4096, 4096, 15, 8, &waves(15)), 2);
+        assert_eq!(w4_ks_for(4096, 4096, 106, 8, &waves(106)), 1);
+        assert_eq!(w4_ks_for(4096, 4096, 15, 8, &tl(15, 8)), 4);
+        assert!(parse_w4_startup("65").is_err() && parse_w4_startup("x").is_err());
+        assert_eq!(parse_w4_startup(" 0").unwrap(), 0);
+        let e = parse_w4_startup("-1").unwrap_err().to_string();
+        assert!(e.contains(W4_STARTUP_ENV) && e.contains("0 to 64"), "{e}");
         let (s, ks) = moe_w4(2048, 4096, 2, &tl(8, 8), "t").unwrap();
         assert_eq!((s.grid, ks), ((256, 1, 1), 4));
         // M = 16: at least 16 tiles, so ks_hi = 2, over the 128-tile bound.
@@ -490,12 +603,19 @@ mod tests {
                 for (max, min) in [(1, 1), (8, 8), (300, 8), (40, 20)] {
                     let (s, ks_hi) = moe_w4(n, k, nmat, &tl(max, min), "t").unwrap();
                     assert!(ks_hi.is_power_of_two() && ks_hi <= w4_ks_max(k));
-                    for ntiles in [min, (min + max) / 2, max] {
-                        let (owned, blocks) = w4_owned(n * nmat, k, ntiles, ks_hi);
+                    for (ntiles, startup) in [min, (min + max) / 2, max]
+                        .into_iter()
+                        .flat_map(|t| [(t, 0), (t, W4_STARTUP), (t, 1)])
+                    {
+                        let rule = W4Tiles {
+                            startup,
+                            ..tl(max, min)
+                        };
+                        let (owned, blocks) = w4_owned(n * nmat, k, ntiles, ks_hi, &rule);
                         assert!(blocks <= s.grid.0 as usize, "n {n} k {k} tiles {ntiles}");
                         assert!(
                             owned.iter().all(|&c| c == 1),
-                            "n {n} k {k} nmat {nmat} tiles {ntiles}"
+                            "n {n} k {k} nmat {nmat} tiles {ntiles} startup {startup}"
                         );
                     }
                 }

@@ -922,6 +922,8 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
         max: r.max_tiles,
         min: launch::moe_min_tiles(r.t, r.k),
         target: launch::w4_target_blocks()?,
+        slots: g.w4_slots,
+        startup: launch::w4_startup()?,
     };
     let (gu_shape, gu_ks) = if int4 {
         launch::moe_w4(im, hd, 2, &w4t, gu_name)?
@@ -933,14 +935,15 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     } else {
         (launch::moe_gemm(hd, r.max_tiles, dn_name)?, 0)
     };
-    // The INT4 kernels' last arguments: the grid's tiles, the K-split bound, the target,
-    // the weight prologue.
+    // The INT4 kernels' last arguments: the grid's tiles, the K-split bound, the target
+    // (or slots), the wave rule's start-up cost, the weight prologue.
     let w4_tail = |ks: usize, pre: bool| -> Result<Vec<Arg>> {
         Ok(if int4 {
             vec![
                 int(r.max_tiles, "max_tiles")?,
                 int(ks, "ks_hi")?,
-                int(w4t.target, "target")?,
+                int(w4t.kernel_target(), "target")?,
+                int(w4t.startup, "startup")?,
                 Arg::I(i32::from(pre)),
             ]
         } else {
@@ -1408,7 +1411,7 @@ pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
     };
     let name = format!("kda_recurrent_{dl}");
     let o = ptr(a.o, 0, t * c, "kda o")?;
-    let (mut args, shape) = recurrent_args(s, a, [o, y, fg, xin, pool], meta)?;
+    let (mut args, shape) = recurrent_args(s, a, vec![o, y], [fg, xin, pool], meta)?;
     args.push(Arg::I(i32::from(g.kda_pre)));
     // SAFETY: o [T, C], y, fg [T, 2C], xin (b at b_col + nl <= in_width), A_log [nl],
     // dt_bias [C], pool checked; S elements of head h lie at conv_len + h dl^2 + i dl + j
@@ -1436,18 +1439,18 @@ pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
 }
 
 /// The arguments `kda_recurrent_{dl}`, `kda_fused_{dl}` and `kda_recurrent_norm_{dl}`
-/// share, from their first two pointers (`o, y` / `out, o` / `out, y`) to the chunk
+/// share, from their leading pointers (`o, y` / `out` / `out, y`) to the chunk
 /// metadata, and their launch shape: grid (nl, S), block dl.
 fn recurrent_args(
     s: &StatePages<'_>,
     a: &Kda<'_>,
-    [p0, p1, fg, xin, pool]: [Arg; 5],
+    lead: Vec<Arg>,
+    [fg, xin, pool]: [Arg; 3],
     meta: [Arg; 6],
 ) -> Result<(Vec<Arg>, launch::Shape)> {
     let (c, dl, nl) = (a.nl * a.dl, a.dl, a.nl);
-    let mut args = vec![
-        p0,
-        p1,
+    let mut args = lead;
+    args.extend([
         fg,
         xin,
         int(a.in_width, "xin stride")?,
@@ -1460,7 +1463,7 @@ fn recurrent_args(
         int(s.conv_len, "conv_len")?,
         int(nl, "nl")?,
         Arg::F((dl as f64).powf(-0.5) as f32),
-    ];
+    ]);
     args.extend(meta);
     let shape = launch::Shape {
         grid: (int_u32(nl)?, int_u32(s.num_seqs)?, 1),
@@ -1480,11 +1483,8 @@ fn kda_fused(
     meta: [Arg; 6],
 ) -> Result<()> {
     let (c, dl, t) = (a.nl * a.dl, a.dl, a.t);
-    let (out, o) = (
-        ptr(a.out, 0, t * c, "kda out")?,
-        ptr(a.o, 0, t * c, "kda o")?,
-    );
-    let (mut args, shape) = recurrent_args(s, a, [out, o, fg, xin, pool], meta)?;
+    let out = ptr(a.out, 0, t * c, "kda out")?;
+    let (mut args, shape) = recurrent_args(s, a, vec![out], [fg, xin, pool], meta)?;
     args.extend([
         ptr(a.taps, 0, 3 * c * a.kc, "taps")?,
         int(a.kc, "kc")?,
@@ -1494,8 +1494,8 @@ fn kda_fused(
     args.extend(lowrank_args(a)?.unwrap_or([Arg::P(0), Arg::P(0), Arg::I(0)]));
     args.push(Arg::I(i32::from(g.kda_pre)));
     let name = format!("kda_fused_{dl}");
-    // SAFETY: the union of the three kernels' operands, each checked as in `kda`: out, o
-    // [T, C], fg [T, 2C], xin [T, in_width >= 3C] (b at b_col + nl <= in_width), A_log
+    // SAFETY: the union of the three kernels' operands but o (not used), each checked as
+    // in `kda`: out [T, C], fg [T, 2C], xin [T, in_width >= 3C] (b at b_col + nl <= in_width), A_log
     // [nl], dt_bias [C], taps [3C, kc] (2 <= kc <= 8), o_norm [dl], the pool, with the
     // low-rank GEMMs Wf / Wg [C, dl] and xin columns fcol .. fcol + 2 dl (checked above:
     // thread j of head h reads row h dl + j, 16-byte aligned as dl % 32 == 0); chunk rows
@@ -1582,7 +1582,8 @@ fn kda_pair(
     let (mut args, shape) = recurrent_args(
         s,
         a,
-        [ptr(a.out, 0, t * c, "kda out")?, y, fg, xin, pool],
+        vec![ptr(a.out, 0, t * c, "kda out")?, y],
+        [fg, xin, pool],
         meta,
     )?;
     args.extend([
