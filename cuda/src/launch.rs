@@ -57,12 +57,10 @@ pub const W4_TARGET_BLOCKS: usize = 256;
 /// `bench moe`).
 pub const W4_TARGET_ENV: &str = "SPECLAB_W4_TARGET_BLOCKS";
 
-/// Start-up cost of an INT4 expert GEMM block in half 128-groups of a warp's walk, the
-/// wave rule's constant ([`w4_ks_waves`]); 0 selects the reaching rule ([`w4_ks`]).
-pub const W4_STARTUP: usize = 4;
-/// Environment variable overriding [`W4_STARTUP`] (`0` restores the reaching rule with
-/// [`W4_TARGET_ENV`]'s target; recorded by `bench moe`).
-pub const W4_STARTUP_ENV: &str = "SPECLAB_W4_STARTUP";
+/// Environment variable forcing the separate INT4 expert GEMMs' K split to `1`, `2`, `4`
+/// or `8` ways (at most `k / 64`) whatever the tile count: a tuning knob for sweeps,
+/// recorded by `bench moe`; unset, the reaching rule ([`w4_ks`]).
+pub const W4_KS_ENV: &str = "SPECLAB_W4_KS";
 
 /// Fixed counters ahead of the per-tile ones in the fused INT4 experts kernel's `sync`
 /// buffer (linear.cu `moe_experts_w4`): ticket, blocks done, split chunks done.
@@ -103,28 +101,27 @@ pub fn w4_target_blocks() -> Result<usize> {
         .map_err(CudaError::Input)
 }
 
-/// The wave rule's start-up cost: [`W4_STARTUP_ENV`] if set (0..=64), else [`W4_STARTUP`].
-pub fn w4_startup() -> Result<usize> {
-    static STARTUP: std::sync::OnceLock<std::result::Result<usize, String>> =
+/// The forced K split ([`W4_KS_ENV`], read once), or `None`.
+pub fn w4_ks_forced() -> Result<Option<usize>> {
+    static KS: std::sync::OnceLock<std::result::Result<Option<usize>, String>> =
         std::sync::OnceLock::new();
-    STARTUP
-        .get_or_init(|| match std::env::var(W4_STARTUP_ENV) {
-            Err(_) => Ok(W4_STARTUP),
-            Ok(v) => parse_w4_startup(&v).map_err(|e| e.to_string()),
-        })
-        .clone()
-        .map_err(CudaError::Input)
+    KS.get_or_init(|| match std::env::var(W4_KS_ENV) {
+        Err(_) => Ok(None),
+        Ok(v) => parse_w4_ks(&v).map(Some).map_err(|e| e.to_string()),
+    })
+    .clone()
+    .map_err(CudaError::Input)
 }
 
-/// A [`W4_STARTUP_ENV`] value.
-pub fn parse_w4_startup(v: &str) -> Result<usize> {
+/// A [`W4_KS_ENV`] value: 1, 2, 4 or 8.
+pub fn parse_w4_ks(v: &str) -> Result<usize> {
     v.trim()
         .parse::<usize>()
         .ok()
-        .filter(|n| *n <= 64)
+        .filter(|n| [1, 2, 4, 8].contains(n))
         .ok_or_else(|| {
             CudaError::Input(format!(
-                "{W4_STARTUP_ENV}=`{v}`: expected a start-up cost from 0 to 64 half groups"
+                "{W4_KS_ENV}=`{v}`: expected a K split of 1, 2, 4 or 8"
             ))
         })
 }
@@ -255,41 +252,50 @@ pub fn w4_ks(rows: usize, tiles: usize, ks_hi: usize, target: usize) -> usize {
     ks
 }
 
-/// The wave rule (linear.cu `w4_ks_waves`, used when `startup` > 0): the K split
-/// `ks <= ks_hi` minimizing `ceil(items / slots) * (k / 64 / ks + startup)`, items =
-/// row-block groups x `tiles`, `slots` = INT4 blocks resident at once; ties to the smaller
-/// split. `ks_hi` is the reaching rule's split ([`w4_ks_for`]). Where [`w4_ks`] reaches
-/// its target by spilling into a partial second wave (15 tiles of 64 row blocks at 4
-/// ways: 480 items for 264 slots), this takes 2 ways, one wave of walks twice as long.
-pub fn w4_ks_waves(
-    rows: usize,
-    k: usize,
-    tiles: usize,
-    ks_hi: usize,
-    slots: usize,
-    startup: usize,
-) -> usize {
-    let (mut best, mut cost, mut ks) = (1, usize::MAX, 1);
-    while ks <= ks_hi {
-        let items = (rows / 64).div_ceil(W4_WARPS as usize / ks) * tiles;
-        let c = items.div_ceil(slots.max(1)) * (k / 64 / ks + startup);
-        if c < cost {
-            (best, cost) = (ks, c);
-        }
-        ks *= 2;
-    }
-    best
+/// Row-block groups a tile of `rows` weight rows takes at K split `ks` (linear.cu
+/// `w4_groups`).
+pub fn w4_groups(rows: usize, ks: usize) -> usize {
+    (rows / 64).div_ceil(W4_WARPS as usize / ks)
 }
 
-/// The K split the INT4 kernels pick for `tiles` real tiles under the host's bound
-/// `ks_hi`: [`w4_ks`] to the kernels' target ([`W4Tiles::kernel_target`]), then with
-/// `t.startup` > 0 [`w4_ks_waves`] at or below it.
-pub fn w4_ks_for(rows: usize, k: usize, tiles: usize, ks_hi: usize, t: &W4Tiles) -> usize {
-    let reach = w4_ks(rows, tiles, ks_hi, t.kernel_target());
-    if t.startup > 0 {
-        w4_ks_waves(rows, k, tiles, reach, t.slots, t.startup)
-    } else {
-        reach
+/// The K split of the separate INT4 kernels (`moe_gate_up_w4`, `moe_down_w4`): the
+/// grid's bound and the tile-count thresholds the kernel picks by (linear.cu `w4_split`:
+/// 8 ways below `thr[2]` tiles, 4 below `thr[1]`, 2 below `thr[0]`, else 1; at most
+/// `ks_hi`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct W4Split {
+    pub ks_hi: usize,
+    /// `[t2, t4, t8]`.
+    pub thr: [usize; 3],
+}
+
+impl W4Split {
+    /// The reaching rule ([`w4_ks`] to `target`) as thresholds: `ks >= 2 j` exactly when
+    /// `w4_groups(rows, j) * tiles < target`, i.e. `tiles < ceil(target / groups)`.
+    pub fn reaching(rows: usize, ks_hi: usize, target: usize) -> Self {
+        let thr = [1, 2, 4].map(|j| target.div_ceil(w4_groups(rows, j)));
+        Self { ks_hi, thr }
+    }
+
+    /// `ks` ways whatever the tile count (at most `ks_hi`).
+    pub fn forced(ks: usize, ks_hi: usize) -> Self {
+        let thr = [2, 4, 8].map(|j| if ks >= j { i32::MAX as usize } else { 0 });
+        Self { ks_hi, thr }
+    }
+
+    /// The kernel's split for `tiles` real tiles (linear.cu `w4_split`).
+    pub fn ks(&self, tiles: usize) -> usize {
+        let [t2, t4, t8] = self.thr;
+        let ks = if tiles < t8 {
+            8
+        } else if tiles < t4 {
+            4
+        } else if tiles < t2 {
+            2
+        } else {
+            1
+        };
+        ks.min(self.ks_hi)
     }
 }
 
@@ -309,33 +315,26 @@ pub struct W4Tiles {
     pub max: usize,
     /// A lower bound of the real ones ([`moe_min_tiles`]).
     pub min: usize,
-    /// Target real blocks ([`w4_target_blocks`]): the reaching rule's, and the host's
-    /// bound `ks_hi` (the reaching rule at `min` tiles) in either rule.
+    /// Target real blocks ([`w4_target_blocks`]).
     pub target: usize,
-    /// INT4 blocks resident at once (`Gpu::w4_slots`), the wave rule's wave.
-    pub slots: usize,
-    /// The wave rule's start-up cost ([`w4_startup`]); 0: the reaching rule.
-    pub startup: usize,
-}
-
-impl W4Tiles {
-    /// The kernels' `target` argument: the slots for the wave rule, else the target.
-    pub fn kernel_target(&self) -> usize {
-        if self.startup > 0 {
-            self.slots
-        } else {
-            self.target
-        }
-    }
+    /// A forced K split ([`w4_ks_forced`]) in place of the reaching rule.
+    pub forced: Option<usize>,
 }
 
 /// INT4 expert GEMMs (`moe_gate_up_w4` with `nmat` 2, `moe_down_w4` with 1) over
 /// `n * nmat` weight rows of `k` weights: row blocks of 64 rows, `W4_WARPS / ks` of them a
-/// block for the kernels' K split `ks <= ks_hi` (returned beside the shape: an argument),
-/// a 1-D grid of max_tiles x ceil(row blocks / (W4_WARPS / ks_hi)) items (those past the
-/// real tiles exit), block 32 W4_WARPS, dynamic shared memory [`W4_SMEM`]. Needs
-/// K % 128 == 0 and `n * nmat` % 64 == 0 (the repacked layout).
-pub fn moe_w4(n: usize, k: usize, nmat: usize, t: &W4Tiles, what: &str) -> Result<(Shape, usize)> {
+/// block for the kernels' K split `ks <= ks_hi` (returned beside the shape as a
+/// [`W4Split`], the kernels' arguments), a 1-D grid of max_tiles x ceil(row blocks /
+/// (W4_WARPS / ks_hi)) items (those past the real tiles exit), block 32 W4_WARPS, dynamic
+/// shared memory [`W4_SMEM`]. Needs K % 128 == 0 and `n * nmat` % 64 == 0 (the repacked
+/// layout).
+pub fn moe_w4(
+    n: usize,
+    k: usize,
+    nmat: usize,
+    t: &W4Tiles,
+    what: &str,
+) -> Result<(Shape, W4Split)> {
     let max_tiles = t.max;
     if k == 0
         || !k.is_multiple_of(128)
@@ -347,8 +346,14 @@ pub fn moe_w4(n: usize, k: usize, nmat: usize, t: &W4Tiles, what: &str) -> Resul
             "{what}: INT4 expert GEMM with N = {n}, K = {k}, {nmat} matrices (needs K % 128 == 0, N x matrices % 64 == 0)"
         )));
     }
-    let ks_hi = w4_ks(n * nmat, t.min.min(max_tiles), w4_ks_max(k), t.target);
-    let per_block = W4_WARPS as usize / ks_hi;
+    let split = match t.forced {
+        Some(ks) => W4Split::forced(ks, ks.min(w4_ks_max(k))),
+        None => {
+            let ks_hi = w4_ks(n * nmat, t.min.min(max_tiles), w4_ks_max(k), t.target);
+            W4Split::reaching(n * nmat, ks_hi, t.target)
+        }
+    };
+    let per_block = W4_WARPS as usize / split.ks_hi;
     let mut s = grid_2d(
         (n * nmat / 64).div_ceil(per_block) * max_tiles,
         1,
@@ -356,7 +361,7 @@ pub fn moe_w4(n: usize, k: usize, nmat: usize, t: &W4Tiles, what: &str) -> Resul
         what,
     )?;
     s.smem = W4_SMEM;
-    Ok((s, ks_hi))
+    Ok((s, split))
 }
 
 /// One block of `block` threads per row.
@@ -507,20 +512,14 @@ mod tests {
     }
 
     /// Model of kernel `w4_mma`'s walk for `ntiles` real tiles: the kernel's K split
-    /// `ks = w4_ks(rows, ntiles, ks_hi, target)`; block b < ntiles xneed is tile
+    /// `ks = split.ks(ntiles)` (linear.cu `w4_split`); block b < ntiles xneed is tile
     /// b / xneed, group bx = b % xneed; warp w owns row block `bx (W4_WARPS / ks) + w / ks`
     /// (real when below `rows / 64`) and half groups `[kw G / ks, (kw + 1) G / ks)` with
     /// `kw = w % ks`, `G = k / 64`. Counts each (tile, row block, half group); also returns
     /// the blocks the kernel needs.
-    fn w4_owned(
-        rows: usize,
-        k: usize,
-        ntiles: usize,
-        ks_hi: usize,
-        t: &W4Tiles,
-    ) -> (Vec<u8>, usize) {
+    fn w4_owned(rows: usize, k: usize, ntiles: usize, split: &W4Split) -> (Vec<u8>, usize) {
         let (groups, nrb) = (k / 64, rows / 64);
-        let ks = w4_ks_for(rows, k, ntiles, ks_hi, t);
+        let ks = split.ks(ntiles);
         let per = W4_WARPS as usize / ks;
         let xneed = nrb.div_ceil(per);
         let mut owned = vec![0u8; ntiles * nrb * groups];
@@ -544,8 +543,7 @@ mod tests {
             max,
             min,
             target: W4_TARGET_BLOCKS,
-            slots: 264,
-            startup: 0,
+            forced: None,
         };
         assert_eq!(parse_w4_target(" 512").unwrap(), 512);
         assert!(moe_fused_wanted(Some("1")) && moe_fused_wanted(Some(" 1")));
@@ -566,34 +564,41 @@ mod tests {
         assert_eq!(w4_ks(4096, 8, 8, 512), 8);
         assert_eq!(w4_ks(4096, 106, 8, 256), 1);
         assert_eq!(w4_ks(256, 2, 4, 256), 4);
-        // The wave rule (264 slots, start-up 4 half groups): GLM gate/up at 15 tiles (a
-        // sequence's M = 4) takes 2 ways, one wave (240 items), where reaching 256 takes 4
-        // (480 items, two waves); 8 tiles keep 4 ways (256 items fit one wave; 8 ways
-        // would be two), and it never splits beyond the reaching rule (106 tiles: 1).
-        assert_eq!(w4_ks(4096, 15, 8, 264), 4);
-        assert_eq!(w4_ks_waves(4096, 4096, 15, 4, 264, 4), 2);
-        assert_eq!(w4_ks_waves(4096, 4096, 8, 8, 264, 4), 4);
-        let waves = |tiles: usize| W4Tiles {
-            startup: 4,
-            ..tl(tiles, tiles.min(8))
-        };
-        assert_eq!(w4_ks_for(4096, 4096, 15, 8, &waves(15)), 2);
-        assert_eq!(w4_ks_for(4096, 4096, 106, 8, &waves(106)), 1);
-        assert_eq!(w4_ks_for(4096, 4096, 15, 8, &tl(15, 8)), 4);
-        assert!(parse_w4_startup("65").is_err() && parse_w4_startup("x").is_err());
-        assert_eq!(parse_w4_startup(" 0").unwrap(), 0);
-        let e = parse_w4_startup("-1").unwrap_err().to_string();
-        assert!(e.contains(W4_STARTUP_ENV) && e.contains("0 to 64"), "{e}");
         let (s, ks) = moe_w4(2048, 4096, 2, &tl(8, 8), "t").unwrap();
-        assert_eq!((s.grid, ks), ((256, 1, 1), 4));
+        assert_eq!((s.grid, ks.ks_hi, ks.ks(8)), ((256, 1, 1), 4, 4));
         // M = 16: at least 16 tiles, so ks_hi = 2, over the 128-tile bound.
         let (s, ks) = moe_w4(4096, 2048, 1, &tl(128, 16), "t").unwrap();
-        assert_eq!((s.grid, ks), ((16 * 128, 1, 1), 2));
+        assert_eq!(
+            (s.grid, ks.ks_hi, ks.ks(16), ks.ks(106)),
+            ((16 * 128, 1, 1), 2, 2, 1)
+        );
         let (s, ks) = moe_w4(256, 128, 1, &tl(3, 2), "t").unwrap();
         assert_eq!(
-            (s.grid, s.block, s.smem, ks),
+            (s.grid, s.block, s.smem, ks.ks_hi),
             ((3, 1, 1), (256, 1, 1), W4_SMEM, 2)
         );
+        // A forced split: whatever the tiles, at most k / 64 ways; the grid follows it.
+        let forced = |ks| W4Tiles {
+            forced: Some(ks),
+            ..tl(128, 16)
+        };
+        let (s, ks) = moe_w4(4096, 2048, 1, &forced(8), "t").unwrap();
+        assert_eq!((s.grid.0, ks.ks(1), ks.ks(128)), (64 * 128, 8, 8));
+        let (s, ks) = moe_w4(256, 128, 1, &forced(8), "t").unwrap();
+        assert_eq!((s.grid.0, ks.ks(1)), (128, 2));
+        let (_, ks) = moe_w4(4096, 2048, 1, &forced(1), "t").unwrap();
+        assert_eq!((ks.ks(1), ks.ks(500)), (1, 1));
+        for (v, want) in [
+            ("1", Some(1)),
+            (" 8", Some(8)),
+            ("3", None),
+            ("16", None),
+            ("", None),
+        ] {
+            assert_eq!(parse_w4_ks(v).ok(), want, "{v:?}");
+        }
+        let e = parse_w4_ks("0").unwrap_err().to_string();
+        assert!(e.contains(W4_KS_ENV) && e.contains("1, 2, 4 or 8"), "{e}");
         assert_eq!(gemm(5, 8, "x").unwrap().smem, 0);
         // T K / 16 steps x 4 lanes-in-group, 128 threads a block.
         assert_eq!(moe_split(3, 256, "t").unwrap().grid, (2, 1, 1));
@@ -601,22 +606,20 @@ mod tests {
         for k in [128usize, 256, 384, 640, 1152, 2048, 4096] {
             for (n, nmat) in [(32, 2), (64, 1), (96, 2), (192, 1), (2048, 2), (4096, 1)] {
                 for (max, min) in [(1, 1), (8, 8), (300, 8), (40, 20)] {
-                    let (s, ks_hi) = moe_w4(n, k, nmat, &tl(max, min), "t").unwrap();
-                    assert!(ks_hi.is_power_of_two() && ks_hi <= w4_ks_max(k));
-                    for (ntiles, startup) in [min, (min + max) / 2, max]
-                        .into_iter()
-                        .flat_map(|t| [(t, 0), (t, W4_STARTUP), (t, 1)])
-                    {
-                        let rule = W4Tiles {
-                            startup,
+                    for f in [None, Some(1), Some(2), Some(4), Some(8)] {
+                        let t = W4Tiles {
+                            forced: f,
                             ..tl(max, min)
                         };
-                        let (owned, blocks) = w4_owned(n * nmat, k, ntiles, ks_hi, &rule);
-                        assert!(blocks <= s.grid.0 as usize, "n {n} k {k} tiles {ntiles}");
-                        assert!(
-                            owned.iter().all(|&c| c == 1),
-                            "n {n} k {k} nmat {nmat} tiles {ntiles} startup {startup}"
-                        );
+                        let (s, split) = moe_w4(n, k, nmat, &t, "t").unwrap();
+                        let ks_hi = split.ks_hi;
+                        assert!(ks_hi.is_power_of_two() && ks_hi <= w4_ks_max(k));
+                        for ntiles in [min, (min + max) / 2, max] {
+                            let (owned, blocks) = w4_owned(n * nmat, k, ntiles, &split);
+                            let at = format!("n {n} k {k} nmat {nmat} tiles {ntiles} {f:?}");
+                            assert!(blocks <= s.grid.0 as usize, "{at}");
+                            assert!(owned.iter().all(|&c| c == 1), "{at}");
+                        }
                     }
                 }
             }
@@ -625,6 +628,24 @@ mod tests {
         assert!(moe_w4(2044, 4096, 2, &tl(1, 1), "t").is_err());
         assert!(moe_w4(96, 4096, 1, &tl(1, 1), "t").is_err());
         assert!(moe_w4(2048, 4096, 3, &tl(1, 1), "t").is_err());
+    }
+
+    #[test]
+    fn split_thresholds_reproduce_the_reaching_rule() {
+        for rows in [64usize, 128, 192, 256, 512, 4096] {
+            for target in [1usize, 7, 100, 256, 264, 1024] {
+                for ks_hi in [1usize, 2, 4, 8] {
+                    let split = W4Split::reaching(rows, ks_hi, target);
+                    for tiles in 1..600 {
+                        assert_eq!(
+                            split.ks(tiles),
+                            w4_ks(rows, tiles, ks_hi, target),
+                            "rows {rows} target {target} ks_hi {ks_hi} tiles {tiles}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]

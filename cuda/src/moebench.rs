@@ -369,10 +369,8 @@ pub struct MoeBenchReport {
     pub kernel_defines: Vec<String>,
     /// The INT4 GEMMs' target block count (`SPECLAB_W4_TARGET_BLOCKS`, launch.rs).
     pub w4_target_blocks: usize,
-    /// The wave rule's start-up cost (`SPECLAB_W4_STARTUP`, launch.rs; 0: the reaching
-    /// rule alone) and the INT4 blocks resident at once it counts waves of.
-    pub w4_startup: usize,
-    pub w4_slots: usize,
+    /// The forced K split of the INT4 GEMMs (`SPECLAB_W4_KS`, launch.rs), if any.
+    pub w4_ks_forced: Option<usize>,
     /// The experts ran as one fused kernel (`moe_experts_w4`; without `SPECLAB_MOE_FUSED=1`: the
     /// split, gate/up and down kernels).
     pub moe_fused: bool,
@@ -998,8 +996,7 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         w4_regs_local: regs,
         kernel_defines: crate::kernels::env_defines()?,
         w4_target_blocks: launch::w4_target_blocks()?,
-        w4_startup: launch::w4_startup()?,
-        w4_slots: g.w4_slots,
+        w4_ks_forced: launch::w4_ks_forced()?,
         moe_fused: launch::moe_fused(),
         timing: "CUDA events around single calls, median of iters; experts = moe_split_x + moe_gate_up_w4 + moe_down_w4, or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",
         all_pass: rows.iter().all(|r| r.pass),

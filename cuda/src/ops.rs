@@ -922,28 +922,32 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
         max: r.max_tiles,
         min: launch::moe_min_tiles(r.t, r.k),
         target: launch::w4_target_blocks()?,
-        slots: g.w4_slots,
-        startup: launch::w4_startup()?,
+        forced: launch::w4_ks_forced()?,
+    };
+    let none = launch::W4Split {
+        ks_hi: 0,
+        thr: [0; 3],
     };
     let (gu_shape, gu_ks) = if int4 {
         launch::moe_w4(im, hd, 2, &w4t, gu_name)?
     } else {
-        (launch::moe_gemm(im, r.max_tiles, gu_name)?, 0)
+        (launch::moe_gemm(im, r.max_tiles, gu_name)?, none)
     };
     let (dn_shape, dn_ks) = if int4 {
         launch::moe_w4(hd, im, 1, &w4t, dn_name)?
     } else {
-        (launch::moe_gemm(hd, r.max_tiles, dn_name)?, 0)
+        (launch::moe_gemm(hd, r.max_tiles, dn_name)?, none)
     };
-    // The INT4 kernels' last arguments: the grid's tiles, the K-split bound, the target
-    // (or slots), the wave rule's start-up cost, the weight prologue.
-    let w4_tail = |ks: usize, pre: bool| -> Result<Vec<Arg>> {
+    // The INT4 kernels' last arguments: the grid's tiles, the K-split bound and
+    // thresholds, the weight prologue.
+    let w4_tail = |ks: launch::W4Split, pre: bool| -> Result<Vec<Arg>> {
         Ok(if int4 {
             vec![
                 int(r.max_tiles, "max_tiles")?,
-                int(ks, "ks_hi")?,
-                int(w4t.kernel_target(), "target")?,
-                int(w4t.startup, "startup")?,
+                int(ks.ks_hi, "ks_hi")?,
+                int(ks.thr[0], "t2")?,
+                int(ks.thr[1], "t4")?,
+                int(ks.thr[2], "t8")?,
                 Arg::I(i32::from(pre)),
             ]
         } else {
@@ -960,7 +964,7 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
             gu_w,
             dn_w,
             grid: gu_shape.grid.0 as usize + dn_shape.grid.0 as usize,
-            ks: [gu_ks, dn_ks],
+            ks: [gu_ks.ks_hi, dn_ks.ks_hi],
             target: w4t.target,
         };
         return moe_experts_fused(g, r, a, fused, [sorted, tiles, h, x, y, wts]);
