@@ -16,6 +16,14 @@
 
 #define ATT_WARPS 16
 #define HEAD_DIM_MAX 128
+// Positions a warp loads per pass of paged_attention (their table entries, keys and
+// values all in flight before the first is folded).  8 since 2026-12-03 (4 before,
+// SPECLAB_KERNEL_DEFINES=ATT_INFLIGHT=4 restores it): a decode row's context is walked
+// by 16 serial strands, so at 256-384 positions each strand waited on 4-6 rounds of
+// loads; the fold (and so every value) is the same at any setting.
+#ifndef ATT_INFLIGHT
+#define ATT_INFLIGHT 8
+#endif
 
 // Rotate q in place and write rotated k and v into the cache.
 // Shapes: qkv [T, qkv_stride] f32 with q at column 0 ([nh, d]), k at nh * d ([nkv, d]),
@@ -92,13 +100,13 @@ extern "C" __global__ void paged_attention(float* __restrict__ o, const float* _
     const int n_ctx = pos[t] + 1;
     const long long half_page = (long long)bs * nkv * d;
     float m = -INFINITY, l = 0.0f;
-    // Four positions per warp per pass: their table entries, keys and values are loaded
-    // first (all in flight), then folded into the online softmax one by one in position
-    // order, so the arithmetic is exactly that of one position per pass.
-    for (int j0 = warp; j0 < n_ctx; j0 += 4 * ATT_WARPS) {
-        float kx[4][4], vx[4][4];
+    // ATT_INFLIGHT positions per warp per pass: their table entries, keys and values are
+    // loaded first (all in flight), then folded into the online softmax one by one in
+    // position order, so the arithmetic is exactly that of one position per pass.
+    for (int j0 = warp; j0 < n_ctx; j0 += ATT_INFLIGHT * ATT_WARPS) {
+        float kx[ATT_INFLIGHT][4], vx[ATT_INFLIGHT][4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
+        for (int u = 0; u < ATT_INFLIGHT; ++u) {
             const int j = j0 + u * ATT_WARPS;
             if (j < n_ctx) {
                 const float* kr = kv + (long long)table[j / bs] * fpb + layer_off +
@@ -111,7 +119,7 @@ extern "C" __global__ void paged_attention(float* __restrict__ o, const float* _
             }
         }
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
+        for (int u = 0; u < ATT_INFLIGHT; ++u) {
             if (j0 + u * ATT_WARPS >= n_ctx) break;  // warp-uniform
             float dot = 0.0f;
 #pragma unroll
