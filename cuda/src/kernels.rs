@@ -27,11 +27,15 @@ pub const CACHE_ENV: &str = "SPECLAB_KERNEL_CACHE";
 /// Environment variable of NVRTC-time kernel tunables, e.g. `W4_XS=2`.
 pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// The tunables [`DEFINES_ENV`] may set, with their allowed range: compile-time knobs of
-/// linear.cu that the host's launch shapes do not depend on (`W4_XS`: the INT4 expert
+/// the kernels that the host's launch shapes do not depend on (`W4_XS`: the INT4 expert
 /// GEMMs' activation split terms; `LT_PREWAIT`: the tiled bf16 GEMMs load their first
-/// weight words before the programmatic-dependent-launch wait).
-pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 2] =
-    [("W4_XS", 2..=3), ("LT_PREWAIT", 0..=1)];
+/// weight words before the programmatic-dependent-launch wait; `ATT_INFLIGHT`:
+/// positions `paged_attention` loads per warp pass).
+pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 3] = [
+    ("W4_XS", 2..=3),
+    ("LT_PREWAIT", 0..=1),
+    ("ATT_INFLIGHT", 1..=8),
+];
 
 /// The prelude prepended to every source.
 pub const PRELUDE: &str = include_str!("../kernels/common.cuh");
