@@ -26,7 +26,8 @@
 # SPECLAB_KDA_PRE=0 (the KDA kernels read state and metadata after the PDL wait),
 # SPECLAB_FINAL_DUP=0 (a decode step's final norm + an identity gather_rows),
 # SPECLAB_KDA_PAIR=0 (verify chunks' KDA layer in four launches, not two),
-# SPECLAB_W4_KS=n (the INT4 expert GEMMs' K split forced to n = 1, 2, 4 or 8 ways).
+# SPECLAB_W4_KS=n (the INT4 expert GEMMs' K split forced to n = 1, 2, 4 or 8 ways),
+# SPECLAB_W4_WAVES=0 (their K split by the reaching rule, not the wave rule).
 # Several settings in one leg are space-separated: "A=0 B=off".
 # Everything lands in $OUT/results.tgz; leg i's outputs under ab<i>/ with its settings in
 # ab<i>/env.txt.

@@ -568,10 +568,11 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 // - A warp owns a row block of 64 weight rows (W4_RT = 4 mma tiles of 16) over a K range
 //   of whole half 128-groups; the block's W4_WARPS warps split K ks ways and cover
 //   W4_WARPS / ks row blocks.  ks is chosen in the kernel from moe_align's count of real
-//   tiles, by thresholds the host computes (w4_split; by default the reaching rule w4_ks:
-//   the smallest split whose blocks reach `target`, longer walks amortizing a warp's
-//   start-up), at most the host's bound ks_hi; the 1-D grid of (tile, row-block group)
-//   items is sized for ks_hi and every tile, and items past the real ones exit.
+//   tiles, by segments of tile counts the host computes from its rule (w4_split; by
+//   default the wave rule, launch.rs W4Split::waves: a split whose items fill one wave
+//   of resident blocks, else the smallest reaching 2.5 waves), at most the host's bound
+//   ks_hi; the 1-D grid of (tile, row-block group) items is sized for ks_hi and every
+//   tile, and items past the real ones exit.
 // - Weights (cuda/src/repack.rs, "the device INT4 layout"): per (expert, row block, k16
 //   step) 32 lanes x uint4, word i of lane (g, t) = the A fragment of mma tile i, nibble
 //   slot j + 4 e = element e of register j, so (w >> 4 j) & 0x000f000f | 0x43004300 is the
@@ -833,13 +834,20 @@ __device__ __forceinline__ int w4_ks(int nrb, int ntiles, int ks_hi, int target)
     return ks;
 }
 
-// The separate INT4 kernels' K split for `ntiles` real tiles from the host's tile-count
-// thresholds (cuda/src/launch.rs W4Split): 8 ways below t8 tiles, 4 below t4, 2 below t2,
-// else 1, at most ks_hi.  The host derives them from its rule (by default w4_ks's
-// reaching rule), so the kernel's start-up has three compares where the loop above has
-// divisions ahead of the first weight copy.
-__device__ __forceinline__ int w4_split(int ntiles, int ks_hi, int t2, int t4, int t8) {
-    const int ks = ntiles < t8 ? 8 : ntiles < t4 ? 4 : ntiles < t2 ? 2 : 1;
+// The separate INT4 kernels' K split for `ntiles` real tiles from the host's segments
+// (cuda/src/launch.rs W4Split): segment i = (bound << 3) | log2(ks), bounds ascending; the
+// first segment whose bound exceeds ntiles gives ks, past the last 1 way, at most ks_hi.
+// The host derives them from its rule (by default the wave rule, W4Split::waves), so the
+// kernel's start-up has eight compares and no division ahead of its first weight copy.
+#define W4_SEGS 8
+#define W4_SEG_PARAMS int s0, int s1, int s2, int s3, int s4, int s5, int s6, int s7
+#define W4_SEG_ARGS s0, s1, s2, s3, s4, s5, s6, s7
+__device__ __forceinline__ int w4_split(int ntiles, int ks_hi, W4_SEG_PARAMS) {
+    const int seg[W4_SEGS] = {W4_SEG_ARGS};
+    int ks = 1;
+#pragma unroll
+    for (int i = W4_SEGS - 1; i >= 0; --i)
+        if (ntiles < (seg[i] >> 3)) ks = 1 << (seg[i] & 7);
     return ks < ks_hi ? ks : ks_hi;
 }
 
@@ -960,7 +968,7 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
 // kernel here waits before it triggers, common.cuh pdl_enter).  Always true of the down
 // projection (gate/up runs between), and of gate/up when moe_split_x ran after the
 // routing.  Unset, the kernel reads nothing before the wait.  The K split: w4_split of
-// the host's thresholds t2 / t4 / t8, at most ks_hi.
+// the host's segments s0 .. s7, at most ks_hi.
 template <int NMAT>
 __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ hs,
                                        const u32* __restrict__ xs,
@@ -969,12 +977,12 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
                                        const float* __restrict__ topk_w,
                                        const int* __restrict__ sorted,
                                        const int* __restrict__ tile_expert, int div, int N,
-                                       int K, int max_tiles, int ks_hi, int t2, int t4,
-                                       int t8, bool pre, int bid) {
+                                       int K, int max_tiles, int ks_hi, W4_SEG_PARAMS,
+                                       bool pre, int bid) {
     if (!pre) pdl_enter();
     const int nrb = N * NMAT / 64;
     const int ntiles = pre ? __ldcg(tile_expert + max_tiles) : tile_expert[max_tiles];
-    const int ks = w4_split(ntiles, ks_hi, t2, t4, t8);
+    const int ks = w4_split(ntiles, ks_hi, W4_SEG_ARGS);
     const int xneed = w4_groups(nrb, ks);
     if (bid >= ntiles * xneed) return;  // uniform per block
     w4_item<NMAT, false>(y, hs, xs, qw, scw, topk_w, sorted, tile_expert, div, N, K, ks,
@@ -987,8 +995,8 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
 // post-norm input), q13 [E, 2N / 64, K / 16, 32, 4]
 // u32, s13 [E, 2N / 64, K / 128, 8, 8] bf16 (cuda/src/repack.rs), h [P, N W4_XS / 2] u32
 // words (N = moe_intermediate_size).
-// tile_expert [max_tiles + 1] (moe_align: experts, then the count used).  t2 / t4 / t8:
-// the K split's tile-count thresholds (w4_split).  pre: the weight prologue before the
+// tile_expert [max_tiles + 1] (moe_align: experts, then the count used).  s0 .. s7:
+// the K split's tile-count segments (w4_split).  pre: the weight prologue before the
 // grid-dependency wait (w4_mma; only when a grid runs between the routing and this one).
 // Launch: grid (max_tiles ceil(2N / 64 / (W4_WARPS / ks_hi))), block 32 W4_WARPS, dynamic
 // shared memory W4_SMEM (launch.rs moe_w4).
@@ -996,10 +1004,10 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up
     u32* __restrict__ h, const u32* __restrict__ xs, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
     const int* __restrict__ tile_expert, int topk, int N, int K, int max_tiles, int ks_hi,
-    int t2, int t4, int t8, int pre) {
+    W4_SEG_PARAMS, int pre) {
     w4_mma<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
               reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K,
-              max_tiles, ks_hi, t2, t4, t8, pre != 0, blockIdx.x);
+              max_tiles, ks_hi, W4_SEG_ARGS, pre != 0, blockIdx.x);
 }
 
 // moe_gate_up_w4 and the shared expert's SwiGLU hidden (swiglu_tiled_bf16) in one launch:
@@ -1015,7 +1023,7 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up
     u32* __restrict__ h, const u32* __restrict__ xs, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
     const int* __restrict__ tile_expert, int topk, int N, int K, int max_tiles, int ks_hi,
-    int t2, int t4, int t8, int pre, float* __restrict__ sh_h, const float* __restrict__ sh_x,
+    W4_SEG_PARAMS, int pre, float* __restrict__ sh_h, const float* __restrict__ sh_x,
     int sh_x_stride, const bf16_bits* __restrict__ sh_w13, int sh_m, int sh_n, int sh_k,
     int sh_gx, int sh_blocks) {
     const int b = blockIdx.x;
@@ -1026,7 +1034,7 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up
     }
     w4_mma<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
               reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K,
-              max_tiles, ks_hi, t2, t4, t8, pre != 0, b - sh_blocks);
+              max_tiles, ks_hi, W4_SEG_ARGS, pre != 0, b - sh_blocks);
 }
 
 // Routed experts down-projection with the router weight applied: y[p, n] = w_p *
@@ -1039,10 +1047,10 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_down_w4
     float* __restrict__ y, const u32* __restrict__ h, const u32* __restrict__ qd,
     const bf16_bits* __restrict__ sd, const float* __restrict__ topk_w,
     const int* __restrict__ sorted, const int* __restrict__ tile_expert, int N, int K,
-    int max_tiles, int ks_hi, int t2, int t4, int t8, int pre) {
+    int max_tiles, int ks_hi, W4_SEG_PARAMS, int pre) {
     w4_mma<1>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
               reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, N, K, max_tiles,
-              ks_hi, t2, t4, t8, pre != 0, blockIdx.x);
+              ks_hi, W4_SEG_ARGS, pre != 0, blockIdx.x);
 }
 
 // The routed experts in one launch (issue 12): the split of x (when x is not null),

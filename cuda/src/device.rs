@@ -190,12 +190,38 @@ pub struct Gpu {
     /// The INT4 expert GEMMs' weight prologue before the grid-dependency wait where the
     /// routing is two grids back (linear.cu `w4_mma`); default, `SPECLAB_W4_PRE=0` off.
     pub w4_pre: bool,
+    /// The INT4 expert GEMMs' K split by the wave rule (launch.rs `W4Split::waves`);
+    /// default, `SPECLAB_W4_WAVES=0` takes the reaching rule (`W4Split::reaching`).
+    pub w4_waves: bool,
     /// The shared expert's SwiGLU hidden computed by extra blocks of the routed gate/up
     /// launch (`moe_gate_up_shared_w4`) instead of its own launch after the experts;
     /// default with INT4 experts and the tiled GEMMs, `SPECLAB_SHARED_MERGE=0` off.
     pub merge_shared: bool,
+    /// INT4 expert GEMM blocks resident at once: SMs x the occupancy of `moe_down_w4`
+    /// at its block and shared memory (a wave of the K-split rule, launch.rs `W4Split::waves`).
+    pub w4_slots: usize,
     /// While profiling: (kernel name, an event recorded right after its launch).
     pub profile: std::cell::RefCell<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
+}
+
+/// SMs x resident `moe_down_w4` blocks an SM (every INT4 expert GEMM has its block,
+/// register bound and shared memory): [`Gpu::w4_slots`].
+fn w4_slots(ctx: &CudaContext, funcs: &HashMap<&'static str, CudaFunction>) -> Result<usize> {
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    let sms = ctx
+        .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(|e| CudaError::driver("multiprocessor count", e))?;
+    let f = funcs
+        .get("moe_down_w4")
+        .ok_or_else(|| CudaError::Input("kernel moe_down_w4 not loaded (internal)".into()))?;
+    let per = f
+        .occupancy_max_active_blocks_per_multiprocessor(
+            32 * crate::launch::W4_WARPS,
+            crate::launch::W4_SMEM as usize,
+            None,
+        )
+        .map_err(|e| CudaError::driver("occupancy of moe_down_w4", e))?;
+    Ok((sms.max(1) as usize) * (per.max(1) as usize))
 }
 
 impl std::fmt::Debug for Gpu {
@@ -244,7 +270,9 @@ impl Gpu {
                 funcs.insert(entry, f);
             }
         }
+        let w4_slots = w4_slots(&ctx, &funcs)?;
         Ok(Self {
+            w4_slots,
             ctx,
             stream,
             arch,
@@ -270,6 +298,7 @@ impl Gpu {
             fuse_kda_lowrank: env_on("SPECLAB_KDA_LOWRANK"),
             router_pre: env_on("SPECLAB_ROUTER_PRE"),
             w4_pre: env_on("SPECLAB_W4_PRE"),
+            w4_waves: env_on("SPECLAB_W4_WAVES"),
             merge_shared: env_on("SPECLAB_SHARED_MERGE"),
             profile: std::cell::RefCell::new(None),
         })

@@ -258,45 +258,131 @@ pub fn w4_groups(rows: usize, ks: usize) -> usize {
     (rows / 64).div_ceil(W4_WARPS as usize / ks)
 }
 
+/// Segments a [`W4Split`] holds (linear.cu `W4_SEGS`).
+pub const W4_SEGS: usize = 8;
+/// Largest tile-count bound a segment can hold (`bound << 3` fits an `int`).
+const W4_SEG_MAX: usize = (i32::MAX >> 3) as usize;
+
 /// The K split of the separate INT4 kernels (`moe_gate_up_w4`, `moe_down_w4`): the
-/// grid's bound and the tile-count thresholds the kernel picks by (linear.cu `w4_split`:
-/// 8 ways below `thr[2]` tiles, 4 below `thr[1]`, 2 below `thr[0]`, else 1; at most
-/// `ks_hi`).
+/// grid's bound and the tile-count segments the kernel picks by (linear.cu `w4_split`):
+/// segment `(bound << 3) | log2(ks)`, bounds ascending; the first whose bound exceeds
+/// the tile count gives the split, past the last 1 way; unused segments are 0; at most
+/// `ks_hi`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct W4Split {
     pub ks_hi: usize,
-    /// `[t2, t4, t8]`.
-    pub thr: [usize; 3],
+    pub seg: [usize; W4_SEGS],
 }
 
 impl W4Split {
-    /// The reaching rule ([`w4_ks`] to `target`) as thresholds: `ks >= 2 j` exactly when
+    /// Segments of `ks_of`, constant between consecutive `breaks` (ascending, from 0;
+    /// constant past the last): equal neighbours merged, a last 1-way segment implicit.
+    fn from_breaks(ks_hi: usize, breaks: &[usize], ks_of: impl Fn(usize) -> usize) -> Self {
+        let mut runs: Vec<(usize, usize)> = Vec::new(); // (bound, ks)
+        for (i, &b) in breaks.iter().enumerate() {
+            let bound = breaks
+                .get(i + 1)
+                .copied()
+                .unwrap_or(W4_SEG_MAX)
+                .min(W4_SEG_MAX);
+            let ks = ks_of(b);
+            match runs.last_mut() {
+                Some(last) if last.1 == ks => last.0 = bound,
+                _ => runs.push((bound, ks)),
+            }
+        }
+        if runs.last().is_some_and(|r| r.1 == 1) {
+            runs.pop();
+        }
+        let mut seg = [0; W4_SEGS];
+        for (s, &(bound, ks)) in seg.iter_mut().zip(&runs) {
+            *s = (bound << 3) | ks.trailing_zeros() as usize;
+        }
+        debug_assert!(runs.len() <= W4_SEGS, "{} K-split segments", runs.len());
+        Self { ks_hi, seg }
+    }
+
+    /// The reaching rule ([`w4_ks`] to `target`) as segments: `ks >= 2 j` exactly when
     /// `w4_groups(rows, j) * tiles < target`, i.e. `tiles < ceil(target / groups)`.
     pub fn reaching(rows: usize, ks_hi: usize, target: usize) -> Self {
-        let thr = [1, 2, 4].map(|j| target.div_ceil(w4_groups(rows, j)));
-        Self { ks_hi, thr }
+        let mut breaks = vec![0];
+        breaks.extend([4, 2, 1].map(|j| target.div_ceil(w4_groups(rows, j))));
+        breaks.sort_unstable();
+        breaks.dedup();
+        Self::from_breaks(ks_hi, &breaks, |t| w4_ks(rows, t, 8, target))
     }
 
     /// `ks` ways whatever the tile count (at most `ks_hi`).
     pub fn forced(ks: usize, ks_hi: usize) -> Self {
-        let thr = [2, 4, 8].map(|j| if ks >= j { i32::MAX as usize } else { 0 });
-        Self { ks_hi, thr }
+        Self::from_breaks(ks_hi, &[0], |_| ks)
+    }
+
+    /// The wave rule for `rows` weight rows, `slots` blocks resident at once, at most
+    /// `cap` ways (`W4_WAVE_CAP` and the K bound): [`w4_ks_waves`] as segments (each of
+    /// its conditions flips at one tile count a split).
+    pub fn waves(rows: usize, cap: usize, slots: usize) -> Self {
+        let mut breaks = vec![0];
+        for ks in [1, 2, 4] {
+            let g = w4_groups(rows, ks).max(1);
+            breaks.extend([
+                (7 * slots).div_ceil(10 * g),
+                21 * slots / (20 * g) + 1,
+                (5 * slots).div_ceil(2 * g),
+            ]);
+        }
+        breaks.sort_unstable();
+        breaks.dedup();
+        Self::from_breaks(cap, &breaks, |t| w4_ks_waves(rows, t, cap, slots))
     }
 
     /// The kernel's split for `tiles` real tiles (linear.cu `w4_split`).
     pub fn ks(&self, tiles: usize) -> usize {
-        let [t2, t4, t8] = self.thr;
-        let ks = if tiles < t8 {
-            8
-        } else if tiles < t4 {
-            4
-        } else if tiles < t2 {
-            2
-        } else {
-            1
-        };
+        let ks = self
+            .seg
+            .iter()
+            .find(|&&s| tiles < s >> 3)
+            .map_or(1, |&s| 1 << (s & 7));
         ks.min(self.ks_hi)
     }
+
+    /// The largest split of any tile count in `lo..=hi`.
+    pub fn max_over(&self, lo: usize, hi: usize) -> usize {
+        let mut ks = self.ks(lo).max(self.ks(hi));
+        for &s in self.seg.iter().filter(|&&s| s > 0) {
+            if (lo..=hi).contains(&(s >> 3)) {
+                ks = ks.max(self.ks(s >> 3));
+            }
+        }
+        ks
+    }
+}
+
+/// Most ways the wave rule splits K: 8 never measured faster at GLM-5.3-Flash shapes
+/// (`runs/ab-210cbc4/`, every M and routing: M = 1 46.3 against 39.4 us at 4).
+pub const W4_WAVE_CAP: usize = 4;
+
+/// The wave rule (fitted on the `SPECLAB_W4_KS` sweep of `runs/ab-210cbc4/`, GLM-5.3-Flash
+/// shapes on the H200): of the splits up to `cap`, the largest whose items (row-block
+/// groups x `tiles`) fill one wave of `slots` resident blocks to 70-105%; else the
+/// smallest whose items reach 2.5 waves (dynamic scheduling then evens out tiles of
+/// unequal cost, such as the unpacked tiles of skewed routing); else `cap`. A partial
+/// second wave is what it avoids: zipf M = 8 (35.5 tiles) took 193.6 us at the reaching
+/// rule's whole-K walks (1.08 waves) and 162.7 at 4 ways (4.3 waves).
+pub fn w4_ks_waves(rows: usize, tiles: usize, cap: usize, slots: usize) -> usize {
+    let cands: Vec<usize> = [1, 2, 4, 8]
+        .into_iter()
+        .filter(|&k| k <= cap.max(1))
+        .collect();
+    let items = |k: usize| w4_groups(rows, k) * tiles;
+    let fill = |k: usize| 10 * items(k) >= 7 * slots && 20 * items(k) <= 21 * slots;
+    if let Some(&k) = cands.iter().rev().find(|&&k| fill(k)) {
+        return k;
+    }
+    cands
+        .iter()
+        .copied()
+        .find(|&k| 2 * items(k) >= 5 * slots)
+        .unwrap_or(*cands.last().unwrap_or(&1))
 }
 
 /// The largest K split of `k`: `min(W4_WARPS, k / 64)`, a power of two as W4_WARPS is.
@@ -317,8 +403,10 @@ pub struct W4Tiles {
     pub min: usize,
     /// Target real blocks ([`w4_target_blocks`]).
     pub target: usize,
-    /// A forced K split ([`w4_ks_forced`]) in place of the reaching rule.
+    /// A forced K split ([`w4_ks_forced`]) in place of the rules.
     pub forced: Option<usize>,
+    /// The wave rule's resident blocks (`Gpu::w4_slots`); `None`: the reaching rule.
+    pub slots: Option<usize>,
 }
 
 /// INT4 expert GEMMs (`moe_gate_up_w4` with `nmat` 2, `moe_down_w4` with 1) over
@@ -346,9 +434,16 @@ pub fn moe_w4(
             "{what}: INT4 expert GEMM with N = {n}, K = {k}, {nmat} matrices (needs K % 128 == 0, N x matrices % 64 == 0)"
         )));
     }
-    let split = match t.forced {
-        Some(ks) => W4Split::forced(ks, ks.min(w4_ks_max(k))),
-        None => {
+    let split = match (t.forced, t.slots) {
+        (Some(ks), _) => W4Split::forced(ks, ks.min(w4_ks_max(k))),
+        (None, Some(slots)) => {
+            let w = W4Split::waves(n * nmat, W4_WAVE_CAP.min(w4_ks_max(k)), slots);
+            W4Split {
+                ks_hi: w.max_over(t.min.min(max_tiles), max_tiles),
+                ..w
+            }
+        }
+        (None, None) => {
             let ks_hi = w4_ks(n * nmat, t.min.min(max_tiles), w4_ks_max(k), t.target);
             W4Split::reaching(n * nmat, ks_hi, t.target)
         }
@@ -544,6 +639,7 @@ mod tests {
             min,
             target: W4_TARGET_BLOCKS,
             forced: None,
+            slots: None,
         };
         assert_eq!(parse_w4_target(" 512").unwrap(), 512);
         assert!(moe_fused_wanted(Some("1")) && moe_fused_wanted(Some(" 1")));
@@ -606,9 +702,14 @@ mod tests {
         for k in [128usize, 256, 384, 640, 1152, 2048, 4096] {
             for (n, nmat) in [(32, 2), (64, 1), (96, 2), (192, 1), (2048, 2), (4096, 1)] {
                 for (max, min) in [(1, 1), (8, 8), (300, 8), (40, 20)] {
-                    for f in [None, Some(1), Some(2), Some(4), Some(8)] {
+                    let rules = [None, Some(1), Some(2), Some(4), Some(8)]
+                        .map(|f| (f, None))
+                        .into_iter()
+                        .chain([(None, Some(264)), (None, Some(132)), (None, Some(7))]);
+                    for (f, slots) in rules {
                         let t = W4Tiles {
                             forced: f,
+                            slots,
                             ..tl(max, min)
                         };
                         let (s, split) = moe_w4(n, k, nmat, &t, "t").unwrap();
@@ -616,7 +717,8 @@ mod tests {
                         assert!(ks_hi.is_power_of_two() && ks_hi <= w4_ks_max(k));
                         for ntiles in [min, (min + max) / 2, max] {
                             let (owned, blocks) = w4_owned(n * nmat, k, ntiles, &split);
-                            let at = format!("n {n} k {k} nmat {nmat} tiles {ntiles} {f:?}");
+                            let at =
+                                format!("n {n} k {k} nmat {nmat} tiles {ntiles} {f:?} {slots:?}");
                             assert!(blocks <= s.grid.0 as usize, "{at}");
                             assert!(owned.iter().all(|&c| c == 1), "{at}");
                         }
@@ -641,6 +743,45 @@ mod tests {
                             split.ks(tiles),
                             w4_ks(rows, tiles, ks_hi, target),
                             "rows {rows} target {target} ks_hi {ks_hi} tiles {tiles}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn wave_rule_segments_reproduce_the_rule() {
+        // GLM-5.3-Flash (64 row blocks), 264 slots: one well-filled wave (8 tiles at 4
+        // ways, 13-16 at 2, 31 whole-K), else the first split past 2.5 waves (21 and 37
+        // tiles at 4, 60 at 2, 100 whole-K), as the sweep of runs/ab-210cbc4 measured.
+        let glm = |t| w4_ks_waves(4096, t, 4, 264);
+        let got: Vec<usize> = [8, 13, 16, 21, 31, 37, 60, 100, 400].map(glm).to_vec();
+        assert_eq!(got, [4, 2, 2, 4, 1, 4, 2, 1, 1]);
+        // models/tiny's shapes (4 row blocks): below 93 tiles (its decode steps have at
+        // most 48, 128 rows x top-2) never a filled wave, so the cap, which is what the
+        // reaching rule gives them too (their blocks do not reach 256).
+        for t in 1..93 {
+            assert_eq!(w4_ks_waves(256, t, 4, 264), 4);
+            assert_eq!(
+                w4_ks_waves(256, t, 4, 264),
+                w4_ks(256, t, 4, W4_TARGET_BLOCKS)
+            );
+        }
+        for rows in [64usize, 256, 512, 2048, 4096, 8192] {
+            for slots in [7usize, 132, 264, 528] {
+                for cap in [1usize, 2, 4] {
+                    let split = W4Split::waves(rows, cap, slots);
+                    for t in 0..3000 {
+                        let at = format!("rows {rows} slots {slots} cap {cap} tiles {t}");
+                        assert_eq!(split.ks(t), w4_ks_waves(rows, t, cap, slots), "{at}");
+                    }
+                    for (lo, hi) in [(0, 5), (8, 8), (8, 300), (17, 90), (1, 2999)] {
+                        let want = (lo..=hi).map(|t| split.ks(t)).max().unwrap();
+                        assert_eq!(
+                            split.max_over(lo, hi),
+                            want,
+                            "{rows} {slots} {cap} {lo}..{hi}"
                         );
                     }
                 }

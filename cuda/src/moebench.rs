@@ -371,6 +371,10 @@ pub struct MoeBenchReport {
     pub w4_target_blocks: usize,
     /// The forced K split of the INT4 GEMMs (`SPECLAB_W4_KS`, launch.rs), if any.
     pub w4_ks_forced: Option<usize>,
+    /// The K split by the wave rule (default; `SPECLAB_W4_WAVES=0`: the reaching rule)
+    /// and the resident INT4 blocks it counts waves of (launch.rs `w4_ks_waves`).
+    pub w4_waves: bool,
+    pub w4_slots: usize,
     /// The experts ran as one fused kernel (`moe_experts_w4`; without `SPECLAB_MOE_FUSED=1`: the
     /// split, gate/up and down kernels).
     pub moe_fused: bool,
@@ -997,6 +1001,8 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         kernel_defines: crate::kernels::env_defines()?,
         w4_target_blocks: launch::w4_target_blocks()?,
         w4_ks_forced: launch::w4_ks_forced()?,
+        w4_waves: g.w4_waves,
+        w4_slots: g.w4_slots,
         moe_fused: launch::moe_fused(),
         timing: "CUDA events around single calls, median of iters; experts = moe_split_x + moe_gate_up_w4 + moe_down_w4, or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",
         all_pass: rows.iter().all(|r| r.pass),

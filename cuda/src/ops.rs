@@ -923,10 +923,11 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
         min: launch::moe_min_tiles(r.t, r.k),
         target: launch::w4_target_blocks()?,
         forced: launch::w4_ks_forced()?,
+        slots: g.w4_waves.then_some(g.w4_slots),
     };
     let none = launch::W4Split {
         ks_hi: 0,
-        thr: [0; 3],
+        seg: [0; launch::W4_SEGS],
     };
     let (gu_shape, gu_ks) = if int4 {
         launch::moe_w4(im, hd, 2, &w4t, gu_name)?
@@ -939,17 +940,15 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
         (launch::moe_gemm(hd, r.max_tiles, dn_name)?, none)
     };
     // The INT4 kernels' last arguments: the grid's tiles, the K-split bound and
-    // thresholds, the weight prologue.
+    // segments, the weight prologue.
     let w4_tail = |ks: launch::W4Split, pre: bool| -> Result<Vec<Arg>> {
         Ok(if int4 {
-            vec![
-                int(r.max_tiles, "max_tiles")?,
-                int(ks.ks_hi, "ks_hi")?,
-                int(ks.thr[0], "t2")?,
-                int(ks.thr[1], "t4")?,
-                int(ks.thr[2], "t8")?,
-                Arg::I(i32::from(pre)),
-            ]
+            let mut v = vec![int(r.max_tiles, "max_tiles")?, int(ks.ks_hi, "ks_hi")?];
+            for s in ks.seg {
+                v.push(int(s, "K-split segment")?);
+            }
+            v.push(Arg::I(i32::from(pre)));
+            v
         } else {
             Vec::new()
         })
