@@ -7,7 +7,8 @@
 #      "SPECLAB_PDL=0"): gpu_check --timing-only and a bench e2e of AB_DRAFTERS (graphs
 #      on, the same concurrencies) under it, and bench moe when AB_MOE=1 (every leg) or
 #      when the leg's number is in AB_MOE_LEGS (space-separated, e.g. "2 5"); legs whose
-#      number is in AB_NO_E2E_LEGS skip the bench e2e (MoE-only legs).
+#      number is in AB_NO_E2E_LEGS skip the bench e2e (MoE-only legs); AB_E2E_ARGS adds
+#      arguments to the legs' bench e2e (e.g. "--repeat 3"), E2E_ARGS to the defaults'.
 # Switches: SPECLAB_PDL=0 (programmatic dependent launch off, cuda/src/device.rs),
 # SPECLAB_CAPTURE_AT=n (capture a step's graph at its n-th use, cuda/src/backend.rs),
 # SPECLAB_MTP_PAD=0 (the MTP chain's first pass unpadded, cuda/src/mtp.rs),
@@ -62,7 +63,7 @@ for e in "${ENVS[@]}"; do
   if [[ " ${AB_NO_E2E_LEGS:-} " != *" $i "* ]]; then
     env $e timeout 200 $BIN/speclab bench e2e --model models/tiny --graphs on --cpu-check-max 0 \
       --drafters "${AB_DRAFTERS:-none,mtp:2,dflash2:7}" --out "$d/bench-e2e.json" \
-      ${COMMIT:+--commit $COMMIT} 2> "$d/bench-e2e.err" | tail -16
+      ${COMMIT:+--commit $COMMIT} ${AB_E2E_ARGS:-} 2> "$d/bench-e2e.err" | tail -16
   fi
   if [ "${AB_MOE:-0}" = 1 ] || [[ " ${AB_MOE_LEGS:-} " == *" $i "* ]]; then
     env $e timeout 200 $BIN/speclab bench moe --out "$d/bench_moe.json" \

@@ -36,7 +36,7 @@ if [ "${SKIP_ANCHORS:-0}" != 1 ]; then
 fi
 
 # 3. the engine end to end, anchors beside each row; table last.
-timeout 330 $BIN/speclab bench e2e --model models/tiny --out "$OUT/bench-e2e.json" \
+timeout 450 $BIN/speclab bench e2e --model models/tiny --out "$OUT/bench-e2e.json" \
   ${ANCH:+--anchors $ANCH} ${COMMIT:+--commit $COMMIT} ${E2E_ARGS:-} 2> "$OUT/bench-e2e.err"
 rc=$?
 [ $rc != 0 ] && echo "bench e2e exit $rc: $(tail -5 "$OUT/bench-e2e.err")"

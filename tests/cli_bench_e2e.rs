@@ -55,6 +55,9 @@ fn cpu_bench_writes_rows_with_matching_outputs() {
         assert!(r["decode_tok_s"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["steps"].as_u64().unwrap() >= 1, "{r}");
     }
+    for r in rows {
+        assert_eq!(r["tok_s_runs"].as_array().unwrap().len(), 1, "{r}");
+    }
     let mtp = rows.iter().find(|r| r["drafter"] == "mtp").unwrap();
     assert_eq!(mtp["num_spec"], 2);
     assert!(mtp["tau"].as_f64().unwrap() >= 1.0);
@@ -94,4 +97,67 @@ fn bad_drafter_and_prompt_len_are_clean_errors() {
     assert!(!o.status.success());
     assert!(err.contains("--prompt-len 100000"), "stderr: {err}");
     assert!(!err.contains("panicked"), "stderr: {err}");
+}
+
+#[test]
+fn repeated_legs_keep_the_median_run() {
+    let dir = tmpdir("repeat");
+    let out = dir.join("e2e.json");
+    let o = speclab(&[
+        "bench",
+        "e2e",
+        "--device",
+        "cpu",
+        "--concurrency",
+        "1",
+        "--drafters",
+        "none,mtp:1",
+        "--prompt-len",
+        "16",
+        "--new-tokens",
+        "4",
+        "--repeat",
+        "3",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        o.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let rec: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert_eq!(rec["repeat"], 3);
+    for r in rec["rows"].as_array().unwrap() {
+        let mut runs: Vec<f64> = r["tok_s_runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        assert_eq!(runs.len(), 3, "{r}");
+        runs.sort_by(f64::total_cmp);
+        assert_eq!(
+            r["decode_tok_s"].as_f64().unwrap(),
+            runs[1],
+            "the median run: {r}"
+        );
+        assert_eq!(r["mismatch_vs_none"], 0, "{r}");
+    }
+    let bad = speclab(&[
+        "bench",
+        "e2e",
+        "--device",
+        "cpu",
+        "--repeat",
+        "0",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("--repeat"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
 }

@@ -79,6 +79,10 @@ pub struct E2eArgs {
     /// PyTorch anchor JSONs (e2e_ref.py / e2e_graph.py outputs) to put beside the rows.
     #[arg(long, value_delimiter = ',')]
     pub anchors: Vec<PathBuf>,
+    /// Runs of each leg (1..=15); the row is the run of median decode tok/s, beside every
+    /// run's tok/s (`tok_s_runs`). Greedy runs must give the same tokens each time.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=15))]
+    pub repeat: u64,
     /// The record (written atomically under its lock).
     #[arg(long, default_value = "runs/bench-e2e.json")]
     pub out: PathBuf,
@@ -174,6 +178,9 @@ pub struct Row {
     /// for the first time is captured in the step that needs it).
     pub graph_captures: u64,
     pub capture_us_per_step: f64,
+    /// Decode tok/s of every run of the leg (`--repeat`), in run order; the row's other
+    /// figures are the median run's.
+    pub tok_s_runs: Vec<f64>,
 }
 
 /// Device facts measured once per run.
@@ -402,7 +409,42 @@ fn measure(run: &EngineRun, tap: &KernelTap, d: &Choice, c: usize, graphs: bool)
         } else {
             0.0
         },
+        tok_s_runs: Vec::new(),
     }
+}
+
+/// A leg run `cx.a.repeat` times: the median run by decode tok/s (the lower middle of an
+/// even count), its measured row with every run's tok/s. Every run must give the same
+/// tokens (greedy decoding on one engine is deterministic).
+fn median_leg(
+    cx: &LegCtx<'_>,
+    d: &Choice,
+    c: usize,
+    graphs: bool,
+) -> anyhow::Result<(EngineRun, KernelTap, Row)> {
+    let mut runs = Vec::new();
+    for i in 0..cx.a.repeat {
+        let (run, tap) = run_leg(cx, d, c, cx.a.device, graphs)?;
+        let row = measure(&run, &tap, d, c, graphs);
+        if let Some((first, _, _)) = runs.first() {
+            let m = mismatches(&outputs(&run), &outputs(first));
+            if m > 0 {
+                bail!(
+                    "leg {}:{:?} c={c} graphs={graphs}: run {} gave other tokens than run 1 for {m} requests",
+                    d.kind,
+                    d.n,
+                    i + 1
+                );
+            }
+        }
+        runs.push((run, tap, row));
+    }
+    let all: Vec<f64> = runs.iter().map(|r| r.2.decode_tok_s).collect();
+    let mut order: Vec<usize> = (0..runs.len()).collect();
+    order.sort_by(|&a, &b| all[a].total_cmp(&all[b]));
+    let (run, tap, mut row) = runs.swap_remove(order[(order.len() - 1) / 2]);
+    row.tok_s_runs = all;
+    Ok((run, tap, row))
 }
 
 fn outputs(run: &EngineRun) -> Vec<Vec<u32>> {
@@ -525,19 +567,18 @@ fn concurrency_rows(
         n: None,
         host: false,
     };
-    let (base_run, base_k) = run_leg(cx, &none, c, cx.a.device, graphs)?;
+    let (base_run, _, base_row) = median_leg(cx, &none, c, graphs)?;
     let base_out = outputs(&base_run);
-    let base_tok_s = measure(&base_run, &base_k, &none, c, graphs).decode_tok_s;
+    let base_tok_s = base_row.decode_tok_s;
     let mut rows = Vec::new();
     for d in choices {
         let leg;
-        let (run, k) = if *d == none {
-            (&base_run, &base_k)
+        let (run, mut row) = if *d == none {
+            (&base_run, base_row.clone())
         } else {
-            leg = run_leg(cx, d, c, cx.a.device, graphs)?;
-            (&leg.0, &leg.1)
+            leg = median_leg(cx, d, c, graphs)?;
+            (&leg.0, leg.2)
         };
-        let mut row = measure(run, k, d, c, graphs);
         let cuda = matches!(cx.a.device, DeviceArg::Cuda);
         row.drafter_on_device = cuda && !matches!(d.kind.as_str(), "none" | "ngram") && !d.host;
         row.mtp_chain_on_device = cuda && d.kind == "mtp" && !d.host;
@@ -578,6 +619,7 @@ fn write_record(a: &E2eArgs, facts: &DeviceFacts, rows: &[Row], ok: bool) -> any
         "model": a.model.display().to_string(),
         "prompt_len": a.prompt_len,
         "new_tokens": a.new_tokens,
+        "repeat": a.repeat,
         "copy_gb_s": facts.copy_gb_s,
         "weight_bytes": facts.weight_bytes,
         "launch_us": facts.launch_us_graph,
