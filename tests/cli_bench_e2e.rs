@@ -20,32 +20,34 @@ fn speclab(args: &[&str]) -> std::process::Output {
         .expect("run speclab")
 }
 
-#[test]
-fn cpu_bench_writes_rows_with_matching_outputs() {
-    let dir = tmpdir("rows");
-    let out = dir.join("e2e.json");
-    let o = speclab(&[
-        "bench",
-        "e2e",
-        "--device",
-        "cpu",
-        "--concurrency",
-        "1,2",
-        "--drafters",
-        "none,mtp:2",
-        "--prompt-len",
-        "16",
-        "--new-tokens",
-        "6",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+/// A CPU bench e2e at 16-token prompts into `out` with `args` (concurrency, drafters,
+/// tokens, ...); the record after checking that the command succeeded.
+fn cpu_record(out: &std::path::Path, args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["bench", "e2e", "--device", "cpu", "--prompt-len", "16"];
+    all.extend_from_slice(args);
+    all.extend(["--out", out.to_str().unwrap()]);
+    let o = speclab(&all);
     assert!(
         o.status.success(),
         "stderr: {}",
         String::from_utf8_lossy(&o.stderr)
     );
-    let rec: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    serde_json::from_slice(&std::fs::read(out).unwrap()).unwrap()
+}
+
+#[test]
+fn cpu_bench_writes_rows_with_matching_outputs() {
+    let dir = tmpdir("rows");
+    let out = dir.join("e2e.json");
+    let args = [
+        "--concurrency",
+        "1,2",
+        "--drafters",
+        "none,mtp:2",
+        "--new-tokens",
+        "6",
+    ];
+    let rec = cpu_record(&out, &args);
     assert_eq!(rec["kind"], "bench-e2e");
     assert_eq!(rec["outputs_all_match"], true);
     let rows = rec["rows"].as_array().unwrap();
@@ -103,30 +105,15 @@ fn bad_drafter_and_prompt_len_are_clean_errors() {
 fn repeated_legs_keep_the_median_run() {
     let dir = tmpdir("repeat");
     let out = dir.join("e2e.json");
-    let o = speclab(&[
-        "bench",
-        "e2e",
-        "--device",
-        "cpu",
+    let args = [
         "--concurrency",
         "1",
         "--drafters",
         "none,mtp:1",
-        "--prompt-len",
-        "16",
         "--new-tokens",
         "4",
-        "--repeat",
-        "3",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    assert!(
-        o.status.success(),
-        "stderr: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let rec: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    ];
+    let rec = cpu_record(&out, &[&args[..], &["--repeat", "3"]].concat());
     assert_eq!(rec["repeat"], 3);
     for r in rec["rows"].as_array().unwrap() {
         let mut runs: Vec<f64> = r["tok_s_runs"]
