@@ -319,6 +319,9 @@ pub struct MoeRow {
     /// Of those, tiles of 3 or more pairs, which do not pack (`launch::moe_tiles_unpacked`
     /// at the compiled `W4_XS`; mean over the draws).
     pub tiles_unpacked: f64,
+    /// The K split each draw's gate/up and down launches took (the host's mirror of the
+    /// kernels' choice, `launch::W4Split::ks` of the draw's tile count), draw by draw.
+    pub ks: Vec<[usize; 2]>,
     /// Median µs of moe_gate_up_w4 + moe_down_w4 (CUDA events), and the 10th / 90th percentiles.
     pub experts_us: f64,
     pub experts_us_p10: f64,
@@ -853,6 +856,22 @@ fn check_row(
     Ok((pairs.len(), abs, rel))
 }
 
+/// The K split of each draw's gate/up and down launches: the launch shapes
+/// `ops::moe_experts` builds (`launch::moe_w4` under this device's rule) at the draw's
+/// tile count.
+fn draw_splits(g: &Gpu, s: &MoeShape, m: usize, draws: &[DevDraw]) -> Result<Vec<[usize; 2]>> {
+    let w4t = ops::w4_tiles(g, launch::moe_max_tiles(m * s.topk, s.experts), m, s.topk)?;
+    let (_, gu) = launch::moe_w4(s.inter, s.hidden, 2, &w4t, "bench gate/up")?;
+    let (_, dn) = launch::moe_w4(s.hidden, s.inter, 1, &w4t, "bench down")?;
+    Ok(draws
+        .iter()
+        .map(|d| {
+            let t = launch::moe_tiles_used(&d.draw.counts(s.experts));
+            [gu.ks(t), dn.ks(t)]
+        })
+        .collect())
+}
+
 fn upload_draw(g: &Gpu, s: &MoeShape, m: usize, draw: Draw, seed: u32) -> Result<DevDraw> {
     draw.validate(s.experts, s.topk)?;
     let st = &g.stream;
@@ -901,6 +920,7 @@ fn run_row(
     let tiles = mean(&|d| launch::moe_tiles_used(&d.counts(s.experts)) as f64);
     let xs = crate::kernels::w4_xs(&crate::kernels::env_defines()?);
     let tiles_unpacked = mean(&|d| launch::moe_tiles_unpacked(&d.counts(s.experts), xs) as f64);
+    let ks = draw_splits(g, s, m, &draws)?;
     let (med, p10, p90) = percentiles(ex);
     let (lmed, _, _) = percentiles(ly);
     let expert_bytes = distinct * s.expert_bytes() as f64;
@@ -911,6 +931,7 @@ fn run_row(
         distinct_experts: distinct,
         tiles,
         tiles_unpacked,
+        ks,
         experts_us: med,
         experts_us_p10: p10,
         experts_us_p90: p90,

@@ -865,6 +865,18 @@ fn w4_pre(g: &Gpu, xs_ready: bool) -> [bool; 2] {
     [g.w4_pre && !xs_ready, g.w4_pre]
 }
 
+/// What the INT4 expert GEMMs of `t` tokens routed top-`k` over a grid of `max_tiles`
+/// know about their tiles, under this device's K-split rule (forced, wave or reaching).
+pub fn w4_tiles(g: &Gpu, max_tiles: usize, t: usize, k: usize) -> Result<launch::W4Tiles> {
+    Ok(launch::W4Tiles {
+        max: max_tiles,
+        min: launch::moe_min_tiles(t, k),
+        target: launch::w4_target_blocks()?,
+        forced: launch::w4_ks_forced()?,
+        slots: g.w4_waves.then_some(g.w4_slots),
+    })
+}
+
 /// Kernels `moe_gate_up_*` then `moe_down_*`.
 pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     r.check()?;
@@ -918,13 +930,7 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     };
     // Shapes first (every check before any launch). INT4: the kernels pick the warps
     // splitting K from the real tile count, up to the host's bound `ks_hi` (launch.rs).
-    let w4t = launch::W4Tiles {
-        max: r.max_tiles,
-        min: launch::moe_min_tiles(r.t, r.k),
-        target: launch::w4_target_blocks()?,
-        forced: launch::w4_ks_forced()?,
-        slots: g.w4_waves.then_some(g.w4_slots),
-    };
+    let w4t = w4_tiles(g, r.max_tiles, r.t, r.k)?;
     let none = launch::W4Split {
         ks_hi: 0,
         seg: [0; launch::W4_SEGS],
