@@ -298,6 +298,9 @@ impl W4Split {
         for (s, &(bound, ks)) in seg.iter_mut().zip(&runs) {
             *s = (bound << 3) | ks.trailing_zeros() as usize;
         }
+        // The rules here give at most W4_SEGS runs (tested for the wave rule over rows,
+        // slots and caps); more would drop the last ones, and the kernel and `ks` would
+        // still agree, both reading these segments.
         debug_assert!(runs.len() <= W4_SEGS, "{} K-split segments", runs.len());
         Self { ks_hi, seg }
     }
@@ -369,20 +372,15 @@ pub const W4_WAVE_CAP: usize = 4;
 /// second wave is what it avoids: zipf M = 8 (35.5 tiles) took 193.6 us at the reaching
 /// rule's whole-K walks (1.08 waves) and 162.7 at 4 ways (4.3 waves).
 pub fn w4_ks_waves(rows: usize, tiles: usize, cap: usize, slots: usize) -> usize {
-    let cands: Vec<usize> = [1, 2, 4, 8]
-        .into_iter()
-        .filter(|&k| k <= cap.max(1))
-        .collect();
+    let cap = cap.max(1);
+    let cands = [1, 2, 4, 8].into_iter().filter(|&k| k <= cap);
     let items = |k: usize| w4_groups(rows, k) * tiles;
     let fill = |k: usize| 10 * items(k) >= 7 * slots && 20 * items(k) <= 21 * slots;
-    if let Some(&k) = cands.iter().rev().find(|&&k| fill(k)) {
+    if let Some(k) = cands.clone().rev().find(|&k| fill(k)) {
         return k;
     }
-    cands
-        .iter()
-        .copied()
-        .find(|&k| 2 * items(k) >= 5 * slots)
-        .unwrap_or(*cands.last().unwrap_or(&1))
+    let mut reach = cands.clone().filter(|&k| 2 * items(k) >= 5 * slots);
+    reach.next().or(cands.last()).unwrap_or(1)
 }
 
 /// The largest K split of `k`: `min(W4_WARPS, k / 64)`, a power of two as W4_WARPS is.
@@ -572,6 +570,7 @@ mod tests {
         assert!(define("W4_XS").unwrap() <= W4_XS_MAX);
         assert_eq!(define("W4_STAGES"), Some(W4_STAGES as usize));
         assert_eq!(define("W4_SLOT"), Some(W4_SLOT as usize));
+        assert_eq!(define("W4_SEGS"), Some(W4_SEGS));
         assert_eq!(W4_SMEM, 57_344);
         assert_eq!(define("EXPERTS_MAX"), Some(EXPERTS_MAX));
         assert_eq!(define("HEAD_DIM_MAX"), Some(HEAD_DIM_MAX));
