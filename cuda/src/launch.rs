@@ -380,7 +380,10 @@ pub fn w4_ks_waves(rows: usize, tiles: usize, cap: usize, slots: usize) -> usize
         return k;
     }
     let mut reach = cands.clone().filter(|&k| 2 * items(k) >= 5 * slots);
-    reach.next().or(cands.last()).unwrap_or(1)
+    reach
+        .next()
+        .or_else(|| cands.clone().next_back())
+        .unwrap_or(1)
 }
 
 /// The largest K split of `k`: `min(W4_WARPS, k / 64)`, a power of two as W4_WARPS is.
