@@ -667,8 +667,17 @@ extern "C" __global__ void moe_split_x(u32* __restrict__ xs, const float* __rest
 // The terms of a packed pair are summed in the epilogue (after the K slices), an unpacked
 // pair's inside the accumulator: the same f32 dot product up to summation order.
 // SPECLAB_KERNEL_DEFINES=W4_PACK2=0 turns mode 1 off (3-5 pairs unpacked, as before).
+// Mode 1 also needs each warp's K slice to be at least W4_PACK2_HALVES half groups: its
+// epilogue reads W4_XS columns a value where mode 2 reads one, and its walk has a single
+// B buffer, which only a long walk repays.  At 8, GLM-5.3-Flash's shapes (K 4096 / 2048,
+// 8-64 halves a warp) take it and models/tiny's (K 256 / 128, at most 4) do not: with
+// every tile of 3-5 pairs in mode 1 tiny's graphed steps were 1.5-4% slower at c8-c128,
+// while bench moe's zipf / sequence rows were 1-8% faster (runs/ab-ca9cbbf/).
 #ifndef W4_PACK2
 #define W4_PACK2 1
+#endif
+#ifndef W4_PACK2_HALVES
+#define W4_PACK2_HALVES 8
 #endif
 template <int MODE>
 struct W4M {
@@ -1026,9 +1035,10 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
 #pragma unroll
     for (int r = 0; r < ROWS_PER_TILE; ++r) np += tp[r] >= 0;
     // The tile's column mode (uniform per block; W4M above).
-    const int mode = np * W4_XS <= ROWS_PER_TILE                                ? 0
-                     : W4_PACK2 && W4_XS == 3 && np * W4_XS <= 2 * ROWS_PER_TILE ? 1
-                                                                                 : 2;
+    const bool pack2 = W4_PACK2 && W4_XS == 3 && halves / ks >= W4_PACK2_HALVES;
+    const int mode = np * W4_XS <= ROWS_PER_TILE                  ? 0
+                     : pack2 && np * W4_XS <= 2 * ROWS_PER_TILE ? 1
+                                                                  : 2;
     // This lane's B columns g (and, mode 1, g + 8): pair slot q of term xl (mode 2: pair g,
     // every term); the B rows are tokens (gate/up: xs) or pairs (down: h).  A column past
     // the tile's pairs reads pair 0's row: column n of an mma only feeds column n of its
