@@ -666,15 +666,17 @@ extern "C" __global__ void moe_split_x(u32* __restrict__ xs, const float* __rest
 // - 2, unpacked: column g is pair g, W4_XS mmas a step (one per term) into one set.
 // The terms of a packed pair are summed in the epilogue (after the K slices), an unpacked
 // pair's inside the accumulator: the same f32 dot product up to summation order.
-// SPECLAB_KERNEL_DEFINES=W4_PACK2=0 turns mode 1 off (3-5 pairs unpacked, as before).
-// Mode 1 also needs each warp's K slice to be at least W4_PACK2_HALVES half groups: its
-// epilogue reads W4_XS columns a value where mode 2 reads one, and its walk has a single
-// B buffer, which only a long walk repays.  At 8, GLM-5.3-Flash's shapes (K 4096 / 2048,
-// 8-64 halves a warp) take it and models/tiny's (K 256 / 128, at most 4) do not: with
-// every tile of 3-5 pairs in mode 1 tiny's graphed steps were 1.5-4% slower at c8-c128,
-// while bench moe's zipf / sequence rows were 1-8% faster (runs/ab-ca9cbbf/).
+// Off by default (W4_PACK2=0: 3-5 pairs unpacked): compiled in, mode 1 made models/tiny's
+// graphed steps 1.5-3% slower at every concurrency even where no tile takes it (the other
+// modes' code around it, runs/ab-74bd963/), against bench moe's GLM-shape sum over M <= 64
+// 0.9-1.5% faster (sequence M = 4 8%; runs/ab-ca9cbbf/, runs/ab-74bd963/).
+// SPECLAB_KERNEL_DEFINES=W4_PACK2=1 turns it on.  It also needs each warp's K slice to be
+// at least W4_PACK2_HALVES half groups: its epilogue reads W4_XS columns a value where
+// mode 2 reads one and its walk has a single B buffer, which only a long walk repays.  At
+// 8, GLM-5.3-Flash's shapes (K 4096 / 2048, 8-64 halves a warp) take it and models/tiny's
+// (K 256 / 128, at most 4) do not (with it, tiny's c8 step was 4 us slower).
 #ifndef W4_PACK2
-#define W4_PACK2 1
+#define W4_PACK2 0
 #endif
 #ifndef W4_PACK2_HALVES
 #define W4_PACK2_HALVES 8
@@ -1053,7 +1055,7 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
         xs + w4_h_word(NMAT == 2 ? p1 / div : p1, 2 * t, K, x1));
     if (mode == 0) {
         w4_run<0, CG>(red, l, b0, b1, h0, h1, live);
-    } else if (mode == 1) {
+    } else if (W4_PACK2 && mode == 1) {  // compiled out by default
         w4_run<1, CG>(red, l, b0, b1, h0, h1, live);
     } else {
         w4_run<2, CG>(red, l, b0, b1, h0, h1, live);

@@ -148,8 +148,8 @@ pub fn moe_min_tiles(t: usize, k: usize) -> usize {
 pub const W4_SLOT: u32 = 5;
 /// Dynamic shared memory of an INT4 GEMM block: the cp.async ring
 /// `[W4_WARPS][W4_STAGES][W4_SLOT][32]` uint4 and the accumulator array
-/// `[2 sets][W4_WARPS][W4_RT 4][32]` f32 (linear.cu `w4_run`: a tile of 3-5 pairs keeps
-/// two accumulator sets, `W4_PACK2`).
+/// `[2 sets][W4_WARPS][W4_RT 4][32]` f32 (linear.cu `w4_run`: with `W4_PACK2=1` a tile of
+/// 3-5 pairs keeps two accumulator sets; the default leaves the second unused).
 pub const W4_SMEM: u32 =
     W4_WARPS * W4_STAGES * W4_SLOT * 32 * 16 + 2 * W4_WARPS * W4_RT * 4 * 32 * 4;
 /// Largest k of `moe_topk` / `moe_combine` (`TOPK_MAX`).
