@@ -590,8 +590,9 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 // - Packed columns: when a tile's pairs times W4_XS fit the 8 columns (1-2 pairs for
 //   W4_XS 3, the common case of decode), column g carries term g % W4_XS of pair
 //   g / W4_XS, so one mma a k16 step does the work; the terms are summed in the epilogue.
-//   Otherwise column g is pair g and each term is one mma.
-// - Epilogue: every warp's accumulators go to shared memory; the block's threads sum the
+//   3-5 pairs fill 16 columns of two mmas with two accumulator sets (W4_PACK2); more,
+//   column g is pair g and each term is one mma (W4M, the column modes).
+// - Epilogue: every warp's accumulators (one or two sets) go to shared memory; the block's threads sum the
 //   K slices (in warp order: deterministic) and the terms, and write coalesced rows.
 // - Both kernels read their B operand pre-split (w4_h_word): gate/up from moe_split_x of
 //   the post-norm input, down from gate/up's output h (silu(g) * u split into W4_XS bf16
@@ -654,36 +655,76 @@ extern "C" __global__ void moe_split_x(u32* __restrict__ xs, const float* __rest
     w4_split_item(xs, x + (size_t)row * K, row, K, (int)(i % (K / 4)));
 }
 
-// The B operand of half group `hg` (k16 steps 4 hg .. 4 hg + 3) for this lane's column:
-// split words; packed: term `xl` only, else every term.  `bp` = this lane's words of
-// k16 step 0 (w4_h_word(row, 2 t, K, xl) as uint2); a step is 4 W4_XS uint2 further.
-template <bool PK>
+// Column modes of a tile's mma (uniform per block), from its pair count np:
+// - 0, packed: np W4_XS <= 8; column g carries term g % W4_XS of pair g / W4_XS, one mma
+//   a k16 step (1-2 pairs at W4_XS 3: the common case of decode).
+// - 1, two-set packed (W4_PACK2, W4_XS 3 only): np W4_XS <= 16 (3-5 pairs); column c of
+//   16 carries term c % W4_XS of pair c / W4_XS, columns 8..15 in a second mma with its
+//   own accumulators: 2 mmas and 2 B loads a step instead of 3 (zipf / sequence routing,
+//   issue 12; W4_XS=2, which also does 2, measured 8-17% faster on those rows,
+//   runs/moe-variants/mma/xs2-dffba58.json).
+// - 2, unpacked: column g is pair g, W4_XS mmas a step (one per term) into one set.
+// The terms of a packed pair are summed in the epilogue (after the K slices), an unpacked
+// pair's inside the accumulator: the same f32 dot product up to summation order.
+// Off by default (W4_PACK2=0: 3-5 pairs unpacked): compiled in, mode 1 made models/tiny's
+// graphed steps 1.5-3% slower at every concurrency even where no tile takes it (the other
+// modes' code around it, runs/ab-74bd963/), against bench moe's GLM-shape sum over M <= 64
+// 0.9-1.5% faster (sequence M = 4 8%; runs/ab-ca9cbbf/, runs/ab-74bd963/).
+// SPECLAB_KERNEL_DEFINES=W4_PACK2=1 turns it on.  It also needs each warp's K slice to be
+// at least W4_PACK2_HALVES half groups: its epilogue reads W4_XS columns a value where
+// mode 2 reads one and its walk has a single B buffer, which only a long walk repays.  At
+// 8, GLM-5.3-Flash's shapes (K 4096 / 2048, 8-64 halves a warp) take it and models/tiny's
+// (K 256 / 128, at most 4) do not (with it, tiny's c8 step was 4 us slower).
+#ifndef W4_PACK2
+#define W4_PACK2 0
+#endif
+#ifndef W4_PACK2_HALVES
+#define W4_PACK2_HALVES 8
+#endif
+template <int MODE>
+struct W4M {
+    static constexpr int NM = MODE == 0 ? 1 : MODE == 1 ? 2 : W4_XS;  // mmas an A fragment
+    static constexpr int NA = MODE == 1 ? 2 : 1;                      // accumulator sets
+};
+
+// The B operand of half group `hg` (k16 steps 4 hg .. 4 hg + 3) for this lane's columns:
+// split words, mma m's pair at (v[u][2 m], v[u][2 m + 1]).  Modes 0 / 2: `b0` = this
+// lane's words of k16 step 0 (w4_h_word(row, 2 t, K, xl) as uint2) of its one row, the
+// NM terms from xl on consecutive; mode 1: b0 and b1, one term each (the two mmas'
+// columns).  A step is 4 W4_XS uint2 further.
+template <int MODE>
 struct W4B {
-    static constexpr int W = PK ? 2 : 2 * W4_XS;
-    u32 v[4][W];
+    u32 v[4][2 * W4M<MODE>::NM];
 };
 
 // CG: the B operand was written earlier in the same launch (the fused kernel's split /
 // gate-up items), so it is read through L2 (ld.global.cg), not the read-only path.
-template <bool PK, bool CG>
-__device__ __forceinline__ void w4_load_b(W4B<PK>& b, const uint2* __restrict__ bp, int hg) {
+template <int MODE, bool CG>
+__device__ __forceinline__ void w4_load_b(W4B<MODE>& b, const uint2* __restrict__ b0,
+                                          const uint2* __restrict__ b1, int hg) {
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-        const uint2* p = bp + (size_t)(hg * 4 + u) * (4 * W4_XS);
+        const size_t off = (size_t)(hg * 4 + u) * (4 * W4_XS);
 #pragma unroll
-        for (int i = 0; i < W4B<PK>::W / 2; ++i) {
-            const uint2 v = CG ? __ldcg(p + i) : __ldg(p + i);
+        for (int i = 0; i < W4M<MODE>::NM; ++i) {
+            const uint2* p = MODE == 1 ? (i == 0 ? b0 : b1) + off : b0 + off + i;
+            const uint2 v = CG ? __ldcg(p) : __ldg(p);
             b.v[u][2 * i] = v.x;
             b.v[u][2 * i + 1] = v.y;
         }
     }
 }
 
-// part += W x over one half group: 4 k16 steps x W4_RT tiles x (1 or W4_XS) mmas; the
+// Word i (0..3) of a uint4 (i a compile-time constant after unrolling).
+__device__ __forceinline__ u32 w4_word(const uint4& a, int i) {
+    return i == 0 ? a.x : i == 1 ? a.y : i == 2 ? a.z : a.w;
+}
+
+// part += W x over one half group, modes 0 / 2: 4 k16 steps x W4_RT tiles x NM mmas; the
 // weights of step u are this lane's uint4 st[u * 32] of the stage.
-template <bool PK>
+template <int MODE>
 __device__ __forceinline__ void w4_half(float part[W4_RT][4], const uint4* st,
-                                        const W4B<PK>& b) {
+                                        const W4B<MODE>& b) {
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
         const u32* bb = &b.v[u][0];  // mma m: (bb[2 m], bb[2 m + 1])
@@ -694,7 +735,8 @@ __device__ __forceinline__ void w4_half(float part[W4_RT][4], const uint4* st,
             const u32 f[4] = {w4_frag(w[i], 0), w4_frag(w[i], 1), w4_frag(w[i], 2),
                               w4_frag(w[i], 3)};
 #pragma unroll
-            for (int m = 0; m < (PK ? 1 : W4_XS); ++m) mma_bf16(part[i], f, bb[2 * m], bb[2 * m + 1]);
+            for (int m = 0; m < W4M<MODE>::NM; ++m)
+                mma_bf16(part[i], f, bb[2 * m], bb[2 * m + 1]);
         }
     }
 }
@@ -722,27 +764,55 @@ __device__ __forceinline__ void w4_issue(const W4Lane& l, int hg, int j) {
 }
 
 // acc += scale * W x over the half group in stage slot j with B operand b.  Each half is
-// scaled on its own (both halves of a group share its scale).
-template <bool PK>
-__device__ __forceinline__ void w4_take(float acc[W4_RT][4], const W4Lane& l, int j,
-                                        const W4B<PK>& b) {
+// scaled on its own (both halves of a group share its scale).  Mode 1 walks tile-major
+// (tile i's 4 steps, then its scale) so one tile's partials are live at a time for both
+// sets; every partial still sums steps 0..3 in order, as in modes 0 / 2.
+template <int MODE>
+__device__ __forceinline__ void w4_take(float acc[][W4_RT][4], const W4Lane& l, int j,
+                                        const W4B<MODE>& b) {
     const uint4* st = l.st + j * W4_SLOT * WARP;
-    float part[W4_RT][4];
-#pragma unroll
-    for (int i = 0; i < W4_RT; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) part[i][c] = 0.0f;
-    w4_half<PK>(part, st, b);
     // Scale word i: (row g, row g + 8) of tile i = accumulators (0, 1), (2, 3).
     const uint4 sv = st[4 * WARP];
-    const u32 s[4] = {sv.x, sv.y, sv.z, sv.w};
+    if constexpr (MODE == 1) {
+        // Tile i's weight word of step u, a 32-bit shared load each (not the 4 uint4s of
+        // the half, whose 16 registers would spill beside the two sets).
+        const u32* sw = reinterpret_cast<const u32*>(st);
 #pragma unroll
-    for (int i = 0; i < W4_RT; ++i) {
-        const float s0 = bf16lo(s[i]), s1 = bf16hi(s[i]);
-        acc[i][0] = fmaf(s0, part[i][0], acc[i][0]);
-        acc[i][1] = fmaf(s0, part[i][1], acc[i][1]);
-        acc[i][2] = fmaf(s1, part[i][2], acc[i][2]);
-        acc[i][3] = fmaf(s1, part[i][3], acc[i][3]);
+        for (int i = 0; i < W4_RT; ++i) {
+            float part[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const u32 w = sw[u * WARP * 4 + i];
+                const u32 f[4] = {w4_frag(w, 0), w4_frag(w, 1), w4_frag(w, 2), w4_frag(w, 3)};
+                mma_bf16(part[0], f, b.v[u][0], b.v[u][1]);
+                mma_bf16(part[1], f, b.v[u][2], b.v[u][3]);
+            }
+            const u32 si = w4_word(sv, i);
+            const float s0 = bf16lo(si), s1 = bf16hi(si);
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                acc[m][i][0] = fmaf(s0, part[m][0], acc[m][i][0]);
+                acc[m][i][1] = fmaf(s0, part[m][1], acc[m][i][1]);
+                acc[m][i][2] = fmaf(s1, part[m][2], acc[m][i][2]);
+                acc[m][i][3] = fmaf(s1, part[m][3], acc[m][i][3]);
+            }
+        }
+    } else {
+        float part[W4_RT][4];
+#pragma unroll
+        for (int i = 0; i < W4_RT; ++i)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) part[i][c] = 0.0f;
+        w4_half<MODE>(part, st, b);
+        const u32 s[4] = {sv.x, sv.y, sv.z, sv.w};
+#pragma unroll
+        for (int i = 0; i < W4_RT; ++i) {
+            const float s0 = bf16lo(s[i]), s1 = bf16hi(s[i]);
+            acc[0][i][0] = fmaf(s0, part[i][0], acc[0][i][0]);
+            acc[0][i][1] = fmaf(s0, part[i][1], acc[0][i][1]);
+            acc[0][i][2] = fmaf(s1, part[i][2], acc[0][i][2]);
+            acc[0][i][3] = fmaf(s1, part[i][3], acc[0][i][3]);
+        }
     }
 }
 
@@ -750,25 +820,61 @@ __device__ __forceinline__ void w4_take(float acc[W4_RT][4], const W4Lane& l, in
 // slot 0 was issued and committed.  Double buffer, unrolled by two so the slots and the
 // two B operands are fixed registers: while half j is multiplied, half j + 1's weights
 // (cp.async) and B operand (registers) are in flight.
-template <bool PK, bool CG>
-__device__ __forceinline__ void w4_walk(float acc[W4_RT][4], const W4Lane& l,
-                                        const uint2* __restrict__ bp, int h0, int h1) {
-    W4B<PK> b0, b1;
-    w4_load_b<PK, CG>(b0, bp, h0);
+template <int MODE, bool CG>
+__device__ __forceinline__ void w4_walk(float acc[][W4_RT][4], const W4Lane& l,
+                                        const uint2* __restrict__ b0,
+                                        const uint2* __restrict__ b1, int h0, int h1) {
+    // Mode 1 (two accumulator sets) has one B buffer, loaded just before its half's
+    // weights are waited for: a second one spills (ptxas, 128 registers).
+    constexpr bool ONE = MODE == 1;
+    W4B<MODE> x0, x1;
+    w4_load_b<MODE, CG>(x0, b0, b1, h0);
     for (int h = h0; h < h1; h += 2) {
         const bool two = h + 1 < h1;
         if (two) w4_issue(l, h + 1, 1);
         cp_async_commit();
-        if (two) w4_load_b<PK, CG>(b1, bp, h + 1);
+        if (two && !ONE) w4_load_b<MODE, CG>(x1, b0, b1, h + 1);
         cp_async_wait_one();  // half h has landed
-        w4_take<PK>(acc, l, 0, b0);
+        w4_take<MODE>(acc, l, 0, x0);
         if (!two) break;
         if (h + 2 < h1) w4_issue(l, h + 2, 0);
         cp_async_commit();
-        if (h + 2 < h1) w4_load_b<PK, CG>(b0, bp, h + 2);
+        if (ONE) {
+            w4_load_b<MODE, CG>(x0, b0, b1, h + 1);
+        } else if (h + 2 < h1) {
+            w4_load_b<MODE, CG>(x0, b0, b1, h + 2);
+        }
         cp_async_wait_one();  // half h + 1 has landed
-        w4_take<PK>(acc, l, 1, b1);
+        w4_take<MODE>(acc, l, 1, ONE ? x0 : x1);
+        if (ONE && h + 2 < h1) w4_load_b<MODE, CG>(x0, b0, b1, h + 2);
     }
+}
+
+// Floats of one accumulator set of the block in `red`: [W4_WARPS][W4_RT 4][32].
+#define W4_RED_SET (W4_WARPS * W4_RT * 4 * WARP)
+
+// The warp's walk in mode MODE, then its accumulator sets (NA) into red (set m at
+// m W4_RED_SET).  A warp past the row blocks (`live` false) stores zeros.
+template <int MODE, bool CG>
+__device__ __forceinline__ void w4_run(float* red, const W4Lane& l, const uint2* b0,
+                                       const uint2* b1, int h0, int h1, bool live) {
+    constexpr int NA = W4M<MODE>::NA;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float acc[NA][W4_RT][4];
+#pragma unroll
+    for (int m = 0; m < NA; ++m)
+#pragma unroll
+        for (int i = 0; i < W4_RT; ++i)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[m][i][c] = 0.0f;
+    if (live) w4_walk<MODE, CG>(acc, l, b0, b1, h0, h1);
+#pragma unroll
+    for (int m = 0; m < NA; ++m)
+#pragma unroll
+        for (int i = 0; i < W4_RT; ++i)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                red[m * W4_RED_SET + (warp * W4_RT * 4 + i * 4 + c) * WARP + lane] = acc[m][i][c];
 }
 
 // Accumulator (row r of tile i, column v) of warp w from red [W4_WARPS][W4_RT 4][32]: lane
@@ -777,14 +883,16 @@ __device__ __forceinline__ float w4_red(const float* red, int w, int i, int r, i
     return red[(w * W4_RT * 4 + i * 4 + (v & 1) + 2 * (r / 8)) * WARP + (r % 8) * 4 + v / 2];
 }
 
-// Value of (row r of tile i, pair slot q) of the block's row block rbl: the sum over its ks
-// K-slice warps (in order) and, packed, over pair q's W4_XS columns.
+// Value of (row r of tile i, pair slot q) of the block's row block rbl: the sum over its
+// W4_XS term columns (modes 0 / 1; column c in set c / 8) or its one column (mode 2) of
+// the sum over its ks K-slice warps (in order).
 __device__ __forceinline__ float w4_value(const float* red, int rbl, int ks, int i, int r, int q,
-                                          bool pk) {
+                                          int mode) {
     float v = 0.0f;
-    for (int x = 0; x < (pk ? W4_XS : 1); ++x) {
-        const int col = pk ? q * W4_XS + x : q;
-        for (int w = 0; w < ks; ++w) v += w4_red(red, rbl * ks + w, i, r, col);
+    for (int x = 0; x < (mode == 2 ? 1 : W4_XS); ++x) {
+        const int col = mode == 2 ? q : q * W4_XS + x;
+        const float* set = red + (col / ROWS_PER_TILE) * W4_RED_SET;
+        for (int w = 0; w < ks; ++w) v += w4_red(set, rbl * ks + w, i, r, col % ROWS_PER_TILE);
     }
     return v;
 }
@@ -796,7 +904,7 @@ template <int NMAT>
 __device__ __forceinline__ void w4_epilogue(const float* red, float* __restrict__ y,
                                             u32* __restrict__ hs,
                                             const float* __restrict__ topk_w, const int* tp,
-                                            int np, bool pk, int ks, int nrb, int N, int bx) {
+                                            int np, int mode, int ks, int nrb, int N, int bx) {
     const int per = W4_WARPS / ks, cols = NMAT == 2 ? 32 : 64;
     for (int it = threadIdx.x; it < per * cols * np; it += blockDim.x) {
         const int q = it / (per * cols), rbl = it / cols % per, j = it % cols;
@@ -805,8 +913,8 @@ __device__ __forceinline__ void w4_epilogue(const float* red, float* __restrict_
         const int p = tp[q];
         if (NMAT == 2) {
             const int i = j / 8, g = j % 8, n = 32 * rb + j;
-            float v = silu_f(w4_value(red, rbl, ks, i, g, q, pk)) *
-                      w4_value(red, rbl, ks, i, g + 8, q, pk);
+            float v = silu_f(w4_value(red, rbl, ks, i, g, q, mode)) *
+                      w4_value(red, rbl, ks, i, g + 8, q, mode);
             unsigned short* h16 = reinterpret_cast<unsigned short*>(hs);
 #pragma unroll
             for (int xi = 0; xi < W4_XS; ++xi) {
@@ -815,7 +923,7 @@ __device__ __forceinline__ void w4_epilogue(const float* red, float* __restrict_
                 v -= bf16lo(b);
             }
         } else {
-            const float v = w4_value(red, rbl, ks, j / 16, j % 16, q, pk);
+            const float v = w4_value(red, rbl, ks, j / 16, j % 16, q, mode);
             y[(size_t)p * N + 64 * rb + j] = topk_w[p] * v;
         }
     }
@@ -928,33 +1036,32 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
     int np = 0;
 #pragma unroll
     for (int r = 0; r < ROWS_PER_TILE; ++r) np += tp[r] >= 0;
-    const bool pk = np * W4_XS <= ROWS_PER_TILE;  // uniform per block
-    // This lane's B column: pair slot q (packed: of term xl); the B rows are tokens
-    // (gate/up: xs) or pairs (down: h).  A column past the tile's pairs reads pair 0's
-    // row: column n of the mma only feeds column n of its result, which the epilogue
-    // never reads for such a column.
-    const int q = pk ? g / W4_XS : g, xl = pk ? g % W4_XS : 0;
-    const int pq = tp[q < np ? q : 0];
-    const int row = NMAT == 2 ? pq / div : pq;
-    const uint2* bp = reinterpret_cast<const uint2*>(xs + w4_h_word(row, 2 * t, K, xl));
-    float acc[W4_RT][4];
-#pragma unroll
-    for (int i = 0; i < W4_RT; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[i][c] = 0.0f;
-    if (live) {
-        if (pk) {
-            w4_walk<true, CG>(acc, l, bp, h0, h1);
-        } else {
-            w4_walk<false, CG>(acc, l, bp, h0, h1);
-        }
+    // The tile's column mode (uniform per block; W4M above).
+    const bool pack2 = W4_PACK2 && W4_XS == 3 && halves / ks >= W4_PACK2_HALVES;
+    const int mode = np * W4_XS <= ROWS_PER_TILE                  ? 0
+                     : pack2 && np * W4_XS <= 2 * ROWS_PER_TILE ? 1
+                                                                  : 2;
+    // This lane's B columns g (and, mode 1, g + 8): pair slot q of term xl (mode 2: pair g,
+    // every term); the B rows are tokens (gate/up: xs) or pairs (down: h).  A column past
+    // the tile's pairs reads pair 0's row: column n of an mma only feeds column n of its
+    // result, which the epilogue never reads for such a column.
+    const int c0 = g, c1 = g + ROWS_PER_TILE;
+    const int q0 = mode == 2 ? g : c0 / W4_XS, x0 = mode == 2 ? 0 : c0 % W4_XS;
+    const int q1 = c1 / W4_XS, x1 = c1 % W4_XS;
+    const int p0 = tp[q0 < np ? q0 : 0], p1 = tp[mode == 1 && q1 < np ? q1 : 0];
+    const uint2* b0 = reinterpret_cast<const uint2*>(
+        xs + w4_h_word(NMAT == 2 ? p0 / div : p0, 2 * t, K, x0));
+    const uint2* b1 = reinterpret_cast<const uint2*>(
+        xs + w4_h_word(NMAT == 2 ? p1 / div : p1, 2 * t, K, x1));
+    if (mode == 0) {
+        w4_run<0, CG>(red, l, b0, b1, h0, h1, live);
+    } else if (W4_PACK2 && mode == 1) {  // compiled out by default
+        w4_run<1, CG>(red, l, b0, b1, h0, h1, live);
+    } else {
+        w4_run<2, CG>(red, l, b0, b1, h0, h1, live);
     }
-#pragma unroll
-    for (int i = 0; i < W4_RT; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) red[(warp * W4_RT * 4 + i * 4 + c) * WARP + lane] = acc[i][c];
     __syncthreads();  // every thread reaches it
-    w4_epilogue<NMAT>(red, y, hs, topk_w, tp, np, pk, ks, nrb, N, bx);
+    w4_epilogue<NMAT>(red, y, hs, topk_w, tp, np, mode, ks, nrb, N, bx);
 }
 
 // One block: item `bid` of (real tile, group of W4_WARPS / ks row blocks), tile-major;

@@ -148,8 +148,10 @@ pub fn moe_min_tiles(t: usize, k: usize) -> usize {
 pub const W4_SLOT: u32 = 5;
 /// Dynamic shared memory of an INT4 GEMM block: the cp.async ring
 /// `[W4_WARPS][W4_STAGES][W4_SLOT][32]` uint4 and the accumulator array
-/// `[W4_WARPS][W4_RT 4][32]` f32 (linear.cu `w4_mma`).
-pub const W4_SMEM: u32 = W4_WARPS * W4_STAGES * W4_SLOT * 32 * 16 + W4_WARPS * W4_RT * 4 * 32 * 4;
+/// `[2 sets][W4_WARPS][W4_RT 4][32]` f32 (linear.cu `w4_run`: with `W4_PACK2=1` a tile of
+/// 3-5 pairs keeps two accumulator sets; the default leaves the second unused).
+pub const W4_SMEM: u32 =
+    W4_WARPS * W4_STAGES * W4_SLOT * 32 * 16 + 2 * W4_WARPS * W4_RT * 4 * 32 * 4;
 /// Largest k of `moe_topk` / `moe_combine` (`TOPK_MAX`).
 pub const TOPK_MAX: usize = 8;
 /// Largest expert count of `moe_topk` / `moe_align` (`EXPERTS_MAX`).
@@ -574,7 +576,7 @@ mod tests {
         assert_eq!(define("W4_STAGES"), Some(W4_STAGES as usize));
         assert_eq!(define("W4_SLOT"), Some(W4_SLOT as usize));
         assert_eq!(define("W4_SEGS"), Some(W4_SEGS));
-        assert_eq!(W4_SMEM, 57_344);
+        assert_eq!(W4_SMEM, 73_728);
         assert_eq!(define("EXPERTS_MAX"), Some(EXPERTS_MAX));
         assert_eq!(define("HEAD_DIM_MAX"), Some(HEAD_DIM_MAX));
         assert_eq!(define("KC_MAX"), Some(KC_MAX));

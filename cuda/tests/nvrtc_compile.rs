@@ -58,7 +58,13 @@ fn every_kernel_compiles_to_ptx_for_sm_90a() {
         .iter()
         .find(|s| s.name == "linear.cu")
         .expect("linear.cu");
-    for defines in ["W4_XS=2", "LT_PREWAIT=0", "ATT_INFLIGHT=4"] {
+    for defines in [
+        "W4_XS=2",
+        "W4_PACK2=1",
+        "W4_PACK2=1 W4_PACK2_HALVES=1",
+        "LT_PREWAIT=0",
+        "ATT_INFLIGHT=4",
+    ] {
         std::env::set_var(kernels::DEFINES_ENV, defines);
         if let Err(e) = kernels::compile(linear, kernels::DEFAULT_ARCH, &dir) {
             failures.push(format!("{defines}: {e}"));
