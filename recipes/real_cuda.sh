@@ -9,6 +9,8 @@
 #   device:  run(command="bash recipes/real_cuda.sh", carry=["target/gpu-check"], timeout_s=600)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# Records name the commit the binary was built from (the device copy's .git is stale).
+[ -n "${COMMIT:-}" ] && export SPECLAB_GIT_COMMIT="$COMMIT"
 FINAL="${OUT:-/tmp/real-cuda-out}"
 mkdir -p "$FINAL"
 # Records bring lock and timing files: everything goes to one archive (8 files come back).
