@@ -52,22 +52,20 @@ fn every_kernel_compiles_to_ptx_for_sm_90a() {
             Err(e) => failures.push(e.to_string()),
         }
     }
-    // Every tunable's non-default values compile too (SPECLAB_KERNEL_DEFINES, linear.cu).
-    // This file's only test, so setting the process environment races nothing.
-    let linear = SOURCES
-        .iter()
-        .find(|s| s.name == "linear.cu")
-        .expect("linear.cu");
-    for defines in [
-        "W4_XS=2",
-        "W4_PACK2=1",
-        "W4_PACK2=1 W4_PACK2_HALVES=1",
-        "LT_PREWAIT=0",
-        "ATT_INFLIGHT=4",
+    // Every tunable's non-default values compile too (SPECLAB_KERNEL_DEFINES), each with
+    // the source that reads it. This file's only test, so setting the process environment
+    // races nothing.
+    for (name, defines) in [
+        ("linear.cu", "W4_XS=2"),
+        ("linear.cu", "W4_PACK2=1"),
+        ("linear.cu", "W4_PACK2=1 W4_PACK2_HALVES=1"),
+        ("linear.cu", "LT_PREWAIT=0"),
+        ("attention.cu", "ATT_INFLIGHT=4"),
     ] {
+        let source = SOURCES.iter().find(|s| s.name == name).expect(name);
         std::env::set_var(kernels::DEFINES_ENV, defines);
-        if let Err(e) = kernels::compile(linear, kernels::DEFAULT_ARCH, &dir) {
-            failures.push(format!("{defines}: {e}"));
+        if let Err(e) = kernels::compile(source, kernels::DEFAULT_ARCH, &dir) {
+            failures.push(format!("{name} {defines}: {e}"));
         }
         std::env::remove_var(kernels::DEFINES_ENV);
     }
