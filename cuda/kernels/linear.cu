@@ -592,8 +592,9 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 //   g / W4_XS, so one mma a k16 step does the work; the terms are summed in the epilogue.
 //   3-5 pairs fill 16 columns of two mmas with two accumulator sets (W4_PACK2); more,
 //   column g is pair g and each term is one mma (W4M, the column modes).
-// - Epilogue: every warp's accumulators (one or two sets) go to shared memory; the block's threads sum the
-//   K slices (in warp order: deterministic) and the terms, and write coalesced rows.
+// - Epilogue: every warp's accumulators (one or two sets) go to shared memory; the
+//   block's threads sum the K slices (in warp order: deterministic) and the terms, and
+//   write coalesced rows.
 // - Both kernels read their B operand pre-split (w4_h_word): gate/up from moe_split_x of
 //   the post-norm input, down from gate/up's output h (silu(g) * u split into W4_XS bf16
 //   terms, exact for W4_XS 3).

@@ -29,8 +29,8 @@ pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// The tunables [`DEFINES_ENV`] may set, with their allowed range: compile-time knobs of
 /// the kernels that the host's launch shapes do not depend on (`W4_XS`: the INT4 expert
 /// GEMMs' activation split terms; `W4_PACK2`: their tiles of 3-5 pairs in two packed mma
-/// sets (1) or unpacked (0, the default); `W4_PACK2_HALVES`: the K slice a warp must walk, in half
-/// 128-groups, for that packing; `LT_PREWAIT`: the tiled bf16 GEMMs load their first
+/// sets (1) or unpacked (0, the default); `W4_PACK2_HALVES`: the K slice, in half
+/// 128-groups, a warp must walk for that packing; `LT_PREWAIT`: the tiled bf16 GEMMs load their first
 /// weight words before the programmatic-dependent-launch wait; `ATT_INFLIGHT`:
 /// positions `paged_attention` loads per warp pass).
 pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 5] = [
