@@ -13,7 +13,9 @@
 use std::path::Path;
 
 use serde_json::Value;
-use speclab_engine::kv::hybrid::{plan, KvDtype, PlanAssumptions, PlanInput, PoolPlan};
+use speclab_engine::kv::hybrid::{
+    plan, KvDtype, PlanAssumptions, PlanDrafter, PlanInput, PoolPlan,
+};
 use speclab_engine::kv::GroupKind;
 
 fn load() -> Vec<Value> {
@@ -49,6 +51,7 @@ fn input(i: &Value) -> PlanInput {
             drafter_kv_heads: u(i, "drafter_kv_heads") as u32,
             drafter_head_dim: u(i, "drafter_head_dim") as u32,
             drafter_layers: u(i, "drafter_layers") as u32,
+            drafter_weight_bytes: 0,
         },
         block_size: u(i, "block_size") as u32,
         num_speculative_tokens: u(i, "num_speculative_tokens") as u32,
@@ -56,6 +59,7 @@ fn input(i: &Value) -> PlanInput {
         max_in_flight_tokens: u(i, "max_in_flight_tokens") as u32,
         drafter_window: u(i, "drafter_window") as u32,
         kv_cache_memory_bytes: u(i, "kv_cache_memory_bytes"),
+        drafter: PlanDrafter::Dflash2,
     }
 }
 

@@ -81,13 +81,21 @@ pub fn render(md: &mut String, rec: &RunRecord, m: Option<&Manifest>) -> bool {
     let _ = writeln!(md, "Per assumption set and requested `--block-size`: the block size vLLM uses (bold when `Platform._align_hybrid_block_size` changes it), bytes of one pool block (largest group), KV memory per rank, `num_blocks` (incl. the null block), blocks one {}-token request needs (sum over groups), and vLLM's boot line \"GPU KV cache size: N tokens, Maximum concurrency: Cx\"; `starts` = the startup check passes (that sum <= num_blocks - 1).\n", thousands(mml));
     let _ = writeln!(md, "| assumption set | --block-size | groups (kind:layers) | bytes per block | KV memory | num_blocks | blocks per request | max concurrency | KV cache tokens | starts |");
     let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|");
+    // One row per distinct plan of a set and block size: a swept N changes the KDA pages
+    // and the state blocks a request holds (the row then names the first leg's N).
     let mut seen = Vec::new();
     for p in &rec.plans {
-        let key = (p.set.clone(), p.plan.requested_block_size);
+        let key = (p.set.clone(), p.plan.requested_block_size, &p.plan);
         if seen.contains(&key) {
             continue;
         }
         seen.push(key);
+        let base = if p.set.is_empty() { "(base)" } else { &p.set };
+        let swept_n = m.is_some_and(|m| !m.sweep.num_speculative_tokens.is_empty());
+        let label = match p.leg.split(' ').find(|t| t.starts_with("n=")) {
+            Some(n) if swept_n => format!("{base} {n}"),
+            _ => base.to_string(),
+        };
         let groups: Vec<String> = p
             .plan
             .groups
@@ -97,7 +105,7 @@ pub fn render(md: &mut String, rec: &RunRecord, m: Option<&Manifest>) -> bool {
         let _ = writeln!(
             md,
             "| `{}` | {} | {} | {} | {}{} | {} | {} | {:.3}x | {} | {} |",
-            if p.set.is_empty() { "(base)" } else { &p.set },
+            label,
             block_text(p.plan.requested_block_size, p.plan.effective_block_size),
             groups.join(" "),
             thousands(p.plan.bytes_per_block),

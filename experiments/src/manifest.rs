@@ -443,6 +443,9 @@ pub struct Leg {
 
 /// The preset's name.
 pub const PRESET_GLM53_DFLASH2: &str = "glm53-flash-dflash2";
+/// GLM-5.3-Flash with its MTP head (`speclab_engine::kv::hybrid::PlanDrafter::Mtp`): a
+/// plan-only preset, its layout always comes from `kv.plan`.
+pub const PRESET_GLM53_MTP: &str = "glm53-flash-mtp";
 
 /// Parse RON with positions and the field path: `path:line:col: field `a.b[2]`: message`.
 /// `Option` fields may be written bare (RON's `implicit_some`): `truncate: 128` and
@@ -749,12 +752,15 @@ impl Manifest {
                 l
             }
             (Some(p), _) => {
+                let why = if p == PRESET_GLM53_MTP {
+                    format!("preset {p:?} is planned only: give kv.plan")
+                } else {
+                    format!("unknown preset {p:?}; known: {PRESET_GLM53_DFLASH2}, {PRESET_GLM53_MTP} (with kv.plan)")
+                };
                 return Err(ExperimentError::engine(
                     "kv.preset",
-                    speclab_engine::EngineError::Unsupported(format!(
-                        "unknown preset {p:?}; known: {PRESET_GLM53_DFLASH2}"
-                    )),
-                ))
+                    speclab_engine::EngineError::Unsupported(why),
+                ));
             }
             (None, Some(l)) => {
                 let mut l = l.clone();

@@ -15,7 +15,7 @@ use std::path::Path;
 
 use speclab_engine::kv::{CapPolicy, GroupKind};
 
-use crate::manifest::{DrafterKind, Manifest, PRESET_GLM53_DFLASH2};
+use crate::manifest::{DrafterKind, Manifest, PRESET_GLM53_DFLASH2, PRESET_GLM53_MTP};
 use crate::real::{RealDrafter, RealSpec};
 use crate::{ExperimentError, Result};
 
@@ -130,6 +130,12 @@ fn check_kv(m: &Manifest, path: &Path) -> Result<()> {
     if kv.preset.as_deref() == Some(PRESET_GLM53_DFLASH2) && m.drafter.kind != DrafterKind::Dflash2
     {
         return b("drafter.kind", "kv.preset glm53-flash-dflash2 models the DFlash2 drafter's sliding-window KV group; it needs drafter.kind dflash2 (or give kv.layout)");
+    }
+    if kv.preset.as_deref() == Some(PRESET_GLM53_MTP) && m.drafter.kind != DrafterKind::Mtp {
+        return b(
+            "drafter.kind",
+            "kv.preset glm53-flash-mtp plans the MTP head's KV layers; it needs drafter.kind mtp",
+        );
     }
     let pool_given = kv.num_blocks.is_some()
         || !m.sweep.num_blocks.is_empty()
@@ -264,7 +270,7 @@ fn check_sim(m: &Manifest, path: &Path) -> Result<()> {
 }
 
 /// `sweep.num_speculative_tokens`: a drafter to vary, no duplicates, N within a DFlash
-/// drafter's block (N <= block_size - 1), N > 0 with `kv.plan` (it sizes the KDA pages).
+/// drafter's block (N <= block_size - 1), N > 0 with `kv.plan` on the DFlash2 preset.
 fn check_n_axis(m: &Manifest, path: &Path) -> Result<()> {
     let axis = &m.sweep.num_speculative_tokens;
     if axis.is_empty() {
@@ -287,8 +293,11 @@ fn check_n_axis(m: &Manifest, path: &Path) -> Result<()> {
                 format!("{n} is listed twice (two legs with one id)"),
             ));
         }
-        if n == 0 && m.kv.plan.is_some() {
-            return Err(bad(path, f, "0 with kv.plan: the plan sizes the KDA conv state and spec blocks from N; give N > 0"));
+        // The MTP preset plans N = 0 as the target alone (no head loaded); the DFlash2
+        // preset always has the drafter's sliding-window group.
+        let mtp = m.kv.preset.as_deref() == Some(PRESET_GLM53_MTP);
+        if n == 0 && m.kv.plan.is_some() && !mtp {
+            return Err(bad(path, f, "0 with kv.plan and the glm53-flash-dflash2 preset: its plan always has the DFlash2 drafter's sliding-window group; give N > 0 (the glm53-flash-mtp preset plans N = 0 without a drafter)"));
         }
         if let Some(b) = m.drafter.block_size.filter(|_| m.drafter.kind.is_dflash()) {
             if n + 1 > b {

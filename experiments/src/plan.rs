@@ -16,10 +16,10 @@
 //! is refused naming it (checked by [`check`]).
 
 use serde::{Deserialize, Serialize};
-use speclab_engine::kv::hybrid::{self, PlanAssumptions, PlanInput, PoolPlan};
+use speclab_engine::kv::hybrid::{self, PlanAssumptions, PlanDrafter, PlanInput, PoolPlan};
 use speclab_engine::kv::{CapPolicy, KvLayout};
 
-use crate::manifest::{Manifest, PRESET_GLM53_DFLASH2};
+use crate::manifest::{Manifest, PRESET_GLM53_DFLASH2, PRESET_GLM53_MTP};
 use crate::{ExperimentError, Result};
 
 /// The memory that gives `num_blocks` at `block_size` under the same assumption set.
@@ -28,6 +28,10 @@ use crate::{ExperimentError, Result};
 pub struct Calibration {
     pub block_size: u32,
     pub num_blocks: u32,
+    /// The N the stated pool was seen at (the KDA pages grow with N, so the memory is
+    /// calibrated once at this N and shared by every leg); None: each leg's own N.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_speculative_tokens: Option<u32>,
 }
 
 /// One assumption set: the plan (if any) and the in-flight tokens, with its id tokens.
@@ -83,11 +87,19 @@ pub fn check(m: &Manifest) -> Result<()> {
         }
         return Ok(());
     }
-    if kv.preset.as_deref() != Some(PRESET_GLM53_DFLASH2) {
+    if drafter_of(m).is_none() {
         return Err(invalid(
             "kv.plan",
-            format!("plans the {PRESET_GLM53_DFLASH2} preset only; set kv.preset"),
+            format!("plans the {PRESET_GLM53_DFLASH2} and {PRESET_GLM53_MTP} presets only; set kv.preset"),
         ));
+    }
+    if let Some(PlanDrafter::Mtp { .. }) = drafter_of(m) {
+        if !s.drafter_block_sizes.is_empty() {
+            return Err(invalid(
+                "sweep.drafter_block_sizes",
+                "the MTP head has no sliding-window group",
+            ));
+        }
     }
     if kv.memory.is_some() {
         return Err(invalid(
@@ -185,6 +197,17 @@ pub fn variants(m: &Manifest) -> Vec<Variant> {
     out
 }
 
+/// The drafter a planned preset includes (GLM-5.3-Flash's MTP head is one layer,
+/// `num_nextn_predict_layers` 1 in the GLM-5 / DeepSeek-V3 configs); None: not a
+/// planned preset.
+fn drafter_of(m: &Manifest) -> Option<PlanDrafter> {
+    match m.kv.preset.as_deref() {
+        Some(PRESET_GLM53_DFLASH2) => Some(PlanDrafter::Dflash2),
+        Some(PRESET_GLM53_MTP) => Some(PlanDrafter::Mtp { layers: 1 }),
+        _ => None,
+    }
+}
+
 fn input(m: &Manifest, a: PlanAssumptions, f: u32, bs: u32, mem: u64) -> PlanInput {
     PlanInput {
         assumptions: a,
@@ -194,6 +217,7 @@ fn input(m: &Manifest, a: PlanAssumptions, f: u32, bs: u32, mem: u64) -> PlanInp
         max_in_flight_tokens: f,
         drafter_window: m.drafter.sliding_window.unwrap_or(2048),
         kv_cache_memory_bytes: mem,
+        drafter: drafter_of(m).unwrap_or_default(),
     }
 }
 
@@ -215,13 +239,23 @@ pub fn planned_layout(
     let mem = match (m.kv.kv_cache_memory_bytes, m.kv.calibrate) {
         (Some(b), _) => b,
         (None, Some(c)) => {
-            let p = hybrid::plan(&input(m, a, f, c.block_size, 0)).map_err(|e| engine(&ctx, e))?;
+            let mut at = input(m, a, f, c.block_size, 0);
+            at.num_speculative_tokens = c
+                .num_speculative_tokens
+                .unwrap_or(at.num_speculative_tokens);
+            let p = hybrid::plan(&at).map_err(|e| engine(&ctx, e))?;
             u64::from(c.num_blocks) * p.bytes_per_block
         }
         // Override only: size the plan's memory as exactly the override pool.
         (None, None) => 0,
     };
-    let mut inp = input(m, a, f, block_size, mem);
+    // A leg without speculation loads no drafter: its weights' bytes are KV memory.
+    let unloaded = if m.drafter.num_speculative_tokens == 0 && mem > 0 {
+        a.drafter_weight_bytes
+    } else {
+        0
+    };
+    let mut inp = input(m, a, f, block_size, mem + unloaded);
     let mut p = hybrid::plan(&inp).map_err(|e| engine(&ctx, e))?;
     let over = pool_override.or(m.kv.num_blocks);
     if let Some(n) = over {
@@ -378,6 +412,46 @@ mod n_axis_tests {
         for (text, want) in cases {
             let e = load(&text).unwrap_err().to_string();
             assert!(e.starts_with("x.ron") && e.contains(want), "{want}: {e}");
+        }
+    }
+
+    /// The MTP preset: calibrated once at the stated N, the same memory at every other
+    /// N > 0, and the drafter's weight bytes added back where N = 0 loads no head.
+    #[test]
+    fn mtp_pool_memory_is_calibrated_once_and_n0_gets_the_head_bytes() {
+        let text = "(name: \"t\", kv: (preset: Some(\"glm53-flash-mtp\"), block_size: Some(64), max_model_len: 262144, \
+            plan: Some((tp: 4, drafter_weight_bytes: 3720000000)), \
+            calibrate: Some((block_size: 64, num_blocks: 512, num_speculative_tokens: Some(2)))), \
+            drafter: (kind: mtp, num_speculative_tokens: 5), workload: (prompts: [8192], output_len: 8), \
+            sweep: (num_speculative_tokens: [0, 2, 5]))";
+        let m = load(text).unwrap();
+        let legs = m.legs().unwrap();
+        let mem = |i: usize| legs[i].plan.as_ref().unwrap().kv_cache_memory_bytes;
+        assert_eq!(legs[1].num_blocks, 512);
+        assert_eq!(mem(2), mem(1));
+        assert_eq!(mem(0), mem(1) + 3_720_000_000);
+        assert!(legs[0].num_blocks > 512);
+        assert!(legs.iter().all(|l| l
+            .layout
+            .groups
+            .iter()
+            .all(|g| g.kind != GroupKind::SlidingWindow)));
+        // Without the calibration N each leg calibrates at its own N: N = 5 still 512.
+        let own = load(&text.replace(", num_speculative_tokens: Some(2)", "")).unwrap();
+        assert_eq!(own.legs().unwrap()[2].num_blocks, 512);
+        // The preset needs the MTP drafter, and a plan.
+        for (bad, field) in [
+            (text.replace("kind: mtp", "kind: dflash2"), "drafter.kind"),
+            (text.replace("plan: Some((tp: 4, drafter_weight_bytes: 3720000000)), ", "")
+                .replace("calibrate: Some((block_size: 64, num_blocks: 512, num_speculative_tokens: Some(2)))", "num_blocks: Some(512)"),
+                "kv.preset"),
+        ] {
+            let e = load(&bad)
+                .and_then(|m| m.legs())
+                .map(|_| ())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(field), "{field}: {e}");
         }
     }
 

@@ -20,7 +20,13 @@
 //! 3. Per KDA layer a `MambaSpec` (`mamba_utils.MambaStateShapeCalculator.kda_state_shape`
 //!    / `kda_state_dtype`): conv state `(3 * 64 * 128 / TP) x (3 + N)` bf16 plus recurrent
 //!    state `(64 / TP) x 128 x 128` fp32; `1 + N` blocks a request ("none" cache mode).
-//! 4. The DFlash2 drafter's sliding-window layers: block size by
+//! 4. The drafter's layers, from the same pool (vLLM's `gpu_model_runner` allocates every
+//!    attention layer of the static forward context, the drafter's too). An MTP head
+//!    ([`PlanDrafter::Mtp`]) adds its decoder layers to the DSA buckets of rule 2 (an
+//!    assumption: GLM-5.3-Flash's MTP layer is taken to be a DSA layer like DeepSeek-V3.2's
+//!    `DeepSeekMTP`, whose layer is a target decoder layer); a leg without speculation
+//!    (N = 0) loads no drafter and plans the target alone. The DFlash2 drafter's
+//!    sliding-window layers: block size by
 //!    `Attention.get_kv_cache_spec` / `_largest_kernel_block_within` (FlashAttention's
 //!    `MultipleOf(16)`: the attention block rounded down to 16), or a stated override
 //!    (the model card's research overlay has a block-16 drafter SlidingWindowManager).
@@ -141,6 +147,16 @@ pub struct PlanAssumptions {
     pub drafter_head_dim: u32,
     #[serde(default = "default_drafter_layers")]
     pub drafter_layers: u32,
+    /// Bytes of the drafter's weights on one rank. vLLM measures the KV memory after
+    /// loading every model (`gpu_worker.determine_available_memory` profiles with the
+    /// drafter loaded), so a leg without speculation (N = 0, no drafter loaded) has this
+    /// much more KV memory than the stated or calibrated one. Default 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub drafter_weight_bytes: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 fn yes() -> bool {
@@ -156,6 +172,17 @@ fn default_drafter_layers() -> u32 {
     5
 }
 
+/// The drafter whose KV layers the plan includes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PlanDrafter {
+    /// GLM-5.3-Flash-DFlash2: `drafter_layers` sliding-window layers (rule 4).
+    #[default]
+    Dflash2,
+    /// An MTP head of `layers` DSA decoder layers, loaded only when N > 0.
+    Mtp { layers: u32 },
+}
+
 /// Everything else a plan needs (from the serving config).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PlanInput {
@@ -169,6 +196,7 @@ pub struct PlanInput {
     pub drafter_window: u32,
     /// Available KV memory per rank in bytes.
     pub kv_cache_memory_bytes: u64,
+    pub drafter: PlanDrafter,
 }
 
 /// One planned KV cache group.
@@ -376,8 +404,12 @@ fn pack(buckets: &[Bucket]) -> Vec<(GroupKind, u64, u32, u64)> {
 fn buckets(arch: &Glm53Arch, inp: &PlanInput, bs: u64, state_page: u64) -> Vec<Bucket> {
     let a = &inp.assumptions;
     let n = u64::from(inp.num_speculative_tokens);
-    let attn = arch.attention_layers();
-    let kda = arch.num_layers - attn;
+    let kda = arch.num_layers - arch.attention_layers();
+    let mtp = match inp.drafter {
+        PlanDrafter::Mtp { layers } if n > 0 => layers,
+        _ => 0,
+    };
+    let attn = arch.attention_layers() + mtp;
     let kpool = arch.index_kpool;
     let ring = kpool * cdiv(kpool + n, kpool).next_power_of_two();
     let mla_page = bs * mla_bytes_per_token(arch, a.kv_dtype);
@@ -392,7 +424,7 @@ fn buckets(arch: &Glm53Arch, inp: &PlanInput, bs: u64, state_page: u64) -> Vec<B
     } else {
         pages_full[0].1 += attn;
     }
-    vec![
+    let mut out = vec![
         Bucket {
             kind: GroupKind::State,
             block_size: u64::from(inp.max_model_len),
@@ -408,12 +440,15 @@ fn buckets(arch: &Glm53Arch, inp: &PlanInput, bs: u64, state_page: u64) -> Vec<B
             block_size: ring,
             pages: vec![(tail_page, attn)],
         },
-        Bucket {
+    ];
+    if inp.drafter == PlanDrafter::Dflash2 {
+        out.push(Bucket {
             kind: GroupKind::SlidingWindow,
             block_size: sw_bs,
             pages: vec![(sw_page, a.drafter_layers)],
-        },
-    ]
+        });
+    }
+    out
 }
 
 fn blocks_per_request(inp: &PlanInput, kind: GroupKind, block_size: u64) -> u64 {
@@ -432,10 +467,15 @@ fn blocks_per_request(inp: &PlanInput, kind: GroupKind, block_size: u64) -> u64 
 
 fn check_input(inp: &PlanInput) -> Result<()> {
     let a = &inp.assumptions;
+    let dflash = inp.drafter == PlanDrafter::Dflash2;
     let checks = [
         ("plan.tp", a.tp == 0, "must be > 0"),
         ("block_size", inp.block_size == 0, "must be > 0"),
-        ("plan.drafter_layers", a.drafter_layers == 0, "must be > 0"),
+        (
+            "plan.drafter_layers",
+            dflash && a.drafter_layers == 0,
+            "must be > 0",
+        ),
         (
             "plan.drafter_kv_heads",
             a.drafter_kv_heads == 0,
@@ -453,8 +493,13 @@ fn check_input(inp: &PlanInput) -> Result<()> {
         ),
         (
             "drafter.sliding_window",
-            inp.drafter_window == 0,
+            dflash && inp.drafter_window == 0,
             "must be > 0",
+        ),
+        (
+            "kv.preset",
+            inp.drafter == PlanDrafter::Mtp { layers: 0 },
+            "an MTP drafter needs at least one layer",
         ),
     ];
     match checks.iter().find(|c| c.1) {
@@ -463,7 +508,7 @@ fn check_input(inp: &PlanInput) -> Result<()> {
     }
 }
 
-/// Plan the pool of GLM-5.3-Flash + DFlash2 as vLLM 0.33.0 would.
+/// Plan the pool of GLM-5.3-Flash + its drafter (DFlash2 or MTP) as vLLM 0.33.0 would.
 pub fn plan(inp: &PlanInput) -> Result<PoolPlan> {
     check_input(inp)?;
     let arch = Glm53Arch::default();
@@ -564,6 +609,7 @@ mod tests {
                 drafter_kv_heads: 8,
                 drafter_head_dim: 128,
                 drafter_layers: 5,
+                drafter_weight_bytes: 0,
             },
             block_size: bs,
             num_speculative_tokens: 7,
@@ -571,6 +617,7 @@ mod tests {
             max_in_flight_tokens: 16_384,
             drafter_window: 2048,
             kv_cache_memory_bytes: 24_174_526_464,
+            drafter: PlanDrafter::Dflash2,
         }
     }
 
@@ -607,6 +654,52 @@ mod tests {
                 .effective_block_size,
             2304
         );
+    }
+
+    #[test]
+    fn mtp_head_joins_the_dsa_buckets_and_only_when_loaded() {
+        let mtp = |n: u32| {
+            let mut i = input(4, 64, KvDtype::Auto, true);
+            i.num_speculative_tokens = n;
+            i.drafter = PlanDrafter::Mtp { layers: 1 };
+            plan(&i).unwrap()
+        };
+        let full_layers = |p: &PoolPlan, k: GroupKind| -> u32 {
+            p.groups
+                .iter()
+                .filter(|g| g.kind == k)
+                .map(|g| g.num_layers)
+                .sum()
+        };
+        let (on, off) = (mtp(2), mtp(0));
+        // 11 DSA layers + the head: an MLA and an indexer page each; no sliding window.
+        assert_eq!(full_layers(&on, GroupKind::Full), 24);
+        assert_eq!(full_layers(&on, GroupKind::RingBuffer), 12);
+        assert_eq!(full_layers(&off, GroupKind::Full), 22);
+        assert_eq!(full_layers(&off, GroupKind::RingBuffer), 11);
+        for p in [&on, &off] {
+            assert!(p.groups.iter().all(|g| g.kind != GroupKind::SlidingWindow));
+            assert_eq!(full_layers(p, GroupKind::State), 34);
+        }
+        let state_blocks = |p: &PoolPlan| {
+            p.groups
+                .iter()
+                .find(|g| g.kind == GroupKind::State)
+                .unwrap()
+                .blocks_per_request
+        };
+        assert_eq!((state_blocks(&on), state_blocks(&off)), (3, 1));
+        // DFlash2's plan keeps its sliding-window group at the same input.
+        let mut d = input(4, 64, KvDtype::Auto, true);
+        d.num_speculative_tokens = 2;
+        assert!(plan(&d)
+            .unwrap()
+            .groups
+            .iter()
+            .any(|g| g.kind == GroupKind::SlidingWindow));
+        let mut zero = d;
+        zero.drafter = PlanDrafter::Mtp { layers: 0 };
+        assert!(plan(&zero).is_err());
     }
 
     #[test]
