@@ -587,6 +587,8 @@ mod tests {
                 compute_tflops: 1.0,
                 row_us: 2.0,
                 expert_us: 0.0,
+                ep_busiest: false,
+                allreduce_gb_s: 0.0,
             },
             target: ForwardShape {
                 kernels: 10.0,
@@ -596,6 +598,7 @@ mod tests {
                 allreduces: 0.0,
                 kv_bytes_per_token: 0.0,
                 state_bytes: 0.0,
+                allreduce_bytes_per_row: 0.0,
             },
             drafter: None,
             routing: Routing::UNIFORM,

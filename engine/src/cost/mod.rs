@@ -9,11 +9,11 @@
 //! |---|---|---|
 //! | `launch` | `launch_us x kernels` | DESIGN.md "small models are launch-bound" (~1.3 us a kernel in a graph, 4-6 us without); fitted on `runs/gpu-check-h200.json` |
 //! | `weights` | `dense_bytes / bw` | every decode step streams the dense weights once (memory-bound decode) |
-//! | `experts` | `moe_layers x D x (expert_bytes / bw + expert_us)`, `D` = distinct experts a rank touches ([`overlap`]) | DESIGN.md "Speculation on MoE targets"; Marlin MoE reads only routed experts |
+//! | `experts` | `moe_layers x D x (expert_bytes / bw + expert_us)`, `D` = distinct experts a rank touches ([`overlap`]): the mean `E[distinct] / ep`, or with `ep_busiest` the expected busiest of the `ep` ranks ([`busiest_rank`]) | DESIGN.md "Speculation on MoE targets"; Marlin MoE reads only routed experts; a layer waits for its slowest expert-parallel rank |
 //! | `kv` | `context_tokens x kv_bytes_per_token / bw` | decode attention reads each request's KV once per step, for all its verify rows |
 //! | `state` | `decode_reqs x state_bytes x (2 + N) / bw` | KDA state read once, written per speculative position (vLLM state groups of 1 + N blocks) |
 //! | `compute` | `max(0, rows x flops_per_token / flop_rate - dense_bytes / bw) + rows x row_us` | 2 x active parameters per token; roofline (a GEMM takes max(bytes, flops), the weights term already holds the bytes); `row_us` a fitted per-row overhead |
-//! | `allreduce` | `allreduces x allreduce_us` when `tp > 1` | one all-reduce after attention and one after the MoE per layer (Megatron TP) |
+//! | `allreduce` | `allreduces x (allreduce_us + rows x allreduce_bytes_per_row x 2 (tp - 1) / tp / allreduce_gb_s)` when `tp > 1` (the bytes part only when `allreduce_gb_s > 0`) | one all-reduce after attention and one after the MoE per layer (Megatron TP); a ring all-reduce moves `2 (tp - 1) / tp` of the message through each link (NCCL's "bus bandwidth", nccl-tests doc/PERFORMANCE.md) |
 //! | `drafter` | the same terms for the drafter's forwards (N sequential for MTP, one for a block drafter), + `overhead_us` a forward | vLLM's MTP proposer runs its one layer N times |
 //!
 //! `bw` is [`HardwareProfile::hbm_gb_s`] (GB/s = 1e3 bytes per us). Every term is
@@ -57,6 +57,14 @@ pub struct HardwareProfile {
     /// Fitted fixed cost per distinct expert per MoE layer in us (default 0).
     #[serde(default)]
     pub expert_us: f64,
+    /// Price the busiest expert-parallel rank's experts instead of the mean rank's
+    /// ([`busiest_rank`]; default false: the mean, `E[distinct] / ep`).
+    #[serde(default)]
+    pub ep_busiest: bool,
+    /// All-reduce bus bandwidth in GB/s for the bytes part of an all-reduce (default 0:
+    /// an all-reduce costs `allreduce_us` whatever its size).
+    #[serde(default)]
+    pub allreduce_gb_s: f64,
 }
 
 fn one() -> u32 {
@@ -100,6 +108,10 @@ pub struct ForwardShape {
     /// Recurrent (KDA) state bytes of one request on this rank (all linear layers).
     #[serde(default)]
     pub state_bytes: f64,
+    /// Bytes one row adds to each all-reduce (hidden size x activation bytes; priced only
+    /// with `hardware.allreduce_gb_s > 0`).
+    #[serde(default)]
+    pub allreduce_bytes_per_row: f64,
 }
 
 /// How a drafter runs.
@@ -219,6 +231,7 @@ fn check_forward(at: &str, f: &ForwardShape, ep: u32) -> Result<()> {
         ("allreduces", f.allreduces),
         ("kv_bytes_per_token", f.kv_bytes_per_token),
         ("state_bytes", f.state_bytes),
+        ("allreduce_bytes_per_row", f.allreduce_bytes_per_row),
     ] {
         check_nonneg(&format!("{at}.{k}"), v)?;
     }
@@ -249,6 +262,7 @@ impl CostModel {
             ("allreduce_us", h.allreduce_us),
             ("row_us", h.row_us),
             ("expert_us", h.expert_us),
+            ("allreduce_gb_s", h.allreduce_gb_s),
         ] {
             check_nonneg(&format!("hardware.{k}"), v)?;
         }
@@ -293,7 +307,11 @@ impl CostModel {
         let h = &self.hardware;
         let bw = h.hbm_gb_s * 1e3;
         let experts = f.moe.map_or(0.0, |m| {
-            let d = self.routing.expected_distinct(m.experts, m.top_k, seq_rows) / f64::from(h.ep);
+            let d = if h.ep_busiest && h.ep > 1 {
+                busiest_rank(&self.routing, &m, h.ep, seq_rows)
+            } else {
+                self.routing.expected_distinct(m.experts, m.top_k, seq_rows) / f64::from(h.ep)
+            };
             f64::from(m.layers) * d * (m.expert_bytes / bw + h.expert_us)
         });
         let flop_rate = h.compute_tflops * 1e6; // FLOP per us
@@ -306,12 +324,23 @@ impl CostModel {
             compute: (rows as f64 * f.flops_per_token / flop_rate - f.dense_bytes / bw).max(0.0)
                 + rows as f64 * h.row_us,
             allreduce: if h.tp > 1 {
-                f.allreduces * h.allreduce_us
+                f.allreduces * (h.allreduce_us + self.allreduce_bytes_us(f, rows))
             } else {
                 0.0
             },
             ..StepCost::default()
         }
+    }
+
+    /// The bytes part of one all-reduce over `rows` rows (module doc; 0 unless
+    /// `allreduce_gb_s > 0`).
+    fn allreduce_bytes_us(&self, f: &ForwardShape, rows: u64) -> f64 {
+        let h = &self.hardware;
+        if h.allreduce_gb_s <= 0.0 || h.tp <= 1 {
+            return 0.0;
+        }
+        let tp = f64::from(h.tp);
+        rows as f64 * f.allreduce_bytes_per_row * 2.0 * (tp - 1.0) / tp / (h.allreduce_gb_s * 1e3)
     }
 
     /// The drafter's forwards: a block drafter runs once over the sampling requests; a
@@ -334,6 +363,63 @@ impl CostModel {
     }
 }
 
+/// Expected maximum of `n` independent standard normal variables (n >= 1): the exact
+/// values for n <= 8 (Harter 1961, "Expected values of normal order statistics",
+/// Biometrika 48), Blom's approximation `Phi^-1((n - 0.375) / (n + 0.25))` beyond.
+pub fn expected_max_normal(n: u32) -> f64 {
+    const EXACT: [f64; 8] = [
+        0.0, 0.56419, 0.84628, 1.02938, 1.16296, 1.26721, 1.35218, 1.42360,
+    ];
+    match n {
+        0 => 0.0,
+        1..=8 => EXACT[n as usize - 1],
+        _ => inverse_normal_cdf((f64::from(n) - 0.375) / (f64::from(n) + 0.25)),
+    }
+}
+
+/// Phi^-1(p) by bisection on the normal CDF of Abramowitz & Stegun 26.2.17 (absolute
+/// error < 7.5e-8), enough for an order-statistic estimate.
+fn inverse_normal_cdf(p: f64) -> f64 {
+    let cdf = |x: f64| {
+        let t = 1.0 / (1.0 + 0.2316419 * x.abs());
+        let poly = t
+            * (0.319381530
+                + t * (-0.356563782 + t * (1.781477937 + t * (-1.821255978 + t * 1.330274429))));
+        let upper = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt() * poly;
+        if x >= 0.0 {
+            1.0 - upper
+        } else {
+            upper
+        }
+    };
+    let (mut lo, mut hi) = (-10.0f64, 10.0f64);
+    for _ in 0..100 {
+        let mid = 0.5 * (lo + hi);
+        if cdf(mid) < p {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    0.5 * (lo + hi)
+}
+
+/// Expected distinct experts of the busiest of `ep` expert-parallel ranks for one layer:
+/// each rank holds `experts / ep` experts, its count is a sum of per-expert hit
+/// indicators (mean `E[distinct] / ep`, variance `Var / ep` with `Var` = sum over
+/// experts of `h (1 - h)`, [`Routing::distinct_variance`]), taken as normal and
+/// independent across ranks: mean + `expected_max_normal(ep)` x sd, at most the rank's
+/// experts. Assumptions: experts are placed on ranks independently of their
+/// popularity (so every rank has the same mean), and the indicators are independent
+/// (a row's top-k are drawn without replacement, which makes them slightly negatively
+/// correlated: the spread is a little overstated).
+pub fn busiest_rank(routing: &Routing, m: &MoeShape, ep: u32, seq_rows: &[u64]) -> f64 {
+    let epf = f64::from(ep);
+    let mean = routing.expected_distinct(m.experts, m.top_k, seq_rows) / epf;
+    let var = routing.distinct_variance(m.experts, m.top_k, seq_rows) / epf;
+    (mean + expected_max_normal(ep) * var.max(0.0).sqrt()).min(f64::from(m.experts) / epf)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -349,6 +435,8 @@ mod tests {
                 compute_tflops: 100.0,
                 row_us: 0.5,
                 expert_us: 1.0,
+                ep_busiest: false,
+                allreduce_gb_s: 0.0,
             },
             target: ForwardShape {
                 kernels: 100.0,
@@ -363,6 +451,7 @@ mod tests {
                 allreduces: 8.0,
                 kv_bytes_per_token: 100.0,
                 state_bytes: 1e4,
+                allreduce_bytes_per_row: 0.0,
             },
             drafter: None,
             routing: Routing::UNIFORM,
@@ -430,5 +519,91 @@ mod tests {
         m.hardware.ep = 3;
         assert!(m.validate().unwrap_err().to_string().contains("ep"));
         assert!(model().validate().is_ok());
+    }
+
+    #[test]
+    fn expected_max_normal_is_monotone_and_blom_joins_the_table() {
+        let v: Vec<f64> = (1..=64).map(expected_max_normal).collect();
+        assert!(v.windows(2).all(|w| w[1] > w[0]), "{v:?}");
+        // Blom at n = 8 against the exact 1.42360 (Blom is 1.434 there: within 0.015);
+        // at n = 16 the exact value is 1.76599.
+        let blom8 = inverse_normal_cdf((8.0 - 0.375) / 8.25);
+        assert!((blom8 - 1.42360).abs() < 0.015, "{blom8}");
+        assert!((expected_max_normal(16) - 1.76599).abs() < 0.01);
+        assert!((inverse_normal_cdf(0.975) - 1.95996).abs() < 1e-4);
+    }
+
+    /// The busiest-rank estimate against a seeded Monte Carlo of uniform top-8 routing
+    /// over 288 experts on 4 ranks (72 each), at batch sizes from decode to verify.
+    #[test]
+    fn busiest_rank_matches_monte_carlo() {
+        use rand::seq::index::sample;
+        use rand::SeedableRng;
+        let m = MoeShape {
+            layers: 1,
+            experts: 288,
+            top_k: 8,
+            expert_bytes: 1.0,
+        };
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        for rows in [1u64, 3, 8, 32, 96] {
+            let trials = 4000;
+            let mut sum_max = 0.0;
+            for _ in 0..trials {
+                let mut hit = [false; 288];
+                for _ in 0..rows {
+                    for e in sample(&mut rng, 288, 8).into_iter() {
+                        hit[e] = true;
+                    }
+                }
+                let per: Vec<usize> = hit
+                    .chunks(72)
+                    .map(|c| c.iter().filter(|&&h| h).count())
+                    .collect();
+                sum_max += *per.iter().max().unwrap() as f64;
+            }
+            let mc = sum_max / f64::from(trials);
+            let seq = vec![1u64; rows as usize];
+            let est = busiest_rank(&Routing::UNIFORM, &m, 4, &seq);
+            let mean = Routing::UNIFORM.expected_distinct(288, 8, &seq) / 4.0;
+            assert!(est > mean, "rows {rows}: {est} <= mean {mean}");
+            assert!(
+                (est - mc).abs() / mc < 0.06,
+                "rows {rows}: estimate {est} against Monte Carlo {mc}"
+            );
+        }
+    }
+
+    #[test]
+    fn busiest_rank_and_allreduce_bytes_take_effect() {
+        let s = StepShape {
+            decode_rows: 4,
+            decode_reqs: 4,
+            seq_rows: vec![1, 1, 1, 1],
+            sampling_reqs: 4,
+            ..StepShape::default()
+        };
+        let base = model().step(&s);
+        let mut m = model();
+        m.hardware.ep_busiest = true;
+        let busy = m.step(&s);
+        assert!(
+            busy.experts > base.experts,
+            "{} {}",
+            busy.experts,
+            base.experts
+        );
+        assert_eq!(busy.allreduce, base.allreduce);
+        let mut m = model();
+        m.hardware.allreduce_gb_s = 100.0;
+        m.target.allreduce_bytes_per_row = 1e4;
+        // 8 all-reduces x (10 us + 4 rows x 1e4 B x 2 (2 - 1) / 2 / 1e5 B/us) = 83.2 us.
+        assert!(
+            (m.step(&s).allreduce - 83.2).abs() < 1e-9,
+            "{}",
+            m.step(&s).allreduce
+        );
+        m.hardware.tp = 1;
+        assert_eq!(m.step(&s).allreduce, 0.0);
     }
 }

@@ -104,6 +104,29 @@ impl Routing {
         self.expected_distinct_sr(experts, top_k, seqs, rows as f64)
     }
 
+    /// Sum over experts of `h (1 - h)`, `h` the probability that the batch touches the
+    /// expert: the variance of the distinct count were the experts' hits independent
+    /// (used for the busiest expert-parallel rank, `cost::busiest_rank`).
+    pub fn distinct_variance(&self, experts: u32, top_k: u32, seq_rows: &[u64]) -> f64 {
+        let seqs = seq_rows.iter().filter(|&&r| r > 0).count() as f64;
+        let rows = seq_rows.iter().sum::<u64>() as f64;
+        if rows <= 0.0 || seqs <= 0.0 {
+            return 0.0;
+        }
+        let hit = |pi: f64| {
+            let q = 1.0 - pi;
+            1.0 - q.powf(seqs) * (self.reuse + (1.0 - self.reuse) * q).powf(rows - seqs)
+        };
+        if self.zipf == 0.0 {
+            let h = hit(f64::from(top_k.min(experts)) / f64::from(experts.max(1)));
+            return f64::from(experts) * h * (1.0 - h);
+        }
+        self.inclusion(experts, top_k)
+            .iter()
+            .map(|&pi| hit(pi) * (1.0 - hit(pi)))
+            .sum()
+    }
+
     /// [`Self::expected_distinct`] from the counts alone: `seqs` sequences, `rows` rows.
     pub fn expected_distinct_sr(&self, experts: u32, top_k: u32, seqs: f64, rows: f64) -> f64 {
         if rows <= 0.0 || seqs <= 0.0 {
