@@ -138,3 +138,157 @@ fn low_temperature_matches_greedy_acceptance_paths() {
         assert_eq!(outputs(&got), outputs(&greedy), "{name}");
     }
 }
+
+/// The CPU reference behind a [`DeviceSampler`] of its own: the forward keeps its logits
+/// "on the device" (here: hidden from the executor) and the sampler verifies them with the
+/// host reference `verify_with_uniforms`. The executor's device-sampling path (uniforms
+/// drawn ahead from a clone of each request's RNG, the RNG advanced by what was consumed)
+/// must then give exactly the host path's outputs and metrics.
+mod held_logits {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use speclab_engine::backend::{
+        BackendFactory, DeviceSampler, SampleReq, SharedHead, TargetBackend,
+    };
+    use speclab_engine::kv::KvCacheManager;
+    use speclab_engine::model::{
+        ForwardOptions, ForwardOut, ModelRunner, ModelWeights, MtpChunk, MtpOut, SeqChunk,
+    };
+    use speclab_engine::spec::{verify_with_uniforms, SamplingParams, UniformVerdict};
+    use speclab_engine::{Proposal, ReqSlot};
+
+    pub struct Held {
+        inner: ModelRunner,
+        /// The last forward's logits, withheld from the executor. Shape: [rows, V].
+        logits: Vec<f32>,
+        calls: Arc<AtomicUsize>,
+    }
+
+    impl SharedHead for Held {
+        fn head_dims(&self) -> (usize, usize) {
+            self.inner.head_dims()
+        }
+        fn embed(&self, t: &[u32]) -> speclab_engine::Result<Vec<f32>> {
+            self.inner.embed(t)
+        }
+        fn lm_head(&self, h: &[f32], r: usize) -> speclab_engine::Result<Vec<f32>> {
+            SharedHead::lm_head(&self.inner, h, r)
+        }
+    }
+
+    impl TargetBackend for Held {
+        fn forward(
+            &mut self,
+            kv: &KvCacheManager,
+            batch: &[SeqChunk<'_>],
+            opts: &ForwardOptions,
+        ) -> speclab_engine::Result<ForwardOut> {
+            let mut out = TargetBackend::forward(&mut self.inner, kv, batch, opts)?;
+            assert!(opts.logits_on_device, "the executor asked for host logits");
+            self.logits = std::mem::take(&mut out.logits);
+            Ok(out)
+        }
+        fn mtp_forward(
+            &mut self,
+            kv: &KvCacheManager,
+            batch: &[MtpChunk<'_>],
+            opts: &ForwardOptions,
+        ) -> speclab_engine::Result<MtpOut> {
+            TargetBackend::mtp_forward(&mut self.inner, kv, batch, opts)
+        }
+        fn commit_state(
+            &mut self,
+            kv: &KvCacheManager,
+            s: ReqSlot,
+            a: usize,
+        ) -> speclab_engine::Result<()> {
+            TargetBackend::commit_state(&mut self.inner, kv, s, a)
+        }
+        fn release(&mut self, s: ReqSlot) {
+            TargetBackend::release(&mut self.inner, s)
+        }
+        fn device_sampler(&mut self) -> Option<&mut dyn DeviceSampler> {
+            Some(self)
+        }
+    }
+
+    impl DeviceSampler for Held {
+        fn sample(
+            &mut self,
+            params: &SamplingParams,
+            reqs: &[SampleReq<'_>],
+        ) -> speclab_engine::Result<Vec<UniformVerdict>> {
+            let v = self.inner.head_dims().1;
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            reqs.iter()
+                .map(|r| {
+                    let rows = &self.logits[r.row * v..(r.row + r.drafts.len() + 1) * v];
+                    let prop = Proposal {
+                        tokens: r.drafts.to_vec(),
+                        probs: r.q.map(<[Vec<f32>]>::to_vec),
+                    };
+                    verify_with_uniforms(rows, v, &prop, params, r.uniforms)
+                })
+                .collect()
+        }
+    }
+
+    pub struct HeldFactory(pub Arc<AtomicUsize>);
+
+    impl BackendFactory for HeldFactory {
+        fn build(
+            &self,
+            w: &ModelWeights,
+            kv: &KvCacheManager,
+        ) -> speclab_engine::Result<Box<dyn TargetBackend>> {
+            Ok(Box::new(Held {
+                inner: ModelRunner::new(w.clone(), kv)?,
+                logits: Vec::new(),
+                calls: self.0.clone(),
+            }))
+        }
+    }
+}
+
+#[test]
+fn a_device_sampler_reproduces_host_sampling() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let target = micro_target(4);
+    let ps = prompts(21, &[7, 12, 9], target.cfg.vocab_size);
+    let reqs = requests(&ps, 12);
+    let params = [
+        SamplingParams::random(0.8),
+        SamplingParams {
+            temperature: 1.1,
+            top_k: 6,
+            top_p: 0.85,
+        },
+    ];
+    for (name, d) in all_drafters(&target, 3, 2, CapPolicy::Upstream) {
+        for p in params {
+            let opts = EngineOptions {
+                sampling: p,
+                seed: 3,
+                ignore_eos: true,
+                ..EngineOptions::default()
+            };
+            let host = generate(&target, &d, &reqs, &opts, &mut fcfs(512, 3)).unwrap();
+            let calls = Arc::new(AtomicUsize::new(0));
+            let factory = held_logits::HeldFactory(calls.clone());
+            let dev = speclab_engine::exec::generate_on(
+                &factory,
+                &target,
+                &d,
+                &reqs,
+                &opts,
+                &mut fcfs(512, 3),
+            )
+            .unwrap();
+            assert!(calls.load(Ordering::Relaxed) > 0, "{name}: the sampler ran");
+            assert_eq!(outputs(&dev), outputs(&host), "{name} {p:?}: outputs");
+            assert_eq!(dev.spec, host.spec, "{name} {p:?}: acceptance counters");
+        }
+    }
+}

@@ -45,6 +45,9 @@ pub struct CudaOptions {
     pub device: usize,
     /// Capture / replay `forward_greedy` steps as CUDA graphs.
     pub use_graphs: bool,
+    /// Offer the device sampler (`crate::sample`) to the step loop: sampled steps keep
+    /// their logits on the device. Off: they cross to the host and are sampled there.
+    pub device_sampling: bool,
 }
 
 impl Default for CudaOptions {
@@ -52,6 +55,7 @@ impl Default for CudaOptions {
         Self {
             device: 0,
             use_graphs: true,
+            device_sampling: true,
         }
     }
 }
@@ -195,6 +199,11 @@ pub struct CudaBackend {
     pub(crate) last_chunks: Vec<(ReqSlot, usize, usize)>,
     /// Phase times of `forward_greedy` calls (reset by the caller).
     pub host_times: HostTimes,
+    /// Logits rows `Workspace::logits` holds from the last target step (`None` after an
+    /// MTP step or a new workspace): what the device sampler may read.
+    pub(crate) logit_rows: Option<usize>,
+    /// The device sampler's buffers, made at its first call.
+    pub(crate) sample_bufs: Option<crate::sample::SampleBufs>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -262,6 +271,8 @@ impl CudaBackend {
             graph_error: None,
             device_hidden_mask: 0,
             host_times: HostTimes::default(),
+            logit_rows: None,
+            sample_bufs: None,
             final_hidden_rows: None,
             chain: None,
             last_chunks: Vec::new(),
@@ -437,7 +448,10 @@ impl CudaBackend {
         };
         // Graphs for greedy decode / verify steps (their outputs are the argmax ids and the
         // hidden rows); steps that return logits, and prefill chunks, run eagerly.
-        let graphable = opts.greedy_ids && graph_sized(batch.iter().map(|c| c.tokens.len()));
+        // With the device sampler the logits stay on the device too, so such steps are
+        // graphed like greedy ones.
+        let on_device = opts.greedy_ids || opts.logits_on_device;
+        let graphable = on_device && graph_sized(batch.iter().map(|c| c.tokens.len()));
         self.launch_step(&m, kind, graphable)?;
         self.note_pending(batch);
         self.read_target(&m, last, collect, opts)
@@ -563,6 +577,13 @@ impl CudaBackend {
             StepKind::Target { .. } => Some(m.t_total),
             StepKind::Mtp { .. } => None,
         };
+        self.logit_rows = match kind {
+            StepKind::Target {
+                last_rows: true, ..
+            } => Some(m.num_seqs),
+            StepKind::Target { .. } => Some(m.t_total),
+            StepKind::Mtp { .. } => None,
+        };
     }
 
     /// Replay the graph of `key`, capturing it first if needed. A capture that fails
@@ -577,6 +598,11 @@ impl CudaBackend {
                 self.run(m, kind)
             }
         }
+    }
+
+    /// The options it was built with (graphs as last set).
+    pub fn options(&self) -> CudaOptions {
+        self.opts
     }
 
     /// Why graph capture / replay failed, if it did (graphs are then off).
@@ -652,6 +678,8 @@ impl CudaBackend {
                 Vec::new(),
                 Some(self.ws.argmax.read(st, 0, r, "greedy tokens")?),
             )
+        } else if opts.logits_on_device {
+            (Vec::new(), None)
         } else {
             (self.ws.logits.read(st, 0, r * v, "logits")?, None)
         };

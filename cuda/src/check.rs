@@ -247,6 +247,7 @@ impl Rig {
             collect_router: true,
             greedy_ids: false,
             skip_hidden: false,
+            logits_on_device: false,
         };
         let zeros = vec![0usize; n];
         let batch = chunks(&self.gold.prompts, &zeros, false);
@@ -425,6 +426,7 @@ impl Rig {
             "verify greedy rows differing from CPU (graphs)",
         ];
         against_cpu(out, names, &g.logits, &c.logits, &gg, v);
+        sampler_parity(&mut self.gpu, out, &g.logits, v)?;
         let accepted = [1usize, 0, 3];
         let mut after = Vec::new();
         for i in 0..toks.len() {
@@ -453,6 +455,111 @@ impl Rig {
         against_cpu(out, names, &g.logits, &c.logits, &gg, v);
         Ok(())
     }
+}
+
+/// The device sampler (`crate::sample`) against its host reference
+/// (`verify_with_uniforms`) on the logits the last forward left on the device (`logits`
+/// is their host copy): 400 chunks of 0..=3 drafts anywhere in those rows, drafts the
+/// greedy tokens or not, q one-hot or a random distribution, under temperature alone,
+/// top-k, top-p and both. Every verdict (tokens and uniforms consumed) must be equal.
+fn sampler_parity(
+    gpu: &mut CudaBackend,
+    out: &mut Vec<CheckLine>,
+    logits: &[f32],
+    v: usize,
+) -> Result<()> {
+    use rand::{Rng, SeedableRng};
+    use speclab_engine::backend::SampleReq;
+    use speclab_engine::spec::{max_uniforms, verify_with_uniforms, SamplingParams};
+    let rows = logits.len() / v;
+    let mut gen = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+    let params = [
+        SamplingParams::random(1.0),
+        SamplingParams::random(0.6),
+        SamplingParams {
+            temperature: 0.8,
+            top_k: 20,
+            top_p: 1.0,
+        },
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.9,
+        },
+        SamplingParams {
+            temperature: 0.7,
+            top_k: 50,
+            top_p: 0.8,
+        },
+    ];
+    let (mut differ, mut total, mut accepted) = (0usize, 0usize, 0usize);
+    for (pi, p) in params.iter().enumerate() {
+        let mut cases = Vec::new();
+        for _ in 0..80 {
+            let k = gen.random_range(0..=3usize.min(rows - 1));
+            let row = gen.random_range(0..rows - k);
+            let greedy = gen.random_bool(0.6);
+            let drafts: Vec<u32> = (0..k)
+                .map(|i| {
+                    let r = &logits[(row + i) * v..(row + i + 1) * v];
+                    if greedy {
+                        argmax(r) as u32
+                    } else {
+                        gen.random_range(0..v as u32)
+                    }
+                })
+                .collect();
+            let q = gen.random_bool(0.5).then(|| {
+                (0..k)
+                    .map(|_| {
+                        let mut q: Vec<f32> = (0..v).map(|_| gen.random::<f32>().powi(8)).collect();
+                        let s: f32 = q.iter().sum();
+                        q.iter_mut().for_each(|x| *x /= s);
+                        q
+                    })
+                    .collect::<Vec<_>>()
+            });
+            let us: Vec<f64> = (0..max_uniforms(k)).map(|_| gen.random::<f64>()).collect();
+            cases.push((row, drafts, q, us));
+        }
+        let reqs: Vec<SampleReq<'_>> = cases
+            .iter()
+            .map(|(row, d, q, us)| SampleReq {
+                row: *row,
+                drafts: d,
+                q: q.as_deref(),
+                uniforms: us,
+            })
+            .collect();
+        let dev = gpu.sample_chunks(p, &reqs)?;
+        for (r, d) in reqs.iter().zip(&dev) {
+            let k = r.drafts.len();
+            let prop = speclab_engine::Proposal {
+                tokens: r.drafts.to_vec(),
+                probs: r.q.map(<[Vec<f32>]>::to_vec),
+            };
+            let host = verify_with_uniforms(
+                &logits[r.row * v..(r.row + k + 1) * v],
+                v,
+                &prop,
+                p,
+                r.uniforms,
+            )?;
+            total += 1;
+            accepted += d.verified.accepted;
+            if host != *d {
+                differ += 1;
+                eprintln!("sampler params #{pi}: device {d:?} host {host:?}");
+            }
+        }
+    }
+    line(
+        out,
+        format!("device sampler verdicts differing from the host reference ({total} chunks, {accepted} drafts accepted)"),
+        differ as f64,
+        0.0,
+    );
+    Ok(())
 }
 
 /// One timing row.

@@ -117,14 +117,19 @@ pub const W4_KERNELS: [&str; 4] = [
 /// 256 threads is what their 128 registers allow); weights bypass L1 (cp.async.cg).
 pub const W4_CARVEOUT_PERCENT: i32 = 100;
 
-fn prefer_shared(f: &CudaFunction, name: &str) -> Result<()> {
+/// Opt kernel `name` into `bytes` of dynamic shared memory (required above 48 KB).
+fn allow_smem(f: &CudaFunction, name: &str, bytes: u32) -> Result<()> {
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
-    // Required: more than 48 KB of dynamic shared memory must be opted into.
     f.set_attribute(
         A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        crate::launch::W4_SMEM as i32,
+        bytes as i32,
     )
-    .map_err(|e| CudaError::driver(format!("dynamic shared memory of {name}"), e))?;
+    .map_err(|e| CudaError::driver(format!("dynamic shared memory of {name}"), e))
+}
+
+fn prefer_shared(f: &CudaFunction, name: &str) -> Result<()> {
+    use cudarc::driver::sys::CUfunction_attribute_enum as A;
+    allow_smem(f, name, crate::launch::W4_SMEM)?;
     // A hint: if a driver refuses it the kernels still run (with fewer resident blocks,
     // which the bench record's occupancy shows).
     let _ = f.set_attribute(
@@ -266,6 +271,9 @@ impl Gpu {
                     .map_err(|e| CudaError::driver(format!("load_function {entry}"), e))?;
                 if W4_KERNELS.contains(&entry) {
                     prefer_shared(&f, entry)?;
+                }
+                if entry == "sample_verify" {
+                    allow_smem(&f, entry, crate::sample::SAMPLE_SMEM)?;
                 }
                 funcs.insert(entry, f);
             }

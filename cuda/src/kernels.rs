@@ -118,6 +118,11 @@ pub const SOURCES: &[KernelSource] = &[
         ],
     },
     KernelSource {
+        name: "sample.cu",
+        source: include_str!("../kernels/sample.cu"),
+        entries: &["sample_verify"],
+    },
+    KernelSource {
         name: "bench.cu",
         source: include_str!("../kernels/bench.cu"),
         entries: &[

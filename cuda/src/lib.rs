@@ -20,7 +20,8 @@
 //! [`moebench`] (issue 12: one GLM-5.3-Flash MoE layer timed and checked on the device),
 //! [`dflash`] / [`dflash_plan`] (the DFlash2 drafter on the device, beside the target),
 //! [`gemm_check`] (the register-tiled bf16 GEMMs against the per-column ones, and the
-//! router with the fused norm against `rmsnorm` + router, bit for bit).
+//! router with the fused norm against `rmsnorm` + router, bit for bit), [`sample`] (the
+//! device sampler: rejection sampling where the logits are).
 //!
 //! Invariants: numerics follow docs/model.md §1 (f32 compute; bf16 weights widened
 //! exactly; INT4 dequantized to exact f32 products); every launch's bounds are checked
@@ -43,6 +44,7 @@ pub mod moebench;
 pub mod mtp;
 pub mod ops;
 pub mod repack;
+pub mod sample;
 pub mod seam;
 pub mod step;
 pub mod weights;

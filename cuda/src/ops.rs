@@ -1638,3 +1638,63 @@ pub fn copy_words<A: cudarc::driver::DeviceRepr, B: cudarc::driver::DeviceRepr>(
         )
     }
 }
+
+/// Kernel `sample_verify`'s operands (cuda/kernels/sample.cu, [`crate::sample`]).
+pub struct SampleVerify<'a> {
+    /// Shape: [4 chunks] i32.
+    pub out: &'a DevBuf<i32>,
+    /// Scratch. Shape: [chunks, V] f64.
+    pub probs: &'a DevBuf<f64>,
+    /// The last target step's logits. Shape: [logit_rows, V].
+    pub logits: &'a DevBuf<f32>,
+    pub logit_rows: usize,
+    /// 5 ints a chunk, then the drafts. Shape: [5 chunks + drafts] i32.
+    pub meta: &'a DevBuf<i32>,
+    pub chunks: usize,
+    pub drafts: usize,
+    /// Shape: [>= the packed uniforms] f64.
+    pub uniforms: &'a DevBuf<f64>,
+    /// Shape: [q rows, V] (at least 1 element).
+    pub q: &'a DevBuf<f32>,
+    pub vocab: usize,
+    pub params: speclab_engine::spec::SamplingParams,
+    /// Keys sorted for top-k / top-p (0: none; else a power of two <= `sample::SORT_CAP`).
+    pub sort_n: usize,
+}
+
+/// Kernel `sample_verify`: one block a chunk.
+pub fn sample_verify(g: &Gpu, s: &SampleVerify<'_>) -> Result<()> {
+    let c = s.chunks;
+    if s.sort_n > crate::sample::SORT_CAP || (s.sort_n > 0 && s.sort_n < s.vocab) {
+        return Err(CudaError::Input(format!(
+            "sample_verify: {} sort keys for vocab {} (internal)",
+            s.sort_n, s.vocab
+        )));
+    }
+    let args = [
+        ptr(s.out, 0, 4 * c, "sampler out")?,
+        ptr(s.probs, 0, c * s.vocab, "sampler probs")?,
+        ptr(s.logits, 0, s.logit_rows * s.vocab, "sampler logits")?,
+        ptr(s.meta, 0, 5 * c, "sampler meta")?,
+        ptr(
+            s.meta,
+            5 * c,
+            s.drafts.max(1).min(s.meta.len - 5 * c),
+            "sampler drafts",
+        )?,
+        ptr(s.q, 0, s.q.len, "sampler q")?,
+        ptr(s.uniforms, 0, s.uniforms.len, "sampler uniforms")?,
+        int(s.vocab, "V")?,
+        Arg::F(s.params.temperature),
+        int(s.params.top_k, "top_k")?,
+        Arg::F(s.params.top_p),
+        int(s.sort_n, "sort keys")?,
+    ];
+    let mut shape = launch::grid_2d(c, 1, crate::sample::SAMPLE_THREADS, "sample_verify")?;
+    shape.smem = (s.sort_n * 8) as u32;
+    // SAFETY: out [4 C], probs [C, V], logits [logit_rows, V] checked; the meta rows were
+    // built by sample::pack from chunks sample::device_ok accepted (row + k < logit_rows,
+    // drafts < V, q rows of V entries at their offsets, k + 1 uniforms at theirs), and
+    // the shared keys fit the kernel's opt-in (sort_n <= SORT_CAP).
+    unsafe { launch(g, "sample_verify", shape, &args) }
+}

@@ -11,7 +11,7 @@
 //! Invariants: the seam adds no behaviour: a `Box<dyn TargetBackend>` of a CudaBackend
 //! answers exactly as the inherent API does.
 
-use speclab_engine::backend::{BackendFactory, SharedHead, TargetBackend};
+use speclab_engine::backend::{BackendFactory, DeviceSampler, SharedHead, TargetBackend};
 use speclab_engine::kv::KvCacheManager;
 use speclab_engine::model::{ForwardOptions, ForwardOut, ModelWeights, MtpChunk, MtpOut, SeqChunk};
 use speclab_engine::{EngineError, ReqSlot};
@@ -111,6 +111,13 @@ impl TargetBackend for CudaBackend {
     }
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         Some(self)
+    }
+    fn device_sampler(&mut self) -> Option<&mut dyn DeviceSampler> {
+        if self.options().device_sampling {
+            Some(self)
+        } else {
+            None
+        }
     }
 }
 

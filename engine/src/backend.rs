@@ -72,6 +72,43 @@ pub trait TargetBackend: SharedHead {
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         None
     }
+    /// The backend's sampler on its device, when it has one: the model executor then
+    /// asks the forward to keep sampled steps' logits there
+    /// ([`ForwardOptions::logits_on_device`]) and verifies through it. `None` (the
+    /// default, and the CPU reference): logits cross to the host and are sampled there.
+    fn device_sampler(&mut self) -> Option<&mut dyn DeviceSampler> {
+        None
+    }
+}
+
+/// One sampling chunk of the last forward, for [`DeviceSampler::sample`].
+#[derive(Debug, Clone, Copy)]
+pub struct SampleReq<'a> {
+    /// The chunk's first logits row, in the rows the forward's logits would hold on the
+    /// host (`LogitsRows::All`: the chunk's offset; `LastPerChunk`: its index).
+    pub row: usize,
+    /// Drafts verified against rows `row .. row + k`; row `row + k` gives the bonus.
+    /// Shape: [k].
+    pub drafts: &'a [u32],
+    /// The drafter's q, or `None` for one-hot q. Shape: [k][vocab].
+    pub q: Option<&'a [Vec<f32>]>,
+    /// The uniforms the request's RNG would give next, in order (at least
+    /// [`crate::spec::max_uniforms`]`(k)`). Shape: [>= k + 1].
+    pub uniforms: &'a [f64],
+}
+
+/// Rejection sampling ([`crate::spec::verify_with_uniforms`]'s contract) of the last
+/// forward's logits where they are, without copying them to the host.
+pub trait DeviceSampler {
+    /// Verify every chunk of `reqs` against the last forward's logits (kept by
+    /// [`ForwardOptions::logits_on_device`]) under sampling `params`: for each, what
+    /// `verify_with_uniforms` gives on those logits (tokens and uniforms consumed), or
+    /// its error.
+    fn sample(
+        &mut self,
+        params: &crate::spec::SamplingParams,
+        reqs: &[SampleReq<'_>],
+    ) -> Result<Vec<crate::spec::UniformVerdict>>;
 }
 
 impl SharedHead for ModelWeights {

@@ -35,6 +35,18 @@ use speclab_engine::spec::SamplingParams;
 
 use super::generate::{drafter_spec, fcfs, options, DeviceArg, EngineArgs};
 
+/// Where sampled legs (`--temperature` above 0) verify.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum SamplerArg {
+    /// On the device (speclab_cuda::sample): the logits stay there.
+    Device,
+    /// On the host: the logits of every verified row are copied out (the engine before
+    /// the device sampler).
+    Host,
+    /// A row each (host first); the device rows' outputs must equal the host rows'.
+    Both,
+}
+
 /// Which graph settings to run.
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
 pub enum GraphsArg {
@@ -86,6 +98,21 @@ pub struct E2eArgs {
     /// The record (written atomically under its lock).
     #[arg(long, default_value = "runs/bench-e2e.json")]
     pub out: PathBuf,
+    /// Target sampling temperature: 0 (the default) decodes greedily, the issue's
+    /// protocol; above 0 every leg samples (rejection sampling against the drafter's q),
+    /// and outputs are compared across samplers and with the CPU engine, not with the
+    /// no-drafter leg (each drafter draws its own stream).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// With --temperature: keep the top-k logits (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// With --temperature: nucleus mass in (0, 1] (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// With --temperature on cuda: where sampled legs verify.
+    #[arg(long, value_enum, default_value = "device")]
+    pub sampler: SamplerArg,
     /// Commit to stamp into the record when the tree has no git metadata (device machine).
     #[arg(long)]
     pub commit: Option<String>,
@@ -139,6 +166,8 @@ pub struct Row {
     pub num_spec: usize,
     pub concurrency: usize,
     pub graphs: bool,
+    /// `greedy`, or where a sampled leg verified: `device` / `host` (`--sampler`).
+    pub sampler: String,
     pub decode_tok_s: f64,
     pub us_per_step: f64,
     pub forward_us_per_step: f64,
@@ -158,6 +187,9 @@ pub struct Row {
     pub mismatch_vs_none: Option<usize>,
     /// Requests whose output differs from the CPU engine's (legs at c <= cpu_check_max).
     pub mismatch_vs_cpu: Option<usize>,
+    /// Sampled legs with `--sampler both`: requests whose output on the device sampler
+    /// differs from the same leg's on the host sampler.
+    pub mismatch_vs_host: Option<usize>,
     /// Floors: all weight bytes once at the measured copy bandwidth; kernels x launch cost.
     pub floor_weights_us: f64,
     pub floor_launch_us: f64,
@@ -201,6 +233,8 @@ pub struct DeviceFacts {
 /// Everything a leg needs.
 struct LegCtx<'a> {
     a: &'a E2eArgs,
+    /// The target's sampling (`--temperature`, `--top-k`, `--top-p`).
+    sampling: SamplingParams,
     target: &'a ModelWeights,
     prompts: &'a [Vec<u32>],
 }
@@ -299,6 +333,7 @@ fn run_leg(
     c: usize,
     device: DeviceArg,
     graphs: bool,
+    device_sampling: bool,
 ) -> anyhow::Result<(EngineRun, KernelTap)> {
     let e = engine_args(cx, d, c);
     let spec = drafter_spec(&e, cx.target)?;
@@ -309,12 +344,13 @@ fn run_leg(
             max_tokens: cx.a.new_tokens,
         })
         .collect();
-    let mut opts = options(&e, cx.target, &reqs, &spec, SamplingParams::GREEDY, false);
+    let mut opts = options(&e, cx.target, &reqs, &spec, cx.sampling, false);
     opts.check_allocator = false;
     let cuda = speclab_cuda::CudaFactory {
         opts: speclab_cuda::CudaOptions {
             device: 0,
             use_graphs: graphs,
+            device_sampling,
         },
     };
     let cpu = speclab_engine::backend::CpuBackend;
@@ -351,7 +387,14 @@ fn run_leg(
 }
 
 /// Decode-only sums of a run.
-fn measure(run: &EngineRun, tap: &KernelTap, d: &Choice, c: usize, graphs: bool) -> Row {
+fn measure(
+    run: &EngineRun,
+    tap: &KernelTap,
+    d: &Choice,
+    c: usize,
+    graphs: bool,
+    sampler: &str,
+) -> Row {
     let (mut n, mut out, mut loop_s, mut fwd, mut draft, mut rows, mut k) =
         (0u64, 0u64, 0.0, 0.0, 0.0, 0u64, 0u64);
     let (mut caps, mut cap_ns) = (0u64, 0u64);
@@ -377,6 +420,7 @@ fn measure(run: &EngineRun, tap: &KernelTap, d: &Choice, c: usize, graphs: bool)
         num_spec: d.n.unwrap_or(0),
         concurrency: c,
         graphs,
+        sampler: sampler.to_string(),
         decode_tok_s: if loop_s > 0.0 {
             out as f64 / loop_s
         } else {
@@ -396,6 +440,7 @@ fn measure(run: &EngineRun, tap: &KernelTap, d: &Choice, c: usize, graphs: bool)
         speedup_vs_none: None,
         mismatch_vs_none: None,
         mismatch_vs_cpu: None,
+        mismatch_vs_host: None,
         floor_weights_us: 0.0,
         floor_launch_us: 0.0,
         anchor_eager_tok_s: None,
@@ -415,17 +460,24 @@ fn measure(run: &EngineRun, tap: &KernelTap, d: &Choice, c: usize, graphs: bool)
 
 /// A leg run `cx.a.repeat` times: the median run by decode tok/s (the lower middle of an
 /// even count), its measured row with every run's tok/s. Every run must give the same
-/// tokens (greedy decoding on one engine is deterministic).
+/// tokens (decoding on one engine is deterministic, sampled runs too: every request's RNG
+/// is seeded).
 fn median_leg(
     cx: &LegCtx<'_>,
     d: &Choice,
     c: usize,
     graphs: bool,
+    device_sampling: bool,
 ) -> anyhow::Result<(EngineRun, KernelTap, Row)> {
+    let sampler = match (cx.sampling.is_greedy(), device_sampling) {
+        (true, _) => "greedy",
+        (false, true) => "device",
+        (false, false) => "host",
+    };
     let mut runs = Vec::new();
     for i in 0..cx.a.repeat {
-        let (run, tap) = run_leg(cx, d, c, cx.a.device, graphs)?;
-        let row = measure(&run, &tap, d, c, graphs);
+        let (run, tap) = run_leg(cx, d, c, cx.a.device, graphs, device_sampling)?;
+        let row = measure(&run, &tap, d, c, graphs, sampler);
         if let Some((first, _, _)) = runs.first() {
             let m = mismatches(&outputs(&run), &outputs(first));
             if m > 0 {
@@ -519,8 +571,17 @@ pub fn e2e(a: E2eArgs) -> anyhow::Result<ExitCode> {
     let prompts = load_prompts(&a.model, a.prompt_len)?;
     let anchors = load_anchors(&a.anchors)?;
     let facts = device_facts(&a, &target)?;
+    let sampling = SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+    };
+    sampling
+        .validate()
+        .context("--temperature / --top-k / --top-p")?;
     let cx = LegCtx {
         a: &a,
+        sampling,
         target: &target,
         prompts: &prompts,
     };
@@ -529,10 +590,29 @@ pub fn e2e(a: E2eArgs) -> anyhow::Result<ExitCode> {
         (GraphsArg::On, _) => vec![true],
         (GraphsArg::Both, _) => vec![false, true],
     };
+    // Host before device, so each device row finds its host twin's outputs.
+    let samplers: Vec<bool> = match (sampling.is_greedy(), a.device, a.sampler) {
+        (true, ..) | (_, DeviceArg::Cpu, _) | (_, _, SamplerArg::Host) => vec![false],
+        (_, _, SamplerArg::Device) => vec![true],
+        (_, _, SamplerArg::Both) => vec![false, true],
+    };
     let mut rows = Vec::new();
     for &c in &a.concurrency {
         for &graphs in &settings {
-            rows.extend(concurrency_rows(&cx, &choices, c, graphs, &facts)?);
+            let mut host: Option<Vec<Vec<Vec<u32>>>> = None;
+            for &on_device in &samplers {
+                let legs = concurrency_rows(&cx, &choices, c, graphs, on_device, &facts)?;
+                let outs: Vec<Vec<Vec<u32>>> = legs.iter().map(|l| l.1.clone()).collect();
+                for (i, (mut row, out)) in legs.into_iter().enumerate() {
+                    if on_device {
+                        row.mismatch_vs_host = host.as_ref().map(|h| mismatches(&out, &h[i]));
+                    }
+                    rows.push(row);
+                }
+                if !on_device {
+                    host = Some(outs);
+                }
+            }
         }
     }
     for r in &mut rows {
@@ -541,9 +621,11 @@ pub fn e2e(a: E2eArgs) -> anyhow::Result<ExitCode> {
             r.anchor_graph_tok_s = *g;
         }
     }
-    let ok = rows
-        .iter()
-        .all(|r| r.mismatch_vs_none.unwrap_or(0) == 0 && r.mismatch_vs_cpu.unwrap_or(0) == 0);
+    let ok = rows.iter().all(|r| {
+        r.mismatch_vs_none.unwrap_or(0) == 0
+            && r.mismatch_vs_cpu.unwrap_or(0) == 0
+            && r.mismatch_vs_host.unwrap_or(0) == 0
+    });
     write_record(&a, &facts, &rows, ok)?;
     print_rows(&a, &facts, &rows);
     Ok(if ok {
@@ -554,20 +636,21 @@ pub fn e2e(a: E2eArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// Every drafter at one concurrency and graph setting (the no-drafter leg first, as the
-/// reference of outputs and speedups).
+/// reference of outputs and speedups); each row with its requests' outputs.
 fn concurrency_rows(
     cx: &LegCtx<'_>,
     choices: &[Choice],
     c: usize,
     graphs: bool,
+    device_sampling: bool,
     facts: &DeviceFacts,
-) -> anyhow::Result<Vec<Row>> {
+) -> anyhow::Result<Vec<(Row, Vec<Vec<u32>>)>> {
     let none = Choice {
         kind: "none".into(),
         n: None,
         host: false,
     };
-    let (base_run, _, base_row) = median_leg(cx, &none, c, graphs)?;
+    let (base_run, _, base_row) = median_leg(cx, &none, c, graphs, device_sampling)?;
     let base_out = outputs(&base_run);
     let base_tok_s = base_row.decode_tok_s;
     let mut rows = Vec::new();
@@ -576,7 +659,7 @@ fn concurrency_rows(
         let (run, mut row) = if *d == none {
             (&base_run, base_row.clone())
         } else {
-            leg = median_leg(cx, d, c, graphs)?;
+            leg = median_leg(cx, d, c, graphs, device_sampling)?;
             (&leg.0, leg.2)
         };
         let cuda = matches!(cx.a.device, DeviceArg::Cuda);
@@ -587,10 +670,13 @@ fn concurrency_rows(
             row.drafter = format!("{}@host", d.kind);
         }
         let out = outputs(run);
-        row.mismatch_vs_none = Some(mismatches(&out, &base_out));
+        // A sampled drafter leg draws another stream than the no-drafter leg: only the
+        // greedy legs must agree with it.
+        row.mismatch_vs_none =
+            (cx.sampling.is_greedy() || *d == none).then(|| mismatches(&out, &base_out));
         row.speedup_vs_none = (base_tok_s > 0.0).then(|| row.decode_tok_s / base_tok_s);
         if matches!(cx.a.device, DeviceArg::Cuda) && c <= cx.a.cpu_check_max && !graphs {
-            let (cpu, _) = run_leg(cx, d, c, DeviceArg::Cpu, false)?;
+            let (cpu, _) = run_leg(cx, d, c, DeviceArg::Cpu, false, false)?;
             row.mismatch_vs_cpu = Some(mismatches(&out, &outputs(&cpu)));
         }
         if facts.copy_gb_s > 0.0 {
@@ -604,7 +690,7 @@ fn concurrency_rows(
             row.decode_tok_s,
             row.us_per_step
         );
-        rows.push(row);
+        rows.push((row, out));
     }
     Ok(rows)
 }
@@ -620,6 +706,7 @@ fn write_record(a: &E2eArgs, facts: &DeviceFacts, rows: &[Row], ok: bool) -> any
         "prompt_len": a.prompt_len,
         "new_tokens": a.new_tokens,
         "repeat": a.repeat,
+        "sampling": {"temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p},
         "copy_gb_s": facts.copy_gb_s,
         "weight_bytes": facts.weight_bytes,
         "launch_us": facts.launch_us_graph,
@@ -653,15 +740,16 @@ fn print_rows(a: &E2eArgs, f: &DeviceFacts, rows: &[Row]) {
         f.launch_us_graph,
         a.out.display()
     );
-    println!("| drafter | N | c | graphs | tok/s | us/step | fwd | draft | host | kernels | floor launch us | tau | x none | x eager ref | x graph ref | mismatch none/cpu |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| drafter | N | c | graphs | sampler | tok/s | us/step | fwd | draft | host | kernels | floor launch us | tau | x none | x eager ref | x graph ref | mismatch none/cpu/host |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!(
-            "| {} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.2} | {} | {} | {} | {}/{} |",
+            "| {} | {} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.2} | {} | {} | {} | {}/{}/{} |",
             r.drafter,
             r.num_spec,
             r.concurrency,
             if r.graphs { "on" } else { "off" },
+            r.sampler,
             r.decode_tok_s,
             r.us_per_step,
             r.forward_us_per_step,
@@ -675,6 +763,7 @@ fn print_rows(a: &E2eArgs, f: &DeviceFacts, rows: &[Row]) {
             opt(r.anchor_graph_tok_s.map(|x| r.decode_tok_s / x), 2),
             r.mismatch_vs_none.map(|x| x.to_string()).unwrap_or("-".into()),
             r.mismatch_vs_cpu.map(|x| x.to_string()).unwrap_or("-".into()),
+            r.mismatch_vs_host.map(|x| x.to_string()).unwrap_or("-".into()),
         );
     }
 }

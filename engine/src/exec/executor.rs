@@ -32,11 +32,12 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use crate::backend::TargetBackend;
+use crate::backend::{SampleReq, TargetBackend};
 use crate::kv::KvCacheManager;
 use crate::model::{ForwardOptions, ForwardOut, LogitsRows, SeqChunk};
 use crate::request::ReqSlot;
-use crate::spec::{seeded_rng, SamplingParams, SpecRng, Verified, VerifyCtx};
+use crate::spec::sampling::uniform;
+use crate::spec::{max_uniforms, seeded_rng, SamplingParams, SpecRng, Verified, VerifyCtx};
 use crate::traits::{
     DraftReq, DraftStep, Drafter, Executor, LayerHidden, Proposal, RequestId, ScheduledRequest,
     StepCtx, StepOutput, StepPerf, StepResult,
@@ -94,6 +95,10 @@ struct Planned {
     offset: usize,
 }
 
+/// A sampling chunk's inputs to the device sampler: (chunk index, first logits row, the
+/// drafter's q rows, the uniforms drawn ahead).
+type DeviceAsk = (usize, usize, Option<Vec<Vec<f32>>>, Vec<f64>);
+
 /// What verification of one sampling chunk produced.
 struct Sampled {
     /// `accepted + 1` tokens. Shape: [accepted + 1].
@@ -123,6 +128,8 @@ pub struct ModelExecutor {
     cfg: ExecConfig,
     vocab: usize,
     reqs: HashMap<RequestId, ReqModel>,
+    /// Sampling (not greedy) steps verify through the backend's device sampler.
+    device_sampling: bool,
 }
 
 impl std::fmt::Debug for ModelExecutor {
@@ -184,19 +191,26 @@ fn chunk_tokens(s: &ScheduledRequest, held: &[u32], n_spec: usize) -> Result<Vec
 impl ModelExecutor {
     /// An executor over `backend` (built for the run's KV manager) and `drafter`.
     pub fn new(
-        backend: Box<dyn TargetBackend>,
+        mut backend: Box<dyn TargetBackend>,
         drafter: Box<dyn Drafter>,
         cfg: ExecConfig,
     ) -> Result<Self> {
         cfg.sampling.validate()?;
         let vocab = backend.head_dims().1;
+        let device_sampling = !cfg.sampling.is_greedy() && backend.device_sampler().is_some();
         Ok(Self {
             backend,
             drafter,
             cfg,
             vocab,
             reqs: HashMap::new(),
+            device_sampling,
         })
+    }
+
+    /// Whether sampling steps verify on the backend's device ([`TargetBackend::device_sampler`]).
+    pub fn samples_on_device(&self) -> bool {
+        self.device_sampling
     }
 
     /// The config.
@@ -291,6 +305,7 @@ impl ModelExecutor {
             // A device drafter reads the target on the device: no host copy of the hidden.
             skip_hidden: self.cfg.num_speculative_tokens == 0
                 || matches!(hidden, LayerHidden::Device | LayerHidden::FinalOnDevice),
+            logits_on_device: self.device_sampling,
         };
         let chunks: Vec<SeqChunk<'_>> = plan
             .iter()
@@ -364,6 +379,77 @@ impl ModelExecutor {
         };
         let v = VerifyCtx::new(self.cfg.sampling, &mut st.rng).verify(logits, vocab, &proposal)?;
         self.finish_verify(kv, p, v)
+    }
+
+    /// Step 4 on the backend's device sampler: every sampling chunk in one call, each
+    /// request's uniforms drawn ahead from a clone of its RNG (`max_uniforms` of its
+    /// drafts), which then advances by exactly the draws the verification consumed, so
+    /// tokens and RNG streams are those of [`Self::verify`] on the same logits. One
+    /// entry per planned chunk (`None` for chunks that do not sample).
+    fn sample_on_device(&mut self, plan: &[Planned]) -> Result<Vec<Option<Verified>>> {
+        let any_verify = plan.iter().any(|p| p.num_draft > 0);
+        let mut asks: Vec<DeviceAsk> = Vec::new();
+        for (ci, p) in plan.iter().enumerate().filter(|(_, p)| p.sampling) {
+            let st = self
+                .reqs
+                .get_mut(&p.id)
+                .ok_or_else(|| EngineError::UnknownRequest {
+                    req: p.id.to_string(),
+                })?;
+            let q = match (st.q.take(), p.num_draft) {
+                (_, 0) | (None, _) => None,
+                (Some(q), k) if q.len() >= k => Some(q[..k].to_vec()),
+                (Some(q), k) => {
+                    return Err(bad_batch(
+                        p.id,
+                        format!("drafter gave {} q rows for {k} drafts", q.len()),
+                    ))
+                }
+            };
+            let n = p.tokens.len();
+            let row = match (p.num_draft > 0, any_verify) {
+                (true, _) => p.offset,
+                (false, true) => p.offset + n - 1,
+                (false, false) => ci,
+            };
+            let mut ahead = st.rng.clone();
+            let us = (0..max_uniforms(p.num_draft))
+                .map(|_| uniform(&mut ahead))
+                .collect();
+            asks.push((ci, row, q, us));
+        }
+        let reqs: Vec<SampleReq<'_>> = asks
+            .iter()
+            .map(|(ci, row, q, us)| SampleReq {
+                row: *row,
+                drafts: &plan[*ci].tokens[1..=plan[*ci].num_draft],
+                q: q.as_deref(),
+                uniforms: us,
+            })
+            .collect();
+        let params = self.cfg.sampling;
+        let sampler = self
+            .backend
+            .device_sampler()
+            .ok_or_else(|| EngineError::Unsupported("the backend has no device sampler".into()))?;
+        let outs = sampler.sample(&params, &reqs)?;
+        if outs.len() != asks.len() {
+            return Err(EngineError::Unsupported(format!(
+                "the device sampler answered {} of {} chunks",
+                outs.len(),
+                asks.len()
+            )));
+        }
+        let mut verdicts = vec![None; plan.len()];
+        for ((ci, ..), out) in asks.iter().zip(outs) {
+            if let Some(st) = self.reqs.get_mut(&plan[*ci].id) {
+                for _ in 0..out.consumed {
+                    uniform(&mut st.rng);
+                }
+            }
+            verdicts[*ci] = Some(out.verified);
+        }
+        Ok(verdicts)
     }
 
     /// Roll the KDA state back to the accepted prefix of a verified chunk.
@@ -513,12 +599,17 @@ impl Executor for ModelExecutor {
             ..StepPerf::default()
         };
         expert_counts(&fwd, &plan, &mut perf);
+        let mut device = if self.device_sampling {
+            self.sample_on_device(&plan)?
+        } else {
+            Vec::new()
+        };
         let mut sampled = Vec::with_capacity(plan.len());
         for (ci, p) in plan.iter().enumerate() {
-            sampled.push(if p.sampling {
-                Some(self.verify(ctx.kv, p, &fwd, ci)?)
-            } else {
-                None
+            sampled.push(match device.get_mut(ci).and_then(Option::take) {
+                Some(v) => Some(self.finish_verify(ctx.kv, p, v)?),
+                None if p.sampling => Some(self.verify(ctx.kv, p, &fwd, ci)?),
+                None => None,
             });
         }
         let t_draft = Instant::now();

@@ -81,6 +81,10 @@ pub struct ForwardOptions {
     /// The caller needs no [`ForwardOut::hidden`] (no drafter reads it): a device
     /// backend may leave it empty instead of copying it out; the CPU fills it anyway.
     pub skip_hidden: bool,
+    /// The caller samples through the backend's [`crate::backend::DeviceSampler`]: a
+    /// device backend may leave `logits` empty and keep them on the device until the
+    /// sampler has read them. The CPU ignores it.
+    pub logits_on_device: bool,
 }
 
 /// Output of [`ModelRunner::forward`].

@@ -35,7 +35,10 @@ pub mod sampling;
 pub mod verify;
 
 pub use sampling::{SamplingParams, SAMPLING_EPS};
-pub use verify::{verify_greedy, verify_greedy_ids, Verified, VerifyCtx};
+pub use verify::{
+    max_uniforms, verify_greedy, verify_greedy_ids, verify_with_uniforms, UniformVerdict, Verified,
+    VerifyCtx,
+};
 
 use rand::SeedableRng;
 

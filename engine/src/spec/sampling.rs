@@ -204,11 +204,18 @@ pub fn uniform(rng: &mut dyn RngCore) -> f64 {
 /// zero-weight entries are never drawn), with one uniform through the
 /// inverse CDF. `None` when the weights have no positive finite mass.
 pub fn sample_index(weights: &[f64], rng: &mut dyn RngCore) -> Option<usize> {
+    sample_index_with(weights, &mut || uniform(rng))
+}
+
+/// [`sample_index`] with the uniform taken from `draw`, which is called once, and only
+/// when the weights have positive finite mass (so a caller counting calls knows how
+/// many uniforms the draw consumed: the device sampler's uniforms are drawn ahead).
+pub fn sample_index_with(weights: &[f64], draw: &mut dyn FnMut() -> f64) -> Option<usize> {
     let total: f64 = weights.iter().filter(|w| **w > 0.0).sum();
     if !(total > 0.0 && total.is_finite()) {
         return None;
     }
-    let target = uniform(rng) * total;
+    let target = draw() * total;
     let mut cum = 0.0;
     let mut last = None;
     for (i, &w) in weights.iter().enumerate() {

@@ -50,7 +50,9 @@ use crate::sim::SpecMetrics;
 use crate::traits::Proposal;
 use crate::{EngineError, Result};
 
-use super::sampling::{argmax, check_logits, sample_index, target_probs, uniform, SamplingParams};
+use super::sampling::{
+    argmax, check_logits, sample_index_with, target_probs, uniform, SamplingParams,
+};
 
 /// What one verification emitted.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -197,83 +199,166 @@ impl<'a> VerifyCtx<'a> {
         vocab: usize,
         proposal: &Proposal,
     ) -> Result<Verified> {
-        self.params.validate()?;
-        let draft = &proposal.tokens;
-        check_shapes(target_logits, vocab, draft)?;
-        if let Some(q) = &proposal.probs {
-            if q.len() != draft.len() {
-                return Err(bad(format!(
-                    "draft probs have {} rows for {} draft tokens",
-                    q.len(),
-                    draft.len()
-                )));
-            }
-            for (i, row) in q.iter().enumerate() {
-                if row.len() != vocab {
-                    return Err(bad(format!(
-                        "draft probs row {i} has vocab {}, target vocab is {vocab}",
-                        row.len()
-                    )));
-                }
-                if let Some(j) = row.iter().position(|x| !x.is_finite() || *x < 0.0) {
-                    return Err(bad(format!("draft probs row {i} entry {j} is {}", row[j])));
-                }
-            }
-        }
+        check_inputs(&self.params, target_logits, vocab, proposal)?;
         if self.params.is_greedy() {
-            return greedy(target_logits, vocab, draft);
+            return greedy(target_logits, vocab, &proposal.tokens);
         }
-        let rows: Vec<&[f32]> = target_logits.chunks_exact(vocab).collect();
-        let mut tokens = Vec::with_capacity(draft.len() + 1);
-        for (i, &x) in draft.iter().enumerate() {
-            let p = target_probs(rows[i], &self.params)?;
-            let xi = x as usize;
-            let q_row = proposal.probs.as_ref().map(|q| &q[i]);
-            let q_x = q_row.map_or(1.0, |q| f64::from(q[xi]));
-            let u = uniform(self.rng);
-            if q_x > 0.0 && u < p[xi] / q_x {
-                tokens.push(x);
-                continue;
-            }
-            // Rejected: sample the residual norm(max(0, p - q)).
-            let residual: Vec<f64> = match q_row {
-                Some(q) => p
-                    .iter()
-                    .zip(q)
-                    .map(|(&pj, &qj)| (pj - f64::from(qj)).max(0.0))
-                    .collect(),
-                None => p
-                    .iter()
-                    .enumerate()
-                    .map(|(j, &pj)| if j == xi { 0.0 } else { pj })
-                    .collect(),
-            };
-            let t = match sample_index(&residual, self.rng) {
-                Some(t) => t,
-                None => sample_index(&p, self.rng)
-                    .ok_or_else(|| bad(format!("target row {i} has no probability mass")))?,
-            };
-            tokens.push(t as u32);
-            return Ok(Verified {
-                num_draft: draft.len(),
-                accepted: i,
-                tokens,
-            });
-        }
-        let p = target_probs(rows[draft.len()], &self.params)?;
-        let bonus = sample_index(&p, self.rng).ok_or_else(|| {
-            bad(format!(
-                "target row {} has no probability mass",
-                draft.len()
-            ))
-        })?;
-        tokens.push(bonus as u32);
-        Ok(Verified {
-            num_draft: draft.len(),
-            accepted: draft.len(),
-            tokens,
+        let rng = &mut *self.rng;
+        rejection_sample(target_logits, vocab, proposal, &self.params, &mut || {
+            uniform(rng)
         })
     }
+}
+
+/// Every check [`VerifyCtx::verify`] makes before it draws: params, shapes, logits rows,
+/// q's shape and entries.
+fn check_inputs(
+    params: &SamplingParams,
+    target_logits: &[f32],
+    vocab: usize,
+    proposal: &Proposal,
+) -> Result<()> {
+    params.validate()?;
+    let draft = &proposal.tokens;
+    check_shapes(target_logits, vocab, draft)?;
+    if let Some(q) = &proposal.probs {
+        if q.len() != draft.len() {
+            return Err(bad(format!(
+                "draft probs have {} rows for {} draft tokens",
+                q.len(),
+                draft.len()
+            )));
+        }
+        for (i, row) in q.iter().enumerate() {
+            if row.len() != vocab {
+                return Err(bad(format!(
+                    "draft probs row {i} has vocab {}, target vocab is {vocab}",
+                    row.len()
+                )));
+            }
+            if let Some(j) = row.iter().position(|x| !x.is_finite() || *x < 0.0) {
+                return Err(bad(format!("draft probs row {i} entry {j} is {}", row[j])));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The sampling path of [`VerifyCtx::verify`] (shapes already checked, params not
+/// greedy) with every uniform taken from `draw`, in the order documented in the module
+/// header.
+fn rejection_sample(
+    target_logits: &[f32],
+    vocab: usize,
+    proposal: &Proposal,
+    params: &SamplingParams,
+    draw: &mut dyn FnMut() -> f64,
+) -> Result<Verified> {
+    let draft = &proposal.tokens;
+    let rows: Vec<&[f32]> = target_logits.chunks_exact(vocab).collect();
+    let mut tokens = Vec::with_capacity(draft.len() + 1);
+    for (i, &x) in draft.iter().enumerate() {
+        let p = target_probs(rows[i], params)?;
+        let xi = x as usize;
+        let q_row = proposal.probs.as_ref().map(|q| &q[i]);
+        let q_x = q_row.map_or(1.0, |q| f64::from(q[xi]));
+        let u = draw();
+        if q_x > 0.0 && u < p[xi] / q_x {
+            tokens.push(x);
+            continue;
+        }
+        // Rejected: sample the residual norm(max(0, p - q)).
+        let residual: Vec<f64> = match q_row {
+            Some(q) => p
+                .iter()
+                .zip(q)
+                .map(|(&pj, &qj)| (pj - f64::from(qj)).max(0.0))
+                .collect(),
+            None => p
+                .iter()
+                .enumerate()
+                .map(|(j, &pj)| if j == xi { 0.0 } else { pj })
+                .collect(),
+        };
+        let t = match sample_index_with(&residual, draw) {
+            Some(t) => t,
+            None => sample_index_with(&p, draw)
+                .ok_or_else(|| bad(format!("target row {i} has no probability mass")))?,
+        };
+        tokens.push(t as u32);
+        return Ok(Verified {
+            num_draft: draft.len(),
+            accepted: i,
+            tokens,
+        });
+    }
+    let p = target_probs(rows[draft.len()], params)?;
+    let bonus = sample_index_with(&p, draw).ok_or_else(|| {
+        bad(format!(
+            "target row {} has no probability mass",
+            draft.len()
+        ))
+    })?;
+    tokens.push(bonus as u32);
+    Ok(Verified {
+        num_draft: draft.len(),
+        accepted: draft.len(),
+        tokens,
+    })
+}
+
+/// Most uniforms one sampling verification of `num_draft` drafts draws: one accept test
+/// per examined draft, then one draw for the correction or bonus token (the fallback to
+/// `p` draws only when the residual had no mass, so no path draws more than `k + 1`).
+pub fn max_uniforms(num_draft: usize) -> usize {
+    num_draft + 1
+}
+
+/// What [`verify_with_uniforms`] returns: the verification and how many of the given
+/// uniforms it consumed (the caller advances its RNG by exactly that many draws).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UniformVerdict {
+    pub verified: Verified,
+    pub consumed: usize,
+}
+
+/// [`VerifyCtx::verify`] for sampling params with the uniforms drawn ahead: `uniforms`
+/// (at least [`max_uniforms`] of the drafts) are the draws the RNG would have given, in
+/// order. With `uniforms` drawn from a clone of the RNG and the RNG then advanced by
+/// `consumed` draws, tokens and RNG state equal `VerifyCtx::verify`'s. This is the
+/// reference of the device sampler (cuda/kernels/sample.cu), which takes the same
+/// uniforms. Greedy params are refused (they draw nothing: use [`verify_greedy`]).
+pub fn verify_with_uniforms(
+    target_logits: &[f32],
+    vocab: usize,
+    proposal: &Proposal,
+    params: &SamplingParams,
+    uniforms: &[f64],
+) -> Result<UniformVerdict> {
+    if params.is_greedy() {
+        return Err(bad(
+            "verify_with_uniforms needs sampling params (temperature > 0)".into(),
+        ));
+    }
+    let need = max_uniforms(proposal.tokens.len());
+    if uniforms.len() < need {
+        return Err(bad(format!(
+            "{} uniforms for {} drafts (need {need})",
+            uniforms.len(),
+            proposal.tokens.len()
+        )));
+    }
+    check_inputs(params, target_logits, vocab, proposal)?;
+    let mut used = 0usize;
+    let verified = rejection_sample(target_logits, vocab, proposal, params, &mut || {
+        let u = uniforms[used.min(uniforms.len() - 1)];
+        used += 1;
+        u
+    })?;
+    Ok(UniformVerdict {
+        verified,
+        consumed: used,
+    })
 }
 
 #[cfg(test)]
@@ -523,5 +608,103 @@ mod tests {
             );
         }
         assert!(verify_greedy_ids(&[1, 2], &[1, 2]).is_err());
+    }
+
+    /// The device sampler's contract: uniforms drawn ahead from a clone of the RNG, then
+    /// the RNG advanced by `consumed` draws, give `VerifyCtx::verify`'s tokens and leave
+    /// the RNG where it would be, over random logits (with -inf entries and ties), drafts
+    /// that often agree, q given or one-hot, and every sampling-param kind.
+    #[test]
+    fn uniforms_drawn_ahead_reproduce_the_rng_path() {
+        use rand::{Rng, RngCore, SeedableRng};
+        let mut gen = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        let params = [
+            SamplingParams::random(1.0),
+            SamplingParams::random(0.3),
+            SamplingParams {
+                temperature: 0.8,
+                top_k: 3,
+                top_p: 1.0,
+            },
+            SamplingParams {
+                temperature: 1.2,
+                top_k: 0,
+                top_p: 0.6,
+            },
+            SamplingParams {
+                temperature: 0.7,
+                top_k: 4,
+                top_p: 0.9,
+            },
+        ];
+        let vocab = 7;
+        let mut consumed_seen = std::collections::BTreeSet::new();
+        for case in 0..3000 {
+            let p = params[case % params.len()];
+            let k = gen.random_range(0..6usize);
+            let logits: Vec<f32> = (0..(k + 1) * vocab)
+                .map(|_| match gen.random_range(0..11) {
+                    0 => f32::NEG_INFINITY,
+                    10 => 0.0,
+                    n => (n % 4) as f32 * 0.7,
+                })
+                .collect();
+            let draft: Vec<u32> = (0..k).map(|_| gen.random_range(0..vocab as u32)).collect();
+            let probs = gen.random_bool(0.5).then(|| {
+                (0..k)
+                    .map(|_| {
+                        let mut r: Vec<f32> =
+                            (0..vocab).map(|_| gen.random_range(0.0..1.0)).collect();
+                        let s: f32 = r.iter().sum();
+                        r.iter_mut().for_each(|x| *x /= s);
+                        r
+                    })
+                    .collect::<Vec<_>>()
+            });
+            let prop = Proposal {
+                tokens: draft,
+                probs,
+            };
+            let mut rng = crate::spec::seeded_rng(case as u64);
+            let mut ahead = rng.clone();
+            let us: Vec<f64> = (0..max_uniforms(k)).map(|_| uniform(&mut ahead)).collect();
+            let want = VerifyCtx::new(p, &mut rng).verify(&logits, vocab, &prop);
+            let got = verify_with_uniforms(&logits, vocab, &prop, &p, &us);
+            match (want, got) {
+                (Ok(w), Ok(g)) => {
+                    assert_eq!(w, g.verified, "case {case}");
+                    assert!(g.consumed <= us.len());
+                    consumed_seen.insert(g.consumed);
+                    let mut replay = crate::spec::seeded_rng(case as u64);
+                    for _ in 0..g.consumed {
+                        uniform(&mut replay);
+                    }
+                    assert_eq!(
+                        replay.next_u64(),
+                        rng.next_u64(),
+                        "case {case}: RNG position"
+                    );
+                }
+                (Err(w), Err(g)) => assert_eq!(w.to_string(), g.to_string()),
+                (w, g) => panic!("case {case}: {w:?} against {g:?}"),
+            }
+        }
+        // Every draft count's paths occur: 1 (no drafts) up to k + 1 draws.
+        assert!(
+            consumed_seen.contains(&1) && consumed_seen.contains(&6),
+            "{consumed_seen:?}"
+        );
+        // Too few uniforms, or greedy params, are refused.
+        let prop = Proposal {
+            tokens: vec![1],
+            probs: None,
+        };
+        let l = vec![0.0f32; 2 * vocab];
+        assert!(
+            verify_with_uniforms(&l, vocab, &prop, &SamplingParams::random(1.0), &[0.5]).is_err()
+        );
+        assert!(
+            verify_with_uniforms(&l, vocab, &prop, &SamplingParams::GREEDY, &[0.5, 0.5]).is_err()
+        );
     }
 }
