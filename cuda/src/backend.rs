@@ -55,7 +55,8 @@ impl Default for CudaOptions {
         Self {
             device: 0,
             use_graphs: true,
-            device_sampling: true,
+            // `SPECLAB_DEVICE_SAMPLE=0` samples on the host (the A/B reference).
+            device_sampling: crate::device::env_on("SPECLAB_DEVICE_SAMPLE"),
         }
     }
 }
