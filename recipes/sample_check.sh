@@ -10,7 +10,7 @@
 #     top-k 50 / top-p 0.9 leg; a c = 1 eager leg checked against the CPU engine.
 #
 #   here:    bash recipes/gpu_check.sh --build
-#   device:  run(command="COMMIT=<commit> bash recipes/sample_check.sh", carry=["target/gpu-check"], timeout_s=600)
+#   device:  run(command="bash recipes/unpack_bins.sh && COMMIT=<commit> bash recipes/sample_check.sh", carry=["target/gpu-pack"], timeout_s=600)
 # Everything lands in $OUT/sample-check.tgz (records, logs); the tables are printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
