@@ -5,7 +5,7 @@
 # `bash recipes/gpu_check.sh --build`. The device tool returns at most 8 files, so every
 # output is packed into $OUT/results.tgz; the two bench records are also copied beside it.
 #
-#   device:  run(command="bash recipes/device_all.sh", carry=["target/gpu-check"], timeout_s=600)
+#   device:  run(command="bash recipes/unpack_bins.sh && bash recipes/device_all.sh", carry=["target/gpu-pack"], timeout_s=600)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FINAL="${OUT:-/tmp/device-all-out}"

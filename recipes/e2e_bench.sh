@@ -5,7 +5,7 @@
 # the anchors beside its rows. The bench table is printed last.
 #
 #   here:    bash recipes/gpu_check.sh --build     # target/gpu-check/{gpu_check,speclab}
-#   device:  run(command="bash recipes/e2e_bench.sh", carry=["target/gpu-check"], timeout_s=600)
+#   device:  run(command="bash recipes/unpack_bins.sh && bash recipes/e2e_bench.sh", carry=["target/gpu-pack"], timeout_s=600)
 #
 # Environment: E2E_ARGS adds arguments to `speclab bench e2e` (e.g. "--graphs on");
 # SKIP_ANCHORS=1 skips the PyTorch anchors; COMMIT stamps the record.

@@ -2,7 +2,7 @@
 # eval-ppl of models/tiny on the CPU engine and on the CUDA engine, same held-out
 # sequences, in one device call; prints both rows and the difference last.
 #   here:    bash recipes/gpu_check.sh --build
-#   device:  run(command="bash recipes/eval_ppl_cuda.sh", carry=["target/gpu-check"], timeout_s=300)
+#   device:  run(command="bash recipes/unpack_bins.sh && bash recipes/eval_ppl_cuda.sh", carry=["target/gpu-pack"], timeout_s=300)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/eval-ppl-out}"

@@ -4,7 +4,7 @@
 # graphs off and on, in ONE device call. The GPU machine has no cargo: build here first.
 #
 #   here:    bash recipes/gpu_check.sh --build        # release binary -> target/gpu-check/
-#   device:  run(command="bash recipes/gpu_check.sh", carry=["target/gpu-check"], timeout_s=600)
+#   device:  run(command="bash recipes/unpack_bins.sh && bash recipes/gpu_check.sh", carry=["target/gpu-pack"], timeout_s=600)
 #
 # Writes $OUT/gpu_check.json and $OUT/gpu_check.log; the table is printed last.
 set -euo pipefail

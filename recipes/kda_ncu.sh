@@ -6,7 +6,7 @@
 # $OUT/ncu_kda_{none,dflash2}.txt, a digest on stdout.
 #
 #   here:    bash recipes/gpu_check.sh --build
-#   device:  run(command="bash recipes/kda_ncu.sh", carry=["target/gpu-check"], timeout_s=450)
+#   device:  run(command="bash recipes/unpack_bins.sh && bash recipes/kda_ncu.sh", carry=["target/gpu-pack"], timeout_s=450)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/kda-ncu-out}"

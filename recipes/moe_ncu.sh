@@ -5,7 +5,7 @@
 # alone (--clock-control none). Reports into $OUT/ncu_m*.txt.
 #
 #   here:    bash recipes/gpu_check.sh --build
-#   device:  run(command="bash recipes/moe_ncu.sh", carry=["target/gpu-check"], timeout_s=400)
+#   device:  run(command="bash recipes/unpack_bins.sh && bash recipes/moe_ncu.sh", carry=["target/gpu-pack"], timeout_s=400)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/moe-ncu-out}"

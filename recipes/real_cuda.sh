@@ -6,7 +6,7 @@
 #   python3 recipes/compare_real.py runs/quality-spot.json runs/quality-spot-cuda.json ...
 #
 #   here:    bash recipes/gpu_check.sh --build
-#   device:  run(command="bash recipes/real_cuda.sh", carry=["target/gpu-check"], timeout_s=600)
+#   device:  run(command="bash recipes/unpack_bins.sh && bash recipes/real_cuda.sh", carry=["target/gpu-pack"], timeout_s=600)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Records name the commit the binary was built from (the device copy's .git is stale).
