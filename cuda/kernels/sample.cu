@@ -81,9 +81,9 @@ __device__ int block_minmax_i(int v, bool is_min, int* scratch) {
     return t;
 }
 
-// Exclusive prefix sum of one double per thread in thread order; `total` gets the
-// inclusive value of the last thread (so a walk that adds each thread's own terms to its
-// offset ends exactly at `total`). scratch: >= 33 doubles.
+// Exclusive prefix sum of one double per thread in thread order; `total` gets the sum of
+// all (a walk that adds each thread's own terms to its offset ends at `total` up to
+// rounding). scratch: >= 33 doubles.
 __device__ double block_scan_d(double v, double* scratch, double& total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nw = blockDim.x >> 5;
@@ -93,6 +93,10 @@ __device__ double block_scan_d(double v, double* scratch, double& total) {
         const double n = __shfl_up_sync(FULL_MASK, inc, o);
         if (lane >= o) inc += n;
     }
+    // The exclusive value is the previous lane's inclusive one (not inc - v, which rounds
+    // differently), so each thread's offset continues its neighbour's sum.
+    double ex = __shfl_up_sync(FULL_MASK, inc, 1);
+    if (lane == 0) ex = 0.0;
     __syncthreads();
     if (lane == 31) scratch[warp] = inc;
     __syncthreads();
@@ -106,7 +110,7 @@ __device__ double block_scan_d(double v, double* scratch, double& total) {
         scratch[32] = run;
     }
     __syncthreads();
-    const double excl = scratch[warp] + (inc - v);
+    const double excl = scratch[warp] + ex;
     total = scratch[32];
     return excl;
 }
@@ -155,7 +159,9 @@ struct SampleParams {
 // masked, never the largest entry. P holds x = l / t with top-k's -inf; keys are sorted.
 __device__ void top_p_mask(double* P, const u64* keys, int V, const SampleParams& sp,
                            double* dscr) {
-    const int per = sp.sort_n / (int)blockDim.x;  // <= SORT_CAP / 1024 = 16
+    // sort_n is a power of two in [blockDim.x, SORT_CAP] (sample.rs sort_keys), so each
+    // thread walks 1..16 consecutive sorted keys.
+    const int per = sp.sort_n / (int)blockDim.x;
     const int j0 = threadIdx.x * per;
     const double m = P[(int)(keys[V - 1] & 0xffffffffu)];
     double e[16];

@@ -1665,7 +1665,11 @@ pub struct SampleVerify<'a> {
 /// Kernel `sample_verify`: one block a chunk.
 pub fn sample_verify(g: &Gpu, s: &SampleVerify<'_>) -> Result<()> {
     let c = s.chunks;
-    if s.sort_n > crate::sample::SORT_CAP || (s.sort_n > 0 && s.sort_n < s.vocab) {
+    let bad_sort = s.sort_n > 0
+        && (s.sort_n < s.vocab
+            || s.sort_n < crate::sample::SAMPLE_THREADS as usize
+            || !s.sort_n.is_power_of_two());
+    if s.sort_n > crate::sample::SORT_CAP || bad_sort {
         return Err(CudaError::Input(format!(
             "sample_verify: {} sort keys for vocab {} (internal)",
             s.sort_n, s.vocab

@@ -37,13 +37,15 @@ pub const SORT_CAP: usize = 16384;
 pub const SAMPLE_SMEM: u32 = (SORT_CAP * 8) as u32;
 
 /// Keys the kernel sorts for `params` over `vocab` entries: `Some(0)` when neither top-k
-/// nor top-p is on (no sort), `Some(n)` (a power of two >= vocab) when one is, `None`
+/// nor top-p is on (no sort), `Some(n)` (a power of two >= vocab and >= the block's
+/// [`SAMPLE_THREADS`]) when one is, `None`
 /// when the vocabulary is beyond [`SORT_CAP`] (the host samples those steps).
 pub fn sort_keys(params: &SamplingParams, vocab: usize) -> Option<usize> {
     let sorts = (params.top_k > 0 && params.top_k < vocab) || params.top_p < 1.0;
     match (sorts, vocab.next_power_of_two()) {
         (false, _) => Some(0),
-        (true, n) if n <= SORT_CAP => Some(n.max(32)),
+        // At least one key a thread: the top-p walk splits the keys between the threads.
+        (true, n) if n <= SORT_CAP => Some(n.max(SAMPLE_THREADS as usize)),
         _ => None,
     }
 }
@@ -290,7 +292,7 @@ mod tests {
             Some(0)
         );
         let p = SamplingParams { top_p: 0.9, ..t };
-        assert_eq!(sort_keys(&p, 5), Some(32));
+        assert_eq!(sort_keys(&p, 5), Some(1024));
         assert_eq!(sort_keys(&p, SORT_CAP), Some(SORT_CAP));
         assert_eq!(sort_keys(&p, SORT_CAP + 1), None);
         assert_eq!(SAMPLE_SMEM as usize, SORT_CAP * 8);

@@ -398,7 +398,10 @@ impl ModelExecutor {
                 })?;
             let q = match (st.q.take(), p.num_draft) {
                 (_, 0) | (None, _) => None,
-                (Some(q), k) if q.len() >= k => Some(q[..k].to_vec()),
+                (Some(mut q), k) if q.len() >= k => {
+                    q.truncate(k);
+                    Some(q)
+                }
                 (Some(q), k) => {
                     return Err(bad_batch(
                         p.id,
