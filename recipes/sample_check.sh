@@ -11,52 +11,61 @@
 #
 #   here:    bash recipes/gpu_check.sh --build
 #   device:  run(command="bash recipes/unpack_bins.sh && COMMIT=<commit> bash recipes/sample_check.sh", carry=["target/gpu-pack"], timeout_s=600)
-# Everything lands in $OUT/sample-check.tgz (records, logs); the tables are printed last.
+# Records land in $OUT as each step ends, the printed summary in $OUT/summary.txt, logs in
+# $OUT/logs.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ -n "${COMMIT:-}" ] && export SPECLAB_GIT_COMMIT="$COMMIT"
 FINAL="${OUT:-/tmp/sample-check-out}"
 mkdir -p "$FINAL"
+# Records are copied to $FINAL as each step ends (a call cut short keeps what finished);
+# their lock and timing files stay in $W.
 W=$(mktemp -d)
+exec > >(tee "$FINAL/summary.txt") 2>&1
 source recipes/cuda_env.sh
 BIN=target/gpu-check/speclab
 CHK=target/gpu-check/gpu_check
 C=(--commit "${COMMIT:-unknown}")
 rc=0
+keep() { cp "$@" "$FINAL/" 2>/dev/null; }
 timeout 240 "$CHK" --model models/tiny --parity-only --json "$W/gpu_check.json" > "$W/gpu_check.log" 2>&1 || rc=1
+keep "$W/gpu_check.json"
 python3 - "$W/gpu_check.json" <<'PY' || rc=1
 import json, sys
 d = json.load(open(sys.argv[1]))
-lines = d.get("parity") or d.get("lines") or []
+lines = d.get("parity") or []
 bad = [l for l in lines if not l.get("pass")]
 for l in lines:
-    if "sampler" in l["name"]:
+    if "sampler" in l["name"] or not l.get("pass"):
         print(f"{l['name']}: {l['value']:g} (bound {l['bound']:g}) {'ok' if l['pass'] else 'FAIL'}")
 print(f"gpu_check parity: {len(lines) - len(bad)} of {len(lines)} lines pass")
 sys.exit(1 if bad or not lines else 0)
 PY
+E=(bench e2e --temperature 1.0 --drafters none,mtp:2,dflash2:7 "${C[@]}")
+timeout 240 "$BIN" "${E[@]}" --sampler both --graphs on --concurrency 1,8,32,128 \
+  --out "$W/bench-e2e-t1.json" > "$W/e2e.log" 2>&1 || { rc=1; echo "e2e sampled legs failed: $(tail -3 "$W/e2e.log")"; }
+keep "$W/bench-e2e-t1.json"
+echo "## bench e2e, T = 1.0 (sampler host, then device)"
+grep '^|' "$W/e2e.log" | cut -d'|' -f2-11,14,18
 for s in device host; do
   env=""; [ $s = host ] && env="SPECLAB_DEVICE_SAMPLE=0"
-  env $env timeout 300 "$BIN" run experiments/acceptance-tiny-cuda.ron --out "$W/acceptance-tiny-cuda-$s.json" \
+  env $env timeout 150 "$BIN" run experiments/acceptance-tiny-cuda.ron --out "$W/acceptance-tiny-cuda-$s.json" \
     > "$W/acceptance-$s.log" 2>&1 || { rc=1; echo "acceptance ($s sampler) failed: $(tail -2 "$W/acceptance-$s.log")"; }
+  keep "$W/acceptance-tiny-cuda-$s.json"
 done
 echo "## CPU record against the device sampler"
 python3 recipes/compare_real.py runs/acceptance-tiny.json "$W/acceptance-tiny-cuda-device.json" | tail -4
 echo "## host sampler against the device sampler (same GPU logits)"
 python3 recipes/compare_real.py "$W/acceptance-tiny-cuda-host.json" "$W/acceptance-tiny-cuda-device.json" | tail -2
-E=(bench e2e --temperature 1.0 --drafters none,mtp:2,dflash2:7 "${C[@]}")
-timeout 200 "$BIN" "${E[@]}" --sampler device --graphs off --concurrency 1 --cpu-check-max 1 \
+timeout 100 "$BIN" "${E[@]}" --sampler device --graphs off --concurrency 1 --cpu-check-max 1 \
   --out "$W/bench-e2e-t1-cpu.json" > "$W/e2e-cpu.log" 2>&1 || { rc=1; echo "e2e cpu-check leg failed: $(tail -3 "$W/e2e-cpu.log")"; }
-timeout 200 "$BIN" "${E[@]}" --top-k 50 --top-p 0.9 --sampler both --graphs on --concurrency 8 \
-  --out "$W/bench-e2e-topkp.json" > "$W/e2e-topkp.log" 2>&1 || { rc=1; echo "e2e top-k/top-p failed: $(tail -3 "$W/e2e-topkp.log")"; }
-timeout 300 "$BIN" "${E[@]}" --sampler both --graphs on --concurrency 1,8,32,128 \
-  --out "$W/bench-e2e-t1.json" > "$W/e2e.log" 2>&1 || { rc=1; echo "e2e sampled legs failed: $(tail -3 "$W/e2e.log")"; }
-tar czf "$FINAL/sample-check.tgz" -C "$W" .
-cp "$W"/bench-e2e-t1.json "$W"/acceptance-tiny-cuda-device.json "$FINAL/" 2>/dev/null
+keep "$W/bench-e2e-t1-cpu.json"
 echo "## bench e2e, c = 1 eager, CPU check"
 grep '^|' "$W/e2e-cpu.log" | cut -d'|' -f2-8,18
+timeout 100 "$BIN" "${E[@]}" --top-k 50 --top-p 0.9 --sampler both --graphs on --concurrency 8 \
+  --out "$W/bench-e2e-topkp.json" > "$W/e2e-topkp.log" 2>&1 || { rc=1; echo "e2e top-k/top-p failed: $(tail -3 "$W/e2e-topkp.log")"; }
+keep "$W/bench-e2e-topkp.json"
 echo "## bench e2e, top-k 50 / top-p 0.9"
 grep '^|' "$W/e2e-topkp.log" | cut -d'|' -f2-8,14,18
-echo "## bench e2e, T = 1.0"
-grep '^|' "$W/e2e.log" | cut -d'|' -f2-11,14,18
+tar czf "$FINAL/logs.tgz" -C "$W" --exclude='*.json' .
 exit $rc

@@ -16,6 +16,10 @@
 //! 4. per sampling chunk (it reaches the end of the known tokens): verify the drafts
 //!    against the `k + 1` rows (greedy, or rejection sampling with the drafter's q or
 //!    one-hot q) and roll the KDA state back to the accepted prefix (`commit_state`);
+//!    when sampling and the backend has a device sampler ([`TargetBackend::device_sampler`],
+//!    vLLM samples on the GPU too), every chunk verifies there in one call, the logits never
+//!    leaving the device, with the uniforms the request's RNG would give (drawn ahead from a
+//!    clone; the RNG then advances by what was consumed): the same tokens and RNG streams;
 //! 5. per request, the drafter observes the committed rows (`TargetStep`) and, after a
 //!    sampling step, proposes up to `min(N, max_model_len - num_tokens - 1)` drafts from
 //!    the committed tokens plus the ones just sampled (vLLM proposes right after
