@@ -363,23 +363,9 @@ impl ModelExecutor {
             .logits
             .get(row * vocab..(row + rows) * vocab)
             .ok_or_else(|| bad_batch(p.id, "the forward returned too few logits rows".into()))?;
-        let proposal = if p.num_draft == 0 {
-            Proposal::default()
-        } else {
-            let probs = match q {
-                Some(q) if q.len() >= p.num_draft => Some(q[..p.num_draft].to_vec()),
-                Some(q) => {
-                    return Err(bad_batch(
-                        p.id,
-                        format!("drafter gave {} q rows for {} drafts", q.len(), p.num_draft),
-                    ))
-                }
-                None => None,
-            };
-            Proposal {
-                tokens: p.tokens[1..].to_vec(),
-                probs,
-            }
+        let proposal = Proposal {
+            tokens: p.tokens[1..=p.num_draft].to_vec(),
+            probs: draft_q(p, q)?,
         };
         let v = VerifyCtx::new(self.cfg.sampling, &mut st.rng).verify(logits, vocab, &proposal)?;
         self.finish_verify(kv, p, v)
@@ -400,19 +386,7 @@ impl ModelExecutor {
                 .ok_or_else(|| EngineError::UnknownRequest {
                     req: p.id.to_string(),
                 })?;
-            let q = match (st.q.take(), p.num_draft) {
-                (_, 0) | (None, _) => None,
-                (Some(mut q), k) if q.len() >= k => {
-                    q.truncate(k);
-                    Some(q)
-                }
-                (Some(q), k) => {
-                    return Err(bad_batch(
-                        p.id,
-                        format!("drafter gave {} q rows for {k} drafts", q.len()),
-                    ))
-                }
-            };
+            let q = draft_q(p, st.q.take())?;
             let n = p.tokens.len();
             let row = match (p.num_draft > 0, any_verify) {
                 (true, _) => p.offset,
@@ -636,6 +610,22 @@ impl Executor for ModelExecutor {
             });
         }
         Ok(StepOutput { results, perf })
+    }
+}
+
+/// The drafter's q for chunk `p`'s drafts (the rows it gave when it proposed them), or
+/// `None` for one-hot q (no q, or a chunk without drafts); too few rows is an error.
+fn draft_q(p: &Planned, q: Option<Vec<Vec<f32>>>) -> Result<Option<Vec<Vec<f32>>>> {
+    match (q, p.num_draft) {
+        (_, 0) | (None, _) => Ok(None),
+        (Some(mut q), k) if q.len() >= k => {
+            q.truncate(k);
+            Ok(Some(q))
+        }
+        (Some(q), k) => Err(bad_batch(
+            p.id,
+            format!("drafter gave {} q rows for {k} drafts", q.len()),
+        )),
     }
 }
 
