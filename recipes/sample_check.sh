@@ -11,6 +11,7 @@
 #
 #   here:    bash recipes/gpu_check.sh --build
 #   device:  run(command="bash recipes/unpack_bins.sh && COMMIT=<commit> bash recipes/sample_check.sh", carry=["target/gpu-pack"], timeout_s=600)
+# E2E_C sets the sampled legs' concurrencies (default 1,8,32,128).
 # Records land in $OUT as each step ends, the printed summary in $OUT/summary.txt, logs in
 # $OUT/logs.tgz.
 set -uo pipefail
@@ -42,7 +43,7 @@ print(f"gpu_check parity: {len(lines) - len(bad)} of {len(lines)} lines pass")
 sys.exit(1 if bad or not lines else 0)
 PY
 E=(bench e2e --temperature 1.0 --drafters none,mtp:2,dflash2:7 "${C[@]}")
-timeout 240 "$BIN" "${E[@]}" --sampler both --graphs on --concurrency 1,8,32,128 \
+timeout 240 "$BIN" "${E[@]}" --sampler both --graphs on --concurrency "${E2E_C:-1,8,32,128}" \
   --out "$W/bench-e2e-t1.json" > "$W/e2e.log" 2>&1 || { rc=1; echo "e2e sampled legs failed: $(tail -3 "$W/e2e.log")"; }
 keep "$W/bench-e2e-t1.json"
 echo "## bench e2e, T = 1.0 (sampler host, then device)"
