@@ -1680,12 +1680,7 @@ pub fn sample_verify(g: &Gpu, s: &SampleVerify<'_>) -> Result<()> {
         ptr(s.probs, 0, c * s.vocab, "sampler probs")?,
         ptr(s.logits, 0, s.logit_rows * s.vocab, "sampler logits")?,
         ptr(s.meta, 0, 5 * c, "sampler meta")?,
-        ptr(
-            s.meta,
-            5 * c,
-            s.drafts.max(1).min(s.meta.len - 5 * c),
-            "sampler drafts",
-        )?,
+        ptr(s.meta, 5 * c, s.drafts, "sampler drafts")?,
         ptr(s.q, 0, s.q.len, "sampler q")?,
         ptr(s.uniforms, 0, s.uniforms.len, "sampler uniforms")?,
         int(s.vocab, "V")?,

@@ -19,7 +19,7 @@
 
 use speclab_engine::backend::{DeviceSampler, SampleReq};
 use speclab_engine::spec::{
-    max_uniforms, verify_with_uniforms, SamplingParams, UniformVerdict, Verified,
+    check_draft_probs, max_uniforms, verify_with_uniforms, SamplingParams, UniformVerdict, Verified,
 };
 use speclab_engine::Proposal;
 
@@ -81,16 +81,12 @@ where
     }
 }
 
-/// A chunk's inputs as the kernel takes them, or `None` when the host must decide it.
+/// Whether the kernel can take chunk `r` (else the host reference decides it).
 fn device_ok(r: &SampleReq<'_>, vocab: usize, rows: usize) -> bool {
     let k = r.drafts.len();
     let rows_ok = r.row + k < rows;
     let drafts_ok = r.drafts.iter().all(|&t| (t as usize) < vocab);
-    let q_ok = r.q.is_none_or(|q| {
-        q.len() == k
-            && q.iter()
-                .all(|row| row.len() == vocab && row.iter().all(|x| x.is_finite() && *x >= 0.0))
-    });
+    let q_ok = r.q.is_none_or(|q| check_draft_probs(q, k, vocab).is_ok());
     rows_ok && drafts_ok && q_ok && r.uniforms.len() >= max_uniforms(k)
 }
 

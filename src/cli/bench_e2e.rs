@@ -601,11 +601,13 @@ pub fn e2e(a: E2eArgs) -> anyhow::Result<ExitCode> {
         for &graphs in &settings {
             let mut host: Option<Vec<Vec<Vec<u32>>>> = None;
             for &on_device in &samplers {
-                let legs = concurrency_rows(&cx, &choices, c, graphs, on_device, &facts)?;
-                let outs: Vec<Vec<Vec<u32>>> = legs.iter().map(|l| l.1.clone()).collect();
-                for (i, (mut row, out)) in legs.into_iter().enumerate() {
+                let (legs, outs): (Vec<Row>, Vec<_>) =
+                    concurrency_rows(&cx, &choices, c, graphs, on_device, &facts)?
+                        .into_iter()
+                        .unzip();
+                for (i, mut row) in legs.into_iter().enumerate() {
                     if on_device {
-                        row.mismatch_vs_host = host.as_ref().map(|h| mismatches(&out, &h[i]));
+                        row.mismatch_vs_host = host.as_ref().map(|h| mismatches(&outs[i], &h[i]));
                     }
                     rows.push(row);
                 }

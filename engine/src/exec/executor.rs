@@ -212,11 +212,6 @@ impl ModelExecutor {
         })
     }
 
-    /// Whether sampling steps verify on the backend's device ([`TargetBackend::device_sampler`]).
-    pub fn samples_on_device(&self) -> bool {
-        self.device_sampling
-    }
-
     /// The config.
     pub fn config(&self) -> &ExecConfig {
         &self.cfg
@@ -344,13 +339,8 @@ impl ModelExecutor {
             Some(ids) => ids.len() == fwd.num_tokens,
             None => fwd.logits.len() == fwd.num_tokens * vocab,
         };
-        let (row, rows) = if p.num_draft > 0 {
-            (p.offset, n)
-        } else if all_rows {
-            (p.offset + n - 1, 1)
-        } else {
-            (chunk_index, 1)
-        };
+        let row = logits_row(p, chunk_index, all_rows);
+        let rows = if p.num_draft > 0 { n } else { 1 };
         let q = st.q.take();
         if let (Some(ids), true) = (&fwd.argmax, self.cfg.sampling.is_greedy()) {
             let ids = ids.get(row..row + rows).ok_or_else(|| {
@@ -387,12 +377,8 @@ impl ModelExecutor {
                     req: p.id.to_string(),
                 })?;
             let q = draft_q(p, st.q.take())?;
-            let n = p.tokens.len();
-            let row = match (p.num_draft > 0, any_verify) {
-                (true, _) => p.offset,
-                (false, true) => p.offset + n - 1,
-                (false, false) => ci,
-            };
+            // The forward returned every row exactly when some chunk verifies drafts.
+            let row = logits_row(p, ci, any_verify);
             let mut ahead = st.rng.clone();
             let us = (0..max_uniforms(p.num_draft))
                 .map(|_| uniform(&mut ahead))
@@ -610,6 +596,17 @@ impl Executor for ModelExecutor {
             });
         }
         Ok(StepOutput { results, perf })
+    }
+}
+
+/// The first logits row chunk `p` (the `chunk_index`-th) samples from: its first row when
+/// it verifies drafts, else its last row, which is row `chunk_index` when the forward
+/// returned only each chunk's last row (`all_rows` false).
+fn logits_row(p: &Planned, chunk_index: usize, all_rows: bool) -> usize {
+    match (p.num_draft > 0, all_rows) {
+        (true, _) => p.offset,
+        (false, true) => p.offset + p.tokens.len() - 1,
+        (false, false) => chunk_index,
     }
 }
 

@@ -36,8 +36,8 @@ pub mod verify;
 
 pub use sampling::{SamplingParams, SAMPLING_EPS};
 pub use verify::{
-    max_uniforms, verify_greedy, verify_greedy_ids, verify_with_uniforms, UniformVerdict, Verified,
-    VerifyCtx,
+    check_draft_probs, max_uniforms, verify_greedy, verify_greedy_ids, verify_with_uniforms,
+    UniformVerdict, Verified, VerifyCtx,
 };
 
 use rand::SeedableRng;

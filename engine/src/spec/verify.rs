@@ -221,24 +221,30 @@ fn check_inputs(
     params.validate()?;
     let draft = &proposal.tokens;
     check_shapes(target_logits, vocab, draft)?;
-    if let Some(q) = &proposal.probs {
-        if q.len() != draft.len() {
+    match &proposal.probs {
+        Some(q) => check_draft_probs(q, draft.len(), vocab),
+        None => Ok(()),
+    }
+}
+
+/// The checks [`VerifyCtx::verify`] makes of a drafter's q: `num_draft` rows of `vocab`
+/// finite, non-negative entries (the device sampler takes only q that passes them).
+pub fn check_draft_probs(q: &[Vec<f32>], num_draft: usize, vocab: usize) -> Result<()> {
+    if q.len() != num_draft {
+        return Err(bad(format!(
+            "draft probs have {} rows for {num_draft} draft tokens",
+            q.len()
+        )));
+    }
+    for (i, row) in q.iter().enumerate() {
+        if row.len() != vocab {
             return Err(bad(format!(
-                "draft probs have {} rows for {} draft tokens",
-                q.len(),
-                draft.len()
+                "draft probs row {i} has vocab {}, target vocab is {vocab}",
+                row.len()
             )));
         }
-        for (i, row) in q.iter().enumerate() {
-            if row.len() != vocab {
-                return Err(bad(format!(
-                    "draft probs row {i} has vocab {}, target vocab is {vocab}",
-                    row.len()
-                )));
-            }
-            if let Some(j) = row.iter().position(|x| !x.is_finite() || *x < 0.0) {
-                return Err(bad(format!("draft probs row {i} entry {j} is {}", row[j])));
-            }
+        if let Some(j) = row.iter().position(|x| !x.is_finite() || *x < 0.0) {
+            return Err(bad(format!("draft probs row {i} entry {j} is {}", row[j])));
         }
     }
     Ok(())
