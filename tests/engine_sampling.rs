@@ -226,7 +226,7 @@ mod held_logits {
                     let rows = &self.logits[r.row * v..(r.row + r.drafts.len() + 1) * v];
                     let prop = Proposal {
                         tokens: r.drafts.to_vec(),
-                        probs: r.q.map(<[Vec<f32>]>::to_vec),
+                        probs: r.q.cloned(),
                     };
                     verify_with_uniforms(rows, v, &prop, params, r.uniforms)
                 })

@@ -11,7 +11,7 @@
 use proptest::prelude::*;
 use speclab_drafters::Ngram;
 use speclab_engine::sim::SpecMetrics;
-use speclab_engine::spec::{seeded_rng, verify_greedy, SamplingParams, VerifyCtx};
+use speclab_engine::spec::{seeded_rng, verify_greedy, DraftProbs, SamplingParams, VerifyCtx};
 use speclab_engine::{Drafter, Proposal, ProposeCtx};
 
 const V: usize = 12;
@@ -97,7 +97,10 @@ impl Drafter for TestDrafter {
                     }
                 }
                 // Draft probs are ignored under greedy params.
-                let probs = Some(vec![vec![1.0 / V as f32; V]; tokens.len()]);
+                let probs = Some(DraftProbs::Dense(vec![
+                    vec![1.0 / V as f32; V];
+                    tokens.len()
+                ]));
                 Ok(Proposal { tokens, probs })
             }
             TestDrafter::Random { stream, at, k } => {

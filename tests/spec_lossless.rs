@@ -18,7 +18,9 @@
 //! Statistics are printed (`cargo test --test spec_lossless -- --nocapture`).
 
 use speclab_engine::spec::sampling::{sample_index, target_probs, uniform};
-use speclab_engine::spec::{seeded_rng, SamplingParams, SpecRng, VerifyCtx};
+use speclab_engine::spec::{
+    seeded_rng, DraftProbs, SamplingParams, SparseProbs, SpecRng, VerifyCtx,
+};
 use speclab_engine::Proposal;
 
 const V: usize = 6;
@@ -170,10 +172,36 @@ impl Hist {
     }
 }
 
+/// How the drafter hands q to the verifier.
+#[derive(Clone, Copy)]
+enum QForm {
+    /// No q (one-hot of the draft).
+    None,
+    /// Dense rows over the vocabulary.
+    Dense,
+    /// Sparse (id, p) rows holding the same numbers, ids in a shuffled order.
+    Sparse,
+}
+
+/// Q as sparse rows: every token, in the order 3, 0, 5, 1, 4, 2.
+fn sparse_q_rows() -> DraftProbs {
+    let order = [3u32, 0, 5, 1, 4, 2];
+    let ids: Vec<u32> = Q.iter().flat_map(|_| order).collect();
+    let p = Q
+        .iter()
+        .flat_map(|r| order.iter().map(|&i| r[i as usize]))
+        .collect();
+    DraftProbs::Sparse(SparseProbs { k: V, ids, p })
+}
+
 /// Run `DRAWS` draft + verify steps of the real verifier.
-fn run_real(params: SamplingParams, give_probs: bool, seed: u64) -> Hist {
+fn run_real(params: SamplingParams, form: QForm, seed: u64) -> Hist {
     let logits = flat_logits();
-    let q = q_rows();
+    let q = match form {
+        QForm::None => None,
+        QForm::Dense => Some(DraftProbs::Dense(q_rows())),
+        QForm::Sparse => Some(sparse_q_rows()),
+    };
     let q64: Vec<Vec<f64>> = Q
         .iter()
         .map(|r| r.iter().map(|&x| f64::from(x)).collect())
@@ -182,7 +210,7 @@ fn run_real(params: SamplingParams, give_probs: bool, seed: u64) -> Hist {
     let mut h = Hist::default();
     let mut proposal = Proposal {
         tokens: Vec::new(),
-        probs: give_probs.then_some(q),
+        probs: q,
     };
     for _ in 0..DRAWS {
         // The drafter samples each draft token from its q.
@@ -293,9 +321,18 @@ fn chi_square_helper_is_calibrated() {
 #[test]
 fn temperature_with_draft_probs_is_lossless() {
     let params = SamplingParams::random(0.8);
-    let h = run_real(params, true, 0x5eed_0001);
+    let h = run_real(params, QForm::Dense, 0x5eed_0001);
     let p = target(params);
     check_lossless("T=0.8, q given", &h, &p, expected_acceptance(&p, false));
+}
+
+#[test]
+fn sparse_draft_probs_are_lossless() {
+    // The same q as (id, p) pairs (DFlash2's candidate-set q on the CUDA engine).
+    let params = SamplingParams::random(0.8);
+    let h = run_real(params, QForm::Sparse, 0x5eed_0005);
+    let p = target(params);
+    check_lossless("T=0.8, sparse q", &h, &p, expected_acceptance(&p, false));
 }
 
 #[test]
@@ -303,7 +340,7 @@ fn one_hot_q_without_draft_probs_is_lossless() {
     // An n-gram-like drafter gives no probs: q is the one-hot of the draft
     // token whatever distribution actually produced it.
     let params = SamplingParams::random(1.0);
-    let h = run_real(params, false, 0x5eed_0002);
+    let h = run_real(params, QForm::None, 0x5eed_0002);
     let p = target(params);
     check_lossless(
         "T=1, no probs (one-hot q)",
@@ -328,7 +365,7 @@ fn top_k_top_p_target_is_lossless() {
             .all(|row| row.iter().filter(|x| **x == 0.0).count() >= 1),
         "{p:?}"
     );
-    let h = run_real(params, true, 0x5eed_0003);
+    let h = run_real(params, QForm::Dense, 0x5eed_0003);
     check_lossless(
         "T=0.9 top-k 5 top-p 0.85, q given",
         &h,

@@ -184,6 +184,39 @@ enum Engine {
     CudaDevice,
     /// The CUDA target, the MTP chain on the device with its first pass unpadded.
     CudaMtpUnpadded,
+    /// The CUDA target, DFlash2 on the device sampling with the CPU picker over its
+    /// prediction rows (`CudaDFlash2::host_sampled_walk`).
+    CudaHostPicker,
+}
+
+/// The device DFlash2 (v2) drafter with the CPU picker for sampled drafts.
+struct HostPickerDf2<'a>(&'a DrafterSpec);
+
+impl speclab_engine::exec::DrafterFactory for HostPickerDf2<'_> {
+    fn num_speculative_tokens(&self) -> usize {
+        self.0.num_speculative_tokens()
+    }
+    fn kv_groups(&self) -> speclab_engine::Result<Vec<speclab_engine::kv::GroupSpec>> {
+        self.0.kv_groups()
+    }
+    fn build(
+        &self,
+        target: &speclab_engine::model::ModelConfig,
+        kv: &speclab_engine::kv::KvCacheManager,
+    ) -> speclab_engine::Result<Box<dyn speclab_engine::Drafter>> {
+        let w = self.0.dflash.clone().ok_or_else(|| {
+            speclab_engine::EngineError::Unsupported("HostPickerDf2 needs a DFlash2 spec".into())
+        })?;
+        let mut d = speclab_cuda::CudaDFlash2::new(
+            w,
+            target,
+            kv,
+            self.0.num_speculative_tokens(),
+            speclab_drafters::dflash2::DraftMode::V2,
+        )?;
+        d.host_sampled_walk = true;
+        Ok(Box::new(d))
+    }
 }
 
 /// The device MTP chain with its first pass unpadded (the host drafter's exact rows).
@@ -264,6 +297,9 @@ fn drafter_run(
         Engine::CudaMtpUnpadded => {
             generate_on(&f, target, &UnpaddedMtp(spec), &reqs, &opts, &mut make)?
         }
+        Engine::CudaHostPicker => {
+            generate_on(&f, target, &HostPickerDf2(spec), &reqs, &opts, &mut make)?
+        }
         Engine::Cpu => generate_on(
             &speclab_engine::backend::CpuBackend,
             target,
@@ -307,6 +343,17 @@ fn drafter_parity(
             ),
             unfinished as f64,
         );
+        if kind == "dflash2" {
+            // The sampled walk over the device's candidates (q sparse) against the CPU
+            // picker over the prediction rows read back (q dense), same target and seed.
+            let host = drafter_run(&target, &spec, Engine::CudaHostPicker, 0.8)?;
+            compare_runs(
+                &mut push,
+                &format!("{kind} N=7 sampled (T 0.8), walk over the device's candidates"),
+                ("CPU picker", &host),
+                &hot,
+            );
+        }
     }
     // MTP chained on the device (speclab_cuda::mtp): unpadded against the host MTP
     // drafter on the same CUDA target (the same drafts bit for bit), padded (the default)

@@ -260,25 +260,54 @@ __device__ int sample_w(int mode, const double* P, const float* q, int x, int V,
     return block_minmax_i(last, false, iscr);
 }
 
-// One block per chunk c: meta[5c .. 5c + 5) = (first logits row, k drafts, offset of its
+// The residual draw of a sparse q row (kq entries, ids distinct), then the fallback to p
+// when it has no mass: sample_w's result for the dense row (mode 1, then mode 0), the same
+// uniforms consumed.  P is restored before returning.
+__device__ int sample_sparse(double* P, const float* qrow, const int* irow, int kq, int V,
+                             double u, int& used, double* dscr, int* iscr) {
+    const int e = threadIdx.x;
+    double saved = 0.0;
+    __syncthreads();  // every thread has read P[x] for the accept test
+    if (e < kq) {
+        saved = P[irow[e]];
+        P[irow[e]] = fmax(saved - (double)qrow[e], 0.0);
+    }
+    __syncthreads();
+    int token = sample_w(0, P, nullptr, -1, V, u, used, dscr, iscr);
+    __syncthreads();  // the draw's reads of P are done
+    if (e < kq) P[irow[e]] = saved;
+    __syncthreads();
+    if (token < 0) token = sample_w(0, P, nullptr, -1, V, u, used, dscr, iscr);
+    return token;
+}
+
+// One block per chunk c: meta[7c .. 7c + 7) = (first logits row, k drafts, offset of its
 // drafts in `drafts`, offset of its q rows in `q` in floats or -1 for one-hot q, offset of
-// its k + 1 uniforms); out[4c .. 4c + 4) = (status: 0 ok, 1 a row check_logits refuses,
-// 2 no probability mass; accepted; emitted token; uniforms consumed).
-// Shapes: logits [R, V] f32, probs [C, V] f64 scratch, q [.., V] f32, uniforms [..] f64.
+// its k + 1 uniforms, kq, offset of its q ids in `qid`); out[4c .. 4c + 4) = (status: 0 ok,
+// 1 a row check_logits refuses, 2 no probability mass; accepted; emitted token; uniforms
+// consumed).  kq = 0: dense q rows of V floats.  kq > 0 (<= SAMPLE_THREADS): sparse rows
+// (engine/src/spec/probs.rs), kq probabilities a row in `q` and their distinct token ids in
+// `qid`, every other token at 0.  A sparse row's residual max(0, p - q) is p with its kq
+// entries lowered in place (P[id] = fmax(P[id] - q, 0), the dense mode 1 weight there; at
+// every other j the dense weight fmax(p - 0, 0) is p itself), drawn as mode 0; the entries
+// are restored before the fallback draw from p.
+// Shapes: logits [R, V] f32, probs [C, V] f64 scratch, q [..] f32, qid [..] i32,
+// uniforms [..] f64.
 // Launch: grid (C), block SAMPLE_THREADS, dynamic shared sort_n * 8 bytes.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 sample_verify(int* __restrict__ out, double* __restrict__ probs,
               const float* __restrict__ logits, const int* __restrict__ meta,
               const int* __restrict__ drafts, const float* __restrict__ q,
-              const double* __restrict__ uniforms, int V, float temperature, int top_k,
+              const int* __restrict__ qid, const double* __restrict__ uniforms, int V, float temperature, int top_k,
               float top_p, int sort_n) {
     pdl_enter();
     extern __shared__ u64 keys[];
     __shared__ double dscr[33];
     __shared__ int iscr[32];
     const int c = blockIdx.x;
-    const int row = meta[5 * c], k = meta[5 * c + 1], doff = meta[5 * c + 2];
-    const int qoff = meta[5 * c + 3], uoff = meta[5 * c + 4];
+    const int* m = meta + 7 * c;
+    const int row = m[0], k = m[1], doff = m[2], qoff = m[3], uoff = m[4], kq = m[5];
+    const int* ids = qid + m[6];
     double* P = probs + (size_t)c * V;
     const float* L = logits + (size_t)row * V;
     int* o = out + 4 * c;
@@ -298,14 +327,24 @@ sample_verify(int* __restrict__ out, double* __restrict__ probs,
     for (int i = 0; i < k && token < 0; ++i) {
         target_probs_dev(P, L + (size_t)i * V, V, sp, keys, dscr);
         const int x = drafts[doff + i];
-        const float* qrow = qoff < 0 ? nullptr : q + (size_t)qoff + (size_t)i * V;
-        const double qx = qrow ? (double)qrow[x] : 1.0;
+        const float* qrow =
+            qoff < 0 ? nullptr : q + (size_t)qoff + (size_t)i * (kq > 0 ? kq : V);
+        const int* irow = ids + (size_t)i * kq;
+        double qx = qrow ? 0.0 : 1.0;
+        if (qrow && kq == 0) qx = (double)qrow[x];
+        for (int e = 0; qrow && e < kq; ++e)
+            if (irow[e] == x) qx = (double)qrow[e];
         const double u = uniforms[uoff + used];
         ++used;
         if (qx > 0.0 && u < P[x] / qx) continue;
         accepted = i;
-        token = sample_w(qrow ? 1 : 2, P, qrow, x, V, uniforms[uoff + used], used, dscr, iscr);
-        if (token < 0) token = sample_w(0, P, qrow, x, V, uniforms[uoff + used], used, dscr, iscr);
+        if (qrow && kq > 0) {
+            token = sample_sparse(P, qrow, irow, kq, V, uniforms[uoff + used], used, dscr, iscr);
+        } else {
+            token = sample_w(qrow ? 1 : 2, P, qrow, x, V, uniforms[uoff + used], used, dscr, iscr);
+            if (token < 0)
+                token = sample_w(0, P, qrow, x, V, uniforms[uoff + used], used, dscr, iscr);
+        }
         if (token < 0) break;
     }
     if (accepted == k && token < 0) {

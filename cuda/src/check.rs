@@ -461,6 +461,38 @@ impl Rig {
 /// (`verify_with_uniforms`) on the logits the last forward left on the device (`logits`
 /// is their host copy): 400 chunks of 0..=3 drafts anywhere in those rows, drafts the
 /// greedy tokens or not, q one-hot or a random distribution, under temperature alone,
+/// A sparse q for `drafts` (a selector's candidate sets): 1..=16 distinct ids a row over
+/// `v` tokens, the row's draft among them most of the time, normalized random weights.
+fn sparse_q(
+    gen: &mut rand_chacha::ChaCha8Rng,
+    drafts: &[u32],
+    v: usize,
+) -> speclab_engine::spec::DraftProbs {
+    use rand::Rng;
+    let kq = gen.random_range(1..=16usize.min(v));
+    let (mut ids, mut p) = (Vec::new(), Vec::new());
+    for &x in drafts {
+        let mut row: Vec<u32> = if gen.random_bool(0.7) {
+            vec![x]
+        } else {
+            Vec::new()
+        };
+        while row.len() < kq {
+            let id = gen.random_range(0..v as u32);
+            if !row.contains(&id) {
+                row.push(id);
+            }
+        }
+        let w: Vec<f32> = (0..kq)
+            .map(|_| gen.random::<f32>().powi(2) + 1e-3)
+            .collect();
+        let s: f32 = w.iter().sum();
+        p.extend(w.iter().map(|x| x / s));
+        ids.extend(row);
+    }
+    speclab_engine::spec::DraftProbs::Sparse(speclab_engine::spec::SparseProbs { k: kq, ids, p })
+}
+
 /// top-k, top-p and both. Every verdict (tokens and uniforms consumed) must be equal.
 fn sampler_parity(
     gpu: &mut CudaBackend,
@@ -470,7 +502,7 @@ fn sampler_parity(
 ) -> Result<()> {
     use rand::{Rng, SeedableRng};
     use speclab_engine::backend::SampleReq;
-    use speclab_engine::spec::{max_uniforms, verify_with_uniforms, SamplingParams};
+    use speclab_engine::spec::{max_uniforms, verify_with_uniforms, DraftProbs, SamplingParams};
     let rows = logits.len() / v;
     let mut gen = rand_chacha::ChaCha8Rng::seed_from_u64(5);
     let params = [
@@ -509,16 +541,21 @@ fn sampler_parity(
                     }
                 })
                 .collect();
-            let q = gen.random_bool(0.5).then(|| {
-                (0..k)
-                    .map(|_| {
-                        let mut q: Vec<f32> = (0..v).map(|_| gen.random::<f32>().powi(8)).collect();
-                        let s: f32 = q.iter().sum();
-                        q.iter_mut().for_each(|x| *x /= s);
-                        q
-                    })
-                    .collect::<Vec<_>>()
-            });
+            let q = match gen.random_range(0..3) {
+                0 => None,
+                1 => Some(DraftProbs::Dense(
+                    (0..k)
+                        .map(|_| {
+                            let mut q: Vec<f32> =
+                                (0..v).map(|_| gen.random::<f32>().powi(8)).collect();
+                            let s: f32 = q.iter().sum();
+                            q.iter_mut().for_each(|x| *x /= s);
+                            q
+                        })
+                        .collect(),
+                )),
+                _ => Some(sparse_q(&mut gen, &drafts, v)),
+            };
             let us: Vec<f64> = (0..max_uniforms(k)).map(|_| gen.random::<f64>()).collect();
             cases.push((row, drafts, q, us));
         }
@@ -527,7 +564,7 @@ fn sampler_parity(
             .map(|(row, d, q, us)| SampleReq {
                 row: *row,
                 drafts: d,
-                q: q.as_deref(),
+                q: q.as_ref(),
                 uniforms: us,
             })
             .collect();
@@ -536,7 +573,7 @@ fn sampler_parity(
             let k = r.drafts.len();
             let prop = speclab_engine::Proposal {
                 tokens: r.drafts.to_vec(),
-                probs: r.q.map(<[Vec<f32>]>::to_vec),
+                probs: r.q.cloned(),
             };
             let host = verify_with_uniforms(
                 &logits[r.row * v..(r.row + k + 1) * v],

@@ -16,8 +16,11 @@
 //! points into is reallocated); (3) greedy: the
 //! device's top-k candidates (and the selector's `hidden_projection`) come back, a few
 //! floats a row, and the walk runs on the host with the CPU's own code
-//! (`speclab_drafters::dflash2::walk_greedy`); sampling: the prediction rows' hidden and
-//! logits come back and the CPU picker (`pick_rows`) draws with the request's RNG.
+//! (`speclab_drafters::dflash2::walk_greedy`); sampling (v2): the same candidates, and the
+//! CPU's sampled walk (`walk_sampled`) draws with the request's RNG, q going to the
+//! verifier as sparse rows over the candidates (`DraftProbs::Sparse`: k floats a draft, not
+//! a vocabulary); sampling v1 (a softmax over the whole row): the prediction rows' hidden
+//! and logits come back and the CPU picker (`pick_rows`) draws.
 //!
 //! Invariants: the device pages are written only by appends (a draft never modifies the
 //! cache, §7); every page slot was resolved on the host by `DraftGroup::locate`
@@ -31,12 +34,13 @@ use std::collections::HashMap;
 use rand::RngCore;
 use speclab_drafters::adapters::{check_dflash, dflash_group, DrafterKind, DrafterSpec};
 use speclab_drafters::dflash2::{
-    pick_rows, walk_greedy, DFlash2Weights, DraftGroup, DraftMode, DraftRequest,
+    pick_rows, walk_greedy, walk_sampled, DFlash2Weights, DraftGroup, DraftMode, DraftRequest,
 };
 use speclab_engine::exec::DrafterFactory;
 use speclab_engine::kv::{GroupSpec, KvCacheManager};
 use speclab_engine::model::attention::rope_tables;
 use speclab_engine::model::ModelConfig;
+use speclab_engine::spec::{DraftProbs, SparseProbs};
 use speclab_engine::{
     DraftReq, DraftStep, Drafter, EngineError, LayerHidden, Proposal, ProposeCtx, ReqSlot,
 };
@@ -349,6 +353,19 @@ pub struct CudaDFlash2 {
     dev: Option<DevDraft>,
     /// Per request: positions appended (`n`).
     ctx_len: HashMap<ReqSlot, usize>,
+    /// v2 at T > 0: the CPU picker over the prediction rows read back (`pick_rows`, q
+    /// dense) instead of the walk over the device's candidates (q sparse); the A/B
+    /// reference. Off unless `SPECLAB_DF2_DEVICE_CANDS=0`.
+    pub host_sampled_walk: bool,
+}
+
+/// One request's candidates from the device: ids and unary scores [N, k], the selector's
+/// g [N, r] (v2; empty for v1).
+#[derive(Default)]
+struct Cands {
+    ids: Vec<u32>,
+    unary: Vec<f32>,
+    g: Vec<f32>,
 }
 
 impl std::fmt::Debug for CudaDFlash2 {
@@ -402,6 +419,7 @@ impl CudaDFlash2 {
             grp,
             dev: None,
             ctx_len: HashMap::new(),
+            host_sampled_walk: !crate::device::env_on("SPECLAB_DF2_DEVICE_CANDS"),
         })
     }
 
@@ -455,15 +473,21 @@ impl CudaDFlash2 {
         dev.ensure(&be.gpu, &self.w.cfg, r, 1)?;
         dev.upload_meta(&be.gpu, &Fx::meta(&plan))?;
         run_block(be, &self.w, dev, self.mode, &plan, anchors.len())?;
-        if temperature > 0.0 {
-            return self.pick_sampled(be, anchors, temperature, rngs);
+        match (temperature > 0.0, self.mode) {
+            (true, DraftMode::V2) if self.host_sampled_walk => {
+                self.pick_sampled(be, anchors, temperature, rngs)
+            }
+            (true, DraftMode::V2) => self.pick_walk_sampled(be, anchors, temperature, rngs),
+            (true, DraftMode::V1) => self.pick_sampled(be, anchors, temperature, rngs),
+            (false, _) => self.pick_greedy(be, anchors),
         }
-        self.pick_greedy(be, anchors)
     }
 
-    fn pick_greedy(&self, be: &CudaBackend, anchors: &[DraftAnchor]) -> Result<Vec<Proposal>> {
+    /// Each anchor's candidates from the device's pick buffer: ids and unary scores [N, k]
+    /// and (v2) the selector's g [N, r], one read for the step.
+    fn candidates(&self, be: &CudaBackend, anchors: &[DraftAnchor]) -> Result<Vec<Cands>> {
         let dev = self.dev.as_ref().ok_or_else(not_uploaded)?;
-        let (nn, q) = (self.num_speculative_tokens, self.num_speculative_tokens + 1);
+        let q = self.num_speculative_tokens + 1;
         let d = &self.w.cfg.dflash_config;
         let (k, rank) = (topk(self.mode, &self.w.cfg), d.selector_rank);
         let stride = pick_stride(self.mode, k, rank);
@@ -474,26 +498,79 @@ impl CudaDFlash2 {
             "dflash2 candidates",
         )?;
         let mut out = Vec::with_capacity(anchors.len());
-        for (b, a) in anchors.iter().enumerate() {
-            let (mut cand, mut unary, mut g) = (Vec::new(), Vec::new(), Vec::new());
+        for b in 0..anchors.len() {
+            let mut c = Cands::default();
             for j in 1..q {
                 let row = &all[(b * q + j) * stride..(b * q + j + 1) * stride];
-                cand.extend(row[..k].iter().map(|&x| x as u32));
-                unary.extend_from_slice(&row[k..2 * k]);
+                c.ids.extend(row[..k].iter().map(|&x| x as u32));
+                c.unary.extend_from_slice(&row[k..2 * k]);
                 if self.mode == DraftMode::V2 {
-                    g.extend_from_slice(&row[2 * k..2 * k + rank]);
+                    c.g.extend_from_slice(&row[2 * k..2 * k + rank]);
                 }
             }
+            out.push(c);
+        }
+        Ok(out)
+    }
+
+    fn pick_greedy(&self, be: &CudaBackend, anchors: &[DraftAnchor]) -> Result<Vec<Proposal>> {
+        let (k, rank) = (
+            topk(self.mode, &self.w.cfg),
+            self.w.cfg.dflash_config.selector_rank,
+        );
+        let cands = self.candidates(be, anchors)?;
+        let mut out = Vec::with_capacity(anchors.len());
+        for (a, c) in anchors.iter().zip(cands) {
             let tokens = match (&self.w.selector, self.mode) {
                 (Some(sel), DraftMode::V2) => {
-                    walk_greedy(sel, rank, a.anchor, &cand, &unary, &g, k)
+                    walk_greedy(sel, rank, a.anchor, &c.ids, &c.unary, &c.g, k)
                 }
-                _ => cand,
+                _ => c.ids,
             };
-            debug_assert_eq!(tokens.len(), nn);
+            debug_assert_eq!(tokens.len(), self.num_speculative_tokens);
             out.push(Proposal {
                 tokens,
                 probs: None,
+            });
+        }
+        Ok(out)
+    }
+
+    /// v2 at T > 0: the sampled walk over the device's candidates (`walk_sampled`, the
+    /// CPU picker's draws), q as sparse rows over them. Only the candidates cross to the
+    /// host, as in the greedy pick.
+    fn pick_walk_sampled(
+        &self,
+        be: &CudaBackend,
+        anchors: &[DraftAnchor],
+        temperature: f32,
+        rngs: &mut [Option<&mut dyn RngCore>],
+    ) -> Result<Vec<Proposal>> {
+        let sel = self.w.selector.as_ref().ok_or_else(|| {
+            CudaError::Input("dflash2: v2 sampling needs the candidate selector (internal)".into())
+        })?;
+        let (k, rank) = (
+            topk(self.mode, &self.w.cfg),
+            self.w.cfg.dflash_config.selector_rank,
+        );
+        let cands = self.candidates(be, anchors)?;
+        let mut out = Vec::with_capacity(anchors.len());
+        for (b, (a, c)) in anchors.iter().zip(cands).enumerate() {
+            let rng = rngs.get_mut(b).and_then(|r| r.as_mut()).ok_or_else(|| {
+                CudaError::Input("sampling drafts (temperature > 0) needs an RNG".into())
+            })?;
+            let (tokens, p) = walk_sampled(
+                sel,
+                rank,
+                a.anchor,
+                (&c.ids, &c.unary, &c.g),
+                k,
+                temperature,
+                &mut **rng,
+            );
+            out.push(Proposal {
+                tokens,
+                probs: Some(DraftProbs::Sparse(SparseProbs { k, ids: c.ids, p })),
             });
         }
         Ok(out)

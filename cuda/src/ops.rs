@@ -1648,14 +1648,16 @@ pub struct SampleVerify<'a> {
     /// The last target step's logits. Shape: [logit_rows, V].
     pub logits: &'a DevBuf<f32>,
     pub logit_rows: usize,
-    /// 5 ints a chunk, then the drafts. Shape: [5 chunks + drafts] i32.
+    /// `sample::META` ints a chunk, then the drafts. Shape: [META chunks + drafts] i32.
     pub meta: &'a DevBuf<i32>,
     pub chunks: usize,
     pub drafts: usize,
     /// Shape: [>= the packed uniforms] f64.
     pub uniforms: &'a DevBuf<f64>,
-    /// Shape: [q rows, V] (at least 1 element).
+    /// Packed q rows (dense V a row, sparse kq a row; at least 1 element).
     pub q: &'a DevBuf<f32>,
+    /// Sparse q rows' token ids (at least 1 element).
+    pub qid: &'a DevBuf<i32>,
     pub vocab: usize,
     pub params: speclab_engine::spec::SamplingParams,
     /// Keys sorted for top-k / top-p (0: none; else a power of two <= `sample::SORT_CAP`).
@@ -1679,9 +1681,10 @@ pub fn sample_verify(g: &Gpu, s: &SampleVerify<'_>) -> Result<()> {
         ptr(s.out, 0, 4 * c, "sampler out")?,
         ptr(s.probs, 0, c * s.vocab, "sampler probs")?,
         ptr(s.logits, 0, s.logit_rows * s.vocab, "sampler logits")?,
-        ptr(s.meta, 0, 5 * c, "sampler meta")?,
-        ptr(s.meta, 5 * c, s.drafts, "sampler drafts")?,
+        ptr(s.meta, 0, crate::sample::META * c, "sampler meta")?,
+        ptr(s.meta, crate::sample::META * c, s.drafts, "sampler drafts")?,
         ptr(s.q, 0, s.q.len, "sampler q")?,
+        ptr(s.qid, 0, s.qid.len, "sampler q ids")?,
         ptr(s.uniforms, 0, s.uniforms.len, "sampler uniforms")?,
         int(s.vocab, "V")?,
         Arg::F(s.params.temperature),
@@ -1693,7 +1696,8 @@ pub fn sample_verify(g: &Gpu, s: &SampleVerify<'_>) -> Result<()> {
     shape.smem = (s.sort_n * 8) as u32;
     // SAFETY: out [4 C], probs [C, V], logits [logit_rows, V] checked; the meta rows were
     // built by sample::pack from chunks sample::device_ok accepted (row + k < logit_rows,
-    // drafts < V, q rows of V entries at their offsets, k + 1 uniforms at theirs), and
+    // drafts < V, q rows of V entries or kq <= SAMPLE_THREADS (id, p) pairs with ids < V at
+    // their offsets, k + 1 uniforms at theirs), and
     // the shared keys fit the kernel's opt-in (sort_n <= SORT_CAP).
     unsafe { launch(g, "sample_verify", shape, &args) }
 }

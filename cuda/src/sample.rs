@@ -19,7 +19,8 @@
 
 use speclab_engine::backend::{DeviceSampler, SampleReq};
 use speclab_engine::spec::{
-    check_draft_probs, max_uniforms, verify_with_uniforms, SamplingParams, UniformVerdict, Verified,
+    check_draft_probs, max_uniforms, verify_with_uniforms, DraftProbs, SamplingParams,
+    UniformVerdict, Verified,
 };
 use speclab_engine::Proposal;
 
@@ -52,13 +53,16 @@ pub fn sort_keys(params: &SamplingParams, vocab: usize) -> Option<usize> {
 
 /// The sampler's device buffers, grown as steps need (kept by the backend).
 pub(crate) struct SampleBufs {
-    /// Per chunk 5 ints (row, k, draft offset, q offset or -1, uniform offset), then the
-    /// drafts. Shape: [5 C + drafts].
+    /// Per chunk [`META`] ints (row, k, draft offset, q offset or -1, uniform offset, kq,
+    /// q id offset), then the drafts. Shape: [META C + drafts].
     meta: DevBuf<i32>,
     /// Shape: [total uniforms] f64.
     uniforms: DevBuf<f64>,
-    /// The q rows of every chunk that has them. Shape: [rows, V].
+    /// The q rows of every chunk that has them: V floats a dense row, kq a sparse one.
+    /// Shape: [packed q].
     q: DevBuf<f32>,
+    /// The token ids of the sparse q rows. Shape: [packed ids].
+    qid: DevBuf<i32>,
     /// One f64 distribution a chunk (scratch). Shape: [C, V].
     probs: DevBuf<f64>,
     /// Per chunk (status, accepted, token, consumed). Shape: [4 C].
@@ -81,22 +85,31 @@ where
     }
 }
 
+/// Ints a chunk's row of the kernel's metadata (sample.cu `sample_verify`).
+pub const META: usize = 7;
+
 /// Whether the kernel can take chunk `r` (else the host reference decides it).
 fn device_ok(r: &SampleReq<'_>, vocab: usize, rows: usize) -> bool {
     let k = r.drafts.len();
     let rows_ok = r.row + k < rows;
     let drafts_ok = r.drafts.iter().all(|&t| (t as usize) < vocab);
-    let q_ok = r.q.is_none_or(|q| check_draft_probs(q, k, vocab).is_ok());
+    let sparse_ok = |q: &DraftProbs| match q {
+        DraftProbs::Sparse(s) => s.k <= SAMPLE_THREADS as usize,
+        DraftProbs::Dense(_) => true,
+    };
+    let q_ok =
+        r.q.is_none_or(|q| sparse_ok(q) && check_draft_probs(q, k, vocab).is_ok());
     rows_ok && drafts_ok && q_ok && r.uniforms.len() >= max_uniforms(k)
 }
 
-/// The host arrays of one launch: meta + drafts, uniforms, q rows.
+/// The host arrays of one launch: meta + drafts, uniforms, q rows and sparse q ids.
 #[derive(Default)]
 struct Packed {
     meta: Vec<i32>,
     drafts: Vec<i32>,
     uniforms: Vec<f64>,
     q: Vec<f32>,
+    qid: Vec<i32>,
 }
 
 fn int(v: usize, what: &str) -> Result<i32> {
@@ -108,13 +121,23 @@ fn pack(reqs: &[&SampleReq<'_>]) -> Result<Packed> {
     let mut p = Packed::default();
     for r in reqs {
         let k = r.drafts.len();
-        let q_off = match r.q {
-            Some(rows) => {
-                let off = int(p.q.len(), "q offset")?;
+        let (q_off, id_off) = (
+            int(p.q.len(), "q offset")?,
+            int(p.qid.len(), "q id offset")?,
+        );
+        let (q_off, kq) = match r.q {
+            Some(DraftProbs::Dense(rows)) => {
                 rows.iter().for_each(|row| p.q.extend_from_slice(row));
-                off
+                (q_off, 0)
             }
-            None => -1,
+            Some(DraftProbs::Sparse(s)) => {
+                p.q.extend_from_slice(&s.p);
+                for &id in &s.ids {
+                    p.qid.push(int(id as usize, "q id")?);
+                }
+                (q_off, int(s.k, "q pairs a row")?)
+            }
+            None => (-1, 0),
         };
         p.meta.extend([
             int(r.row, "logits row")?,
@@ -122,6 +145,8 @@ fn pack(reqs: &[&SampleReq<'_>]) -> Result<Packed> {
             int(p.drafts.len(), "draft offset")?,
             q_off,
             int(p.uniforms.len(), "uniform offset")?,
+            kq,
+            id_off,
         ]);
         p.drafts.extend(r.drafts.iter().map(|&t| t as i32));
         p.uniforms.extend_from_slice(&r.uniforms[..max_uniforms(k)]);
@@ -148,7 +173,7 @@ impl CudaBackend {
             .read(&self.gpu.stream, r.row * v, rows * v, "logits")?;
         let prop = Proposal {
             tokens: r.drafts.to_vec(),
-            probs: r.q.map(<[Vec<f32>]>::to_vec),
+            probs: r.q.cloned(),
         };
         Ok(verify_with_uniforms(&logits, v, &prop, params, r.uniforms)?)
     }
@@ -170,6 +195,7 @@ impl CudaBackend {
                 meta: DevBuf::zeros(&st, 1, "sampler metadata")?,
                 uniforms: DevBuf::zeros(&st, 1, "sampler uniforms")?,
                 q: DevBuf::zeros(&st, 1, "sampler q")?,
+                qid: DevBuf::zeros(&st, 1, "sampler q ids")?,
                 probs: DevBuf::zeros(&st, 1, "sampler probabilities")?,
                 out: DevBuf::zeros(&st, 1, "sampler verdicts")?,
             },
@@ -179,6 +205,7 @@ impl CudaBackend {
             meta: grown(b.meta, &st, n_meta, "sampler metadata")?,
             uniforms: grown(b.uniforms, &st, p.uniforms.len(), "sampler uniforms")?,
             q: grown(b.q, &st, p.q.len(), "sampler q")?,
+            qid: grown(b.qid, &st, p.qid.len(), "sampler q ids")?,
             probs: grown(b.probs, &st, c * v, "sampler probabilities")?,
             out: grown(b.out, &st, 4 * c, "sampler verdicts")?,
         };
@@ -188,6 +215,9 @@ impl CudaBackend {
         b.uniforms.write(&st, &p.uniforms, "sampler uniforms")?;
         if !p.q.is_empty() {
             b.q.write(&st, &p.q, "sampler q")?;
+        }
+        if !p.qid.is_empty() {
+            b.qid.write(&st, &p.qid, "sampler q ids")?;
         }
         let launch = ops::SampleVerify {
             out: &b.out,
@@ -199,6 +229,7 @@ impl CudaBackend {
             drafts: p.drafts.len(),
             uniforms: &b.uniforms,
             q: &b.q,
+            qid: &b.qid,
             vocab: v,
             params: *params,
             sort_n,
@@ -275,6 +306,7 @@ impl DeviceSampler for CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use speclab_engine::spec::SparseProbs;
 
     #[test]
     fn sort_only_for_top_k_or_top_p_and_within_the_cap() {
@@ -298,7 +330,7 @@ mod tests {
     fn chunks_the_kernel_cannot_take_go_to_the_host() {
         let us = [0.5; 3];
         let q_row = vec![0.25f32; 4];
-        let q = vec![q_row.clone(), q_row];
+        let q = DraftProbs::Dense(vec![q_row.clone(), q_row]);
         let ok = SampleReq {
             row: 1,
             drafts: &[1, 2],
@@ -317,7 +349,7 @@ mod tests {
             4,
             4
         ));
-        let bad = vec![vec![0.25f32; 3], vec![0.25f32; 4]];
+        let bad = DraftProbs::Dense(vec![vec![0.25f32; 3], vec![0.25f32; 4]]);
         assert!(!device_ok(
             &SampleReq {
                 q: Some(&bad),
@@ -326,7 +358,7 @@ mod tests {
             4,
             4
         ));
-        let neg = vec![vec![-0.1f32; 4], vec![0.25f32; 4]];
+        let neg = DraftProbs::Dense(vec![vec![-0.1f32; 4], vec![0.25f32; 4]]);
         assert!(!device_ok(
             &SampleReq {
                 q: Some(&neg),
@@ -343,12 +375,48 @@ mod tests {
             4,
             4
         ));
+        // Sparse rows: taken when they pass the host's checks and fit a block.
+        let sparse = |k: usize, ids: Vec<u32>| {
+            let p = vec![1.0 / k as f32; ids.len()];
+            DraftProbs::Sparse(SparseProbs { k, ids, p })
+        };
+        let good = sparse(2, vec![1, 3, 2, 0]);
+        assert!(device_ok(
+            &SampleReq {
+                q: Some(&good),
+                ..ok
+            },
+            4,
+            4
+        ));
+        let dup = sparse(2, vec![1, 1, 2, 0]);
+        assert!(!device_ok(
+            &SampleReq {
+                q: Some(&dup),
+                ..ok
+            },
+            4,
+            4
+        ));
+        let wide = SAMPLE_THREADS as usize + 1;
+        let big = sparse(
+            wide,
+            (0..2 * wide as u32).map(|i| i % wide as u32).collect(),
+        );
+        assert!(!device_ok(
+            &SampleReq {
+                q: Some(&big),
+                ..ok
+            },
+            2 * wide,
+            4
+        ));
     }
 
     #[test]
     fn packing_offsets_index_each_chunks_inputs() {
         let us = [0.1, 0.2, 0.3, 0.4];
-        let q = vec![vec![1.0f32, 0.0]];
+        let q = DraftProbs::Dense(vec![vec![1.0f32, 0.0]]);
         let a = SampleReq {
             row: 0,
             drafts: &[1],
@@ -361,12 +429,29 @@ mod tests {
             q: None,
             uniforms: &us,
         };
-        let p = pack(&[&a, &b]).unwrap();
-        assert_eq!(p.meta, vec![0, 1, 0, 0, 0, 3, 0, 1, -1, 2]);
-        assert_eq!(p.drafts, vec![1]);
+        let sq = DraftProbs::Sparse(SparseProbs {
+            k: 2,
+            ids: vec![5, 1, 0, 2],
+            p: vec![0.5, 0.5, 0.25, 0.75],
+        });
+        let c = SampleReq {
+            row: 5,
+            drafts: &[5, 2],
+            q: Some(&sq),
+            uniforms: &us,
+        };
+        let p = pack(&[&a, &b, &c]).unwrap();
+        assert_eq!(
+            p.meta,
+            vec![0, 1, 0, 0, 0, 0, 0, 3, 0, 1, -1, 2, 0, 0, 5, 2, 1, 2, 3, 2, 0]
+        );
+        assert_eq!(p.meta.len(), 3 * META);
+        assert_eq!(p.drafts, vec![1, 5, 2]);
         // k + 1 uniforms a chunk, no more.
-        assert_eq!(p.uniforms, vec![0.1, 0.2, 0.1]);
-        assert_eq!(p.q, vec![1.0, 0.0]);
+        assert_eq!(p.uniforms, vec![0.1, 0.2, 0.1, 0.1, 0.2, 0.3]);
+        // The dense row's V floats, then the sparse rows' pairs (ids beside them).
+        assert_eq!(p.q, vec![1.0, 0.0, 0.5, 0.5, 0.25, 0.75]);
+        assert_eq!(p.qid, vec![5, 1, 0, 2]);
         let w = [0, 0, 7, 2];
         let v = verdict(&a, &w);
         assert_eq!(

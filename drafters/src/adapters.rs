@@ -27,6 +27,7 @@ use std::str::FromStr;
 use speclab_engine::exec::DrafterFactory;
 use speclab_engine::kv::{CapPolicy, GroupSpec, KvCacheManager};
 use speclab_engine::model::ModelConfig;
+use speclab_engine::spec::DraftProbs;
 use speclab_engine::{Drafter, EngineError, LayerHidden, Proposal, ProposeCtx, ReqSlot, Result};
 
 use crate::dflash2::{DFlash2, DFlash2Weights, DraftMode, DraftRequest};
@@ -163,7 +164,7 @@ impl Drafter for DFlash2Drafter {
         tokens.truncate(want);
         let probs = d.q.map(|mut q| {
             q.truncate(want);
-            q
+            DraftProbs::Dense(q)
         });
         Ok(Proposal { tokens, probs })
     }

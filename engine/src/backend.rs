@@ -90,8 +90,8 @@ pub struct SampleReq<'a> {
     /// Drafts verified against rows `row .. row + k`; row `row + k` gives the bonus.
     /// Shape: [k].
     pub drafts: &'a [u32],
-    /// The drafter's q, or `None` for one-hot q. Shape: [k][vocab].
-    pub q: Option<&'a [Vec<f32>]>,
+    /// The drafter's q (k rows, dense or sparse), or `None` for one-hot q.
+    pub q: Option<&'a crate::spec::DraftProbs>,
     /// The uniforms the request's RNG would give next, in order (at least
     /// [`crate::spec::max_uniforms`]`(k)`). Shape: [>= k + 1].
     pub uniforms: &'a [f64],

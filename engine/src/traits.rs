@@ -22,7 +22,7 @@ use crate::backend::TargetBackend;
 use crate::kv::KvCacheManager;
 use crate::model::ForwardOut;
 use crate::request::{FinishReason, ReqSlot};
-use crate::spec::SamplingParams;
+use crate::spec::{DraftProbs, SamplingParams};
 use crate::Result;
 
 /// Identifier of a request in an engine run.
@@ -102,8 +102,9 @@ impl std::fmt::Debug for ProposeCtx<'_> {
 pub struct Proposal {
     /// Draft tokens. Shape: [num_draft].
     pub tokens: Vec<u32>,
-    /// Draft distributions q, when sampling. Shape: [num_draft][vocab].
-    pub probs: Option<Vec<Vec<f32>>>,
+    /// Draft distributions q, when sampling: [num_draft] rows, dense over the vocabulary
+    /// or sparse ([`DraftProbs`]); `None` means one-hot q (the draft token).
+    pub probs: Option<DraftProbs>,
 }
 
 /// Where a drafter reads the target's per-layer hidden states ([`Drafter::layer_hidden`]).

@@ -92,6 +92,7 @@ use std::rc::Rc;
 
 use speclab_engine::exec::DrafterFactory;
 use speclab_engine::kv::GroupSpec;
+use speclab_engine::spec::{DraftProbs, SparseProbs};
 use speclab_engine::{DraftReq, DraftStep, Drafter, Proposal, ProposeCtx, ReqSlot, RequestId};
 
 /// One recorded proposal: (request, committed tokens when proposing, drafts).
@@ -165,7 +166,8 @@ impl DrafterFactory for Recording<'_> {
 
 /// An oracle drafter: proposes the reference continuation of each request, replacing the
 /// draft at output index `i` by `(t + 1) % 500` whenever `corrupt(request, i)`; sends
-/// uniform-ish q (a valid distribution with mass on the draft) when `with_q`.
+/// q when `with_q`: half on the draft, for even request ids the rest spread over the
+/// vocabulary (dense rows), for odd ones over the 3 tokens after it (sparse rows).
 #[derive(Clone)]
 pub struct Oracle {
     pub n: usize,
@@ -204,16 +206,31 @@ impl Drafter for Oracle {
                 }
             })
             .collect();
-        let probs = self.with_q.then(|| {
-            tokens
-                .iter()
-                .map(|&t| {
-                    let mut q = vec![0.5 / (self.vocab - 1) as f32; self.vocab];
-                    q[t as usize] = 0.5;
-                    q
-                })
-                .collect()
-        });
+        let v = self.vocab;
+        let probs = match (self.with_q, ctx.request % 2) {
+            (false, _) => None,
+            (true, 0) => Some(DraftProbs::Dense(
+                tokens
+                    .iter()
+                    .map(|&t| {
+                        let mut q = vec![0.5 / (v - 1) as f32; v];
+                        q[t as usize] = 0.5;
+                        q
+                    })
+                    .collect(),
+            )),
+            (true, _) => Some(DraftProbs::Sparse(SparseProbs {
+                k: 4,
+                ids: tokens
+                    .iter()
+                    .flat_map(|&t| (0..4).map(move |d| (t + d) % v as u32))
+                    .collect(),
+                p: tokens
+                    .iter()
+                    .flat_map(|_| [0.5, 0.5 / 3.0, 0.5 / 3.0, 0.5 / 3.0])
+                    .collect(),
+            })),
+        };
         Ok(Proposal { tokens, probs })
     }
     fn lookahead_slots(&self) -> usize {

@@ -43,6 +43,7 @@ use speclab_engine::model::attention::{apply_rope, rope_tables};
 use speclab_engine::model::moe::mlp;
 use speclab_engine::model::ops::{argmax, rmsnorm};
 use speclab_engine::model::{ForwardOut, ModelConfig};
+use speclab_engine::spec::DraftProbs;
 use speclab_engine::{EngineError, Proposal, ReqSlot, Result};
 
 use super::config::{DFlash2Config, KV_GROUP_NAME};
@@ -749,7 +750,7 @@ pub fn pick_rows(
     pick_into(w, hid_rows, rows, req, rng, &mut pick)?;
     Ok(Proposal {
         tokens: pick.tokens,
-        probs: pick.q,
+        probs: pick.q.map(DraftProbs::Dense),
     })
 }
 
@@ -889,7 +890,11 @@ mod tests {
             let a = d.draft(&kv, &target, &hot, Some(&mut r1)).unwrap();
             let mut r2 = ChaCha8Rng::seed_from_u64(9);
             let b = pick_rows(d.weights(), hid, rows, &hot, Some(&mut r2)).unwrap();
-            assert_eq!((a.tokens, a.q), (b.tokens, b.probs), "{mode:?}");
+            assert_eq!(
+                (a.tokens, a.q.map(DraftProbs::Dense)),
+                (b.tokens, b.probs),
+                "{mode:?}"
+            );
             assert!(pick_rows(d.weights(), &hid[1..], rows, &plain, None).is_err());
             if mode == DraftMode::V2 {
                 let sel = d.weights().selector.as_ref().unwrap();
@@ -913,6 +918,28 @@ mod tests {
                     walk_greedy(sel, r, 11, &cand, &unary, &g, 0),
                     Vec::<u32>::new()
                 );
+                // The sampled walk over the same candidates: the draft's tokens, its q as
+                // the candidates' probabilities (zero elsewhere), the RNG where it left it.
+                let mut r3 = ChaCha8Rng::seed_from_u64(9);
+                let (tok, qs) = super::super::selector::walk_sampled(
+                    sel,
+                    r,
+                    11,
+                    (&cand, &unary, &g),
+                    k,
+                    0.7,
+                    &mut r3,
+                );
+                let mut r1 = ChaCha8Rng::seed_from_u64(9);
+                let a = d.draft(&kv, &target, &hot, Some(&mut r1)).unwrap();
+                assert_eq!(tok, a.tokens);
+                let sparse = DraftProbs::Sparse(speclab_engine::spec::SparseProbs {
+                    k,
+                    ids: cand.clone(),
+                    p: qs,
+                });
+                assert_eq!(Some(sparse.to_dense(v)), a.q);
+                assert_eq!(r1.random::<u64>(), r3.random::<u64>());
             }
         }
     }

@@ -34,5 +34,5 @@ pub use forward::{
     pick_rows, target_features, DFlash2, Draft, DraftMode, DraftRequest, SelectorTrace,
 };
 pub use kv::{DraftGroup, DraftKvStore};
-pub use selector::walk_greedy;
+pub use selector::{walk_greedy, walk_sampled};
 pub use weights::DFlash2Weights;

@@ -15,6 +15,7 @@
 
 use std::cmp::Ordering;
 
+use rand::{Rng, RngCore};
 use speclab_engine::model::ops::argmax;
 
 use super::weights::SelectorWeights;
@@ -70,19 +71,17 @@ pub fn edge_scores(
     s
 }
 
-/// The greedy walk of §6.2 over candidates computed elsewhere (the CUDA engine's device
-/// top-k and `hidden_projection`): `cand` and `unary` [N, k] (value-descending, ties to
-/// the lower id, as [`topk_ids`]), `g` [N, r]; returns the N draft tokens. Given the
-/// same candidates this is exactly the greedy pick of `DFlash2::draft` (same
-/// [`edge_scores`], same first-maximum argmax).
-pub fn walk_greedy(
+/// The walk of §6.2 over candidates computed elsewhere (the CUDA engine's device top-k and
+/// `hidden_projection`): `cand` and `unary` [N, k] (value-descending, ties to the lower id,
+/// as [`topk_ids`]), `g` [N, r]. Each row's pair scores from the previous pick (the anchor
+/// first), [`edge_scores`], go to `choose`, which returns the candidate index taken.
+fn walk(
     sel: &SelectorWeights,
     r: usize,
     anchor: u32,
-    cand: &[u32],
-    unary: &[f32],
-    g: &[f32],
+    (cand, unary, g): (&[u32], &[f32], &[f32]),
     k: usize,
+    choose: &mut dyn FnMut(&[f32]) -> usize,
 ) -> Vec<u32> {
     let nn = cand.len().checked_div(k).unwrap_or(0);
     let mut out = Vec::with_capacity(nn);
@@ -97,11 +96,50 @@ pub fn walk_greedy(
             &g[j * r..(j + 1) * r],
             &[pred],
         );
-        let c = argmax(&s);
+        let c = choose(&s);
         out.push(cj[c]);
         pred = cj[c];
     }
     out
+}
+
+/// The greedy walk over candidates computed elsewhere ([`walk`]'s inputs); returns the N
+/// draft tokens. Given the same candidates this is exactly the greedy pick of
+/// `DFlash2::draft` (same [`edge_scores`], same first-maximum argmax).
+pub fn walk_greedy(
+    sel: &SelectorWeights,
+    r: usize,
+    anchor: u32,
+    cand: &[u32],
+    unary: &[f32],
+    g: &[f32],
+    k: usize,
+) -> Vec<u32> {
+    walk(sel, r, anchor, (cand, unary, g), k, &mut |s| argmax(s))
+}
+
+/// The sampled walk over candidates computed elsewhere ([`walk`]'s inputs): each row's
+/// `softmax(S / temperature)` over its k candidates and one `rng.random::<f32>()` draw, as
+/// `DFlash2::draft`'s sampled pick. Returns the N tokens and q's nonzero entries: the
+/// probabilities [N, k] of `cand`'s ids (every other token has q = 0). Given the same
+/// candidates, the tokens, q and the RNG's position equal `DFlash2::draft`'s.
+pub fn walk_sampled(
+    sel: &SelectorWeights,
+    r: usize,
+    anchor: u32,
+    (cand, unary, g): (&[u32], &[f32], &[f32]),
+    k: usize,
+    temperature: f32,
+    rng: &mut dyn RngCore,
+) -> (Vec<u32>, Vec<f32>) {
+    let mut q = Vec::with_capacity(cand.len());
+    let tokens = walk(sel, r, anchor, (cand, unary, g), k, &mut |s| {
+        let p = softmax_temp(s, temperature);
+        let c = sample_index(&p, rng.random::<f32>());
+        q.extend_from_slice(&p);
+        c
+    });
+    (tokens, q)
 }
 
 /// `softmax(row / temp)` (max subtracted).

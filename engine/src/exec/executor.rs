@@ -41,7 +41,9 @@ use crate::kv::KvCacheManager;
 use crate::model::{ForwardOptions, ForwardOut, LogitsRows, SeqChunk};
 use crate::request::ReqSlot;
 use crate::spec::sampling::uniform;
-use crate::spec::{max_uniforms, seeded_rng, SamplingParams, SpecRng, Verified, VerifyCtx};
+use crate::spec::{
+    max_uniforms, seeded_rng, DraftProbs, SamplingParams, SpecRng, Verified, VerifyCtx,
+};
 use crate::traits::{
     DraftReq, DraftStep, Drafter, Executor, LayerHidden, Proposal, RequestId, ScheduledRequest,
     StepCtx, StepOutput, StepPerf, StepResult,
@@ -81,7 +83,7 @@ struct ReqModel {
     rng: SpecRng,
     /// The drafter's q for the drafts it last proposed (rejection sampling). Shape:
     /// [num_draft][vocab].
-    q: Option<Vec<Vec<f32>>>,
+    q: Option<DraftProbs>,
 }
 
 /// A chunk of the batch, planned.
@@ -101,7 +103,7 @@ struct Planned {
 
 /// A sampling chunk's inputs to the device sampler: (chunk index, first logits row, the
 /// drafter's q rows, the uniforms drawn ahead).
-type DeviceAsk = (usize, usize, Option<Vec<Vec<f32>>>, Vec<f64>);
+type DeviceAsk = (usize, usize, Option<DraftProbs>, Vec<f64>);
 
 /// What verification of one sampling chunk produced.
 struct Sampled {
@@ -390,7 +392,7 @@ impl ModelExecutor {
             .map(|(ci, row, q, us)| SampleReq {
                 row: *row,
                 drafts: &plan[*ci].tokens[1..=plan[*ci].num_draft],
-                q: q.as_deref(),
+                q: q.as_ref(),
                 uniforms: us,
             })
             .collect();
@@ -612,16 +614,16 @@ fn logits_row(p: &Planned, chunk_index: usize, all_rows: bool) -> usize {
 
 /// The drafter's q for chunk `p`'s drafts (the rows it gave when it proposed them), or
 /// `None` for one-hot q (no q, or a chunk without drafts); too few rows is an error.
-fn draft_q(p: &Planned, q: Option<Vec<Vec<f32>>>) -> Result<Option<Vec<Vec<f32>>>> {
+fn draft_q(p: &Planned, q: Option<DraftProbs>) -> Result<Option<DraftProbs>> {
     match (q, p.num_draft) {
         (_, 0) | (None, _) => Ok(None),
-        (Some(mut q), k) if q.len() >= k => {
+        (Some(mut q), k) if q.rows() >= k => {
             q.truncate(k);
             Ok(Some(q))
         }
         (Some(q), k) => Err(bad_batch(
             p.id,
-            format!("drafter gave {} q rows for {k} drafts", q.len()),
+            format!("drafter gave {} q rows for {k} drafts", q.rows()),
         )),
     }
 }
@@ -644,9 +646,10 @@ fn check_proposal(id: RequestId, p: &Proposal, max_draft: usize, vocab: usize) -
         )));
     }
     if let Some(q) = &p.probs {
-        if q.len() != p.tokens.len() || q.iter().any(|r| r.len() != vocab) {
+        if !q.shape_matches(p.tokens.len(), vocab) {
             return Err(bad(format!(
-                "q must be [{} drafts][{vocab}]",
+                "q must be [{} drafts][{vocab}] dense, or {} rows of k > 0 (id, p) pairs",
+                p.tokens.len(),
                 p.tokens.len()
             )));
         }

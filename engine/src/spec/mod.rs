@@ -31,13 +31,15 @@
 //! convention, the same ChaCha8 generator the simulator uses), so a seed
 //! reproduces a run.
 
+pub mod probs;
 pub mod sampling;
 pub mod verify;
 
+pub use probs::{check_draft_probs, DraftProbs, SparseProbs};
 pub use sampling::{SamplingParams, SAMPLING_EPS};
 pub use verify::{
-    check_draft_probs, max_uniforms, verify_greedy, verify_greedy_ids, verify_with_uniforms,
-    UniformVerdict, Verified, VerifyCtx,
+    max_uniforms, verify_greedy, verify_greedy_ids, verify_with_uniforms, UniformVerdict, Verified,
+    VerifyCtx,
 };
 
 use rand::SeedableRng;

@@ -50,6 +50,7 @@ use crate::sim::SpecMetrics;
 use crate::traits::Proposal;
 use crate::{EngineError, Result};
 
+use super::probs::check_draft_probs;
 use super::sampling::{
     argmax, check_logits, sample_index_with, target_probs, uniform, SamplingParams,
 };
@@ -227,29 +228,6 @@ fn check_inputs(
     }
 }
 
-/// The checks [`VerifyCtx::verify`] makes of a drafter's q: `num_draft` rows of `vocab`
-/// finite, non-negative entries (the device sampler takes only q that passes them).
-pub fn check_draft_probs(q: &[Vec<f32>], num_draft: usize, vocab: usize) -> Result<()> {
-    if q.len() != num_draft {
-        return Err(bad(format!(
-            "draft probs have {} rows for {num_draft} draft tokens",
-            q.len()
-        )));
-    }
-    for (i, row) in q.iter().enumerate() {
-        if row.len() != vocab {
-            return Err(bad(format!(
-                "draft probs row {i} has vocab {}, target vocab is {vocab}",
-                row.len()
-            )));
-        }
-        if let Some(j) = row.iter().position(|x| !x.is_finite() || *x < 0.0) {
-            return Err(bad(format!("draft probs row {i} entry {j} is {}", row[j])));
-        }
-    }
-    Ok(())
-}
-
 /// The sampling path of [`VerifyCtx::verify`] (shapes already checked, params not
 /// greedy) with every uniform taken from `draw`, in the order documented in the module
 /// header.
@@ -266,20 +244,16 @@ fn rejection_sample(
     for (i, &x) in draft.iter().enumerate() {
         let p = target_probs(rows[i], params)?;
         let xi = x as usize;
-        let q_row = proposal.probs.as_ref().map(|q| &q[i]);
-        let q_x = q_row.map_or(1.0, |q| f64::from(q[xi]));
+        let q = proposal.probs.as_ref();
+        let q_x = q.map_or(1.0, |q| f64::from(q.at(i, xi)));
         let u = draw();
         if q_x > 0.0 && u < p[xi] / q_x {
             tokens.push(x);
             continue;
         }
         // Rejected: sample the residual norm(max(0, p - q)).
-        let residual: Vec<f64> = match q_row {
-            Some(q) => p
-                .iter()
-                .zip(q)
-                .map(|(&pj, &qj)| (pj - f64::from(qj)).max(0.0))
-                .collect(),
+        let residual: Vec<f64> = match q {
+            Some(q) => q.residual(i, &p),
             None => p
                 .iter()
                 .enumerate()
@@ -370,7 +344,7 @@ pub fn verify_with_uniforms(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spec::seeded_rng;
+    use crate::spec::{seeded_rng, DraftProbs, SparseProbs};
 
     fn rows(r: &[&[f32]]) -> Vec<f32> {
         r.concat()
@@ -440,24 +414,35 @@ mod tests {
             tokens: vec![1],
             probs,
         };
-        assert!(is_bad(ctx.verify(&l, 3, &mk(Some(vec![vec![0.5, 0.5]])))));
         assert!(is_bad(ctx.verify(
             &l,
             3,
-            &mk(Some(vec![vec![0.5, 0.5, 0.0], vec![1.0, 0.0, 0.0]]))
+            &mk(Some(DraftProbs::Dense(vec![vec![0.5, 0.5]])))
         )));
         assert!(is_bad(ctx.verify(
             &l,
             3,
-            &mk(Some(vec![vec![0.5, 0.6, -0.1]]))
+            &mk(Some(DraftProbs::Dense(vec![
+                vec![0.5, 0.5, 0.0],
+                vec![1.0, 0.0, 0.0]
+            ])))
         )));
         assert!(is_bad(ctx.verify(
             &l,
             3,
-            &mk(Some(vec![vec![0.5, f32::NAN, 0.0]]))
+            &mk(Some(DraftProbs::Dense(vec![vec![0.5, 0.6, -0.1]])))
+        )));
+        assert!(is_bad(ctx.verify(
+            &l,
+            3,
+            &mk(Some(DraftProbs::Dense(vec![vec![0.5, f32::NAN, 0.0]])))
         )));
         assert!(ctx
-            .verify(&l, 3, &mk(Some(vec![vec![0.5, 0.5, 0.0]])))
+            .verify(
+                &l,
+                3,
+                &mk(Some(DraftProbs::Dense(vec![vec![0.5, 0.5, 0.0]])))
+            )
             .is_ok());
         let mut ctx = VerifyCtx::new(SamplingParams::random(3.0), &mut rng);
         assert!(matches!(
@@ -474,7 +459,7 @@ mod tests {
         let l = rows(&[&[0.0, 0.0, 0.0], &[0.0, 0.0, 0.0]]);
         let prop = Proposal {
             tokens: vec![1],
-            probs: Some(vec![vec![0.5, 0.0, 0.5]]),
+            probs: Some(DraftProbs::Dense(vec![vec![0.5, 0.0, 0.5]])),
         };
         for _ in 0..200 {
             let v = VerifyCtx::new(params, &mut rng)
@@ -489,7 +474,7 @@ mod tests {
         let l0 = rows(&[&[0.0, f32::NEG_INFINITY, 0.0], &[0.0, 0.0, 0.0]]);
         let prop = Proposal {
             tokens: vec![1],
-            probs: Some(vec![vec![1.0, 0.0, 1.0]]),
+            probs: Some(DraftProbs::Dense(vec![vec![1.0, 0.0, 1.0]])),
         };
         let mut seen = [0u32; 3];
         for _ in 0..200 {
@@ -537,7 +522,7 @@ mod tests {
         let mut b = seeded_rng(3);
         let prop = Proposal {
             tokens: vec![1],
-            probs: Some(vec![vec![0.0, 1.0, 0.0]]),
+            probs: Some(DraftProbs::Dense(vec![vec![0.0, 1.0, 0.0]])),
         };
         let v = VerifyCtx::new(SamplingParams::GREEDY, &mut a)
             .verify(&l, 3, &prop)
@@ -669,7 +654,7 @@ mod tests {
             });
             let prop = Proposal {
                 tokens: draft,
-                probs,
+                probs: probs.map(DraftProbs::Dense),
             };
             let mut rng = crate::spec::seeded_rng(case as u64);
             let mut ahead = rng.clone();
@@ -712,5 +697,66 @@ mod tests {
         assert!(
             verify_with_uniforms(&l, vocab, &prop, &SamplingParams::GREEDY, &[0.5, 0.5]).is_err()
         );
+    }
+
+    /// A sparse q (a candidate set's probabilities, every other token 0) verifies exactly
+    /// as its dense rows: same tokens and the same RNG position, for random drafts inside
+    /// and outside the candidate sets, with and without top-k / top-p.
+    #[test]
+    fn sparse_q_verifies_as_its_dense_rows() {
+        use rand::seq::SliceRandom;
+        use rand::{Rng, SeedableRng};
+        let mut gen = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let vocab = 9;
+        let mut outside = 0;
+        for case in 0..2000u64 {
+            let p = if case % 2 == 0 {
+                SamplingParams::random(0.9)
+            } else {
+                SamplingParams {
+                    temperature: 1.1,
+                    top_k: 5,
+                    top_p: 0.8,
+                }
+            };
+            let (k, kq) = (gen.random_range(1..5usize), gen.random_range(1..5usize));
+            let logits: Vec<f32> = (0..(k + 1) * vocab)
+                .map(|_| gen.random_range(-2.0..2.0))
+                .collect();
+            let mut ids = Vec::new();
+            let mut ps = Vec::new();
+            let mut draft = Vec::new();
+            for _ in 0..k {
+                let mut row: Vec<u32> = (0..vocab as u32).collect();
+                row.shuffle(&mut gen);
+                row.truncate(kq);
+                let w: Vec<f32> = (0..kq).map(|_| gen.random_range(0.0..1.0)).collect();
+                let sum: f32 = w.iter().sum();
+                ps.extend(w.iter().map(|x| x / sum));
+                let x = if gen.random_bool(0.8) {
+                    row[0]
+                } else {
+                    gen.random_range(0..vocab as u32)
+                };
+                outside += usize::from(!row.contains(&x));
+                draft.push(x);
+                ids.extend(row);
+            }
+            let sparse = DraftProbs::Sparse(SparseProbs { k: kq, ids, p: ps });
+            let dense = DraftProbs::Dense(sparse.to_dense(vocab));
+            let run = |q: DraftProbs| {
+                let prop = Proposal {
+                    tokens: draft.clone(),
+                    probs: Some(q),
+                };
+                let mut rng = seeded_rng(case);
+                let v = VerifyCtx::new(p, &mut rng)
+                    .verify(&logits, vocab, &prop)
+                    .unwrap();
+                (v, rng.next_u64())
+            };
+            assert_eq!(run(sparse), run(dense), "case {case}");
+        }
+        assert!(outside > 100, "drafts outside the candidate set: {outside}");
     }
 }
