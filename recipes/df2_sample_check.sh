@@ -30,17 +30,7 @@ rc=0
 keep() { cp "$@" "$FINAL/" 2>/dev/null; }
 timeout 240 "$CHK" --model models/tiny --parity-only --json "$W/gpu_check.json" > "$W/gpu_check.log" 2>&1 || rc=1
 keep "$W/gpu_check.json"
-python3 - "$W/gpu_check.json" <<'PY' || rc=1
-import json, sys
-d = json.load(open(sys.argv[1]))
-lines = d.get("parity") or []
-bad = [l for l in lines if not l.get("pass")]
-for l in lines:
-    if "sampler" in l["name"] or "sampled" in l["name"] or not l.get("pass"):
-        print(f"{l['name']}: {l['value']:g} (bound {l['bound']:g}) {'ok' if l['pass'] else 'FAIL'}")
-print(f"gpu_check parity: {len(lines) - len(bad)} of {len(lines)} lines pass")
-sys.exit(1 if bad or not lines else 0)
-PY
+python3 recipes/parity_summary.py "$W/gpu_check.json" sampler sampled || rc=1
 timeout 150 "$BIN" run experiments/acceptance-tiny-cuda.ron --out "$W/acceptance-tiny-cuda.json" \
   > "$W/acceptance.log" 2>&1 || { rc=1; echo "acceptance failed: $(tail -2 "$W/acceptance.log")"; }
 keep "$W/acceptance-tiny-cuda.json"

@@ -189,10 +189,16 @@ enum Engine {
     CudaHostPicker,
 }
 
-/// The device DFlash2 (v2) drafter with the CPU picker for sampled drafts.
-struct HostPickerDf2<'a>(&'a DrafterSpec);
+/// A spec's KV groups and N, with its drafter built by `.1` (a device drafter with one of
+/// its switches set).
+type BuildFn = fn(
+    &DrafterSpec,
+    &speclab_engine::model::ModelConfig,
+    &speclab_engine::kv::KvCacheManager,
+) -> speclab_engine::Result<Box<dyn speclab_engine::Drafter>>;
+struct Switched<'a>(&'a DrafterSpec, BuildFn);
 
-impl speclab_engine::exec::DrafterFactory for HostPickerDf2<'_> {
+impl speclab_engine::exec::DrafterFactory for Switched<'_> {
     fn num_speculative_tokens(&self) -> usize {
         self.0.num_speculative_tokens()
     }
@@ -204,40 +210,35 @@ impl speclab_engine::exec::DrafterFactory for HostPickerDf2<'_> {
         target: &speclab_engine::model::ModelConfig,
         kv: &speclab_engine::kv::KvCacheManager,
     ) -> speclab_engine::Result<Box<dyn speclab_engine::Drafter>> {
-        let w = self.0.dflash.clone().ok_or_else(|| {
-            speclab_engine::EngineError::Unsupported("HostPickerDf2 needs a DFlash2 spec".into())
-        })?;
-        let mut d = speclab_cuda::CudaDFlash2::new(
-            w,
-            target,
-            kv,
-            self.0.num_speculative_tokens(),
-            speclab_drafters::dflash2::DraftMode::V2,
-        )?;
-        d.host_sampled_walk = true;
-        Ok(Box::new(d))
+        (self.1)(self.0, target, kv)
     }
 }
 
 /// The device MTP chain with its first pass unpadded (the host drafter's exact rows).
-struct UnpaddedMtp<'a>(&'a DrafterSpec);
+fn unpadded_mtp(
+    spec: &DrafterSpec,
+    target: &speclab_engine::model::ModelConfig,
+    _kv: &speclab_engine::kv::KvCacheManager,
+) -> speclab_engine::Result<Box<dyn speclab_engine::Drafter>> {
+    let mut d = speclab_cuda::mtp::CudaMtp::new(target, spec.num_speculative_tokens)?;
+    d.pad_first_pass = false;
+    Ok(Box::new(d))
+}
 
-impl speclab_engine::exec::DrafterFactory for UnpaddedMtp<'_> {
-    fn num_speculative_tokens(&self) -> usize {
-        self.0.num_speculative_tokens()
-    }
-    fn kv_groups(&self) -> speclab_engine::Result<Vec<speclab_engine::kv::GroupSpec>> {
-        self.0.kv_groups()
-    }
-    fn build(
-        &self,
-        target: &speclab_engine::model::ModelConfig,
-        _kv: &speclab_engine::kv::KvCacheManager,
-    ) -> speclab_engine::Result<Box<dyn speclab_engine::Drafter>> {
-        let mut d = speclab_cuda::mtp::CudaMtp::new(target, self.0.num_speculative_tokens())?;
-        d.pad_first_pass = false;
-        Ok(Box::new(d))
-    }
+/// The device DFlash2 (v2) drafter with the CPU picker for sampled drafts.
+fn host_picker_df2(
+    spec: &DrafterSpec,
+    target: &speclab_engine::model::ModelConfig,
+    kv: &speclab_engine::kv::KvCacheManager,
+) -> speclab_engine::Result<Box<dyn speclab_engine::Drafter>> {
+    let w = spec.dflash.clone().ok_or_else(|| {
+        speclab_engine::EngineError::Unsupported("host_picker_df2 needs a DFlash2 spec".into())
+    })?;
+    let n = spec.num_speculative_tokens;
+    let v2 = speclab_drafters::dflash2::DraftMode::V2;
+    let mut d = speclab_cuda::CudaDFlash2::new(w, target, kv, n, v2)?;
+    d.host_sampled_walk = true;
+    Ok(Box::new(d))
 }
 
 /// One step-loop run of `spec` (greedy unless `temperature`), 5 requests at 3
@@ -294,12 +295,22 @@ fn drafter_run(
             &mut make,
         )?,
         Engine::CudaHostDrafter => generate_on(&f, target, spec, &reqs, &opts, &mut make)?,
-        Engine::CudaMtpUnpadded => {
-            generate_on(&f, target, &UnpaddedMtp(spec), &reqs, &opts, &mut make)?
-        }
-        Engine::CudaHostPicker => {
-            generate_on(&f, target, &HostPickerDf2(spec), &reqs, &opts, &mut make)?
-        }
+        Engine::CudaMtpUnpadded => generate_on(
+            &f,
+            target,
+            &Switched(spec, unpadded_mtp),
+            &reqs,
+            &opts,
+            &mut make,
+        )?,
+        Engine::CudaHostPicker => generate_on(
+            &f,
+            target,
+            &Switched(spec, host_picker_df2),
+            &reqs,
+            &opts,
+            &mut make,
+        )?,
         Engine::Cpu => generate_on(
             &speclab_engine::backend::CpuBackend,
             target,

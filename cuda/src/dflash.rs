@@ -556,9 +556,7 @@ impl CudaDFlash2 {
         let cands = self.candidates(be, anchors)?;
         let mut out = Vec::with_capacity(anchors.len());
         for (b, (a, c)) in anchors.iter().zip(cands).enumerate() {
-            let rng = rngs.get_mut(b).and_then(|r| r.as_mut()).ok_or_else(|| {
-                CudaError::Input("sampling drafts (temperature > 0) needs an RNG".into())
-            })?;
+            let rng = request_rng(rngs, b)?;
             let (tokens, p) = walk_sampled(
                 sel,
                 rank,
@@ -566,7 +564,7 @@ impl CudaDFlash2 {
                 (&c.ids, &c.unary, &c.g),
                 k,
                 temperature,
-                &mut **rng,
+                rng,
             );
             out.push(Proposal {
                 tokens,
@@ -604,18 +602,23 @@ impl CudaDFlash2 {
                 temperature,
                 trace: false,
             };
-            let rng = rngs
-                .get_mut(b)
-                .and_then(|r| r.as_mut())
-                .map(|r| &mut **r as &mut dyn RngCore);
-            if rng.is_none() {
-                return Err(CudaError::Input(
-                    "sampling drafts (temperature > 0) needs an RNG".into(),
-                ));
-            }
-            out.push(pick_rows(&self.w, hid, rows, &req, rng)?);
+            let rng = request_rng(rngs, b)?;
+            out.push(pick_rows(&self.w, hid, rows, &req, Some(rng))?);
         }
         Ok(out)
+    }
+}
+
+/// Request `b`'s RNG for a sampled draft (an error when the step gave none).
+fn request_rng<'a>(
+    rngs: &'a mut [Option<&mut dyn RngCore>],
+    b: usize,
+) -> Result<&'a mut dyn RngCore> {
+    match rngs.get_mut(b) {
+        Some(Some(r)) => Ok(&mut **r),
+        _ => Err(CudaError::Input(
+            "sampling drafts (temperature > 0) needs an RNG".into(),
+        )),
     }
 }
 
