@@ -15,6 +15,7 @@ fn tmpdir(tag: &str) -> std::path::PathBuf {
 fn speclab(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_speclab"))
         .args(args)
+        .env("SPECLAB_TEST_SWITCH", "0")
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .expect("run speclab")
@@ -50,6 +51,12 @@ fn cpu_bench_writes_rows_with_matching_outputs() {
     let rec = cpu_record(&out, &args);
     assert_eq!(rec["kind"], "bench-e2e");
     assert_eq!(rec["outputs_all_match"], true);
+    // The run's SPECLAB_* switches are in the record.
+    assert_eq!(
+        rec["switches"]["SPECLAB_TEST_SWITCH"], "0",
+        "{}",
+        rec["switches"]
+    );
     let rows = rec["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 4, "2 concurrencies x 2 drafters");
     for r in rows {

@@ -697,12 +697,21 @@ fn concurrency_rows(
     Ok(rows)
 }
 
+/// The `SPECLAB_*` environment variables of this run (the A/B switches of cuda/README.md,
+/// e.g. `SPECLAB_DEVICE_SAMPLE=0`), sorted, so a record says which variant it measured.
+fn speclab_switches() -> std::collections::BTreeMap<String, String> {
+    std::env::vars()
+        .filter(|(k, _)| k.starts_with("SPECLAB_") && k != "SPECLAB_KERNEL_CACHE")
+        .collect()
+}
+
 fn write_record(a: &E2eArgs, facts: &DeviceFacts, rows: &[Row], ok: bool) -> anyhow::Result<()> {
     let record = serde_json::json!({
         "kind": "bench-e2e",
         "git_commit": a.commit.clone().or_else(speclab_experiments::record::git_commit),
         "measured_unix_s": speclab_experiments::record::now_unix(),
         "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "switches": speclab_switches(),
         "device": format!("{:?}", a.device).to_lowercase(),
         "model": a.model.display().to_string(),
         "prompt_len": a.prompt_len,
