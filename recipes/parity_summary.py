@@ -12,7 +12,11 @@ import sys
 
 def main() -> int:
     path, words = sys.argv[1], sys.argv[2:]
-    d = json.load(open(path))
+    try:
+        d = json.load(open(path))
+    except (OSError, ValueError) as e:
+        print(f"gpu_check parity: no record ({e})")
+        return 1
     lines = d.get("parity") or []
     bad = [l for l in lines if not l.get("pass")]
     for l in lines:

@@ -16,19 +16,8 @@
 # $OUT/logs.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ -n "${COMMIT:-}" ] && export SPECLAB_GIT_COMMIT="$COMMIT"
-FINAL="${OUT:-/tmp/sample-check-out}"
-mkdir -p "$FINAL"
-# Records are copied to $FINAL as each step ends (a call cut short keeps what finished);
-# their lock and timing files stay in $W.
-W=$(mktemp -d)
-exec > >(tee "$FINAL/summary.txt") 2>&1
-source recipes/cuda_env.sh
-BIN=target/gpu-check/speclab
-CHK=target/gpu-check/gpu_check
-C=(--commit "${COMMIT:-unknown}")
-rc=0
-keep() { cp "$@" "$FINAL/" 2>/dev/null; }
+DEFAULT_OUT=/tmp/sample-check-out
+source recipes/call_prelude.sh
 timeout 240 "$CHK" --model models/tiny --parity-only --json "$W/gpu_check.json" > "$W/gpu_check.log" 2>&1 || rc=1
 keep "$W/gpu_check.json"
 python3 recipes/parity_summary.py "$W/gpu_check.json" sampler || rc=1
