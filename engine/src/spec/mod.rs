@@ -1,9 +1,10 @@
 //! Speculative decoding: lossless verification and acceptance bookkeeping.
 //!
 //! What it holds: [`sampling`] (the target's sampling parameters, logits ->
-//! distribution, seeded draws) and [`verify`] (greedy and rejection-sampling
-//! verification of a drafter's [`Proposal`](crate::Proposal) against one
-//! target verify pass, vLLM 0.33.0 `rejection_sampler.py` semantics). The
+//! distribution, seeded draws), [`probs`] (a drafter's q, dense or sparse) and
+//! [`verify`] (greedy and rejection-sampling verification of a drafter's
+//! [`Proposal`](crate::Proposal) against one target verify pass, vLLM 0.33.0
+//! `rejection_sampler.py` semantics). The
 //! acceptance counters are [`SpecMetrics`] from [`crate::sim`] with vLLM's
 //! definitions; [`Verified::observe`] feeds them and
 //! [`fitted_acceptance_model`] turns measured counters into the
