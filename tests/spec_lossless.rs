@@ -36,10 +36,11 @@ const LOGITS: [[f32; V]; 3] = [
     [0.5, -0.3, 1.1, 0.2, -0.8, 0.7],
 ];
 
-/// Draft distributions for the 2 draft positions; q0 has a zero where p > 0.
+/// Draft distributions for the 2 draft positions; each has one zero where p > 0 (so the
+/// sparse form below leaves a token out of every row).
 const Q: [[f32; V]; 2] = [
     [0.30, 0.0, 0.25, 0.05, 0.25, 0.15],
-    [0.05, 0.10, 0.40, 0.20, 0.05, 0.20],
+    [0.05, 0.10, 0.40, 0.25, 0.0, 0.20],
 ];
 
 fn flat_logits() -> Vec<f32> {
@@ -183,15 +184,22 @@ enum QForm {
     Sparse,
 }
 
-/// Q as sparse rows: every token, in the order 3, 0, 5, 1, 4, 2.
+/// Q as sparse rows: each row's nonzero entries (5 of 6), in the order 3, 0, 5, 1, 4, 2.
 fn sparse_q_rows() -> DraftProbs {
-    let order = [3u32, 0, 5, 1, 4, 2];
-    let ids: Vec<u32> = Q.iter().flat_map(|_| order).collect();
-    let p = Q
-        .iter()
-        .flat_map(|r| order.iter().map(|&i| r[i as usize]))
-        .collect();
-    DraftProbs::Sparse(SparseProbs { k: V, ids, p })
+    let order = [3usize, 0, 5, 1, 4, 2];
+    let (mut ids, mut p) = (Vec::new(), Vec::new());
+    for row in &Q {
+        for &i in order.iter().filter(|&&i| row[i] > 0.0) {
+            ids.push(i as u32);
+            p.push(row[i]);
+        }
+    }
+    assert_eq!(
+        ids.len(),
+        2 * (V - 1),
+        "every row of Q has exactly one zero"
+    );
+    DraftProbs::Sparse(SparseProbs { k: V - 1, ids, p })
 }
 
 /// Run `DRAWS` draft + verify steps of the real verifier.

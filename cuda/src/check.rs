@@ -457,10 +457,6 @@ impl Rig {
     }
 }
 
-/// The device sampler (`crate::sample`) against its host reference
-/// (`verify_with_uniforms`) on the logits the last forward left on the device (`logits`
-/// is their host copy): 400 chunks of 0..=3 drafts anywhere in those rows, drafts the
-/// greedy tokens or not, q one-hot or a random distribution, under temperature alone,
 /// A sparse q for `drafts` (a selector's candidate sets): 1..=16 distinct ids a row over
 /// `v` tokens, the row's draft among them most of the time, normalized random weights.
 fn sparse_q(
@@ -493,7 +489,12 @@ fn sparse_q(
     speclab_engine::spec::DraftProbs::Sparse(speclab_engine::spec::SparseProbs { k: kq, ids, p })
 }
 
-/// top-k, top-p and both. Every verdict (tokens and uniforms consumed) must be equal.
+/// The device sampler (`crate::sample`) against its host reference
+/// (`verify_with_uniforms`) on the logits the last forward left on the device (`logits`
+/// is their host copy): 400 chunks of 0..=3 drafts anywhere in those rows, drafts the
+/// greedy tokens or not, q one-hot, a dense random distribution or sparse rows
+/// ([`sparse_q`]), under temperature alone, top-k, top-p and both. Every verdict (tokens
+/// and uniforms consumed) must be equal.
 fn sampler_parity(
     gpu: &mut CudaBackend,
     out: &mut Vec<CheckLine>,

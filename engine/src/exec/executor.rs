@@ -81,8 +81,8 @@ struct ReqModel {
     slot: ReqSlot,
     /// Seeded from (run seed, request id) on first sight; survives preemption.
     rng: SpecRng,
-    /// The drafter's q for the drafts it last proposed (rejection sampling). Shape:
-    /// [num_draft][vocab].
+    /// The drafter's q for the drafts it last proposed (rejection sampling): num_draft
+    /// rows, dense or sparse.
     q: Option<DraftProbs>,
 }
 

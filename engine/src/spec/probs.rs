@@ -147,9 +147,9 @@ fn bad(reason: String) -> EngineError {
 /// probability finite and non-negative (the device sampler takes only q that passes).
 pub fn check_draft_probs(q: &DraftProbs, num_draft: usize, vocab: usize) -> Result<()> {
     if let DraftProbs::Sparse(s) = q {
-        if s.k == 0 || s.ids.len() != s.p.len() || s.ids.len() % s.k != 0 {
+        if !q.shape_matches(num_draft, vocab) {
             return Err(bad(format!(
-                "sparse draft probs: {} ids and {} probabilities are not rows of k = {} pairs",
+                "sparse draft probs: {} ids and {} probabilities are not {num_draft} rows of k = {} pairs",
                 s.ids.len(),
                 s.p.len(),
                 s.k
