@@ -17,6 +17,7 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 use speclab_cuda::check::{self, CheckLine, ProfileRow, TimingRow};
+use speclab_cuda::prefill::PrefillRow;
 use speclab_drafters::DrafterSpec;
 use speclab_engine::exec::{generate_on, EngineOptions, EngineRequest, EngineRun};
 use speclab_engine::kv::CapPolicy;
@@ -35,6 +36,9 @@ struct Report {
     copy_gb_s: f64,
     weight_bytes: usize,
     profile: Vec<ProfileRow>,
+    /// Prefill steps with the chunked KDA kernels off and on (`speclab_cuda::prefill`).
+    prefill: Vec<PrefillRow>,
+    prefill_error: Option<String>,
     /// `SPECLAB_PDL` as this run saw it (programmatic dependent launch unless 0 / off).
     pdl_env: Option<String>,
 }
@@ -63,6 +67,7 @@ fn main() {
             return Ok(Vec::new());
         }
         let mut l = check::parity(&model)?;
+        speclab_cuda::prefill::parity(&model, &mut l)?;
         l.extend(drafter_parity(&model, &drafter)?);
         Ok::<_, Box<dyn std::error::Error>>(l)
     });
@@ -95,6 +100,20 @@ fn main() {
             Some("timing panicked (see stderr)".to_string()),
         ),
     };
+    let shapes: &[(usize, usize)] = if parity_only {
+        &[]
+    } else {
+        &[(1, 256), (1, 1024), (1, 4000), (8, 512), (6, 4000)]
+    };
+    let caught = std::panic::catch_unwind(|| speclab_cuda::prefill::timing(&model, shapes, 3));
+    let (prefill, prefill_error) = match caught {
+        Ok(Ok(r)) => (r, None),
+        Ok(Err(e)) => (Vec::new(), Some(e.to_string())),
+        Err(_) => (
+            Vec::new(),
+            Some("prefill timing panicked (see stderr)".to_string()),
+        ),
+    };
     let report = Report {
         device: speclab_cuda::device::device_count()
             .ok()
@@ -108,6 +127,8 @@ fn main() {
         copy_gb_s,
         weight_bytes,
         profile,
+        prefill,
+        prefill_error,
         pdl_env: std::env::var("SPECLAB_PDL").ok(),
     };
     match serde_json::to_string_pretty(&report) {
@@ -124,6 +145,7 @@ fn main() {
         println!("timing ERROR: {e}");
     }
     print_profile(&report.profile);
+    print_prefill(&report);
     println!("\n| batch | graphs | us/step | GPU us/step (graph replay) | host meta / upload / launch / read-back us | tok/s | kernels/step |");
     println!("|---|---|---|---|---|---|---|");
     for r in &report.timing {
@@ -427,4 +449,29 @@ fn compare_runs(
         ),
         steps as f64,
     );
+}
+
+/// The prefill table: per-token KDA recurrence against the chunked kernels.
+fn print_prefill(r: &Report) {
+    if let Some(e) = &r.prefill_error {
+        println!("prefill timing ERROR: {e}");
+    }
+    if r.prefill.is_empty() {
+        return;
+    }
+    println!("\n| prompts x tokens | prefill ms (per-token KDA) | prefill ms (chunked) | x | KDA kernels ms per-token / chunked | prompt tok/s (chunked) |");
+    println!("|---|---|---|---|---|---|");
+    for p in &r.prefill {
+        println!(
+            "| {} x {} | {:.2} | {:.2} | {:.2} | {:.2} / {:.2} | {:.0} |",
+            p.prompts,
+            p.tokens,
+            p.ms_recurrent,
+            p.ms_chunked,
+            p.ms_recurrent / p.ms_chunked.max(1e-9),
+            p.kda_ms_recurrent,
+            p.kda_ms_chunked,
+            p.tok_per_s_chunked
+        );
+    }
 }

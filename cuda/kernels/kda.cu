@@ -418,3 +418,238 @@ extern "C" __global__ void kda_gate_norm(float* __restrict__ out, const float* _
     float* dst = out + (size_t)t * C + (size_t)h * dl;
     for (int i = lane; i < dl; i += WARP) dst[i] = orow[i] * inv * o_norm[i] * sigmoid_f(g[i]);
 }
+
+// ---- Chunked prefill: kda_chunk_prep_{DL}, kda_chunk_scan_{DL} ----
+// The chunkwise gated delta rule (cuda/src/kda_chunk.rs: the derivation and the host
+// reference these kernels follow, sum for sum), for steps whose spans take no snapshots
+// (prefill): chunks of BT tokens; the prep runs every (chunk, head) at once (the conv of
+// its rows, the norms and gates, A, B and the triangular solve), the scan walks each
+// sequence's chunks in order with the state's value columns spread over blocks.
+// Chunk c of span s (first row r = row0[s] + c BT) owns slot s + r / BT of ck, nl heads
+// a slot, CK floats a head: W [BT, DL], U~ [BT, DL], Q~ [BT, DL], K- [BT, DL],
+// B [BT, BT], gamma [DL] (rows past the chunk's L tokens unused; B zero past them).
+template <int DL>
+struct KdaChunk {
+    static constexpr int BT = DL >= 128 ? 16 : 32;
+    static constexpr int CK = 4 * BT * DL + BT * BT + DL;
+};
+
+// Block (c, s, h): chunk c of span s, head h.  Block 256 threads.
+// Shapes: ck [slots, nl, CK], xin [T, xin_stride] (pre-conv q | k | v at 0, b at b_col),
+// fg [T, 2C] (f at 0), taps [3C, kc], A_log [nl], dt_bias [C].
+// Conv: kda_conv's sums bit for bit (taps j < kc - 1 over the kc - 1 earlier inputs from
+// the span's rows or, before its first row, the page's conv window; then the current
+// input).  Chunk 0's block alone reads the old window (later chunks start >= BT > kc - 1
+// rows in) and, after its reads, writes the span's new window (the last kc - 1 inputs).
+template <int DL>
+__device__ __forceinline__ void kda_chunk_prep_impl(
+    float* __restrict__ ck, const float* __restrict__ xin, int xin_stride, int b_col,
+    const float* __restrict__ fg, const float* __restrict__ taps, int kc,
+    const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ pool,
+    long long layer_off, long long fpb, int nl, float qscale, const int* __restrict__ row0,
+    const int* __restrict__ len, const int* __restrict__ pos0,
+    const int* __restrict__ state_tables, int max_state) {
+    pdl_enter();
+    constexpr int BT = KdaChunk<DL>::BT, CK = KdaChunk<DL>::CK, P = DL + 1;
+    __shared__ float sq[BT][P], sk[BT][P], sv[BT][P], sg[BT][P];
+    __shared__ float sa[BT][BT];
+    __shared__ float sb[BT];
+    const int ci = blockIdx.x, s = blockIdx.y, h = blockIdx.z;
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const int C = nl * DL;
+    const int n = len[s], t0 = ci * BT;
+    if (t0 >= n) return;
+    const int L = min(BT, n - t0);
+    const int base = row0[s], r0 = base + t0;
+    float* out = ck + ((size_t)(s + r0 / BT) * nl + h) * CK;
+    const bool fresh = pos0[s] == 0;
+    float* conv0 = pool + (long long)state_tables[(size_t)s * max_state] * fpb + layer_off;
+    // 1. Conv + SiLU of the chunk's q, k, v channels of head h.
+    for (int e = tid; e < L * 3 * DL; e += nt) {
+        const int t = e / (3 * DL), w = (e / DL) % 3, i = e % DL;
+        const int c3 = w * C + h * DL + i;
+        const float* tp = taps + (size_t)c3 * kc;
+        float acc = 0.0f;
+        for (int j = 0; j < kc - 1; ++j) {
+            const int m = t0 + t - (kc - 1) + j;  // position in the span
+            float x = 0.0f;
+            if (m >= 0)
+                x = xin[(size_t)(base + m) * xin_stride + c3];
+            else if (!fresh)
+                x = conv0[((long long)w * (kc - 1) + (kc - 1 + m)) * C + h * DL + i];
+            acc += tp[j] * x;
+        }
+        acc += tp[kc - 1] * xin[(size_t)(r0 + t) * xin_stride + c3];
+        const float y = silu_f(acc);
+        if (w == 0) sq[t][i] = y;
+        else if (w == 1) sk[t][i] = y;
+        else sv[t][i] = y;
+    }
+    const float neg_a = -expf(a_log[h]);
+    for (int e = tid; e < L * DL; e += nt) {
+        const int t = e / DL, i = e % DL;
+        sg[t][i] = neg_a * softplus_f(fg[(size_t)(r0 + t) * 2 * C + h * DL + i] + dt_bias[h * DL + i]);
+    }
+    if (tid < L) sb[tid] = sigmoid_f(xin[(size_t)(r0 + tid) * xin_stride + b_col + h]);
+    __syncthreads();
+    for (int ch = tid; ci == 0 && ch < 3 * DL; ch += nt) {
+        // The span's new window (one thread a channel: its reads precede its writes).
+        const int w = ch / DL, i = ch % DL;
+        const int c3 = w * C + h * DL + i;
+        float nw[KC_MAX - 1];
+#pragma unroll
+        for (int q = 0; q < KC_MAX - 1; ++q) {
+            const int m = n - (kc - 1) + q;
+            float x = 0.0f;
+            if (q >= kc - 1)
+                x = 0.0f;
+            else if (m >= 0)
+                x = xin[(size_t)(base + m) * xin_stride + c3];
+            else if (!fresh)
+                x = conv0[((long long)w * (kc - 1) + (kc - 1 + m)) * C + h * DL + i];
+            nw[q] = x;
+        }
+#pragma unroll
+        for (int q = 0; q < KC_MAX - 1; ++q)
+            if (q < kc - 1) conv0[((long long)w * (kc - 1) + q) * C + h * DL + i] = nw[q];
+    }
+    // 2. q, k l2 norms (a warp a token) and the inclusive cumulative log-decay.
+    const int lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
+    for (int t = warp; t < L; t += nw) {
+        float a = 0.0f, b = 0.0f;
+        for (int i = lane; i < DL; i += WARP) {
+            a += sq[t][i] * sq[t][i];
+            b += sk[t][i] * sk[t][i];
+        }
+        a = warp_sum(a);
+        b = warp_sum(b);
+        const float ra = sqrtf(a + 1e-6f), rb = sqrtf(b + 1e-6f);
+        for (int i = lane; i < DL; i += WARP) {
+            sq[t][i] = sq[t][i] / ra * qscale;
+            sk[t][i] = sk[t][i] / rb;
+        }
+    }
+    if (tid < DL)
+        for (int t = 1; t < L; ++t) sg[t][tid] = sg[t - 1][tid] + sg[t][tid];
+    __syncthreads();
+    // 3. A (strictly lower, into shared) and B (lower with the diagonal, out).
+    float* ob = out + 4 * BT * DL;
+    for (int e = tid; e < BT * BT; e += nt) {
+        const int t = e / BT, q = e % BT;
+        float da = 0.0f, db = 0.0f;
+        if (t < L && q <= t) {
+#pragma unroll 8
+            for (int i = 0; i < DL; ++i) {
+                const float kk = sk[q][i] * expf(sg[t][i] - sg[q][i]);
+                da += sk[t][i] * kk;
+                db += sq[t][i] * kk;
+            }
+        }
+        const bool in = t < L && q <= t;
+        sa[t][q] = in && q < t ? sb[q] * da : 0.0f;
+        ob[e] = in ? sb[q] * db : 0.0f;
+    }
+    // Q~, K- and gamma (before the solve overwrites sk).
+    for (int e = tid; e < L * DL; e += nt) {
+        const int t = e / DL, i = e % DL;
+        out[2 * BT * DL + e] = expf(sg[t][i]) * sq[t][i];
+        out[3 * BT * DL + e] = sb[t] * expf(sg[L - 1][i] - sg[t][i]) * sk[t][i];
+    }
+    if (tid < DL) out[4 * BT * DL + BT * BT + tid] = expf(sg[L - 1][tid]);
+    __syncthreads();
+    // 4. (I + A) [W | U~] = [K~ | V], forward substitution, one thread a column, in place.
+    for (int col = tid; col < 2 * DL; col += nt) {
+        const bool kcol = col < DL;
+        const int i = kcol ? col : col - DL;
+        for (int t = 0; t < L; ++t) {
+            float r = kcol ? expf(sg[t][i]) * sk[t][i] : sv[t][i];
+            for (int q = 0; q < t; ++q) r -= sa[t][q] * (kcol ? sk[q][i] : sv[q][i]);
+            if (kcol) sk[t][i] = r;
+            else sv[t][i] = r;
+        }
+    }
+    __syncthreads();
+    for (int e = tid; e < L * DL; e += nt) {
+        const int t = e / DL, i = e % DL;
+        out[e] = sk[t][i];
+        out[BT * DL + e] = sv[t][i];
+    }
+}
+
+// Block (h, s, jg): head h of span s, value columns jg * 32 .. + 32.  Block 256 threads:
+// lane j a column, warp r every 8th token / key row.  The state's columns live in shared
+// memory from table[0]'s page (zeros at position 0) and go back there after the last
+// chunk.  Per chunk: u = U~ - W S; o = Q~ S + B u; S = diag(gamma) S + K-^T u.
+// Shapes: o [T, C], ck as kda_chunk_prep's.
+template <int DL>
+__device__ __forceinline__ void kda_chunk_scan_impl(
+    float* __restrict__ o, const float* __restrict__ ck, float* __restrict__ pool,
+    long long layer_off, long long fpb, int conv_len, int nl, const int* __restrict__ row0,
+    const int* __restrict__ len, const int* __restrict__ pos0,
+    const int* __restrict__ state_tables, int max_state) {
+    pdl_enter();
+    constexpr int BT = KdaChunk<DL>::BT, CK = KdaChunk<DL>::CK, JB = 32;
+    __shared__ float ss[DL][JB];
+    __shared__ float su[BT][JB];
+    const int h = blockIdx.x, s = blockIdx.y, jg = blockIdx.z;
+    const int j = threadIdx.x & 31, r = threadIdx.x >> 5, nr = blockDim.x >> 5;
+    const int C = nl * DL, J = jg * JB + j;
+    float* page = pool + (long long)state_tables[(size_t)s * max_state] * fpb + layer_off +
+                  conv_len + (long long)h * DL * DL + J;
+    const bool fresh = pos0[s] == 0;
+    for (int i = r; i < DL; i += nr) ss[i][j] = fresh ? 0.0f : page[(long long)i * DL];
+    __syncthreads();
+    const int n = len[s], base = row0[s];
+    for (int t0 = 0; t0 < n; t0 += BT) {
+        const int L = min(BT, n - t0);
+        const float* c = ck + ((size_t)(s + (base + t0) / BT) * nl + h) * CK;
+        const float *W = c, *U = c + BT * DL, *Q = c + 2 * BT * DL, *K = c + 3 * BT * DL;
+        const float *B = c + 4 * BT * DL, *gam = B + BT * BT;
+        for (int t = r; t < L; t += nr) {
+            float dot = 0.0f;
+#pragma unroll 8
+            for (int i = 0; i < DL; ++i) dot += W[t * DL + i] * ss[i][j];
+            su[t][j] = U[t * DL + J] - dot;
+        }
+        __syncthreads();
+        for (int t = r; t < L; t += nr) {
+            float acc = 0.0f;
+#pragma unroll 8
+            for (int i = 0; i < DL; ++i) acc += Q[t * DL + i] * ss[i][j];
+            for (int q = 0; q <= t; ++q) acc += B[t * BT + q] * su[q][j];
+            o[(size_t)(base + t0 + t) * C + h * DL + J] = acc;
+        }
+        __syncthreads();  // every read of ss above precedes its update
+        for (int i = r; i < DL; i += nr) {
+            float acc = gam[i] * ss[i][j];
+            for (int q = 0; q < L; ++q) acc += K[q * DL + i] * su[q][j];
+            ss[i][j] = acc;
+        }
+        __syncthreads();
+    }
+    for (int i = r; i < DL; i += nr) page[(long long)i * DL] = ss[i][j];
+}
+
+#define KDA_CHUNKED(DL)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) kda_chunk_prep_##DL(                   \
+        float* ck, const float* xin, int xin_stride, int b_col, const float* fg,              \
+        const float* taps, int kc, const float* a_log, const float* dt_bias, float* pool,     \
+        long long layer_off, long long fpb, int nl, float qscale, const int* row0,            \
+        const int* len, const int* pos0, const int* state_tables, int max_state) {            \
+        kda_chunk_prep_impl<DL>(ck, xin, xin_stride, b_col, fg, taps, kc, a_log, dt_bias,     \
+                                pool, layer_off, fpb, nl, qscale, row0, len, pos0,            \
+                                state_tables, max_state);                                     \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) kda_chunk_scan_##DL(                   \
+        float* o, const float* ck, float* pool, long long layer_off, long long fpb,          \
+        int conv_len, int nl, const int* row0, const int* len, const int* pos0,               \
+        const int* state_tables, int max_state) {                                             \
+        kda_chunk_scan_impl<DL>(o, ck, pool, layer_off, fpb, conv_len, nl, row0, len, pos0,   \
+                                state_tables, max_state);                                     \
+    }
+
+// Launch: prep grid (ceil(max span len / BT), S, nl), block 256; scan grid (nl, S,
+// DL / 32), block 256.
+KDA_CHUNKED(32)
+KDA_CHUNKED(64)
+KDA_CHUNKED(128)

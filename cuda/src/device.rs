@@ -187,6 +187,11 @@ pub struct Gpu {
     /// `kda_recurrent_norm_{dl}`, [`crate::ops::KdaPath::Pair`]); default,
     /// `SPECLAB_KDA_PAIR=0` launches linear_pair + the three kernels.
     pub kda_pair: bool,
+    /// Steps of the split KDA path without snapshots (prefill) run the chunked kernels
+    /// (`kda_chunk_prep_{dl}` + `kda_chunk_scan_{dl}`, [`crate::kda_chunk`]) in place of
+    /// `kda_conv` + `kda_recurrent_{dl}`; default, `SPECLAB_KDA_CHUNKED=0` keeps the
+    /// per-token recurrence (the A/B reference).
+    pub kda_chunked: bool,
     /// The fused router's latency cuts (kernel `moe_router_topk`'s `pre`: its first
     /// router-weight word, bias and norm weight loaded before the grid-dependency wait, and
     /// a one-block grid aligning from shared ids without the ticket); default,
@@ -300,6 +305,7 @@ impl Gpu {
             fuse_kda: env_on("SPECLAB_KDA_FUSED"),
             kda_fused_rows: rows_env("SPECLAB_KDA_FUSED_ROWS", crate::ops::KDA_FUSED_MEAN_ROWS)?,
             kda_pair: env_on("SPECLAB_KDA_PAIR"),
+            kda_chunked: env_on("SPECLAB_KDA_CHUNKED"),
             final_dup: env_on("SPECLAB_FINAL_DUP"),
             kda_pre: env_on("SPECLAB_KDA_PRE"),
             fuse_mtp_in: env_on("SPECLAB_MTP_IN_NORM"),
@@ -453,6 +459,8 @@ mod tests {
             "kda_recurrent_impl<",
             "kda_conv_block(",
             "lowrank_block<",
+            "kda_chunk_prep_impl<",
+            "kda_chunk_scan_impl<",
         ];
         let allowed = [
             "int m0, n0;",

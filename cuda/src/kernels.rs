@@ -151,6 +151,12 @@ pub const SOURCES: &[KernelSource] = &[
             "kda_conv_lowrank_64",
             "kda_conv_lowrank_128",
             "kda_gate_norm",
+            "kda_chunk_prep_32",
+            "kda_chunk_prep_64",
+            "kda_chunk_prep_128",
+            "kda_chunk_scan_32",
+            "kda_chunk_scan_64",
+            "kda_chunk_scan_128",
         ],
     },
 ];

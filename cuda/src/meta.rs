@@ -133,6 +133,26 @@ pub struct StepMeta {
     pub num_seqs: usize,
 }
 
+impl StepMeta {
+    /// The longest chunk's tokens.
+    pub fn max_len(&self) -> usize {
+        let l = self.layout.len;
+        self.data[l.off..l.off + self.num_seqs]
+            .iter()
+            .map(|&n| n.max(0) as usize)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Whether any chunk takes per-token state snapshots (a verify chunk).
+    pub fn any_snapshot(&self) -> bool {
+        let l = self.layout.snap;
+        self.data[l.off..l.off + self.num_seqs]
+            .iter()
+            .any(|&s| s != 0)
+    }
+}
+
 fn input(msg: String) -> CudaError {
     CudaError::Input(msg)
 }

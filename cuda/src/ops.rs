@@ -1290,6 +1290,10 @@ pub struct StatePages<'a> {
     pub tables: Arg,
     pub max_state: usize,
     pub num_seqs: usize,
+    /// The longest chunk's tokens (host copy of the metadata).
+    pub max_len: usize,
+    /// Whether any chunk takes state snapshots (host copy).
+    pub snapshots: bool,
 }
 
 /// The buffers of one KDA layer's core (after the input projections).
@@ -1306,6 +1310,8 @@ pub struct Kda<'a> {
     pub o: &'a DevBuf<f32>,
     /// Shape: [T, C] gated-norm output.
     pub out: &'a DevBuf<f32>,
+    /// The chunked prefill's workspace (`Workspace::kda_chunk`).
+    pub ck: &'a DevBuf<f32>,
     pub taps: &'a DevBuf<f32>,
     pub a_log: &'a DevBuf<f32>,
     pub dt_bias: &'a DevBuf<f32>,
@@ -1406,6 +1412,10 @@ pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
                 .into(),
         ));
     }
+    if g.kda_chunked && !s.snapshots {
+        kda_chunked(g, s, a, [pool, xin, fg], meta)?;
+        return kda_gate_norm(g, a);
+    }
     let args = conv_args(s, a, [y, xin, pool], meta)?;
     // SAFETY: y [T, 3C], xin [T, in_width >= 3C], taps [3C, kc], the pool checked; chunk
     // rows row0 + len <= T and state blocks real and < num_blocks (meta::build); conv
@@ -1426,10 +1436,16 @@ pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
     // dt_bias [C], pool checked; S elements of head h lie at conv_len + h dl^2 + i dl + j
     // < conv_len + nl dl^2 (inside the page, checked above); block = dl threads.
     unsafe { launch(g, &name, shape, &args)? };
+    kda_gate_norm(g, a)
+}
+
+/// Kernel `kda_gate_norm` over `a.o` (the recurrence's output) into `a.out`.
+fn kda_gate_norm(g: &Gpu, a: &Kda<'_>) -> Result<()> {
+    let (c, dl, nl, t) = (a.nl * a.dl, a.dl, a.nl, a.t);
     let args = [
         ptr(a.out, 0, t * c, "kda out")?,
         ptr(a.o, 0, t * c, "kda o")?,
-        fg,
+        ptr(a.fg, 0, t * 2 * c, "kda fg")?,
         ptr(a.o_norm, 0, dl, "o_norm")?,
         int(t, "T")?,
         int(nl, "nl")?,
@@ -1445,6 +1461,90 @@ pub fn kda(g: &Gpu, s: &StatePages<'_>, a: &Kda<'_>) -> Result<()> {
             &args,
         )
     }
+}
+
+/// The chunked prefill for [`kda`] (its checks done; no chunk takes snapshots):
+/// `kda_chunk_prep_{dl}` (the conv, norms, gates and each chunk's solve, every chunk at
+/// once) then `kda_chunk_scan_{dl}` (each span's chunks in order) into `a.o`
+/// ([`crate::kda_chunk`]).
+fn kda_chunked(
+    g: &Gpu,
+    s: &StatePages<'_>,
+    a: &Kda<'_>,
+    [pool, xin, fg]: [Arg; 3],
+    meta: [Arg; 6],
+) -> Result<()> {
+    use crate::kda_chunk::{chunk_floats, chunk_len, slot_count};
+    let (c, dl, nl, t) = (a.nl * a.dl, a.dl, a.nl, a.t);
+    let ck_len = slot_count(t, s.num_seqs, dl) * nl * chunk_floats(dl);
+    if s.max_len == 0 || s.max_len > t || ck_len > a.ck.len {
+        return Err(CudaError::Input(format!(
+            "kda chunked: {} tokens, longest chunk {}, {ck_len} workspace floats of {} (internal)",
+            t, s.max_len, a.ck.len
+        )));
+    }
+    let ck = ptr(a.ck, 0, ck_len, "kda chunk workspace")?;
+    let [row0, len, pos0, _snap, tables, max_state] = meta;
+    let args = [
+        ck,
+        xin,
+        int(a.in_width, "xin stride")?,
+        int(a.b_col, "b col")?,
+        fg,
+        ptr(a.taps, 0, 3 * c * a.kc, "taps")?,
+        int(a.kc, "kc")?,
+        ptr(a.a_log, 0, nl, "A_log")?,
+        ptr(a.dt_bias, 0, c, "dt_bias")?,
+        pool,
+        long(s.layer_off),
+        long(s.fpb),
+        int(nl, "nl")?,
+        Arg::F((dl as f64).powf(-0.5) as f32),
+        row0,
+        len,
+        pos0,
+        tables,
+        max_state,
+    ];
+    let shape = launch::Shape {
+        grid: (
+            int_u32(s.max_len.div_ceil(chunk_len(dl)))?,
+            int_u32(s.num_seqs)?,
+            int_u32(nl)?,
+        ),
+        block: (256, 1, 1),
+        smem: 0,
+    };
+    // SAFETY: ck holds slot_count(T, S) slots of nl * chunk_floats(dl) (checked above;
+    // kda_chunk's slot invariant keeps every chunk's slot below it); xin [T, in_width >=
+    // 3C] with b at b_col + nl <= in_width, fg [T, 2C], taps [3C, kc] (2 <= kc <= 8),
+    // A_log [nl], dt_bias [C] and the pool checked in `kda`; chunk rows row0 + len <= T
+    // and state blocks from meta::build; conv elements inside the page's first conv_len
+    // floats.
+    unsafe { launch(g, &format!("kda_chunk_prep_{dl}"), shape, &args)? };
+    let args = [
+        ptr(a.o, 0, t * c, "kda o")?,
+        ck,
+        pool,
+        long(s.layer_off),
+        long(s.fpb),
+        int(s.conv_len, "conv_len")?,
+        int(nl, "nl")?,
+        row0,
+        len,
+        pos0,
+        tables,
+        max_state,
+    ];
+    let shape = launch::Shape {
+        grid: (int_u32(nl)?, int_u32(s.num_seqs)?, int_u32(dl / 32)?),
+        block: (256, 1, 1),
+        smem: 0,
+    };
+    // SAFETY: o [T, C] checked, ck as above (written by the prep launch before it); S
+    // elements of head h at conv_len + h dl^2 + i dl + j < conv_len + nl dl^2 (inside the
+    // page, checked in `kda`); dl in 32 / 64 / 128 so dl / 32 column groups of 32.
+    unsafe { launch(g, &format!("kda_chunk_scan_{dl}"), shape, &args) }
 }
 
 /// The arguments `kda_recurrent_{dl}`, `kda_fused_{dl}` and `kda_recurrent_norm_{dl}`

@@ -434,6 +434,8 @@ impl CudaBackend {
             tables: cx.ma.state_tables,
             max_state: self.dims.max_state,
             num_seqs: cx.m.num_seqs,
+            max_len: cx.m.max_len(),
+            snapshots: cx.m.any_snapshot(),
         };
         let k = ops::Kda {
             xin: &ws.proj,
@@ -443,6 +445,7 @@ impl CudaBackend {
             fg: &ws.fg,
             o: &ws.mix,
             out: &ws.kda_out,
+            ck: &ws.kda_chunk,
             taps: &w.taps,
             a_log: &w.a_log,
             dt_bias: &w.dt_bias,

@@ -36,6 +36,9 @@ pub struct Sizes {
     pub moe_inter: usize,
     pub experts: usize,
     pub topk: usize,
+    /// KDA heads and head dim (0, 0 without KDA layers).
+    pub kda_heads: usize,
+    pub kda_dl: usize,
 }
 
 impl Sizes {
@@ -55,7 +58,19 @@ impl Sizes {
             moe_inter: cfg.moe_intermediate_size,
             experts: cfg.n_routed_experts.max(1),
             topk: cfg.num_experts_per_tok.max(1),
+            kda_heads: if c > 0 { cfg.linear_num_heads } else { 0 },
+            kda_dl: if c > 0 { cfg.linear_head_dim } else { 0 },
         }
+    }
+
+    /// Floats of the chunked-KDA workspace for `t` tokens in `s` spans
+    /// ([`crate::kda_chunk`]: one slot a chunk, heads x `chunk_floats` a slot; at least 1).
+    pub fn kda_chunk_floats(&self, t: usize, s: usize) -> usize {
+        if self.kda_heads == 0 {
+            return 1;
+        }
+        let dl = self.kda_dl;
+        crate::kda_chunk::slot_count(t, s, dl) * self.kda_heads * crate::kda_chunk::chunk_floats(dl)
     }
 }
 
@@ -113,6 +128,10 @@ pub struct Workspace {
     pub logits: DevBuf<f32>,
     /// Greedy tokens. Shape: [t_cap].
     pub argmax: DevBuf<u32>,
+    /// Chunked KDA prefill (kda.cu `kda_chunk_prep`): per chunk slot and head, `W`, `U~`,
+    /// `Q~`, `K-` [BT, dl], `B` [BT, BT], `gamma` [dl]. Shape:
+    /// [kda_chunk::slot_count(t_cap, s_cap), nl, kda_chunk::chunk_floats(dl)].
+    pub kda_chunk: DevBuf<f32>,
 }
 
 impl Workspace {
@@ -149,6 +168,7 @@ impl Workspace {
             tmp: f(t_cap * z.hidden, "tmp")?,
             logits: f(t_cap * z.vocab, "logits")?,
             argmax: DevBuf::<u32>::zeros(stream, t_cap, "argmax")?,
+            kda_chunk: f(z.kda_chunk_floats(t_cap, s_cap), "kda_chunk")?,
         })
     }
 }
@@ -172,5 +192,9 @@ mod tests {
         assert_eq!((z.experts, z.topk, z.moe_inter), (16, 2, 128));
         assert_eq!(grow_to(1), 16);
         assert_eq!(grow_to(33), 64);
+        // 4 heads of 64: chunks of 32, 4 * 32 * 64 + 32 * 32 + 64 floats a head; 16 tokens
+        // in 2 spans use at most 2 + 1 slots.
+        assert_eq!((z.kda_heads, z.kda_dl), (4, 64));
+        assert_eq!(z.kda_chunk_floats(16, 2), 3 * 4 * 9280);
     }
 }
