@@ -7,7 +7,10 @@
 #     kernels off and on (its table);
 #  2. eval-ppl on the CPU and on the GPU (16 held-out sequences of 512 tokens: prefill only),
 #     the GPU with the chunked kernels and without (SPECLAB_KDA_CHUNKED=0);
-#  3. the real manifests on the GPU (prompts up to 4,000 tokens), compared leg by leg with
+#  3. bench e2e at c = 1 and 8: no drafter, MTP N = 2 and DFlash2 N = 7 with its context
+#     append in the step's graph, then with it launched eagerly (SPECLAB_DF2_APPEND_GRAPH=0),
+#     then in the graph again;
+#  4. the real manifests on the GPU (prompts up to 4,000 tokens), compared leg by leg with
 #     the CPU records (status, output digests, accepted drafts).
 #
 #   here:    bash recipes/gpu_check.sh --build
@@ -24,6 +27,19 @@ keep "$W/gpu_check.json"
 python3 recipes/parity_summary.py "$W/gpu_check.json" "KDA" || rc=1
 grep -A8 '^| prompts x tokens' "$W/gpu_check.log"
 grep -B1 -A10 '^| batch | graphs' "$W/gpu_check.log" | tail -10
+# DFlash2's context append inside the step's graph (cuda/src/dflash.rs run_step) A/B/A,
+# beside no drafter and MTP N = 2 (greedy, graphs on, c = 1 and 8, medians of 3 runs).
+E=(bench e2e --graphs on --concurrency "${E2E_C:-1,8}" --repeat 3 "${C[@]}")
+leg() {  # name, env, drafters
+  env $2 timeout 120 "$BIN" "${E[@]}" --drafters "$3" --out "$W/bench-e2e-$1.json" > "$W/e2e-$1.log" 2>&1 \
+    || { rc=1; echo "e2e leg $1 failed: $(tail -3 "$W/e2e-$1.log")"; }
+  keep "$W/bench-e2e-$1.json"
+  echo "## bench e2e, leg $1 ($2)"
+  grep '^|' "$W/e2e-$1.log" | cut -d'|' -f2-11,14
+}
+leg append-graph "SPECLAB_DF2_APPEND_GRAPH=1" none,mtp:2,dflash2:7
+leg append-eager "SPECLAB_DF2_APPEND_GRAPH=0" none,dflash2:7
+leg append-graph-again "SPECLAB_DF2_APPEND_GRAPH=1" none,mtp:2,dflash2:7
 ppl() {  # name, env, device
   env $2 timeout 90 "$BIN" eval-ppl models/tiny --data models/tiny/data.safetensors --limit 16 \
     --device $3 --json > "$W/eval-ppl-$1.json" 2> "$W/eval-ppl-$1.err" || { rc=1; echo "eval-ppl $1 failed: $(tail -2 "$W/eval-ppl-$1.err")"; }

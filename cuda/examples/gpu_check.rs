@@ -209,6 +209,9 @@ enum Engine {
     /// The CUDA target, DFlash2 on the device sampling with the CPU picker over its
     /// prediction rows (`CudaDFlash2::host_sampled_walk`).
     CudaHostPicker,
+    /// The CUDA target, DFlash2 on the device with its context append outside the block's
+    /// graph (`CudaDFlash2::append_in_graph` off).
+    CudaAppendEager,
 }
 
 /// A spec's KV groups and N, with its drafter built by `.1` (a device drafter with one of
@@ -260,6 +263,23 @@ fn host_picker_df2(
     let v2 = speclab_drafters::dflash2::DraftMode::V2;
     let mut d = speclab_cuda::CudaDFlash2::new(w, target, kv, n, v2)?;
     d.host_sampled_walk = true;
+    Ok(Box::new(d))
+}
+
+/// The device DFlash2 (v2) drafter with its context append launched eagerly, outside the
+/// block's graph (`SPECLAB_DF2_APPEND_GRAPH=0`).
+fn append_eager_df2(
+    spec: &DrafterSpec,
+    target: &speclab_engine::model::ModelConfig,
+    kv: &speclab_engine::kv::KvCacheManager,
+) -> speclab_engine::Result<Box<dyn speclab_engine::Drafter>> {
+    let w = spec.dflash.clone().ok_or_else(|| {
+        speclab_engine::EngineError::Unsupported("append_eager_df2 needs a DFlash2 spec".into())
+    })?;
+    let n = spec.num_speculative_tokens;
+    let v2 = speclab_drafters::dflash2::DraftMode::V2;
+    let mut d = speclab_cuda::CudaDFlash2::new(w, target, kv, n, v2)?;
+    d.append_in_graph = false;
     Ok(Box::new(d))
 }
 
@@ -333,6 +353,14 @@ fn drafter_run(
             &opts,
             &mut make,
         )?,
+        Engine::CudaAppendEager => generate_on(
+            &f,
+            target,
+            &Switched(spec, append_eager_df2),
+            &reqs,
+            &opts,
+            &mut make,
+        )?,
         Engine::Cpu => generate_on(
             &speclab_engine::backend::CpuBackend,
             target,
@@ -377,6 +405,15 @@ fn drafter_parity(
             unfinished as f64,
         );
         if kind == "dflash2" {
+            // The context append inside the block's graph (padded; the default) against
+            // the append launched before it.
+            let eager = drafter_run(&target, &spec, Engine::CudaAppendEager, 0.0)?;
+            compare_runs(
+                &mut push,
+                &format!("{kind} N=7, context append in the step's graph"),
+                ("eager append", &eager),
+                &dev,
+            );
             // The sampled walk over the device's candidates (q sparse) against the CPU
             // picker over the prediction rows read back (q dense), same target and seed.
             let host = drafter_run(&target, &spec, Engine::CudaHostPicker, 0.8)?;

@@ -53,7 +53,8 @@ __device__ __forceinline__ void df2_norm_rope_head(float* x, const float* w, con
 
 // Context K/V (§4) of T rows for every drafter layer: kv[t] holds, per layer l, the k
 // projection ([nkv, d]) then the v projection; k is normed per head with knorm[l], roped
-// at pos[t] (in place), and both are written to slot[t] of layer l's pages.
+// at pos[t] (in place), and both are written to slot[t] of layer l's pages; rows with
+// slot -1 (the padding of a decode step's append, cuda/src/dflash.rs pad_append) are skipped.
 // Shapes: kv [T, Ld * 2 * nkv * d], pos [T], slot [T], knorm [Ld, d], cos/sin [max_pos, d],
 // pages [Ld * layer_stride].  Launch: grid (T, Ld), block 32 * nkv.
 extern "C" __global__ void df2_ctx_write(float* __restrict__ kv, const int* __restrict__ pos,
@@ -66,7 +67,7 @@ extern "C" __global__ void df2_ctx_write(float* __restrict__ kv, const int* __re
                                          int T) {
     pdl_enter();
     const int t = blockIdx.x, l = blockIdx.y, hh = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (t >= T || l >= Ld || hh >= nkv) return;
+    if (t >= T || l >= Ld || hh >= nkv || slot[t] < 0) return;  // slot -1: a padded row
     const int row = nkv * d;
     float* k = kv + (size_t)t * Ld * 2 * row + (size_t)l * 2 * row + (size_t)hh * d;
     const float* v = k + row;

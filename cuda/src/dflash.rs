@@ -109,11 +109,15 @@ struct DevDraft {
     /// Floats of one layer's K (= V) region: num_blocks * bs * nkv * d.
     kv_region: usize,
     bufs: Bufs,
-    /// The block forward captured per batch size `B` (with the kernels each holds);
-    /// dropped whenever the buffers it points into are reallocated.
-    graphs: HashMap<usize, (cudarc::driver::CudaGraph, u64)>,
-    /// Uses of each batch size (a graph is captured at its `CAPTURE_AT_USE`-th).
-    sightings: crate::backend::Sightings<usize>,
+    /// The block forward captured per batch size `B`, alone (`false`) or after the
+    /// padded context append (`true`, [`run_step`]), with the kernels each holds; dropped
+    /// whenever the buffers it points into are reallocated.
+    graphs: HashMap<(usize, bool), (cudarc::driver::CudaGraph, u64)>,
+    /// Uses of each key (a graph is captured at its `CAPTURE_AT_USE`-th).
+    sightings: crate::backend::Sightings<(usize, bool)>,
+    /// The target's per-layer hidden buffer (device address, layer stride) the append
+    /// graphs read: when the backend reallocates it, they are dropped.
+    append_src: Option<(u64, usize)>,
     /// The first capture / replay failure (the drafter then runs eagerly).
     graph_error: Option<String>,
 }
@@ -277,6 +281,7 @@ impl DevDraft {
             bufs: Bufs::new(g, cfg, 8, 8)?,
             graphs: HashMap::new(),
             sightings: Default::default(),
+            append_src: None,
             graph_error: None,
         })
     }
@@ -357,6 +362,11 @@ pub struct CudaDFlash2 {
     /// dense) instead of the walk over the device's candidates (q sparse); the A/B
     /// reference. Off unless `SPECLAB_DF2_DEVICE_CANDS=0`.
     pub host_sampled_walk: bool,
+    /// With graphs on, a step whose context append fits the block (at most B (N + 1)
+    /// rows: decode steps) pads it to that and replays append + block forward as one
+    /// graph ([`run_step`]); default, `SPECLAB_DF2_APPEND_GRAPH=0` launches the append
+    /// eagerly before the block's graph (the A/B reference).
+    pub append_in_graph: bool,
 }
 
 /// One request's candidates from the device: ids and unary scores [N, k], the selector's
@@ -420,45 +430,65 @@ impl CudaDFlash2 {
             dev: None,
             ctx_len: HashMap::new(),
             host_sampled_walk: !crate::device::env_on("SPECLAB_DF2_DEVICE_CANDS"),
+            append_in_graph: crate::device::env_on("SPECLAB_DF2_APPEND_GRAPH"),
         })
     }
 
-    /// (1): the batched context append of every request's committed rows.
-    fn append(
+    /// (1), planned: the batched context append of every request's committed rows (the
+    /// appended lengths advance here; the rows go to the device with the draft, or alone
+    /// through [`Self::append_eager`]).
+    fn plan_append_step(
         &mut self,
-        be: &CudaBackend,
         kv: &KvCacheManager,
         reqs: &[AppendReq],
         t_fwd: usize,
-    ) -> Result<()> {
+    ) -> Result<AppendPlan> {
         let plan = plan_append(&self.w.cfg, &self.grp, kv, &self.ctx_len, reqs)?;
-        let t = plan.rows.len();
-        if t > 0 {
-            if plan.rows.iter().any(|&r| r as usize >= t_fwd) {
-                return Err(CudaError::Input(
-                    "dflash2: a committed row lies outside the forward (internal)".into(),
-                ));
-            }
-            let dev = self.dev.as_mut().ok_or_else(not_uploaded)?;
-            dev.ensure(&be.gpu, &self.w.cfg, 1, t)?;
-            run_append(&be.gpu, be, &self.w, dev, &plan)?;
+        if plan.rows.iter().any(|&r| r as usize >= t_fwd) {
+            return Err(CudaError::Input(
+                "dflash2: a committed row lies outside the forward (internal)".into(),
+            ));
         }
-        for (s, n) in plan.new_len {
+        for &(s, n) in &plan.new_len {
             self.ctx_len.insert(s, n);
         }
-        Ok(())
+        Ok(plan)
     }
 
-    /// (2) + (3) for `anchors`: the draft tokens (N each) and, when sampling, q.
+    /// (1) launched on its own (eagerly).
+    fn append_eager(&mut self, be: &CudaBackend, plan: &AppendPlan) -> Result<()> {
+        let t = plan.rows.len();
+        if t == 0 {
+            return Ok(());
+        }
+        let dev = self.dev.as_mut().ok_or_else(not_uploaded)?;
+        dev.ensure(&be.gpu, &self.w.cfg, 1, t)?;
+        dev.upload_meta(&be.gpu, &append_meta(&self.w.cfg, plan))?;
+        run_append(&be.gpu, be, &self.w, dev, t, 0)
+    }
+
+    /// (1) + (2) + (3) for `anchors`: the context append of `append`, then the draft
+    /// tokens (N each) and, when sampling, q. With [`Self::append_in_graph`] and graphs
+    /// on, an append of at most B (N + 1) rows is padded to that and runs in the block's
+    /// graph; otherwise it is launched before it.
     fn draft(
         &mut self,
         be: &CudaBackend,
         kv: &KvCacheManager,
+        mut append: AppendPlan,
         anchors: &[DraftAnchor],
         temperature: f32,
         rngs: &mut [Option<&mut dyn RngCore>],
     ) -> Result<Vec<Proposal>> {
         let nn = self.num_speculative_tokens;
+        let r = anchors.len() * (nn + 1);
+        let fused = self.append_in_graph
+            && be.graphs_on()
+            && append.rows.len() <= r
+            && self.dev.as_ref().is_some_and(|d| d.graph_error.is_none());
+        if !fused {
+            self.append_eager(be, &append)?;
+        }
         let dev = self.dev.as_mut().ok_or_else(not_uploaded)?;
         let plan = plan_draft(
             &self.w.cfg,
@@ -469,10 +499,27 @@ impl CudaDFlash2 {
             nn,
             dev.max_pos,
         )?;
-        let r = anchors.len() * (nn + 1);
-        dev.ensure(&be.gpu, &self.w.cfg, r, 1)?;
-        dev.upload_meta(&be.gpu, &Fx::meta(&plan))?;
-        run_block(be, &self.w, dev, self.mode, &plan, anchors.len())?;
+        if fused {
+            pad_append(&mut append, r);
+            dev.ensure(&be.gpu, &self.w.cfg, r, r)?;
+            let mut meta = Fx::meta(&plan);
+            let aoff = meta.len();
+            meta.extend(append_meta(&self.w.cfg, &append));
+            dev.upload_meta(&be.gpu, &meta)?;
+            run_step(
+                be,
+                &self.w,
+                dev,
+                self.mode,
+                &plan,
+                anchors.len(),
+                Some(aoff),
+            )?;
+        } else {
+            dev.ensure(&be.gpu, &self.w.cfg, r, 1)?;
+            dev.upload_meta(&be.gpu, &Fx::meta(&plan))?;
+            run_step(be, &self.w, dev, self.mode, &plan, anchors.len(), None)?;
+        }
         match (temperature > 0.0, self.mode) {
             (true, DraftMode::V2) if self.host_sampled_walk => {
                 self.pick_sampled(be, anchors, temperature, rngs)
@@ -643,35 +690,53 @@ fn pick_stride(mode: DraftMode, k: usize, rank: usize) -> usize {
     }
 }
 
-/// Context append on the device: features -> fc -> (hidden_norm fused) every layer's
-/// K/V -> k_norm + RoPE + pages.
-fn run_append(
-    g: &Gpu,
-    be: &CudaBackend,
-    w: &DFlash2Weights,
-    dev: &mut DevDraft,
-    plan: &AppendPlan,
-) -> Result<()> {
-    let cfg = &w.cfg;
-    let (h, f, t) = (cfg.hidden_size, cfg.feature_dim(), plan.rows.len());
-    let layers: Vec<i32> = cfg
-        .dflash_config
-        .target_layer_ids
-        .iter()
-        .map(|&i| i as i32 + 1)
-        .collect();
-    let mut meta = Vec::with_capacity(3 * t + layers.len());
-    for sec in [&plan.rows, &plan.pos, &plan.slot, &layers] {
+/// The append's metadata sections in the order [`run_append`] reads them: rows, positions,
+/// page slots (each [T]), then the target layer slots of the features.
+fn append_meta(cfg: &speclab_drafters::DFlash2Config, plan: &AppendPlan) -> Vec<i32> {
+    let layers = &cfg.dflash_config.target_layer_ids;
+    let mut meta = Vec::with_capacity(3 * plan.rows.len() + layers.len());
+    for sec in [&plan.rows, &plan.pos, &plan.slot] {
         meta.extend_from_slice(sec);
     }
-    dev.upload_meta(g, &meta)?;
+    meta.extend(layers.iter().map(|&i| i as i32 + 1));
+    meta
+}
+
+/// Pad `plan` to `t` rows: row 0, position 0 and page slot -1, which `df2_ctx_write`
+/// skips (the padded rows' features, fc and K/V are computed and never stored), so a
+/// decode step's append has one shape per batch and can sit in the step's graph.
+fn pad_append(plan: &mut AppendPlan, t: usize) {
+    for v in [&mut plan.rows, &mut plan.pos] {
+        v.resize(t, 0);
+    }
+    plan.slot.resize(t, -1);
+}
+
+/// The per-layer hidden buffer the append reads and its layer stride.
+fn per_layer(be: &CudaBackend) -> Result<(&DevBuf<f32>, usize)> {
     let pl = be.per_layer.as_ref().ok_or_else(|| {
         CudaError::Input(
             "dflash2: the target forward kept no per-layer hidden states (collect_hidden)".into(),
         )
     })?;
-    let th = be.w.cfg.hidden_size;
-    let layer_stride = be.ws.t_cap * th;
+    Ok((pl, be.ws.t_cap * be.w.cfg.hidden_size))
+}
+
+/// Context append on the device of `t` rows whose [`append_meta`] lies at `aoff` of the
+/// uploaded metadata: features -> fc -> (hidden_norm fused) every layer's K/V -> k_norm +
+/// RoPE + pages.
+fn run_append(
+    g: &Gpu,
+    be: &CudaBackend,
+    w: &DFlash2Weights,
+    dev: &DevDraft,
+    t: usize,
+    aoff: usize,
+) -> Result<()> {
+    let cfg = &w.cfg;
+    let (h, f) = (cfg.hidden_size, cfg.feature_dim());
+    let nl = cfg.dflash_config.target_layer_ids.len();
+    let (pl, layer_stride) = per_layer(be)?;
     let b = &dev.bufs;
     let m = &b.meta;
     let args = [
@@ -683,11 +748,11 @@ fn run_append(
             "per-layer hidden",
         )?,
         ops::long(layer_stride),
-        ptr(m, 0, t, "rows")?,
-        ptr(m, 3 * t, layers.len(), "layers")?,
+        ptr(m, aoff, t, "rows")?,
+        ptr(m, aoff + 3 * t, nl, "layers")?,
         int(t, "T")?,
-        int(layers.len(), "m")?,
-        int(th, "H")?,
+        int(nl, "m")?,
+        int(be.w.cfg.hidden_size, "H")?,
     ];
     // SAFETY: out [T, m*H] and per_layer [(L+1) * t_cap * H] checked; rows < T_fwd <= t_cap
     // (checked by the caller) and layer slots <= L (DFlash2Config::check_target).
@@ -722,8 +787,8 @@ fn run_append(
     let (ld, nkv, d) = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim);
     let args = [
         ptr(&b.kvc, 0, t * kvw, "context kv")?,
-        ptr(m, t, t, "pos")?,
-        ptr(m, 2 * t, t, "slot")?,
+        ptr(m, aoff + t, t, "pos")?,
+        ptr(m, aoff + 2 * t, t, "slot")?,
         ptr(&dev.k_norms, 0, ld * d, "k_norm")?,
         ptr(&dev.rope_cos, 0, dev.max_pos * d, "rope cos")?,
         ptr(&dev.rope_sin, 0, dev.max_pos * d, "rope sin")?,
@@ -737,7 +802,8 @@ fn run_append(
         int(t, "T")?,
     ];
     // SAFETY: kv [T, Ld*2*row], pages [Ld * 2 * region] checked; pos < max_pos (positions
-    // < the target's context <= max_position_embeddings), slots < num_blocks * bs (DraftGroup::locate).
+    // < the target's context <= max_position_embeddings), slots < num_blocks * bs
+    // (DraftGroup::locate) or -1 (a padded row, skipped).
     unsafe {
         ops::launch(
             g,
@@ -748,19 +814,26 @@ fn run_append(
     }
 }
 
-/// The block forward of `nb` requests: replayed from the graph captured for `nb` when
-/// the backend's graphs are on (captured at first use), else launched eagerly. A capture
-/// that fails turns the drafter's graphs off (recorded in `graph_error`) and runs eagerly.
-fn run_block(
+/// The block forward of `nb` requests, after the padded context append of `B (N + 1)`
+/// rows whose metadata lies at `aoff` when given: replayed from the graph captured for
+/// (`nb`, append or not) when the backend's graphs are on (at the key's
+/// `CAPTURE_AT_USE`-th use), else launched eagerly. A capture that fails turns the
+/// drafter's graphs off (recorded in `graph_error`) and runs eagerly. Append graphs read
+/// the target's per-layer hidden buffer: they are dropped when it moves.
+fn run_step(
     be: &CudaBackend,
     w: &DFlash2Weights,
     dev: &mut DevDraft,
     mode: DraftMode,
     plan: &DraftPlan,
     nb: usize,
+    aoff: Option<usize>,
 ) -> Result<()> {
     let q = plan.tokens.len() / nb.max(1);
     let fx = |dev: &DevDraft| {
+        if let Some(aoff) = aoff {
+            run_append(&be.gpu, be, w, dev, nb * q, aoff)?;
+        }
         Fx {
             g: &be.gpu,
             be,
@@ -773,13 +846,25 @@ fn run_block(
         }
         .kernels()
     };
+    let key = (nb, aoff.is_some());
+    if aoff.is_some() {
+        let (pl, stride) = per_layer(be)?;
+        let src = match ptr(pl, 0, pl.len, "per-layer hidden")? {
+            Arg::P(a) => (a, stride),
+            _ => (0, stride),
+        };
+        if dev.append_src != Some(src) {
+            dev.graphs.retain(|k, _| !k.1);
+            dev.append_src = Some(src);
+        }
+    }
     if !be.graphs_on()
         || dev.graph_error.is_some()
-        || !(dev.graphs.contains_key(&nb) || dev.sightings.capture_now(nb))
+        || !(dev.graphs.contains_key(&key) || dev.sightings.capture_now(key))
     {
         return fx(dev);
     }
-    if !dev.graphs.contains_key(&nb) {
+    if !dev.graphs.contains_key(&key) {
         let t0 = std::time::Instant::now();
         let captured = crate::backend::capture(&be.gpu, || fx(dev)).and_then(|(g, n)| {
             g.upload()
@@ -789,7 +874,7 @@ fn run_block(
         });
         match captured {
             Ok(gn) => {
-                dev.graphs.insert(nb, gn);
+                dev.graphs.insert(key, gn);
             }
             Err(e) => {
                 dev.graph_error = Some(e.to_string());
@@ -799,7 +884,7 @@ fn run_block(
     }
     let (g, n) = dev
         .graphs
-        .get(&nb)
+        .get(&key)
         .ok_or_else(|| CudaError::Input("dflash2 graph vanished (internal)".into()))?;
     ops::KERNELS.fetch_add(*n, std::sync::atomic::Ordering::Relaxed);
     g.launch()
@@ -1145,7 +1230,8 @@ impl Drafter for CudaDFlash2 {
                 start_pos: r.start_pos,
             })
             .collect();
-        self.append(be, step.kv, &appends, step.forward.num_tokens)
+        let append = self
+            .plan_append_step(step.kv, &appends, step.forward.num_tokens)
             .map_err(engine)?;
         let temperature = if step.sampling.is_greedy() {
             0.0
@@ -1171,10 +1257,11 @@ impl Drafter for CudaDFlash2 {
         }
         let mut out = vec![Proposal::default(); n_reqs];
         if anchors.is_empty() {
+            self.append_eager(be, &append).map_err(engine)?;
             return Ok(out);
         }
         let props = self
-            .draft(be, step.kv, &anchors, temperature, &mut rngs)
+            .draft(be, step.kv, append, &anchors, temperature, &mut rngs)
             .map_err(engine)?;
         for ((i, want), mut p) in idx.into_iter().zip(props) {
             p.tokens.truncate(want);
@@ -1236,6 +1323,33 @@ mod tests {
     use speclab_drafters::DFlash2Config;
     use speclab_engine::kv::CapPolicy;
     use speclab_engine::model::{ModelRunner, ModelWeights};
+
+    #[test]
+    fn a_padded_append_keeps_its_rows_and_skips_the_padding() {
+        let cfg = DFlash2Config::preset("dflash2-micro").unwrap();
+        let mut p = AppendPlan {
+            rows: vec![5, 6],
+            pos: vec![40, 41],
+            slot: vec![100, 101],
+            new_len: vec![(ReqSlot(0), 42)],
+        };
+        pad_append(&mut p, 5);
+        assert_eq!(p.rows, [5, 6, 0, 0, 0]);
+        assert_eq!(p.pos, [40, 41, 0, 0, 0]);
+        assert_eq!(p.slot, [100, 101, -1, -1, -1]);
+        let m = append_meta(&cfg, &p);
+        let layers = cfg.dflash_config.target_layer_ids.len();
+        assert_eq!(m.len(), 15 + layers);
+        // rows, positions, slots, then the feature layers' per-layer slots (id + 1).
+        assert_eq!(&m[10..15], &[100, 101, -1, -1, -1]);
+        let ids: Vec<i32> = cfg
+            .dflash_config
+            .target_layer_ids
+            .iter()
+            .map(|&i| i as i32 + 1)
+            .collect();
+        assert_eq!(&m[15..], &ids[..]);
+    }
 
     fn setup() -> (ModelWeights, DFlash2Weights, KvCacheManager) {
         let tcfg = ModelConfig::micro();
