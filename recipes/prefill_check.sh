@@ -5,22 +5,25 @@
 #     the per-token recurrence over long, continued and mixed prefill steps and the decode
 #     steps after them), graphed decode timing, and prefill timing with the chunked
 #     kernels off and on (its table);
-#  2. eval-ppl on the CPU and on the GPU (16 held-out sequences of 512 tokens: prefill only),
-#     the GPU with the chunked kernels and without (SPECLAB_KDA_CHUNKED=0);
-#  3. bench e2e at c = 1 and 8: no drafter, MTP N = 2 and DFlash2 N = 7 with its context
+#  2. bench e2e at c = 1 and 8: no drafter, MTP N = 2 and DFlash2 N = 7 with its context
 #     append in the step's graph, then with it launched eagerly (SPECLAB_DF2_APPEND_GRAPH=0),
-#     then in the graph again;
+#     then in the graph again (E2E=0 skips it);
+#  3. eval-ppl on the CPU and on the GPU (16 held-out sequences of 512 tokens: prefill only),
+#     the GPU with the chunked kernels and without (SPECLAB_KDA_CHUNKED=0);
 #  4. the real manifests on the GPU (prompts up to 4,000 tokens), compared leg by leg with
 #     the CPU records (status, output digests, accepted drafts).
 #
 #   here:    bash recipes/gpu_check.sh --build
 #   device:  run(command="bash recipes/unpack_bins.sh && COMMIT=<commit> bash recipes/prefill_check.sh", carry=["target/gpu-pack"], timeout_s=600)
-# Records land in $OUT as each step ends, the printed summary in $OUT/summary.txt, logs in
-# $OUT/logs.tgz.
+# Records land in $OUT/records.tar as each step ends, the printed summary in
+# $OUT/summary.txt, logs in $OUT/logs.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEFAULT_OUT=/tmp/prefill-check-out
 source recipes/call_prelude.sh
+# The device tool returns a few files a call: records go into one tar, appended as each
+# step ends (a call cut short keeps what finished).
+keep() { for f in "$@"; do [ -f "$f" ] && tar rf "$FINAL/records.tar" -C "$(dirname "$f")" "$(basename "$f")"; done; }
 nvidia-smi -L || true
 timeout 300 "$CHK" --model models/tiny --json "$W/gpu_check.json" > "$W/gpu_check.log" 2>&1 || rc=1
 keep "$W/gpu_check.json"
@@ -37,9 +40,11 @@ leg() {  # name, env, drafters
   echo "## bench e2e, leg $1 ($2)"
   grep '^|' "$W/e2e-$1.log" | cut -d'|' -f2-11,14
 }
-leg append-graph "SPECLAB_DF2_APPEND_GRAPH=1" none,mtp:2,dflash2:7
-leg append-eager "SPECLAB_DF2_APPEND_GRAPH=0" none,dflash2:7
-leg append-graph-again "SPECLAB_DF2_APPEND_GRAPH=1" none,mtp:2,dflash2:7
+if [ "${E2E:-1}" != 0 ]; then
+  leg append-graph "SPECLAB_DF2_APPEND_GRAPH=1" none,mtp:2,dflash2:7
+  leg append-eager "SPECLAB_DF2_APPEND_GRAPH=0" none,dflash2:7
+  leg append-graph-again "SPECLAB_DF2_APPEND_GRAPH=1" none,mtp:2,dflash2:7
+fi
 ppl() {  # name, env, device
   env $2 timeout 90 "$BIN" eval-ppl models/tiny --data models/tiny/data.safetensors --limit 16 \
     --device $3 --json > "$W/eval-ppl-$1.json" 2> "$W/eval-ppl-$1.err" || { rc=1; echo "eval-ppl $1 failed: $(tail -2 "$W/eval-ppl-$1.err")"; }

@@ -470,7 +470,9 @@ __device__ __forceinline__ void kda_chunk_prep_impl(
         const int c3 = w * C + h * DL + i;
         const float* tp = taps + (size_t)c3 * kc;
         float acc = 0.0f;
-        for (int j = 0; j < kc - 1; ++j) {
+#pragma unroll
+        for (int j = 0; j < KC_MAX - 1; ++j) {
+            if (j >= kc - 1) break;
             const int m = t0 + t - (kc - 1) + j;  // position in the span
             float x = 0.0f;
             if (m >= 0)
@@ -579,8 +581,11 @@ __device__ __forceinline__ void kda_chunk_prep_impl(
 // Block (h, s, jg): head h of span s, value columns jg * 32 .. + 32.  Block 256 threads:
 // lane j a column, warp r every 8th token / key row.  The state's columns live in shared
 // memory from table[0]'s page (zeros at position 0) and go back there after the last
-// chunk.  Per chunk: u = U~ - W S; o = Q~ S + B u; S = diag(gamma) S + K-^T u.
-// Shapes: o [T, C], ck as kda_chunk_prep's.
+// chunk.  Per chunk, W, Q~, K-, B and gamma are first copied to shared memory (every load
+// in flight at once: read inside the loops, each load waited out its L2 latency in turn),
+// then: u = U~ - W S; o = Q~ S + B u; S = diag(gamma) S + K-^T u.
+// Shapes: o [T, C], ck as kda_chunk_prep's.  Shared: 4 (BT + DL) 32 + 12 BT DL + 4 BT^2 +
+// 4 DL bytes (40.3 KiB at DL 64, 43.6 KiB at DL 128).
 template <int DL>
 __device__ __forceinline__ void kda_chunk_scan_impl(
     float* __restrict__ o, const float* __restrict__ ck, float* __restrict__ pool,
@@ -588,46 +593,86 @@ __device__ __forceinline__ void kda_chunk_scan_impl(
     const int* __restrict__ len, const int* __restrict__ pos0,
     const int* __restrict__ state_tables, int max_state) {
     pdl_enter();
-    constexpr int BT = KdaChunk<DL>::BT, CK = KdaChunk<DL>::CK, JB = 32;
+    constexpr int BT = KdaChunk<DL>::BT, CK = KdaChunk<DL>::CK, JB = 32, NR = 8;
     __shared__ float ss[DL][JB];
     __shared__ float su[BT][JB];
+    __shared__ __align__(16) float cw[3][BT * DL];  // W, Q~, K- of the chunk
+    __shared__ __align__(16) float cb[BT * BT + DL];  // B, then gamma
     const int h = blockIdx.x, s = blockIdx.y, jg = blockIdx.z;
-    const int j = threadIdx.x & 31, r = threadIdx.x >> 5, nr = blockDim.x >> 5;
+    const int tid = threadIdx.x, j = tid & 31, r = tid >> 5;
     const int C = nl * DL, J = jg * JB + j;
     float* page = pool + (long long)state_tables[(size_t)s * max_state] * fpb + layer_off +
                   conv_len + (long long)h * DL * DL + J;
     const bool fresh = pos0[s] == 0;
-    for (int i = r; i < DL; i += nr) ss[i][j] = fresh ? 0.0f : page[(long long)i * DL];
-    __syncthreads();
+    for (int i = r; i < DL; i += NR) ss[i][j] = fresh ? 0.0f : page[(long long)i * DL];
     const int n = len[s], base = row0[s];
     for (int t0 = 0; t0 < n; t0 += BT) {
         const int L = min(BT, n - t0);
         const float* c = ck + ((size_t)(s + (base + t0) / BT) * nl + h) * CK;
-        const float *W = c, *U = c + BT * DL, *Q = c + 2 * BT * DL, *K = c + 3 * BT * DL;
-        const float *B = c + 4 * BT * DL, *gam = B + BT * BT;
-        for (int t = r; t < L; t += nr) {
-            float dot = 0.0f;
-#pragma unroll 8
-            for (int i = 0; i < DL; ++i) dot += W[t * DL + i] * ss[i][j];
-            su[t][j] = U[t * DL + J] - dot;
+        // Stage the chunk: W at 0, Q~ at 2 BT DL, K- at 3 BT DL, B and gamma at 4 BT DL.
+        constexpr int Q4 = BT * DL / 4;
+        for (int e = tid; e < 3 * Q4; e += NR * WARP) {
+            const int m = e / Q4, k = e % Q4;
+            const int src = (m == 0 ? 0 : (m + 1) * BT * DL) / 4 + k;
+            reinterpret_cast<float4*>(cw[m])[k] = reinterpret_cast<const float4*>(c)[src];
         }
+        for (int e = tid; e < (BT * BT + DL) / 4; e += NR * WARP)
+            reinterpret_cast<float4*>(cb)[e] = reinterpret_cast<const float4*>(c + 4 * BT * DL)[e];
+        // Rows t = r + k NR (k < KT) of this warp; key rows i = r + m NR (m < DL / NR).
+        constexpr int KT = (BT + NR - 1) / NR, KI = DL / NR;
+        float uu[KT];
+#pragma unroll
+        for (int k = 0; k < KT; ++k) {
+            const int t = r + k * NR;
+            uu[k] = t < L ? c[BT * DL + t * DL + J] : 0.0f;
+        }
+        __syncthreads();  // the stage, and (first chunk) the state's columns
+        // Each sum ascends in i (then q) from zero, as kda_chunk.rs; a loaded state or u
+        // value feeds every row of the thread.
+        float acc[KT];
+#pragma unroll
+        for (int k = 0; k < KT; ++k) acc[k] = 0.0f;
+#pragma unroll 8
+        for (int i = 0; i < DL; ++i) {
+            const float sv = ss[i][j];
+#pragma unroll
+            for (int k = 0; k < KT; ++k) acc[k] += cw[0][(r + k * NR) * DL + i] * sv;
+        }
+#pragma unroll
+        for (int k = 0; k < KT; ++k)
+            if (r + k * NR < L) su[r + k * NR][j] = uu[k] - acc[k];
         __syncthreads();
-        for (int t = r; t < L; t += nr) {
-            float acc = 0.0f;
+#pragma unroll
+        for (int k = 0; k < KT; ++k) acc[k] = 0.0f;
 #pragma unroll 8
-            for (int i = 0; i < DL; ++i) acc += Q[t * DL + i] * ss[i][j];
-            for (int q = 0; q <= t; ++q) acc += B[t * BT + q] * su[q][j];
-            o[(size_t)(base + t0 + t) * C + h * DL + J] = acc;
+        for (int i = 0; i < DL; ++i) {
+            const float sv = ss[i][j];
+#pragma unroll
+            for (int k = 0; k < KT; ++k) acc[k] += cw[1][(r + k * NR) * DL + i] * sv;
         }
+        for (int q = 0; q < L; ++q) {
+            const float uv = su[q][j];
+#pragma unroll
+            for (int k = 0; k < KT; ++k)
+                if (q <= r + k * NR) acc[k] += cb[(r + k * NR) * BT + q] * uv;
+        }
+#pragma unroll
+        for (int k = 0; k < KT; ++k)
+            if (r + k * NR < L) o[(size_t)(base + t0 + r + k * NR) * C + h * DL + J] = acc[k];
         __syncthreads();  // every read of ss above precedes its update
-        for (int i = r; i < DL; i += nr) {
-            float acc = gam[i] * ss[i][j];
-            for (int q = 0; q < L; ++q) acc += K[q * DL + i] * su[q][j];
-            ss[i][j] = acc;
+        float sn[KI];
+#pragma unroll
+        for (int m = 0; m < KI; ++m) sn[m] = cb[BT * BT + r + m * NR] * ss[r + m * NR][j];
+        for (int q = 0; q < L; ++q) {
+            const float uv = su[q][j];
+#pragma unroll
+            for (int m = 0; m < KI; ++m) sn[m] += cw[2][q * DL + r + m * NR] * uv;
         }
-        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < KI; ++m) ss[r + m * NR][j] = sn[m];
+        __syncthreads();  // ss updated, and the stage free for the next chunk
     }
-    for (int i = r; i < DL; i += nr) page[(long long)i * DL] = ss[i][j];
+    for (int i = r; i < DL; i += NR) page[(long long)i * DL] = ss[i][j];
 }
 
 #define KDA_CHUNKED(DL)                                                                      \
@@ -649,7 +694,7 @@ __device__ __forceinline__ void kda_chunk_scan_impl(
     }
 
 // Launch: prep grid (ceil(max span len / BT), S, nl), block 256; scan grid (nl, S,
-// DL / 32), block 256.
+// DL / 32), block 256 (NR = 8 warps).
 KDA_CHUNKED(32)
 KDA_CHUNKED(64)
 KDA_CHUNKED(128)
