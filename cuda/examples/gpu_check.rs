@@ -511,4 +511,17 @@ fn print_prefill(r: &Report) {
             p.tok_per_s_chunked
         );
     }
+    for p in &r.prefill {
+        let top: Vec<String> = p
+            .top_kernels_chunked
+            .iter()
+            .map(|(k, ms)| format!("{k} {ms:.2}"))
+            .collect();
+        println!(
+            "prefill {} x {} (chunked), longest kernels ms: {}",
+            p.prompts,
+            p.tokens,
+            top.join(", ")
+        );
+    }
 }

@@ -193,6 +193,9 @@ pub struct PrefillRow {
     pub kda_ms_chunked: f64,
     /// Prompt tokens a second, chunked.
     pub tok_per_s_chunked: f64,
+    /// The profiled chunked step's kernels by total ms (the five longest): where a
+    /// prefill's time goes besides KDA.
+    pub top_kernels_chunked: Vec<(String, f64)>,
 }
 
 /// Prefill timing on `dir`: for each (prompts, tokens) shape, `reps` steps a mode
@@ -207,6 +210,7 @@ pub fn timing(dir: &Path, shapes: &[(usize, usize)], reps: usize) -> Result<Vec<
         let prompts: Vec<Vec<u32>> = (0..p).map(|i| prompt(i + 3, n)).collect();
         let mut ms = [0.0f64; 2];
         let mut kda = [0.0f64; 2];
+        let mut top = Vec::new();
         for (mode, chunked) in [false, true].into_iter().enumerate() {
             gpu.gpu.kda_chunked = chunked;
             let mut times = Vec::new();
@@ -214,6 +218,11 @@ pub fn timing(dir: &Path, shapes: &[(usize, usize)], reps: usize) -> Result<Vec<
                 let batch = fresh(&mut kv, &mut gpu, &prompts)?;
                 if rep == reps + 1 {
                     let prof = gpu.profile_step(&kv, &batch)?;
+                    if chunked {
+                        top = prof.iter().map(|(k, _, us)| (k.clone(), us / 1e3)).collect();
+                        top.sort_by(|a: &(String, f64), b| b.1.total_cmp(&a.1));
+                        top.truncate(5);
+                    }
                     kda[mode] = prof
                         .iter()
                         .filter(|(k, _, _)| k.starts_with("kda_"))
@@ -238,6 +247,7 @@ pub fn timing(dir: &Path, shapes: &[(usize, usize)], reps: usize) -> Result<Vec<
             kda_ms_recurrent: kda[0],
             kda_ms_chunked: kda[1],
             tok_per_s_chunked: (p * n) as f64 / ms[1] * 1e3,
+            top_kernels_chunked: top,
         });
     }
     Ok(rows)
