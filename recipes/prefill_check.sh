@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The chunked KDA prefill (cuda/src/kda_chunk.rs, kda.cu kda_chunk_prep / kda_chunk_scan)
+# The prefill kernels (chunked KDA: cuda/src/kda_chunk.rs, kda.cu kda_chunk_prep / kda_chunk_scan;
+# attention.cu prefill_attention)
 # in ONE device call:
 #  1. gpu_check: every parity line (with the chunked prefill's: against the CPU engine and
 #     the per-token recurrence over long, continued and mixed prefill steps and the decode
@@ -28,7 +29,7 @@ nvidia-smi -L || true
 timeout 300 "$CHK" --model models/tiny --json "$W/gpu_check.json" > "$W/gpu_check.log" 2>&1 || rc=1
 keep "$W/gpu_check.json"
 python3 recipes/parity_summary.py "$W/gpu_check.json" "KDA" || rc=1
-grep -A8 '^| prompts x tokens' "$W/gpu_check.log"
+grep -A12 '^| prompts x tokens' "$W/gpu_check.log"
 grep -B1 -A10 '^| batch | graphs' "$W/gpu_check.log" | tail -10
 # DFlash2's context append inside the step's graph (cuda/src/dflash.rs run_step) A/B/A,
 # beside no drafter and MTP N = 2 (greedy, graphs on, c = 1 and 8, medians of 3 runs).

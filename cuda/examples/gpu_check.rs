@@ -496,11 +496,11 @@ fn print_prefill(r: &Report) {
     if r.prefill.is_empty() {
         return;
     }
-    println!("\n| prompts x tokens | prefill ms (per-token KDA) | prefill ms (chunked) | x | KDA kernels ms per-token / chunked | prompt tok/s (chunked) |");
-    println!("|---|---|---|---|---|---|");
+    println!("\n| prompts x tokens | prefill ms (per-token KDA, paged_attention) | prefill ms (chunked KDA, prefill_attention) | x | KDA kernels ms old / new | attention ms old / new | prompt tok/s (new) |");
+    println!("|---|---|---|---|---|---|---|");
     for p in &r.prefill {
         println!(
-            "| {} x {} | {:.2} | {:.2} | {:.2} | {:.2} / {:.2} | {:.0} |",
+            "| {} x {} | {:.2} | {:.2} | {:.2} | {:.2} / {:.2} | {:.2} / {:.2} | {:.0} |",
             p.prompts,
             p.tokens,
             p.ms_recurrent,
@@ -508,6 +508,8 @@ fn print_prefill(r: &Report) {
             p.ms_recurrent / p.ms_chunked.max(1e-9),
             p.kda_ms_recurrent,
             p.kda_ms_chunked,
+            p.att_ms_recurrent,
+            p.att_ms_chunked,
             p.tok_per_s_chunked
         );
     }

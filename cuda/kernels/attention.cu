@@ -152,3 +152,87 @@ extern "C" __global__ void paged_attention(float* __restrict__ o, const float* _
         orow[i] = num / denom;
     }
 }
+
+// Prefill attention (chunks longer than a graph's, cuda/src/ops.rs `attention`): the same
+// o[t, h, :] as paged_attention, a block for ATT_QB consecutive query rows of one chunk
+// and one head, so each K/V position is loaded once for the tile (paged_attention loads it
+// once a row).  Warp w owns query row w of the tile; the tile walks keys 0 ..= the pos of
+// its last row in tiles of ATT_KB positions staged in shared memory (K rows padded to
+// d + 1 floats: lane j reads key j's row without bank conflicts).  Per key tile a warp
+// takes lane j's score for key j (masked past its row's pos), the tile's max, and folds
+// the tile into its online softmax (FlashAttention's rescaling, Dao et al. 2022, in f32:
+// m, l, and lane c's accumulators of output elements c, c + 32, ..).  The sums run in
+// another order than paged_attention's 16 strands: equal within rounding, not bit for bit.
+// Shapes as paged_attention's; row0 [S], len [S] (meta).
+// Launch: grid (ceil(max chunk len / ATT_QB), S, nh), block 32 * ATT_QB.
+#define ATT_QB 16
+#define ATT_KB 32
+extern "C" __global__ void __launch_bounds__(32 * ATT_QB) prefill_attention(
+    float* __restrict__ o, const float* __restrict__ qkv, int qkv_stride,
+    const float* __restrict__ kv, long long layer_off, long long fpb, int bs,
+    const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ pos,
+    const int* __restrict__ row0, const int* __restrict__ len, int nh, int nkv, int d,
+    float scale) {
+    pdl_enter();
+    __shared__ float sk[ATT_KB][HEAD_DIM_MAX + 1];
+    __shared__ float sv[ATT_KB][HEAD_DIM_MAX];
+    __shared__ float sq[ATT_QB][HEAD_DIM_MAX];
+    const int s = blockIdx.y, h = blockIdx.z;
+    const int n = len[s], r0 = blockIdx.x * ATT_QB;
+    if (r0 >= n) return;
+    const int nr = min(ATT_QB, n - r0), base = row0[s] + r0;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int kvh = h / (nh / nkv), nc = d / 32;
+    const bool live = warp < nr;
+    const int t = base + warp;
+    const int p = live ? pos[t] : -1;
+    const int p_last = pos[base + nr - 1];
+    for (int i = lane; i < d; i += WARP)
+        sq[warp][i] = live ? qkv[(size_t)t * qkv_stride + (size_t)h * d + i] : 0.0f;
+    const int* table = block_tables + (size_t)s * max_blocks;
+    const long long half_page = (long long)bs * nkv * d;
+    float m = -INFINITY, l = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int j0 = 0; j0 <= p_last; j0 += ATT_KB) {
+        __syncthreads();  // the last tile read (and, the first time, sq written)
+        for (int e = threadIdx.x; e < ATT_KB * d; e += blockDim.x) {
+            const int jj = e / d, i = e % d, j = j0 + jj;
+            float kx = 0.0f, vx = 0.0f;
+            if (j <= p_last) {
+                const float* kr = kv + (long long)table[j / bs] * fpb + layer_off +
+                                  ((long long)(j % bs) * nkv + kvh) * d;
+                kx = kr[i];
+                vx = kr[half_page + i];
+            }
+            sk[jj][i] = kx;
+            sv[jj][i] = vx;
+        }
+        __syncthreads();
+        if (!live || j0 > p) continue;  // warp-uniform; every warp still meets each barrier
+        const int j = j0 + lane;
+        float sc = -INFINITY;
+        if (j <= p) {
+            float dot = 0.0f;
+            for (int i = 0; i < d; ++i) dot += sq[warp][i] * sk[lane][i];
+            sc = dot * scale;
+        }
+        const float m_new = fmaxf(m, warp_max(sc));
+        const float corr = expf(m - m_new);
+        const float pj = j <= p ? expf(sc - m_new) : 0.0f;
+        l = l * corr + warp_sum(pj);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[c] *= corr;
+        const int kn = min(ATT_KB, p - j0 + 1);
+        for (int jj = 0; jj < kn; ++jj) {
+            const float pv = __shfl_sync(FULL_MASK, pj, jj);
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                if (c < nc) acc[c] += pv * sv[jj][lane + 32 * c];
+        }
+        m = m_new;
+    }
+    if (!live) return;
+    float* orow = o + ((size_t)t * nh + h) * d;
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+        if (c < nc) orow[lane + 32 * c] = acc[c] / l;
+}

@@ -192,6 +192,10 @@ pub struct Gpu {
     /// `kda_conv` + `kda_recurrent_{dl}`; default, `SPECLAB_KDA_CHUNKED=0` keeps the
     /// per-token recurrence (the A/B reference).
     pub kda_chunked: bool,
+    /// Steps with a chunk of at least [`crate::ops::ATT_TILED_MIN_LEN`] tokens (prefill)
+    /// run `prefill_attention` (16 query rows a block, K/V tiles in shared memory) in place
+    /// of `paged_attention`; default, `SPECLAB_ATT_TILED=0` keeps `paged_attention`.
+    pub att_tiled: bool,
     /// The fused router's latency cuts (kernel `moe_router_topk`'s `pre`: its first
     /// router-weight word, bias and norm weight loaded before the grid-dependency wait, and
     /// a one-block grid aligning from shared ids without the ticket); default,
@@ -306,6 +310,7 @@ impl Gpu {
             kda_fused_rows: rows_env("SPECLAB_KDA_FUSED_ROWS", crate::ops::KDA_FUSED_MEAN_ROWS)?,
             kda_pair: env_on("SPECLAB_KDA_PAIR"),
             kda_chunked: env_on("SPECLAB_KDA_CHUNKED"),
+            att_tiled: env_on("SPECLAB_ATT_TILED"),
             final_dup: env_on("SPECLAB_FINAL_DUP"),
             kda_pre: env_on("SPECLAB_KDA_PRE"),
             fuse_mtp_in: env_on("SPECLAB_MTP_IN_NORM"),

@@ -103,7 +103,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "attention.cu",
         source: include_str!("../kernels/attention.cu"),
-        entries: &["rope_kv_write", "paged_attention"],
+        entries: &["rope_kv_write", "paged_attention", "prefill_attention"],
     },
     KernelSource {
         name: "dflash.cu",

@@ -1179,7 +1179,18 @@ pub struct Paged<'a> {
     pub tok_seq: Arg,
     pub tables: Arg,
     pub max_blocks: usize,
+    /// Meta sections row0, len [S] (the prefill kernel's tiles).
+    pub row0: Arg,
+    pub len: Arg,
+    pub num_seqs: usize,
+    /// The longest chunk's tokens (host copy).
+    pub max_len: usize,
 }
+
+/// Longest chunk of a step whose attention runs `paged_attention` (a row a block); a step
+/// with a longer chunk (prefill) runs `prefill_attention` (16 rows a block, each K/V
+/// position loaded once a tile) unless `SPECLAB_ATT_TILED=0` ([`Gpu::att_tiled`]).
+pub const ATT_TILED_MIN_LEN: usize = crate::backend::GRAPH_MAX_CHUNK + 1;
 
 /// Full attention of one layer on `qkv [T, (nh + 2 nkv) d]` into `o [T, nh d]`.
 pub struct Attention<'a> {
@@ -1195,7 +1206,8 @@ pub struct Attention<'a> {
     pub d: usize,
 }
 
-/// Kernels `rope_kv_write` then `paged_attention`.
+/// Kernels `rope_kv_write` then `paged_attention`, or `prefill_attention` for a step with
+/// a chunk of at least [`ATT_TILED_MIN_LEN`] tokens.
 pub fn attention(g: &Gpu, kv: &Paged<'_>, a: &Attention<'_>) -> Result<()> {
     let (nh, nkv, d) = (a.nh, a.nkv, a.d);
     if d % 32 != 0 || d > launch::HEAD_DIM_MAX || nkv == 0 || nh % nkv != 0 {
@@ -1241,6 +1253,9 @@ pub fn attention(g: &Gpu, kv: &Paged<'_>, a: &Attention<'_>) -> Result<()> {
             &args,
         )?
     };
+    if g.att_tiled && kv.max_len >= ATT_TILED_MIN_LEN {
+        return prefill_attention(g, kv, a, [qkv, pool], w);
+    }
     let args = [
         ptr(a.o, 0, a.t * nh * d, "attn o")?,
         qkv,
@@ -1268,6 +1283,56 @@ pub fn attention(g: &Gpu, kv: &Paged<'_>, a: &Attention<'_>) -> Result<()> {
         smem: 0,
     };
     unsafe { launch(g, "paged_attention", shape, &args) }
+}
+
+/// Kernel `prefill_attention` for [`attention`] (its checks done, `rope_kv_write` launched):
+/// tiles of 16 query rows of a chunk per block.
+fn prefill_attention(
+    g: &Gpu,
+    kv: &Paged<'_>,
+    a: &Attention<'_>,
+    [qkv, pool]: [Arg; 2],
+    w: usize,
+) -> Result<()> {
+    let (nh, d) = (a.nh, a.d);
+    if kv.max_len > a.t {
+        return Err(CudaError::Input(format!(
+            "prefill attention: a chunk of {} tokens in a step of {} (internal)",
+            kv.max_len, a.t
+        )));
+    }
+    let args = [
+        ptr(a.o, 0, a.t * nh * d, "attn o")?,
+        qkv,
+        int(w, "qkv stride")?,
+        pool,
+        long(kv.layer_off),
+        long(kv.fpb),
+        int(kv.block_size, "block size")?,
+        kv.tables,
+        int(kv.max_blocks, "max_blocks")?,
+        kv.pos,
+        kv.row0,
+        kv.len,
+        int(nh, "nh")?,
+        int(a.nkv, "nkv")?,
+        int(d, "d")?,
+        Arg::F((d as f64).powf(-0.5) as f32),
+    ];
+    let shape = launch::Shape {
+        grid: (
+            int_u32(kv.max_len.div_ceil(16))?,
+            int_u32(kv.num_seqs)?,
+            int_u32(nh)?,
+        ),
+        // 32 * ATT_QB (attention.cu).
+        block: (512, 1, 1),
+        smem: 0,
+    };
+    // SAFETY: as paged_attention's (o [T, nh d], qkv [T, W], the pool checked; positions
+    // 0..=pos of chunk s read through its own table row s, meta-validated; d <= 128 for the
+    // shared tiles); chunk rows row0 + len <= T from meta::build.
+    unsafe { launch(g, "prefill_attention", shape, &args) }
 }
 
 fn int_u32(v: usize) -> Result<u32> {

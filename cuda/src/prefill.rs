@@ -1,10 +1,14 @@
-//! The chunked KDA prefill on the device: parity against the per-token recurrence and the
-//! CPU engine, and prefill timing with the chunked kernels on and off (issue 11: "KDA
-//! recurrence (chunked for prefill)"). Run by `examples/gpu_check.rs`.
+//! The prefill kernels on the device (the chunked KDA of [`crate::kda_chunk`] and the
+//! tiled `prefill_attention`): parity against the per-token recurrence with
+//! `paged_attention` and the CPU engine, and prefill timing with them on and off (issue 11:
+//! "KDA recurrence (chunked for prefill)", "paged attention for prefill"). Run by
+//! `examples/gpu_check.rs`.
 //!
 //! Design: two `CudaBackend`s and the CPU `ModelRunner` share one `KvCacheManager` (as in
 //! [`crate::check`]); one backend takes `kda_chunk_prep` / `kda_chunk_scan`
-//! ([`crate::device::Gpu::kda_chunked`]), the other the per-token `kda_recurrent`. The
+//! ([`crate::device::Gpu::kda_chunked`]) and `prefill_attention`
+//! ([`crate::device::Gpu::att_tiled`]), the other the per-token `kda_recurrent` and
+//! `paged_attention`. The
 //! steps cover the chunked path's cases: spans of many chunks, a partial last chunk, a
 //! continued prefill (start position > 0, the state and conv window read from the page), a
 //! one-token span beside prefill spans, and decode steps after it (the fused decode kernel
@@ -34,6 +38,7 @@ fn prompt(i: usize, n: usize) -> Vec<u32> {
         .collect()
 }
 
+/// An eager backend with the prefill kernels on (`chunked`) or off.
 fn eager(w: &ModelWeights, kv: &KvCacheManager, chunked: bool) -> Result<CudaBackend> {
     let mut b = CudaBackend::with_options(
         w,
@@ -43,8 +48,13 @@ fn eager(w: &ModelWeights, kv: &KvCacheManager, chunked: bool) -> Result<CudaBac
             ..Default::default()
         },
     )?;
-    b.gpu.kda_chunked = chunked;
+    set_prefill(&mut b, chunked);
     Ok(b)
+}
+
+fn set_prefill(b: &mut CudaBackend, on: bool) {
+    b.gpu.kda_chunked = on;
+    b.gpu.att_tiled = on;
 }
 
 /// Worst relative logits errors of a phase: (chunked vs CPU, per-token vs CPU, chunked vs
@@ -116,7 +126,7 @@ pub fn parity(dir: &Path, out: &mut Vec<CheckLine>) -> Result<()> {
     let next = step(&kv, &first, &mut worst)?;
     line(
         out,
-        "chunked KDA prefill: greedy rows differing from CPU (first step)",
+        "prefill kernels (chunked KDA, tiled attention): greedy rows differing from CPU (first step)",
         worst.miss as f64,
         0.0,
     );
@@ -161,16 +171,16 @@ pub fn parity(dir: &Path, out: &mut Vec<CheckLine>) -> Result<()> {
     }
     let t = TOLERANCE as f64;
     let names = [
-        "chunked KDA prefill + decode logits vs CPU (worst of 10 steps)",
-        "per-token KDA prefill + decode logits vs CPU (worst of 10 steps)",
-        "chunked vs per-token KDA logits (worst of 10 steps)",
+        "prefill kernels (chunked KDA, tiled attention) + decode logits vs CPU (worst of 10 steps)",
+        "per-token KDA, paged_attention prefill + decode logits vs CPU (worst of 10 steps)",
+        "prefill kernels vs per-token KDA, paged_attention logits (worst of 10 steps)",
     ];
     for (name, e) in names.iter().zip(worst.err) {
         line(out, *name, e as f64, t);
     }
     line(
         out,
-        "chunked KDA prefill + decode: greedy rows differing from CPU (10 steps)",
+        "prefill kernels (chunked KDA, tiled attention) + decode: greedy rows differing from CPU (10 steps)",
         worst.miss as f64,
         0.0,
     );
@@ -191,6 +201,10 @@ pub struct PrefillRow {
     /// overhead a kernel included), per-token path then chunked.
     pub kda_ms_recurrent: f64,
     pub kda_ms_chunked: f64,
+    /// Of the same steps: the attention kernels' ms (`paged_attention`, then
+    /// `prefill_attention`).
+    pub att_ms_recurrent: f64,
+    pub att_ms_chunked: f64,
     /// Prompt tokens a second, chunked.
     pub tok_per_s_chunked: f64,
     /// The profiled chunked step's kernels by total ms (the five longest): where a
@@ -210,24 +224,31 @@ pub fn timing(dir: &Path, shapes: &[(usize, usize)], reps: usize) -> Result<Vec<
         let prompts: Vec<Vec<u32>> = (0..p).map(|i| prompt(i + 3, n)).collect();
         let mut ms = [0.0f64; 2];
         let mut kda = [0.0f64; 2];
+        let mut att = [0.0f64; 2];
         let mut top = Vec::new();
         for (mode, chunked) in [false, true].into_iter().enumerate() {
-            gpu.gpu.kda_chunked = chunked;
+            set_prefill(&mut gpu, chunked);
             let mut times = Vec::new();
             for rep in 0..reps + 2 {
                 let batch = fresh(&mut kv, &mut gpu, &prompts)?;
                 if rep == reps + 1 {
                     let prof = gpu.profile_step(&kv, &batch)?;
                     if chunked {
-                        top = prof.iter().map(|(k, _, us)| (k.clone(), us / 1e3)).collect();
+                        top = prof
+                            .iter()
+                            .map(|(k, _, us)| (k.clone(), us / 1e3))
+                            .collect();
                         top.sort_by(|a: &(String, f64), b| b.1.total_cmp(&a.1));
                         top.truncate(5);
                     }
-                    kda[mode] = prof
-                        .iter()
-                        .filter(|(k, _, _)| k.starts_with("kda_"))
-                        .map(|(_, _, us)| us / 1e3)
-                        .sum();
+                    let ms = |pre: &str| -> f64 {
+                        prof.iter()
+                            .filter(|(k, _, _)| k.starts_with(pre))
+                            .map(|(_, _, us)| us / 1e3)
+                            .sum()
+                    };
+                    kda[mode] = ms("kda_");
+                    att[mode] = ms("paged_attention") + ms("prefill_attention");
                     continue;
                 }
                 let t0 = Instant::now();
@@ -246,6 +267,8 @@ pub fn timing(dir: &Path, shapes: &[(usize, usize)], reps: usize) -> Result<Vec<
             ms_chunked: ms[1],
             kda_ms_recurrent: kda[0],
             kda_ms_chunked: kda[1],
+            att_ms_recurrent: att[0],
+            att_ms_chunked: att[1],
             tok_per_s_chunked: (p * n) as f64 / ms[1] * 1e3,
             top_kernels_chunked: top,
         });

@@ -307,6 +307,10 @@ impl CudaBackend {
                     tok_seq: cx.ma.tok_seq,
                     tables: cx.ma.tables,
                     max_blocks: self.dims.max_blocks,
+                    row0: cx.ma.row0,
+                    len: cx.ma.len,
+                    num_seqs: cx.m.num_seqs,
+                    max_len: cx.m.max_len(),
                 };
                 let att = ops::Attention {
                     qkv: &ws.proj,
