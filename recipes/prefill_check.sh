@@ -53,7 +53,7 @@ ppl() {  # name, env, device
 }
 ppl cpu "" cpu
 ppl cuda-chunked "SPECLAB_KDA_CHUNKED=1" cuda
-ppl cuda-per-token "SPECLAB_KDA_CHUNKED=0" cuda
+ppl cuda-per-token "SPECLAB_KDA_CHUNKED=0 SPECLAB_ATT_TILED=0" cuda
 ppl cuda-chunked-again "SPECLAB_KDA_CHUNKED=1" cuda
 python3 - "$W" <<'PY' || rc=1
 import json, sys
