@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The c = 1 ratios the issue's goals name (MTP N = 2 >= 1.41x, DFlash2 N = 7 >= 3x no
+# drafter), measured over several processes in ONE device call: legs of
+# `speclab bench e2e --concurrency 1 --drafters none,mtp:2,dflash2:7 --repeat 3` (greedy,
+# graphs on), the DFlash2 context append in the step's graph (odd legs) and launched
+# eagerly (even legs, SPECLAB_DF2_APPEND_GRAPH=0); then each leg's ratios and their median.
+# Legs of one call differ by up to 5% (findings/cuda-engine-h200.md): one leg settles
+# nothing near a threshold.
+#
+#   here:    bash recipes/gpu_check.sh --build
+#   device:  run(command="bash recipes/unpack_bins.sh && COMMIT=<commit> bash recipes/c1_settle.sh", carry=["target/gpu-pack"], timeout_s=600)
+# LEGS sets the number of legs (default 6). Records in $OUT/records.tar, summary in
+# $OUT/summary.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DEFAULT_OUT=/tmp/c1-settle-out
+source recipes/call_prelude.sh
+keep() { for f in "$@"; do [ -f "$f" ] && tar rf "$FINAL/records.tar" -C "$(dirname "$f")" "$(basename "$f")"; done; }
+nvidia-smi -L || true
+for i in $(seq 1 "${LEGS:-6}"); do
+  g=$(( i % 2 ))
+  env SPECLAB_DF2_APPEND_GRAPH=$g timeout 80 "$BIN" bench e2e --graphs on --concurrency 1 --repeat 3 \
+    --drafters none,mtp:2,dflash2:7 "${C[@]}" --out "$W/bench-e2e-c1-leg$i.json" > "$W/leg$i.log" 2>&1 \
+    || { rc=1; echo "leg $i failed: $(tail -3 "$W/leg$i.log")"; }
+  keep "$W/bench-e2e-c1-leg$i.json"
+done
+python3 - "$W" "${LEGS:-6}" <<'PY' || rc=1
+import json, statistics, sys
+d, n = sys.argv[1], int(sys.argv[2])
+mtp, df2 = [], []
+print("| leg | append graph | none tok/s | MTP N=2 tok/s | x | DFlash2 N=7 tok/s | x |")
+print("|---|---|---|---|---|---|---|")
+for i in range(1, n + 1):
+    try:
+        r = json.load(open(f"{d}/bench-e2e-c1-leg{i}.json"))
+    except Exception as e:
+        print(f"| {i} | no record ({e}) |"); continue
+    t = {(x["drafter"], x["num_spec"]): x["decode_tok_s"] for x in r["rows"]}
+    a, b, c = t[("none", 0)], t[("mtp", 2)], t[("dflash2", 7)]
+    mtp.append(b / a); df2.append(c / a)
+    print(f"| {i} | {'on' if i % 2 else 'off'} | {a:,.0f} | {b:,.0f} | {b / a:.3f} | {c:,.0f} | {c / a:.3f} |")
+if mtp:
+    print(f"MTP N=2 / none at c=1: median {statistics.median(mtp):.3f}, range {min(mtp):.3f}-{max(mtp):.3f} over {len(mtp)} legs")
+    print(f"DFlash2 N=7 / none at c=1: median {statistics.median(df2):.3f}, range {min(df2):.3f}-{max(df2):.3f}")
+PY
+tar czf "$FINAL/logs.tgz" -C "$W" --exclude='*.json' .
+exit $rc
