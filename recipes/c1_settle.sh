@@ -4,6 +4,7 @@
 # `speclab bench e2e --concurrency 1 --drafters none,mtp:2,dflash2:7 --repeat 3` (greedy,
 # graphs on), the DFlash2 context append in the step's graph (odd legs) and launched
 # eagerly (even legs, SPECLAB_DF2_APPEND_GRAPH=0); then each leg's ratios and their median.
+# Before the legs, gpu_check --parity-only (PARITY=0 skips it).
 # Legs of one call differ by up to 5% (findings/cuda-engine-h200.md): one leg settles
 # nothing near a threshold.
 #
@@ -17,6 +18,11 @@ DEFAULT_OUT=/tmp/c1-settle-out
 source recipes/call_prelude.sh
 keep() { for f in "$@"; do [ -f "$f" ] && tar rf "$FINAL/records.tar" -C "$(dirname "$f")" "$(basename "$f")"; done; }
 nvidia-smi -L || true
+if [ "${PARITY:-1}" != 0 ]; then  # every parity line first (PARITY=0 skips)
+  timeout 240 "$CHK" --model models/tiny --parity-only --json "$W/gpu_check.json" > "$W/gpu_check.log" 2>&1 || rc=1
+  keep "$W/gpu_check.json"
+  python3 recipes/parity_summary.py "$W/gpu_check.json" "prefill" "append" || rc=1
+fi
 for i in $(seq 1 "${LEGS:-6}"); do
   g=$(( i % 2 ))
   env SPECLAB_DF2_APPEND_GRAPH=$g timeout 80 "$BIN" bench e2e --graphs on --concurrency 1 --repeat 3 \

@@ -578,6 +578,21 @@ __device__ __forceinline__ void kda_chunk_prep_impl(
     }
 }
 
+// acc[k] = sum_i m[(r + k NR) DL + i] ss[i][j], ascending i from zero: rows r + k NR of a
+// staged [BT, DL] chunk matrix times state column j (kda_chunk_scan's W S and Q~ S).
+template <int DL, int KT, int NR>
+__device__ __forceinline__ void chunk_rows_dot_state(const float* m, const float (*ss)[32], int r,
+                                                     int j, float (&acc)[KT]) {
+#pragma unroll
+    for (int k = 0; k < KT; ++k) acc[k] = 0.0f;
+#pragma unroll 8
+    for (int i = 0; i < DL; ++i) {
+        const float sv = ss[i][j];
+#pragma unroll
+        for (int k = 0; k < KT; ++k) acc[k] += m[(r + k * NR) * DL + i] * sv;
+    }
+}
+
 // Block (h, s, jg): head h of span s, value columns jg * 32 .. + 32.  Block 256 threads:
 // lane j a column, warp r every 8th token / key row.  The state's columns live in shared
 // memory from table[0]'s page (zeros at position 0) and go back there after the last
@@ -630,26 +645,12 @@ __device__ __forceinline__ void kda_chunk_scan_impl(
         // Each sum ascends in i (then q) from zero, as kda_chunk.rs; a loaded state or u
         // value feeds every row of the thread.
         float acc[KT];
-#pragma unroll
-        for (int k = 0; k < KT; ++k) acc[k] = 0.0f;
-#pragma unroll 8
-        for (int i = 0; i < DL; ++i) {
-            const float sv = ss[i][j];
-#pragma unroll
-            for (int k = 0; k < KT; ++k) acc[k] += cw[0][(r + k * NR) * DL + i] * sv;
-        }
+        chunk_rows_dot_state<DL, KT, NR>(cw[0], ss, r, j, acc);
 #pragma unroll
         for (int k = 0; k < KT; ++k)
             if (r + k * NR < L) su[r + k * NR][j] = uu[k] - acc[k];
         __syncthreads();
-#pragma unroll
-        for (int k = 0; k < KT; ++k) acc[k] = 0.0f;
-#pragma unroll 8
-        for (int i = 0; i < DL; ++i) {
-            const float sv = ss[i][j];
-#pragma unroll
-            for (int k = 0; k < KT; ++k) acc[k] += cw[1][(r + k * NR) * DL + i] * sv;
-        }
+        chunk_rows_dot_state<DL, KT, NR>(cw[1], ss, r, j, acc);
         for (int q = 0; q < L; ++q) {
             const float uv = su[q][j];
 #pragma unroll

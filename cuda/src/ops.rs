@@ -1253,27 +1253,18 @@ pub fn attention(g: &Gpu, kv: &Paged<'_>, a: &Attention<'_>) -> Result<()> {
             &args,
         )?
     };
+    let mut args = att_args(kv, a, [qkv, pool], w)?;
     if g.att_tiled && kv.max_len >= ATT_TILED_MIN_LEN {
-        return prefill_attention(g, kv, a, [qkv, pool], w);
+        return prefill_attention(g, kv, a, args);
     }
-    let args = [
-        ptr(a.o, 0, a.t * nh * d, "attn o")?,
-        qkv,
-        int(w, "qkv stride")?,
-        pool,
-        long(kv.layer_off),
-        long(kv.fpb),
-        int(kv.block_size, "block size")?,
-        kv.tables,
-        int(kv.max_blocks, "max_blocks")?,
-        kv.pos,
+    args.extend([
         kv.tok_seq,
         int(nh, "nh")?,
         int(nkv, "nkv")?,
         int(d, "d")?,
         Arg::F((d as f64).powf(-0.5) as f32),
         int(a.t, "T")?,
-    ];
+    ]);
     // SAFETY: o [T, nh d], qkv, pool checked as above; reads positions 0..=pos of the
     // token's own table (meta-validated); d <= 128 (shared accumulators).
     let shape = launch::Shape {
@@ -1285,24 +1276,17 @@ pub fn attention(g: &Gpu, kv: &Paged<'_>, a: &Attention<'_>) -> Result<()> {
     unsafe { launch(g, "paged_attention", shape, &args) }
 }
 
-/// Kernel `prefill_attention` for [`attention`] (its checks done, `rope_kv_write` launched):
-/// tiles of 16 query rows of a chunk per block.
-fn prefill_attention(
-    g: &Gpu,
+/// The leading arguments `paged_attention` and `prefill_attention` share: o, qkv and its
+/// stride, the pool, the layer's page offset, floats a block, block size, the block tables
+/// and their width, positions.
+fn att_args(
     kv: &Paged<'_>,
     a: &Attention<'_>,
     [qkv, pool]: [Arg; 2],
     w: usize,
-) -> Result<()> {
-    let (nh, d) = (a.nh, a.d);
-    if kv.max_len > a.t {
-        return Err(CudaError::Input(format!(
-            "prefill attention: a chunk of {} tokens in a step of {} (internal)",
-            kv.max_len, a.t
-        )));
-    }
-    let args = [
-        ptr(a.o, 0, a.t * nh * d, "attn o")?,
+) -> Result<Vec<Arg>> {
+    Ok(vec![
+        ptr(a.o, 0, a.t * a.nh * a.d, "attn o")?,
         qkv,
         int(w, "qkv stride")?,
         pool,
@@ -1312,13 +1296,27 @@ fn prefill_attention(
         kv.tables,
         int(kv.max_blocks, "max_blocks")?,
         kv.pos,
+    ])
+}
+
+/// Kernel `prefill_attention` for [`attention`] (its checks done, `rope_kv_write` launched,
+/// `args` from [`att_args`]): tiles of 16 query rows of a chunk per block.
+fn prefill_attention(g: &Gpu, kv: &Paged<'_>, a: &Attention<'_>, mut args: Vec<Arg>) -> Result<()> {
+    let (nh, d) = (a.nh, a.d);
+    if kv.max_len > a.t {
+        return Err(CudaError::Input(format!(
+            "prefill attention: a chunk of {} tokens in a step of {} (internal)",
+            kv.max_len, a.t
+        )));
+    }
+    args.extend([
         kv.row0,
         kv.len,
         int(nh, "nh")?,
         int(a.nkv, "nkv")?,
         int(d, "d")?,
         Arg::F((d as f64).powf(-0.5) as f32),
-    ];
+    ]);
     let shape = launch::Shape {
         grid: (
             int_u32(kv.max_len.div_ceil(16))?,
