@@ -428,6 +428,10 @@ extern "C" __global__ void kda_gate_norm(float* __restrict__ out, const float* _
 // Chunk c of span s (first row r = row0[s] + c BT) owns slot s + r / BT of ck, nl heads
 // a slot, CK floats a head: W [BT, DL], U~ [BT, DL], Q~ [BT, DL], K- [BT, DL],
 // B [BT, BT], gamma [DL] (rows past the chunk's L tokens unused; B zero past them).
+// Value columns of the state a kda_chunk_scan block owns (grid z = DL / KDA_SCAN_JB; the
+// host's cuda/src/kda_chunk.rs SCAN_COLUMNS).
+#define KDA_SCAN_JB 16
+
 template <int DL>
 struct KdaChunk {
     static constexpr int BT = DL >= 128 ? 16 : 32;
@@ -578,10 +582,11 @@ __device__ __forceinline__ void kda_chunk_prep_impl(
     }
 }
 
-// acc[k] = sum_i m[(r + k NR) DL + i] ss[i][j], ascending i from zero: rows r + k NR of a
-// staged [BT, DL] chunk matrix times state column j (kda_chunk_scan's W S and Q~ S).
-template <int DL, int KT, int NR>
-__device__ __forceinline__ void chunk_rows_dot_state(const float* m, const float (*ss)[32], int r,
+// acc[k] = sum_i m[(r + k NR) P + i] ss[i][j], ascending i from zero: rows r + k NR of a
+// staged [BT, DL] chunk matrix (row stride P) times state column j (kda_chunk_scan's W S
+// and Q~ S).
+template <int DL, int JB, int KT, int NR, int P>
+__device__ __forceinline__ void chunk_rows_dot_state(const float* m, const float (*ss)[JB], int r,
                                                      int j, float (&acc)[KT]) {
 #pragma unroll
     for (int k = 0; k < KT; ++k) acc[k] = 0.0f;
@@ -589,18 +594,19 @@ __device__ __forceinline__ void chunk_rows_dot_state(const float* m, const float
     for (int i = 0; i < DL; ++i) {
         const float sv = ss[i][j];
 #pragma unroll
-        for (int k = 0; k < KT; ++k) acc[k] += m[(r + k * NR) * DL + i] * sv;
+        for (int k = 0; k < KT; ++k) acc[k] += m[(r + k * NR) * P + i] * sv;
     }
 }
 
-// Block (h, s, jg): head h of span s, value columns jg * 32 .. + 32.  Block 256 threads:
-// lane j a column, warp r every 8th token / key row.  The state's columns live in shared
-// memory from table[0]'s page (zeros at position 0) and go back there after the last
-// chunk.  Per chunk, W, Q~, K-, B and gamma are first copied to shared memory (every load
-// in flight at once: read inside the loops, each load waited out its L2 latency in turn),
-// then: u = U~ - W S; o = Q~ S + B u; S = diag(gamma) S + K-^T u.
-// Shapes: o [T, C], ck as kda_chunk_prep's.  Shared: 4 (BT + DL) 32 + 12 BT DL + 4 BT^2 +
-// 4 DL bytes (40.3 KiB at DL 64, 43.6 KiB at DL 128).
+// Block (h, s, jg): head h of span s, value columns jg * JB .. + JB (JB = 16: DL / 16
+// blocks a head).  Block 256 threads: j = tid % JB a column, r = tid / JB (NR = 16 of them)
+// every NR-th token / key row.  The state's columns live in shared memory from table[0]'s
+// page (zeros at position 0) and go back there after the last chunk.  Per chunk, W, Q~,
+// K-, B and gamma are first copied to shared memory (every load in flight at once; read
+// inside the loops, each load waited out its L2 latency in turn), rows padded by one
+// float (a warp's two row groups read two rows of a matrix: other banks), then:
+// u = U~ - W S; o = Q~ S + B u; S = diag(gamma) S + K-^T u.
+// Shapes: o [T, C], ck as kda_chunk_prep's.  Shared at DL 64: about 35 KiB.
 template <int DL>
 __device__ __forceinline__ void kda_chunk_scan_impl(
     float* __restrict__ o, const float* __restrict__ ck, float* __restrict__ pool,
@@ -608,33 +614,47 @@ __device__ __forceinline__ void kda_chunk_scan_impl(
     const int* __restrict__ len, const int* __restrict__ pos0,
     const int* __restrict__ state_tables, int max_state) {
     pdl_enter();
-    constexpr int BT = KdaChunk<DL>::BT, CK = KdaChunk<DL>::CK, JB = 32, NR = 8;
+    constexpr int BT = KdaChunk<DL>::BT, CK = KdaChunk<DL>::CK, JB = KDA_SCAN_JB;
+    constexpr int NR = 256 / JB, P = DL + 1, PB = BT + 1;
     __shared__ float ss[DL][JB];
     __shared__ float su[BT][JB];
-    __shared__ __align__(16) float cw[3][BT * DL];  // W, Q~, K- of the chunk
-    __shared__ __align__(16) float cb[BT * BT + DL];  // B, then gamma
+    __shared__ float cw[3][BT * P];       // W, Q~, K- of the chunk, rows padded
+    __shared__ float cb[BT * PB + DL];    // B (rows padded), then gamma
     const int h = blockIdx.x, s = blockIdx.y, jg = blockIdx.z;
-    const int tid = threadIdx.x, j = tid & 31, r = tid >> 5;
+    const int tid = threadIdx.x, j = tid % JB, r = tid / JB;
     const int C = nl * DL, J = jg * JB + j;
     float* page = pool + (long long)state_tables[(size_t)s * max_state] * fpb + layer_off +
                   conv_len + (long long)h * DL * DL + J;
     const bool fresh = pos0[s] == 0;
     for (int i = r; i < DL; i += NR) ss[i][j] = fresh ? 0.0f : page[(long long)i * DL];
     const int n = len[s], base = row0[s];
+    // Rows t = r + k NR (k < KT) of this thread; key rows i = r + m NR (m < KI).
+    constexpr int KT = (BT + NR - 1) / NR, KI = DL / NR;
     for (int t0 = 0; t0 < n; t0 += BT) {
         const int L = min(BT, n - t0);
         const float* c = ck + ((size_t)(s + (base + t0) / BT) * nl + h) * CK;
         // Stage the chunk: W at 0, Q~ at 2 BT DL, K- at 3 BT DL, B and gamma at 4 BT DL.
         constexpr int Q4 = BT * DL / 4;
-        for (int e = tid; e < 3 * Q4; e += NR * WARP) {
+        for (int e = tid; e < 3 * Q4; e += 256) {
             const int m = e / Q4, k = e % Q4;
             const int src = (m == 0 ? 0 : (m + 1) * BT * DL) / 4 + k;
-            reinterpret_cast<float4*>(cw[m])[k] = reinterpret_cast<const float4*>(c)[src];
+            const float4 v = reinterpret_cast<const float4*>(c)[src];
+            const int row = 4 * k / DL, col = 4 * k % DL;
+            float* d = cw[m] + row * P + col;
+            d[0] = v.x;
+            d[1] = v.y;
+            d[2] = v.z;
+            d[3] = v.w;
         }
-        for (int e = tid; e < (BT * BT + DL) / 4; e += NR * WARP)
-            reinterpret_cast<float4*>(cb)[e] = reinterpret_cast<const float4*>(c + 4 * BT * DL)[e];
-        // Rows t = r + k NR (k < KT) of this warp; key rows i = r + m NR (m < DL / NR).
-        constexpr int KT = (BT + NR - 1) / NR, KI = DL / NR;
+        for (int e = tid; e < (BT * BT + DL) / 4; e += 256) {
+            const float4 v = reinterpret_cast<const float4*>(c + 4 * BT * DL)[e];
+            const float w4[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int x = 4 * e + u;
+                cb[x < BT * BT ? (x / BT) * PB + x % BT : BT * PB + x - BT * BT] = w4[u];
+            }
+        }
         float uu[KT];
 #pragma unroll
         for (int k = 0; k < KT; ++k) {
@@ -645,17 +665,17 @@ __device__ __forceinline__ void kda_chunk_scan_impl(
         // Each sum ascends in i (then q) from zero, as kda_chunk.rs; a loaded state or u
         // value feeds every row of the thread.
         float acc[KT];
-        chunk_rows_dot_state<DL, KT, NR>(cw[0], ss, r, j, acc);
+        chunk_rows_dot_state<DL, JB, KT, NR, P>(cw[0], ss, r, j, acc);
 #pragma unroll
         for (int k = 0; k < KT; ++k)
             if (r + k * NR < L) su[r + k * NR][j] = uu[k] - acc[k];
         __syncthreads();
-        chunk_rows_dot_state<DL, KT, NR>(cw[1], ss, r, j, acc);
+        chunk_rows_dot_state<DL, JB, KT, NR, P>(cw[1], ss, r, j, acc);
         for (int q = 0; q < L; ++q) {
             const float uv = su[q][j];
 #pragma unroll
             for (int k = 0; k < KT; ++k)
-                if (q <= r + k * NR) acc[k] += cb[(r + k * NR) * BT + q] * uv;
+                if (q <= r + k * NR) acc[k] += cb[(r + k * NR) * PB + q] * uv;
         }
 #pragma unroll
         for (int k = 0; k < KT; ++k)
@@ -663,11 +683,11 @@ __device__ __forceinline__ void kda_chunk_scan_impl(
         __syncthreads();  // every read of ss above precedes its update
         float sn[KI];
 #pragma unroll
-        for (int m = 0; m < KI; ++m) sn[m] = cb[BT * BT + r + m * NR] * ss[r + m * NR][j];
+        for (int m = 0; m < KI; ++m) sn[m] = cb[BT * PB + r + m * NR] * ss[r + m * NR][j];
         for (int q = 0; q < L; ++q) {
             const float uv = su[q][j];
 #pragma unroll
-            for (int m = 0; m < KI; ++m) sn[m] += cw[2][q * DL + r + m * NR] * uv;
+            for (int m = 0; m < KI; ++m) sn[m] += cw[2][q * P + r + m * NR] * uv;
         }
 #pragma unroll
         for (int m = 0; m < KI; ++m) ss[r + m * NR][j] = sn[m];
@@ -695,7 +715,7 @@ __device__ __forceinline__ void kda_chunk_scan_impl(
     }
 
 // Launch: prep grid (ceil(max span len / BT), S, nl), block 256; scan grid (nl, S,
-// DL / 32), block 256 (NR = 8 warps).
+// DL / KDA_SCAN_JB), block 256.
 KDA_CHUNKED(32)
 KDA_CHUNKED(64)
 KDA_CHUNKED(128)

@@ -28,6 +28,10 @@
 //! The reference sums in the kernels' orders, so it is the kernels' golden up to the
 //! device's `expf`.
 
+/// Value columns of the state one `kda_chunk_scan_{dl}` block owns (kda.cu `KDA_SCAN_JB`):
+/// the scan's grid has `dl / SCAN_COLUMNS` blocks a (head, sequence).
+pub const SCAN_COLUMNS: usize = 16;
+
 /// Tokens of one chunk for head dim `dl`: 32, or 16 for `dl >= 128` (the prep kernel's
 /// four `[BT, dl + 1]` shared arrays stay under 48 KiB).
 pub const fn chunk_len(dl: usize) -> usize {

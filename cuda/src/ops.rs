@@ -1600,13 +1600,18 @@ fn kda_chunked(
         max_state,
     ];
     let shape = launch::Shape {
-        grid: (int_u32(nl)?, int_u32(s.num_seqs)?, int_u32(dl / 32)?),
+        grid: (
+            int_u32(nl)?,
+            int_u32(s.num_seqs)?,
+            int_u32(dl / crate::kda_chunk::SCAN_COLUMNS)?,
+        ),
         block: (256, 1, 1),
         smem: 0,
     };
     // SAFETY: o [T, C] checked, ck as above (written by the prep launch before it); S
     // elements of head h at conv_len + h dl^2 + i dl + j < conv_len + nl dl^2 (inside the
-    // page, checked in `kda`); dl in 32 / 64 / 128 so dl / 32 column groups of 32.
+    // page, checked in `kda`); dl in 32 / 64 / 128 so dl / SCAN_COLUMNS column groups of
+    // SCAN_COLUMNS (kda.cu KDA_SCAN_JB).
     unsafe { launch(g, &format!("kda_chunk_scan_{dl}"), shape, &args) }
 }
 
