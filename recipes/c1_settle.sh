@@ -2,8 +2,9 @@
 # The c = 1 ratios the issue's goals name (MTP N = 2 >= 1.41x, DFlash2 N = 7 >= 3x no
 # drafter), measured over several processes in ONE device call: legs of
 # `speclab bench e2e --concurrency 1 --drafters none,mtp:2,dflash2:7 --repeat 3` (greedy,
-# graphs on), the DFlash2 context append in the step's graph (odd legs) and launched
-# eagerly (even legs, SPECLAB_DF2_APPEND_GRAPH=0); then each leg's ratios and their median.
+# graphs on), with the switch AB_VAR (default SPECLAB_DF2_APPEND_GRAPH: the DFlash2 context
+# append in the step's graph) on in odd legs and off (=0) in even legs; then each leg's
+# ratios and their median.
 # Before the legs, gpu_check --parity-only (PARITY=0 skips it).
 # Legs of one call differ by up to 5% (findings/cuda-engine-h200.md): one leg settles
 # nothing near a threshold.
@@ -25,7 +26,7 @@ if [ "${PARITY:-1}" != 0 ]; then  # every parity line first (PARITY=0 skips)
 fi
 for i in $(seq 1 "${LEGS:-6}"); do
   g=$(( i % 2 ))
-  env SPECLAB_DF2_APPEND_GRAPH=$g timeout 80 "$BIN" bench e2e --graphs on --concurrency 1 --repeat 3 \
+  env "${AB_VAR:-SPECLAB_DF2_APPEND_GRAPH}=$g" timeout 80 "$BIN" bench e2e --graphs on --concurrency 1 --repeat 3 \
     --drafters none,mtp:2,dflash2:7 "${C[@]}" --out "$W/bench-e2e-c1-leg$i.json" > "$W/leg$i.log" 2>&1 \
     || { rc=1; echo "leg $i failed: $(tail -3 "$W/leg$i.log")"; }
   keep "$W/bench-e2e-c1-leg$i.json"
@@ -34,7 +35,7 @@ python3 - "$W" "${LEGS:-6}" <<'PY' || rc=1
 import json, statistics, sys
 d, n = sys.argv[1], int(sys.argv[2])
 mtp, df2 = [], []
-print("| leg | append graph | none tok/s | MTP N=2 tok/s | x | DFlash2 N=7 tok/s | x |")
+print("| leg | switch | none tok/s | MTP N=2 tok/s | x | DFlash2 N=7 tok/s | x |")
 print("|---|---|---|---|---|---|---|")
 for i in range(1, n + 1):
     try:
