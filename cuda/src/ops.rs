@@ -1317,20 +1317,21 @@ fn prefill_attention(g: &Gpu, kv: &Paged<'_>, a: &Attention<'_>, mut args: Vec<A
         int(d, "d")?,
         Arg::F((d as f64).powf(-0.5) as f32),
     ]);
-    let shape = launch::Shape {
-        grid: (
-            int_u32(kv.max_len.div_ceil(16))?,
-            int_u32(kv.num_seqs)?,
-            int_u32(nh)?,
-        ),
-        // 32 * ATT_QB (attention.cu).
-        block: (512, 1, 1),
-        smem: 0,
-    };
+    // 32 * ATT_QB threads (attention.cu).
+    let shape = grid3([kv.max_len.div_ceil(16), kv.num_seqs, nh], 512)?;
     // SAFETY: as paged_attention's (o [T, nh d], qkv [T, W], the pool checked; positions
     // 0..=pos of chunk s read through its own table row s, meta-validated; d <= 128 for the
     // shared tiles); chunk rows row0 + len <= T from meta::build.
     unsafe { launch(g, "prefill_attention", shape, &args) }
+}
+
+/// A launch of grid `[x, y, z]` with `block` threads and no dynamic shared memory.
+fn grid3([x, y, z]: [usize; 3], block: u32) -> Result<launch::Shape> {
+    Ok(launch::Shape {
+        grid: (int_u32(x)?, int_u32(y)?, int_u32(z)?),
+        block: (block, 1, 1),
+        smem: 0,
+    })
 }
 
 fn int_u32(v: usize) -> Result<u32> {
@@ -1569,15 +1570,7 @@ fn kda_chunked(
         tables,
         max_state,
     ];
-    let shape = launch::Shape {
-        grid: (
-            int_u32(s.max_len.div_ceil(chunk_len(dl)))?,
-            int_u32(s.num_seqs)?,
-            int_u32(nl)?,
-        ),
-        block: (256, 1, 1),
-        smem: 0,
-    };
+    let shape = grid3([s.max_len.div_ceil(chunk_len(dl)), s.num_seqs, nl], 256)?;
     // SAFETY: ck holds slot_count(T, S) slots of nl * chunk_floats(dl) (checked above;
     // kda_chunk's slot invariant keeps every chunk's slot below it); xin [T, in_width >=
     // 3C] with b at b_col + nl <= in_width, fg [T, 2C], taps [3C, kc] (2 <= kc <= 8),
@@ -1599,15 +1592,7 @@ fn kda_chunked(
         tables,
         max_state,
     ];
-    let shape = launch::Shape {
-        grid: (
-            int_u32(nl)?,
-            int_u32(s.num_seqs)?,
-            int_u32(dl / crate::kda_chunk::SCAN_COLUMNS)?,
-        ),
-        block: (256, 1, 1),
-        smem: 0,
-    };
+    let shape = grid3([nl, s.num_seqs, dl / crate::kda_chunk::SCAN_COLUMNS], 256)?;
     // SAFETY: o [T, C] checked, ck as above (written by the prep launch before it); S
     // elements of head h at conv_len + h dl^2 + i dl + j < conv_len + nl dl^2 (inside the
     // page, checked in `kda`); dl in 32 / 64 / 128 so dl / SCAN_COLUMNS column groups of
