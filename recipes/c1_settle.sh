@@ -16,8 +16,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEFAULT_OUT=/tmp/c1-settle-out
+KEEP_TAR=1  # records into $FINAL/records.tar (call_prelude.sh keep)
 source recipes/call_prelude.sh
-keep() { for f in "$@"; do [ -f "$f" ] && tar rf "$FINAL/records.tar" -C "$(dirname "$f")" "$(basename "$f")"; done; }
 nvidia-smi -L || true
 if [ "${PARITY:-1}" != 0 ]; then  # every parity line first (PARITY=0 skips)
   timeout 240 "$CHK" --model models/tiny --parity-only --json "$W/gpu_check.json" > "$W/gpu_check.log" 2>&1 || rc=1

@@ -21,10 +21,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEFAULT_OUT=/tmp/prefill-check-out
+KEEP_TAR=1  # records into $FINAL/records.tar (call_prelude.sh keep)
 source recipes/call_prelude.sh
-# The device tool returns a few files a call: records go into one tar, appended as each
-# step ends (a call cut short keeps what finished).
-keep() { for f in "$@"; do [ -f "$f" ] && tar rf "$FINAL/records.tar" -C "$(dirname "$f")" "$(basename "$f")"; done; }
 nvidia-smi -L || true
 timeout 300 "$CHK" --model models/tiny --json "$W/gpu_check.json" > "$W/gpu_check.log" 2>&1 || rc=1
 keep "$W/gpu_check.json"

@@ -506,12 +506,10 @@ __device__ __forceinline__ void kda_chunk_prep_impl(
 #pragma unroll
         for (int q = 0; q < KC_MAX - 1; ++q) {
             const int m = n - (kc - 1) + q;
-            float x = 0.0f;
-            if (q >= kc - 1)
-                x = 0.0f;
-            else if (m >= 0)
+            float x = 0.0f;  // slots q >= kc - 1 stay zero (not stored)
+            if (q < kc - 1 && m >= 0)
                 x = xin[(size_t)(base + m) * xin_stride + c3];
-            else if (!fresh)
+            else if (q < kc - 1 && !fresh)
                 x = conv0[((long long)w * (kc - 1) + (kc - 1 + m)) * C + h * DL + i];
             nw[q] = x;
         }

@@ -161,7 +161,7 @@ pub fn prep(x: &HeadIn<'_>, t0: usize, l: usize) -> ChunkPrep {
 
 /// One chunk of the scan (kernel `kda_chunk_scan_{dl}`): `S [dl, dl]` in place, `o [L, dl]`.
 pub fn scan(p: &ChunkPrep, dl: usize, s: &mut [f32], o: &mut [f32]) {
-    let l = p.gamma.len().min(p.w.len() / dl);
+    let l = p.w.len() / dl;
     let mut u = vec![0.0f32; l * dl];
     for t in 0..l {
         for j in 0..dl {

@@ -194,7 +194,10 @@ pub struct PrefillRow {
     pub prompts: usize,
     /// Tokens of each.
     pub tokens: usize,
-    /// Median ms of the whole prefill step (host-observed, logits of the last rows back).
+    /// Median ms of the whole prefill step (host-observed, logits of the last rows back),
+    /// with the old kernels (`_recurrent`: per-token KDA, `paged_attention`) then the
+    /// prefill kernels (`_chunked`: chunked KDA, `prefill_attention`); the record keeps
+    /// the field names of its first version.
     pub ms_recurrent: f64,
     pub ms_chunked: f64,
     /// Of one step: the KDA kernels' ms (an event after every launch; about 3 us of event
@@ -213,8 +216,9 @@ pub struct PrefillRow {
 }
 
 /// Prefill timing on `dir`: for each (prompts, tokens) shape, `reps` steps a mode
-/// (median), then one profiled step a mode.
+/// (median; at least 1), then one profiled step a mode.
 pub fn timing(dir: &Path, shapes: &[(usize, usize)], reps: usize) -> Result<Vec<PrefillRow>> {
+    let reps = reps.max(1);
     let w = ModelWeights::load(dir)?;
     let mut rows = Vec::new();
     for &(p, n) in shapes {

@@ -78,6 +78,10 @@ struct Ctx<'m> {
     ma: MetaArgs,
     t: usize,
     collect: Collect,
+    /// The longest chunk's tokens and whether any chunk takes snapshots (the prefill
+    /// kernels' choice, host copies of the metadata read once a step).
+    max_len: usize,
+    snapshots: bool,
 }
 
 impl CudaBackend {
@@ -110,6 +114,8 @@ impl CudaBackend {
             ma: self.meta_args(m)?,
             t,
             collect,
+            max_len: m.max_len(),
+            snapshots: m.any_snapshot(),
         };
         let g = &self.gpu;
         let ws = &self.ws;
@@ -310,7 +316,7 @@ impl CudaBackend {
                     row0: cx.ma.row0,
                     len: cx.ma.len,
                     num_seqs: cx.m.num_seqs,
-                    max_len: cx.m.max_len(),
+                    max_len: cx.max_len,
                 };
                 let att = ops::Attention {
                     qkv: &ws.proj,
@@ -438,8 +444,8 @@ impl CudaBackend {
             tables: cx.ma.state_tables,
             max_state: self.dims.max_state,
             num_seqs: cx.m.num_seqs,
-            max_len: cx.m.max_len(),
-            snapshots: cx.m.any_snapshot(),
+            max_len: cx.max_len,
+            snapshots: cx.snapshots,
         };
         let k = ops::Kda {
             xin: &ws.proj,
