@@ -206,6 +206,9 @@ enum Engine {
     CudaDevice,
     /// The CUDA target, the MTP chain on the device with its first pass unpadded.
     CudaMtpUnpadded,
+    /// The CUDA target, the MTP chain on the device with a graph a pass
+    /// (`CudaMtp::one_graph` off).
+    CudaMtpPerPass,
     /// The CUDA target, DFlash2 on the device sampling with the CPU picker over its
     /// prediction rows (`CudaDFlash2::host_sampled_walk`).
     CudaHostPicker,
@@ -247,6 +250,17 @@ fn unpadded_mtp(
 ) -> speclab_engine::Result<Box<dyn speclab_engine::Drafter>> {
     let mut d = speclab_cuda::mtp::CudaMtp::new(target, spec.num_speculative_tokens)?;
     d.pad_first_pass = false;
+    Ok(Box::new(d))
+}
+
+/// The device MTP chain with each pass uploaded and replayed on its own (not one graph).
+fn per_pass_mtp(
+    spec: &DrafterSpec,
+    target: &speclab_engine::model::ModelConfig,
+    _kv: &speclab_engine::kv::KvCacheManager,
+) -> speclab_engine::Result<Box<dyn speclab_engine::Drafter>> {
+    let mut d = speclab_cuda::mtp::CudaMtp::new(target, spec.num_speculative_tokens)?;
+    d.one_graph = false;
     Ok(Box::new(d))
 }
 
@@ -341,6 +355,14 @@ fn drafter_run(
             &f,
             target,
             &Switched(spec, unpadded_mtp),
+            &reqs,
+            &opts,
+            &mut make,
+        )?,
+        Engine::CudaMtpPerPass => generate_on(
+            &f,
+            target,
+            &Switched(spec, per_pass_mtp),
             &reqs,
             &opts,
             &mut make,
@@ -440,6 +462,15 @@ fn drafter_parity(
         &unpadded,
     );
     compare_runs(&mut push, "mtp N=3 chained, padded", ("CPU", &cpu), &dev);
+    // The chain as one upload and one graph (the default) against a graph a pass: the
+    // same launches on the same inputs, so the same drafts.
+    let per_pass = drafter_run(&target, &spec, Engine::CudaMtpPerPass, 0.0)?;
+    compare_runs(
+        &mut push,
+        "mtp N=3 chained, one graph",
+        ("a graph a pass", &per_pass),
+        &dev,
+    );
     let hot = drafter_run(&target, &spec, Engine::CudaDevice, 0.8)?;
     let unfinished = hot.requests.iter().filter(|r| r.finish.is_none()).count();
     push(

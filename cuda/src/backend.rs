@@ -178,6 +178,11 @@ pub struct CudaBackend {
     graphs: HashMap<GraphKey, (CudaGraph, u64)>,
     /// Uses of each step shape (a graph is captured at its [`CAPTURE_AT_USE`]-th).
     sightings: Sightings<GraphKey>,
+    /// Captured MTP chains (every pass of a step in one graph, `crate::mtp_graph`) and
+    /// the kernels each holds, by the passes' (tokens, chunks).
+    pub(crate) chain_graphs: HashMap<crate::mtp_graph::ChainKey, (CudaGraph, u64)>,
+    /// Uses of each chain shape.
+    pub(crate) chain_sightings: Sightings<crate::mtp_graph::ChainKey>,
     opts: CudaOptions,
     /// Per-layer hidden states (collect_hidden). Shape: [(L + 1) * t_cap * H].
     pub(crate) per_layer: Option<DevBuf<f32>>,
@@ -266,6 +271,8 @@ impl CudaBackend {
             pending: HashMap::new(),
             graphs: HashMap::new(),
             sightings: Sightings::default(),
+            chain_graphs: HashMap::new(),
+            chain_sightings: Sightings::default(),
             opts,
             per_layer: None,
             router: None,
@@ -314,7 +321,7 @@ impl CudaBackend {
     pub fn set_graphs(&mut self, on: bool) {
         self.opts.use_graphs = on;
         if !on {
-            self.graphs.clear();
+            self.drop_graphs();
         }
     }
     /// Kernel launches issued so far (captured launches count once, at capture).
@@ -363,6 +370,21 @@ impl CudaBackend {
     }
 
     /// Grow the workspace / metadata buffer for a step; drops graphs when anything moved.
+    /// Drop every captured step and chain (their addresses moved).
+    pub(crate) fn drop_graphs(&mut self) {
+        self.graphs.clear();
+        self.chain_graphs.clear();
+    }
+
+    /// Grow the metadata buffer to hold `n` elements (drops the graphs when it moves).
+    pub(crate) fn grow_meta(&mut self, n: usize) -> Result<()> {
+        if n > self.meta.len {
+            self.meta = DevBuf::zeros(&self.gpu.stream, grow_to(n), "step metadata")?;
+            self.drop_graphs();
+        }
+        Ok(())
+    }
+
     pub(crate) fn ensure(&mut self, m: &StepMeta, collect: Collect) -> Result<()> {
         let stream = self.gpu.stream.clone();
         if m.t_total > self.ws.t_cap || m.num_seqs > self.ws.s_cap {
@@ -371,12 +393,9 @@ impl CudaBackend {
             self.final_hidden_rows = None;
             self.per_layer = None;
             self.router = None;
-            self.graphs.clear();
+            self.drop_graphs();
         }
-        if m.layout.total > self.meta.len {
-            self.meta = DevBuf::zeros(&stream, grow_to(m.layout.total), "step metadata")?;
-            self.graphs.clear();
-        }
+        self.grow_meta(m.layout.total)?;
         let cfg = &self.w.cfg;
         if collect.hidden && self.per_layer.is_none() {
             let n = (cfg.num_hidden_layers + 1) * self.ws.t_cap * cfg.hidden_size;
@@ -594,11 +613,16 @@ impl CudaBackend {
         match self.replay(key, m, kind) {
             Ok(()) => Ok(()),
             Err(e) => {
-                self.graph_error = Some(e.to_string());
-                self.set_graphs(false);
+                self.graph_failed(&e);
                 self.run(m, kind)
             }
         }
+    }
+
+    /// A capture or replay failed: record why and turn graphs off for this backend.
+    pub(crate) fn graph_failed(&mut self, e: &CudaError) {
+        self.graph_error = Some(e.to_string());
+        self.set_graphs(false);
     }
 
     /// The options it was built with (graphs as last set).

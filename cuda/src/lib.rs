@@ -43,6 +43,7 @@ pub mod launch;
 pub mod meta;
 pub mod moebench;
 pub mod mtp;
+pub mod mtp_graph;
 pub mod ops;
 pub mod prefill;
 pub mod repack;

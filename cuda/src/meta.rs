@@ -127,6 +127,10 @@ pub struct StepMeta {
     pub layout: MetaLayout,
     /// Shape: [layout.total].
     pub data: Vec<i32>,
+    /// Where `data` starts in the backend's metadata buffer (0 for a step uploaded on
+    /// its own; the MTP chain uploads every pass at once, `crate::mtp_graph`): the
+    /// device offset of a section is `base + off`.
+    pub base: usize,
     /// Tokens in the step.
     pub t_total: usize,
     /// Chunks in the step.
@@ -288,6 +292,7 @@ pub fn build(
     Ok(StepMeta {
         layout,
         data,
+        base: 0,
         t_total,
         num_seqs: s,
     })

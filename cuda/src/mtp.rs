@@ -12,10 +12,12 @@
 //! input on the device; (2) pass 1 over every request's committed rows; (3) before each
 //! further pass one `mtp_feed` kernel keeps the last pass's drafts, writes them into the
 //! next pass's step metadata as its input tokens and gathers each chunk's last pre-norm
-//! hidden row; (4) one read of every pass's drafts at the end. The host builds and
-//! uploads the next pass's metadata while the device runs the last one: nothing waits
-//! between passes (the host drafter reads the drafts and the hidden back after every
-//! pass, and uploads the hidden again).
+//! hidden row; (4) one read of every pass's drafts at the end. The host plans every pass
+//! before the first runs (`CudaBackend::plan_chain`): by default the whole chain is one
+//! upload and one CUDA graph (`crate::mtp_graph`), with `SPECLAB_MTP_CHAIN_GRAPH=0` each
+//! pass's metadata is uploaded before it and each pass is a graph. Nothing waits between
+//! passes (the host drafter reads the drafts and the hidden back after every pass, and
+//! uploads the hidden again).
 //!
 //! The first pass is padded by default (vLLM's padded drafter batch): each request's
 //! chunk keeps the rejected rows of its verify, so the pass has c x (N + 1) rows whatever
@@ -43,8 +45,7 @@ use crate::backend::{CudaBackend, GRAPH_MAX_CHUNK};
 use crate::buf::DevBuf;
 use crate::error::{CudaError, Result};
 use crate::meta::{self, ChunkIn, MetaDims, StepMeta};
-use crate::ops::{self, int, ptr};
-use crate::step::{Collect, StepKind};
+use crate::mtp_graph::{ChainMode, ChainPlan, Feed};
 
 /// One request of a chained MTP step.
 #[derive(Debug, Clone)]
@@ -63,8 +64,8 @@ pub struct ChainReq<'a> {
 /// Device buffers of the chain. Shapes: `idx` [cap] i32 (gather rows, then feed rows and
 /// sources), `keep` [cap] u32 (pass p's drafts at `p * S_1`).
 pub(crate) struct ChainBufs {
-    idx: DevBuf<i32>,
-    keep: DevBuf<u32>,
+    pub(crate) idx: DevBuf<i32>,
+    pub(crate) keep: DevBuf<u32>,
 }
 
 /// A chunk of one pass: the request it drafts for and its last row in that pass.
@@ -112,10 +113,10 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Build a pass's metadata and upload it, refusing a pass that would move the
-    /// workspace (the chain's inputs live there; a pass never outgrows the forward).
+    /// Build a pass's metadata (at base 0; not uploaded), refusing a pass that would move
+    /// the workspace (the chain's inputs live there; a pass never outgrows the forward).
     fn chain_meta(
-        &mut self,
+        &self,
         kv: &KvCacheManager,
         chunks: &[ChunkIn<'_>],
         last_rows: Option<&[usize]>,
@@ -138,7 +139,6 @@ impl CudaBackend {
                 m.t_total, m.num_seqs, self.ws.t_cap, self.ws.s_cap
             )));
         }
-        self.ensure(&m, Collect::default())?;
         Ok(m)
     }
 
@@ -200,6 +200,7 @@ impl CudaBackend {
         kv: &KvCacheManager,
         reqs: &[ChainReq<'_>],
         pad: bool,
+        mode: ChainMode,
     ) -> Result<Vec<Vec<u32>>> {
         self.check_manager(kv)?;
         if self.w.mtp.is_none() {
@@ -214,6 +215,39 @@ impl CudaBackend {
             self.final_hidden_rows = Some(valid).filter(|&v| v > 0);
             return Ok(out);
         }
+        let t: usize = first.iter().map(|f| f.tokens.len()).sum();
+        let s1 = first.len();
+        let passes = reqs.iter().map(|r| r.want).max().unwrap_or(0).max(1);
+        self.chain_bufs(t.max(2 * s1), passes * s1)?;
+        let graphable = first.iter().all(|f| f.tokens.len() <= GRAPH_MAX_CHUNK);
+        let plan = self.plan_chain(kv, reqs, &first, valid)?;
+        self.run_chain(&plan, mode, graphable)?;
+        // One read of every pass's drafts.
+        let c = self.chain_ref()?;
+        let keep = c
+            .keep
+            .read(&self.gpu.stream, 0, plan.order.len() * s1, "MTP drafts")?;
+        for (q, reqs_q) in plan.order.iter().enumerate() {
+            for (j, &i) in reqs_q.iter().enumerate() {
+                if out[i].len() < reqs[i].want {
+                    out[i].push(keep[q * s1 + j]);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every pass of the chain on the host (module doc): (1) the first pass over each
+    /// request's rows, the draft of a chunk from its last committed row; (2) passes 2..
+    /// over the chunks whose request wants another draft, one row each, fed on the device.
+    fn plan_chain(
+        &self,
+        kv: &KvCacheManager,
+        reqs: &[ChainReq<'_>],
+        first: &[FirstChunk],
+        valid: usize,
+    ) -> Result<ChainPlan> {
+        let s1 = first.len();
         let chunks: Vec<ChunkIn<'_>> = first
             .iter()
             .map(|f| ChunkIn {
@@ -223,17 +257,9 @@ impl CudaBackend {
                 snapshot: false,
             })
             .collect();
-        let t: usize = first.iter().map(|f| f.tokens.len()).sum();
-        let (h, s1) = (self.w.cfg.hidden_size, first.len());
-        let passes = reqs.iter().map(|r| r.want).max().unwrap_or(0).max(1);
-        self.chain_bufs(t.max(2 * s1), passes * s1)?;
-        // (1) The rows' final hidden -> the MTP input rows.
-        let rows = i32s(first.iter().flat_map(|f| f.src.clone()))?;
-        self.chain_write_idx(&rows)?;
-        // The draft of a chunk comes from its last committed row, not its last (padded) one.
         let mut pass = Vec::with_capacity(s1);
         let mut row0 = 0usize;
-        for f in &first {
+        for f in first {
             pass.push(PassChunk {
                 req: f.req,
                 last_row: row0 + reqs[f.req].rows.len() - 1,
@@ -241,25 +267,12 @@ impl CudaBackend {
             row0 += f.tokens.len();
         }
         let lasts: Vec<usize> = pass.iter().map(|c| c.last_row).collect();
-        let m = self.chain_meta(kv, &chunks, Some(&lasts))?;
-        let c = self.chain_ref()?;
-        ops::gather_rows(
-            &self.gpu,
-            &self.ws.tmp,
-            &self.ws.hidden,
-            valid,
-            ptr(&c.idx, 0, t, "chain rows")?,
-            t,
-            h,
-        )?;
-        let graphable = first.iter().all(|f| f.tokens.len() <= GRAPH_MAX_CHUNK);
-        self.chain_pass(&m, graphable)?;
-        let mut t_prev = t;
-        // (2) Passes 2..: the chunks whose request wants another draft.
+        let mut metas = vec![self.chain_meta(kv, &chunks, Some(&lasts))?];
+        let mut feeds = Vec::new();
         let mut order = vec![pass.iter().map(|c| c.req).collect::<Vec<_>>()];
+        let mut t_prev = row0;
         loop {
             let p = order.len();
-            let keep_at = (p - 1) * s1;
             let mut chunk_of = vec![usize::MAX; reqs.len()];
             for (j, c) in pass.iter().enumerate() {
                 chunk_of[c.req] = j;
@@ -269,8 +282,20 @@ impl CudaBackend {
                 .copied()
                 .filter(|c| reqs[c.req].want > p)
                 .collect();
+            let idx = i32s(
+                next.iter()
+                    .map(|c| c.last_row)
+                    .chain(next.iter().map(|c| chunk_of[c.req])),
+            )?;
+            feeds.push(Feed {
+                keep_at: (p - 1) * s1,
+                s_prev: pass.len(),
+                t_prev,
+                n: next.len(),
+                idx,
+                idx_off: 0,
+            });
             if next.is_empty() {
-                self.chain_feed(keep_at, (pass.len(), t_prev), 0, None)?;
                 break;
             }
             let chunks: Vec<ChunkIn<'_>> = next
@@ -285,15 +310,7 @@ impl CudaBackend {
                     }
                 })
                 .collect();
-            let idx = i32s(
-                next.iter()
-                    .map(|c| c.last_row)
-                    .chain(next.iter().map(|c| chunk_of[c.req])),
-            )?;
-            self.chain_write_idx(&idx)?;
-            let m = self.chain_meta(kv, &chunks, None)?;
-            self.chain_feed(keep_at, (pass.len(), t_prev), next.len(), Some(&m))?;
-            self.chain_pass(&m, true)?;
+            metas.push(self.chain_meta(kv, &chunks, None)?);
             t_prev = next.len();
             order.push(next.iter().map(|c| c.req).collect());
             pass = next
@@ -305,85 +322,23 @@ impl CudaBackend {
                 })
                 .collect();
         }
-        // (3) One read of every pass's drafts.
-        let c = self.chain_ref()?;
-        let keep = c
-            .keep
-            .read(&self.gpu.stream, 0, order.len() * s1, "MTP drafts")?;
-        for (q, reqs_q) in order.iter().enumerate() {
-            for (j, &i) in reqs_q.iter().enumerate() {
-                if out[i].len() < reqs[i].want {
-                    out[i].push(keep[q * s1 + j]);
-                }
-            }
-        }
-        Ok(out)
+        let gather = i32s(first.iter().flat_map(|f| f.src.clone()))?;
+        ChainPlan::lay_out(metas, gather, feeds, valid, order)
     }
 
-    fn chain_ref(&self) -> Result<&ChainBufs> {
+    pub(crate) fn chain_ref(&self) -> Result<&ChainBufs> {
         self.chain
             .as_ref()
             .ok_or_else(|| CudaError::Input("MTP chain buffers missing (internal)".into()))
     }
 
-    fn chain_write_idx(&mut self, v: &[i32]) -> Result<()> {
+    pub(crate) fn chain_write_idx(&mut self, v: &[i32]) -> Result<()> {
         let st = self.gpu.stream.clone();
         match self.chain.as_mut() {
             Some(c) => c.idx.write(&st, v, "MTP chain rows"),
             None => Err(CudaError::Input(
                 "MTP chain buffers missing (internal)".into(),
             )),
-        }
-    }
-
-    /// One MTP pass (graph-replayed when its chunks are graph-sized): greedy ids of
-    /// each chunk's last row into `Workspace::argmax`, pre-norm hidden in `Workspace::x`.
-    fn chain_pass(&mut self, m: &StepMeta, graphable: bool) -> Result<()> {
-        let kind = StepKind::Mtp {
-            last_rows: true,
-            collect: Collect::default(),
-            argmax: true,
-        };
-        self.launch_step(m, kind, graphable)
-    }
-
-    /// Kernel `mtp_feed`: keep the last pass's `s_prev` drafts (of its `t_prev` rows) at
-    /// `keep_at`; with `next` (the next pass's metadata, its `n` chunks' sources in the
-    /// index buffer), feed it.
-    fn chain_feed(
-        &self,
-        keep_at: usize,
-        (s_prev, t_prev): (usize, usize),
-        n: usize,
-        next: Option<&StepMeta>,
-    ) -> Result<()> {
-        let c = self.chain_ref()?;
-        let h = self.w.cfg.hidden_size;
-        let tokens = match next {
-            Some(m) => ptr(&self.meta, m.layout.tokens.off, n, "next pass tokens")?,
-            None => ptr(&self.meta, 0, 1, "unused tokens")?,
-        };
-        let args = [
-            ptr(&c.keep, keep_at, s_prev, "kept drafts")?,
-            ptr(&self.ws.argmax, 0, s_prev, "pass drafts")?,
-            int(s_prev, "S")?,
-            tokens,
-            ptr(&self.ws.tmp, 0, n.max(1) * h, "next pass hidden")?,
-            ptr(&self.ws.x, 0, t_prev * h, "pass hidden")?,
-            ptr(&c.idx, 0, (2 * n).max(1), "feed rows")?,
-            int(n, "n")?,
-            int(h, "D")?,
-        ];
-        // SAFETY: keep [keep_at + S], argmax [S], tokens [n] (the next pass's metadata
-        // section), tmp [n, H], x [t_prev, H], idx [2n] checked; every row in idx is a
-        // last row of the last pass (< t_prev) and every source < S (host-built).
-        unsafe {
-            ops::launch(
-                &self.gpu,
-                "mtp_feed",
-                crate::launch::per_row(n.max(1), 128, "mtp_feed")?,
-                &args,
-            )
         }
     }
 }
@@ -397,6 +352,10 @@ pub struct CudaMtp {
     /// Pad the first pass to the verify chunks ([`CudaBackend::mtp_chain`]); default on,
     /// off with `SPECLAB_MTP_PAD=0` ([`pad_wanted`]).
     pub pad_first_pass: bool,
+    /// The whole chain as one upload and one CUDA graph ([`ChainMode::OneGraph`]);
+    /// default on, off with `SPECLAB_MTP_CHAIN_GRAPH=0` (a graph a pass, the A/B
+    /// reference).
+    pub one_graph: bool,
 }
 
 /// Whether the chain's first pass is padded: yes unless `env` (`SPECLAB_MTP_PAD`) says
@@ -415,6 +374,7 @@ impl CudaMtp {
         Ok(Self {
             num_speculative_tokens,
             pad_first_pass: pad_wanted(std::env::var("SPECLAB_MTP_PAD").ok().as_deref()),
+            one_graph: crate::device::env_on("SPECLAB_MTP_CHAIN_GRAPH"),
         })
     }
 }
@@ -471,7 +431,12 @@ impl Drafter for CudaMtp {
             .iter()
             .map(|r| chain_req(r, self.num_speculative_tokens))
             .collect::<speclab_engine::Result<Vec<_>>>()?;
-        let drafts = be.mtp_chain(step.kv, &chain, self.pad_first_pass)?;
+        let mode = if self.one_graph {
+            ChainMode::OneGraph
+        } else {
+            ChainMode::PerPass
+        };
+        let drafts = be.mtp_chain(step.kv, &chain, self.pad_first_pass, mode)?;
         Ok(drafts
             .into_iter()
             .map(|tokens| Proposal {

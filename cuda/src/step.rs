@@ -87,7 +87,8 @@ struct Ctx<'m> {
 impl CudaBackend {
     fn meta_args(&self, m: &StepMeta) -> Result<MetaArgs> {
         let l = &m.layout;
-        let p = |s: crate::meta::Section, what: &str| ops::ptr(&self.meta, s.off, s.len, what);
+        let p =
+            |s: crate::meta::Section, what: &str| ops::ptr(&self.meta, m.base + s.off, s.len, what);
         Ok(MetaArgs {
             tokens: p(l.tokens, "meta tokens")?,
             pos: p(l.pos, "meta pos")?,

@@ -10,6 +10,9 @@
 //! execute + update, so host work is in the number). Per step it splits the time into
 //! the target forward, the drafter and the rest (scheduler, KV manager, verify), and
 //! counts kernels executed (eager launches + replayed graph nodes, `speclab_cuda::ops::KERNELS`).
+//! CUDA graphs are captured lazily, inside the step that first needs a shape, so
+//! `decode_tok_s` holds the captures; `decode_tok_s_steady` takes their host time out,
+//! the rate vLLM and the PyTorch anchor report (both capture before they time).
 //!
 //! Correctness in the same run: every leg's outputs must equal the no-drafter leg's at
 //! the same concurrency and graph setting (greedy speculation is lossless), and legs at
@@ -210,6 +213,15 @@ pub struct Row {
     /// for the first time is captured in the step that needs it).
     pub graph_captures: u64,
     pub capture_us_per_step: f64,
+    /// Decode tok/s with the one-time graph captures taken out: output tokens / (loop
+    /// seconds - capture seconds). vLLM captures its CUDA graphs at start-up, before it
+    /// serves (`gpu_model_runner.py` `capture_model`), and the PyTorch anchor captures
+    /// before its timed loop (`../shared/anchors/e2e_graph.py`); this engine captures
+    /// lazily inside the step that first needs a shape, which `decode_tok_s` counts.
+    /// Equal to `decode_tok_s` with graphs off.
+    pub decode_tok_s_steady: f64,
+    /// `decode_tok_s_steady` over the no-drafter leg's.
+    pub speedup_vs_none_steady: Option<f64>,
     /// Decode tok/s of every run of the leg (`--repeat`), in run order; the row's other
     /// figures are the median run's.
     pub tok_s_runs: Vec<f64>,
@@ -426,6 +438,8 @@ fn measure(
         } else {
             0.0
         },
+        decode_tok_s_steady: steady_tok_s(out, loop_s, cap_ns),
+        speedup_vs_none_steady: None,
         us_per_step: per(loop_s),
         forward_us_per_step: per(fwd),
         draft_us_per_step: per(draft),
@@ -455,6 +469,17 @@ fn measure(
             0.0
         },
         tok_s_runs: Vec::new(),
+    }
+}
+
+/// Output tokens per second of loop time less the graph captures' host time (`cap_ns`):
+/// the steady-state rate once every shape is captured (0 when nothing is left to time).
+fn steady_tok_s(out: u64, loop_s: f64, cap_ns: u64) -> f64 {
+    let s = loop_s - cap_ns as f64 * 1e-9;
+    if s > 0.0 {
+        out as f64 / s
+    } else {
+        0.0
     }
 }
 
@@ -655,6 +680,7 @@ fn concurrency_rows(
     let (base_run, _, base_row) = median_leg(cx, &none, c, graphs, device_sampling)?;
     let base_out = outputs(&base_run);
     let base_tok_s = base_row.decode_tok_s;
+    let base_steady = base_row.decode_tok_s_steady;
     let mut rows = Vec::new();
     for d in choices {
         let leg;
@@ -677,6 +703,8 @@ fn concurrency_rows(
         row.mismatch_vs_none =
             (cx.sampling.is_greedy() || *d == none).then(|| mismatches(&out, &base_out));
         row.speedup_vs_none = (base_tok_s > 0.0).then(|| row.decode_tok_s / base_tok_s);
+        row.speedup_vs_none_steady =
+            (base_steady > 0.0).then(|| row.decode_tok_s_steady / base_steady);
         if matches!(cx.a.device, DeviceArg::Cuda) && c <= cx.a.cpu_check_max && !graphs {
             let (cpu, _) = run_leg(cx, d, c, DeviceArg::Cpu, false, false)?;
             row.mismatch_vs_cpu = Some(mismatches(&out, &outputs(&cpu)));
@@ -751,11 +779,11 @@ fn print_rows(a: &E2eArgs, f: &DeviceFacts, rows: &[Row]) {
         f.launch_us_graph,
         a.out.display()
     );
-    println!("| drafter | N | c | graphs | sampler | tok/s | us/step | fwd | draft | host | kernels | floor launch us | tau | x none | x eager ref | x graph ref | mismatch none/cpu/host |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| drafter | N | c | graphs | sampler | tok/s | us/step | fwd | draft | host | capture | kernels | floor launch us | tau | x none | tok/s, x none excl. capture | x eager ref | x graph ref | mismatch none/cpu/host |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!(
-            "| {} | {} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.2} | {} | {} | {} | {}/{}/{} |",
+            "| {} | {} | {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.2} | {} | {:.0}, {} | {} | {} | {}/{}/{} |",
             r.drafter,
             r.num_spec,
             r.concurrency,
@@ -766,10 +794,13 @@ fn print_rows(a: &E2eArgs, f: &DeviceFacts, rows: &[Row]) {
             r.forward_us_per_step,
             r.draft_us_per_step,
             r.host_us_per_step,
+            r.capture_us_per_step,
             r.kernels_per_step,
             r.floor_launch_us,
             r.tau,
             opt(r.speedup_vs_none, 2),
+            r.decode_tok_s_steady,
+            opt(r.speedup_vs_none_steady, 3),
             opt(r.anchor_eager_tok_s.map(|x| r.decode_tok_s / x), 1),
             opt(r.anchor_graph_tok_s.map(|x| r.decode_tok_s / x), 2),
             r.mismatch_vs_none.map(|x| x.to_string()).unwrap_or("-".into()),
@@ -801,6 +832,16 @@ mod tests {
         assert!(e.contains("mtp:N"), "{e}");
         assert!(parse_choice("mtp:x").is_err());
         assert!(parse_choice("bogus:2").is_err());
+    }
+
+    #[test]
+    fn steady_rate_takes_the_captures_out() {
+        // 100 tokens in 0.5 s of which 0.1 s was capturing: 250 tok/s steady, 200 wall.
+        assert!((steady_tok_s(100, 0.5, 100_000_000) - 250.0).abs() < 1e-9);
+        assert!((steady_tok_s(100, 0.5, 0) - 200.0).abs() < 1e-9);
+        // Nothing left to time: 0, not a division by zero or a negative rate.
+        assert_eq!(steady_tok_s(100, 0.1, 100_000_000), 0.0);
+        assert_eq!(steady_tok_s(0, 0.0, 0), 0.0);
     }
 
     #[test]

@@ -1,0 +1,385 @@
+//! The MTP chain of a step as one plan (issue 11, "one graph per MTP chain"): every
+//! pass's metadata, the first pass's source rows and each feed's index words are built
+//! on the host before any pass runs, uploaded in ONE copy, and the gather, the passes and
+//! the feeds are replayed as ONE CUDA graph per chain shape.
+//!
+//! Source: vLLM 0.33.0 `v1/spec_decode/eagle.py` (the proposer's persistent input
+//! buffers and its `cudagraph` dispatch of the drafter's forward) and this crate's
+//! per-step graphs (`crate::backend`); the chain itself is `crate::mtp`'s.
+//!
+//! Why it is possible: a pass's metadata depends only on the requests (their slots,
+//! committed rows and positions, all known on the host when the chain starts), never on
+//! the drafts, which `mtp_feed` writes into the next pass's token section on the device.
+//! Before this, each pass's metadata and index words were two more copies in the stream
+//! between passes and each pass a graph of its own (still the path with
+//! `SPECLAB_MTP_CHAIN_GRAPH=0`, [`ChainMode::PerPass`]).
+//!
+//! Invariants: the upload is `[pass 0 | pass 1 | ... | gather rows | feed 0 idx | ...]`;
+//! pass q's `StepMeta::base` is where its data sits; every offset is a function of the
+//! passes' (tokens, chunks) alone ([`ChainKey`]), so two chains of one key have the same
+//! device addresses and launch shapes: what replaying a captured graph requires. The
+//! kernels, their order and their inputs are those of the per-pass path, so the drafts
+//! are the same bit for bit (gpu_check compares the two).
+
+use crate::backend::{capture, CudaBackend};
+use crate::error::{CudaError, Result};
+use crate::meta::StepMeta;
+use crate::ops::{self, int, ptr, Arg};
+use crate::step::{Collect, StepKind};
+
+/// A chain's shape: each pass's (tokens, chunks).
+pub type ChainKey = Vec<(usize, usize)>;
+
+/// The step kind of every pass: greedy ids of each chunk's last row.
+pub(crate) const PASS: StepKind = StepKind::Mtp {
+    last_rows: true,
+    collect: Collect {
+        hidden: false,
+        router: false,
+        hidden_mask: 0,
+    },
+    argmax: true,
+};
+
+/// After pass q: keep its drafts at `keep_at`, then feed the next pass (`n` chunks;
+/// none after the last pass).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Feed {
+    pub keep_at: usize,
+    /// Chunks and rows of pass q.
+    pub s_prev: usize,
+    pub t_prev: usize,
+    /// Chunks of pass q + 1 (0 after the last pass).
+    pub n: usize,
+    /// The next pass's rows to gather (last rows of pass q), then each one's draft source
+    /// (its chunk in pass q). Shape: [2 n].
+    pub idx: Vec<i32>,
+    /// Where `idx` sits in the upload.
+    pub idx_off: usize,
+}
+
+/// Every pass of a chain, laid out for one upload.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ChainPlan {
+    /// Pass q's metadata with `base` at its place in `data`.
+    pub passes: Vec<StepMeta>,
+    /// One after each pass.
+    pub feeds: Vec<Feed>,
+    /// The first pass's source rows in the forward's final hidden. Shape: [T_1].
+    pub gather: Vec<i32>,
+    pub gather_off: usize,
+    /// Rows of final hidden the forward left on the device (the gather's source).
+    pub valid: usize,
+    /// Requests each pass drafts for, in chunk order.
+    pub order: Vec<Vec<usize>>,
+    /// The whole upload.
+    pub data: Vec<i32>,
+}
+
+/// How the chain runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChainMode {
+    /// One upload, then one graph (or, before its capture, the same launches eagerly).
+    OneGraph,
+    /// Each pass's metadata uploaded before it, a graph a pass (the A/B reference).
+    PerPass,
+}
+
+impl ChainPlan {
+    /// Lay out `passes` (each built at base 0), the gather rows and the feeds' index
+    /// words into one upload, setting every base and offset.
+    pub fn lay_out(
+        mut passes: Vec<StepMeta>,
+        gather: Vec<i32>,
+        mut feeds: Vec<Feed>,
+        valid: usize,
+        order: Vec<Vec<usize>>,
+    ) -> Result<Self> {
+        if feeds.len() != passes.len() || passes.is_empty() {
+            return Err(CudaError::Input(format!(
+                "MTP chain plan: {} feeds for {} passes (internal)",
+                feeds.len(),
+                passes.len()
+            )));
+        }
+        let mut data = Vec::new();
+        for m in &mut passes {
+            m.base = data.len();
+            data.extend_from_slice(&m.data);
+        }
+        let gather_off = data.len();
+        data.extend_from_slice(&gather);
+        for f in &mut feeds {
+            f.idx_off = data.len();
+            data.extend_from_slice(&f.idx);
+        }
+        Ok(Self {
+            passes,
+            feeds,
+            gather,
+            gather_off,
+            valid,
+            order,
+            data,
+        })
+    }
+
+    /// The shape every offset follows from.
+    pub fn key(&self) -> ChainKey {
+        self.passes
+            .iter()
+            .map(|m| (m.t_total, m.num_seqs))
+            .collect()
+    }
+}
+
+impl CudaBackend {
+    /// Run `plan` in `mode` (`graphable`: every chunk is graph-sized).
+    pub(crate) fn run_chain(
+        &mut self,
+        plan: &ChainPlan,
+        mode: ChainMode,
+        graphable: bool,
+    ) -> Result<()> {
+        let ran = match mode {
+            ChainMode::OneGraph => self.chain_one_graph(plan, graphable),
+            ChainMode::PerPass => self.chain_per_pass(plan, graphable),
+        };
+        // What an MTP pass leaves: no target hidden rows or logits to read.
+        self.final_hidden_rows = None;
+        self.logit_rows = None;
+        ran
+    }
+
+    /// One upload, then the chain's graph (captured at its shape's
+    /// [`crate::backend::CAPTURE_AT_USE`]-th use; eager launches before that, or when
+    /// graphs are off or a chunk is too long for one).
+    fn chain_one_graph(&mut self, plan: &ChainPlan, graphable: bool) -> Result<()> {
+        self.grow_meta(plan.data.len())?;
+        let st = self.gpu.stream.clone();
+        self.meta.write(&st, &plan.data, "MTP chain metadata")?;
+        let key = plan.key();
+        let replay = graphable
+            && self.graphs_on()
+            && (self.chain_graphs.contains_key(&key)
+                || self.chain_sightings.capture_now(key.clone()));
+        if !replay {
+            return self.chain_launch(plan);
+        }
+        match self.chain_replay(plan, key) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                // Nothing ran during a failed capture.
+                self.graph_failed(&e);
+                self.chain_launch(plan)
+            }
+        }
+    }
+
+    fn chain_replay(&mut self, plan: &ChainPlan, key: ChainKey) -> Result<()> {
+        if !self.chain_graphs.contains_key(&key) {
+            let t0 = std::time::Instant::now();
+            let (graph, n) = capture(&self.gpu, || self.chain_launch(plan))?;
+            graph
+                .upload()
+                .map_err(|e| CudaError::driver("MTP chain graph upload", e))?;
+            ops::note_capture(t0);
+            self.chain_graphs.insert(key.clone(), (graph, n));
+        }
+        let (g, n) = self
+            .chain_graphs
+            .get(&key)
+            .ok_or_else(|| CudaError::Input("MTP chain graph vanished (internal)".into()))?;
+        ops::KERNELS.fetch_add(*n, std::sync::atomic::Ordering::Relaxed);
+        g.launch()
+            .map_err(|e| CudaError::driver("MTP chain graph launch", e))
+    }
+
+    /// The chain's launches, every input already in the metadata buffer.
+    fn chain_launch(&self, plan: &ChainPlan) -> Result<()> {
+        let t1 = plan.gather.len();
+        let gather = ptr(&self.meta, plan.gather_off, t1, "MTP chain rows")?;
+        self.chain_gather(plan.valid, gather, t1)?;
+        for (q, (m, f)) in plan.passes.iter().zip(&plan.feeds).enumerate() {
+            self.run(m, PASS)?;
+            let idx = ptr(&self.meta, f.idx_off, f.idx.len().max(1), "feed rows")?;
+            self.chain_feed(f, plan.passes.get(q + 1), idx)?;
+        }
+        Ok(())
+    }
+
+    /// Each pass's metadata and index words uploaded just before it (the chain before
+    /// one upload: two copies a pass in the stream, a graph a pass).
+    fn chain_per_pass(&mut self, plan: &ChainPlan, graphable: bool) -> Result<()> {
+        let t1 = plan.gather.len();
+        self.chain_write_idx(&plan.gather)?;
+        let first = StepMeta {
+            base: 0,
+            ..plan.passes[0].clone()
+        };
+        self.ensure(&first, Collect::default())?;
+        let gather = ptr(&self.chain_ref()?.idx, 0, t1, "MTP chain rows")?;
+        self.chain_gather(plan.valid, gather, t1)?;
+        self.launch_step(&first, PASS, graphable)?;
+        for (q, f) in plan.feeds.iter().enumerate() {
+            let next = plan.passes.get(q + 1).map(|m| StepMeta {
+                base: 0,
+                ..m.clone()
+            });
+            if let Some(m) = &next {
+                self.chain_write_idx(&f.idx)?;
+                self.ensure(m, Collect::default())?;
+            }
+            let idx = ptr(&self.chain_ref()?.idx, 0, f.idx.len().max(1), "feed rows")?;
+            self.chain_feed(f, next.as_ref(), idx)?;
+            if let Some(m) = &next {
+                self.launch_step(m, PASS, true)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The first pass's input rows: `ws.tmp` = the forward's final hidden rows `rows`.
+    fn chain_gather(&self, valid: usize, rows: Arg, t1: usize) -> Result<()> {
+        ops::gather_rows(
+            &self.gpu,
+            &self.ws.tmp,
+            &self.ws.hidden,
+            valid,
+            rows,
+            t1,
+            self.w.cfg.hidden_size,
+        )
+    }
+
+    /// Kernel `mtp_feed`: keep pass q's drafts at `f.keep_at`; with `next` (the next
+    /// pass's metadata, its chunks' rows and sources in `idx`), feed it.
+    pub(crate) fn chain_feed(&self, f: &Feed, next: Option<&StepMeta>, idx: Arg) -> Result<()> {
+        let c = self.chain_ref()?;
+        let h = self.w.cfg.hidden_size;
+        let n = f.n;
+        let tokens = match next {
+            Some(m) => ptr(
+                &self.meta,
+                m.base + m.layout.tokens.off,
+                n,
+                "next pass tokens",
+            )?,
+            None => ptr(&self.meta, 0, 1, "unused tokens")?,
+        };
+        let args = [
+            ptr(&c.keep, f.keep_at, f.s_prev, "kept drafts")?,
+            ptr(&self.ws.argmax, 0, f.s_prev, "pass drafts")?,
+            int(f.s_prev, "S")?,
+            tokens,
+            ptr(&self.ws.tmp, 0, n.max(1) * h, "next pass hidden")?,
+            ptr(&self.ws.x, 0, f.t_prev * h, "pass hidden")?,
+            idx,
+            int(n, "n")?,
+            int(h, "D")?,
+        ];
+        // SAFETY: keep [keep_at + S], argmax [S], tokens [n] (the next pass's metadata
+        // section), tmp [n, H], x [t_prev, H] checked; idx spans [2n] words (checked by
+        // the caller's ptr); every row in idx is a last row of the last pass (< t_prev)
+        // and every source < S (host-built, `CudaBackend::plan_chain`).
+        unsafe {
+            ops::launch(
+                &self.gpu,
+                "mtp_feed",
+                crate::launch::per_row(n.max(1), 128, "mtp_feed")?,
+                &args,
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::meta::MetaLayout;
+
+    fn pass(t: usize, s: usize, fill: i32) -> StepMeta {
+        let layout = MetaLayout::new(t, s, 4, 2);
+        StepMeta {
+            layout,
+            data: vec![fill; layout.total],
+            base: 0,
+            t_total: t,
+            num_seqs: s,
+        }
+    }
+
+    fn feed(n: usize, v: i32) -> Feed {
+        Feed {
+            keep_at: 0,
+            s_prev: 1,
+            t_prev: 1,
+            n,
+            idx: vec![v; 2 * n],
+            idx_off: 0,
+        }
+    }
+
+    #[test]
+    fn one_upload_holds_every_section_where_the_plan_says() {
+        let (a, b) = (pass(3, 1, 7), pass(1, 1, 8));
+        let (ta, tb) = (a.layout.total, b.layout.total);
+        let plan = ChainPlan::lay_out(
+            vec![a, b],
+            vec![5, 6, 7],
+            vec![feed(1, 9), feed(0, 0)],
+            3,
+            vec![vec![0], vec![0]],
+        )
+        .unwrap();
+        assert_eq!(plan.passes[0].base, 0);
+        assert_eq!(plan.passes[1].base, ta);
+        assert_eq!(plan.gather_off, ta + tb);
+        assert_eq!(plan.feeds[0].idx_off, ta + tb + 3);
+        assert_eq!(plan.feeds[1].idx_off, ta + tb + 3 + 2);
+        assert_eq!(plan.data.len(), ta + tb + 3 + 2);
+        // Each pass's words at its base, the gather rows and the feed words after them.
+        let p1 = &plan.passes[1];
+        assert!(plan.data[p1.base..p1.base + tb].iter().all(|&v| v == 8));
+        assert_eq!(&plan.data[plan.gather_off..plan.gather_off + 3], &[5, 6, 7]);
+        assert_eq!(&plan.data[plan.feeds[0].idx_off..][..2], &[9, 9]);
+        assert_eq!(plan.key(), vec![(3, 1), (1, 1)]);
+    }
+
+    #[test]
+    fn offsets_follow_the_key_alone() {
+        // Two chains of one shape with other contents: the same offsets (a graph captured
+        // for one replays the other).
+        let mk = |v: i32| {
+            ChainPlan::lay_out(
+                vec![pass(6, 2, v), pass(2, 2, v)],
+                vec![v; 6],
+                vec![feed(2, v), feed(0, v)],
+                6,
+                vec![vec![0, 1], vec![0, 1]],
+            )
+            .unwrap()
+        };
+        let (x, y) = (mk(1), mk(2));
+        assert_eq!(x.key(), y.key());
+        let offs = |p: &ChainPlan| {
+            (
+                p.passes.iter().map(|m| m.base).collect::<Vec<_>>(),
+                p.gather_off,
+                p.feeds.iter().map(|f| f.idx_off).collect::<Vec<_>>(),
+                p.data.len(),
+            )
+        };
+        assert_eq!(offs(&x), offs(&y));
+        assert_ne!(x.data, y.data);
+    }
+
+    #[test]
+    fn a_plan_needs_a_feed_per_pass() {
+        let e = ChainPlan::lay_out(vec![pass(1, 1, 0)], vec![0], vec![], 1, vec![vec![0]])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("0 feeds for 1 passes"), "{e}");
+        assert!(ChainPlan::lay_out(vec![], vec![], vec![], 0, vec![]).is_err());
+    }
+}
