@@ -989,73 +989,13 @@ __device__ __forceinline__ int w4_signal(int* ctr) {
     return old;
 }
 
-// L2 prefetch of the down projection's weights by the gate/up launch (issue 12, M = 1:
-// the down kernel's blocks cannot be resident while gate/up's fill the SMs, so its weight
-// stream would start cold after gate/up's tail; prefetched, it reads them from L2 while
-// gate/up's own stream uses the DRAM time its ramp and tail leave idle).  Hopper's bulk
-// prefetch (PTX ISA 8.0 cp.async.bulk.prefetch.L2, sm_90) with an L2 eviction-priority
-// policy (createpolicy; W4_PF_LAST 1: evict_last, 0: evict_normal).
-#ifndef W4_PF_LAST
-#define W4_PF_LAST 1
-#endif
-// Bytes a bulk prefetch instruction covers (a multiple of 16).
-#define W4_PF_CHUNK 4096
-struct W4Pf {
-    const uint4* qd;  // [E, nrb, Kd / 16, 32] uint4: the down weights (repack.rs layout)
-    const uint4* sd;  // [E, nrb, Kd / 128, 8] uint4: their scales
-    int nrb;          // down row blocks an expert (hidden / 64)
-    int kd;           // down K (moe-intermediate)
-    int rb;           // row blocks to prefetch an expert, from row block 0 (0: none); as
-                      // a launch argument: the row blocks the L2 budget holds in all,
-                      // shared out over the real tiles (w4_mma)
-};
-
-__device__ __forceinline__ void l2_prefetch_bytes(const char* a, unsigned int bytes,
-                                                  unsigned long long pol) {
-    asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(a),
-                 "r"(bytes), "l"(pol)
-                 : "memory");
-}
-
-// Bytes [lo, hi) of `base` split into W4_PF_CHUNK prefetches over the block's threads.
-__device__ __forceinline__ void l2_prefetch_span(const char* base, size_t lo, size_t hi,
-                                                 unsigned long long pol) {
-    for (size_t o = lo + (size_t)threadIdx.x * W4_PF_CHUNK; o < hi;
-         o += (size_t)blockDim.x * W4_PF_CHUNK) {
-        const size_t n = hi - o < W4_PF_CHUNK ? hi - o : W4_PF_CHUNK;
-        l2_prefetch_bytes(base + o, (unsigned int)n, pol);
-    }
-}
-
-// Item bx of `groups` of expert e's first tile prefetches its share (16-byte aligned) of
-// the expert's first pf.rb down row blocks and their scales.  Tiles of one expert are
-// consecutive (moe_align), so only the first tile of each expert issues any.
-__device__ __forceinline__ void w4_prefetch_down(const W4Pf& pf, int e, int tile,
-                                                 const int* __restrict__ tile_expert, bool pre,
-                                                 int bx, int groups) {
-    if (pf.rb <= 0) return;
-    if (tile > 0 && (pre ? __ldcg(tile_expert + tile - 1) : tile_expert[tile - 1]) == e) return;
-    unsigned long long pol;
-#if W4_PF_LAST
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
-#else
-    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
-#endif
-    const size_t q_rb = (size_t)(pf.kd / 16) * WARP * 16, s_rb = (size_t)(pf.kd / 128) * 8 * 16;
-    const char* q = reinterpret_cast<const char*>(pf.qd) + (size_t)e * pf.nrb * q_rb;
-    const char* sc = reinterpret_cast<const char*>(pf.sd) + (size_t)e * pf.nrb * s_rb;
-    const size_t qn = (size_t)pf.rb * q_rb / 16, sn = (size_t)pf.rb * s_rb / 16;  // uint4s
-    l2_prefetch_span(q, 16 * (qn * bx / groups), 16 * (qn * (bx + 1) / groups), pol);
-    l2_prefetch_span(sc, 16 * (sn * bx / groups), 16 * (sn * (bx + 1) / groups), pol);
-}
-
 // One item: (tile, group bx of W4_WARPS / ks row blocks).  R = N * NMAT weight rows of K;
 // q [E, R / 64, K / 16, 32, 4] words, sc [E, R / 64, K / 128, 8, 8] bf16.  With `wait`
 // (the fused kernel) the B operand is read only once *wait >= need; the weights' first
 // copy is in flight by then.  With `pre` the grid-dependency wait (pdl_enter) comes here,
 // after the routing is read (through L2) and the weights' first copy issued: the caller
 // guarantees the routing was written at least two grids back (see w4_mma).
-template <int NMAT, bool CG, bool PF = false>
+template <int NMAT, bool CG>
 __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__ hs,
                                         const u32* __restrict__ xs,
                                         const uint4* __restrict__ qw,
@@ -1064,8 +1004,7 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
                                         const int* __restrict__ sorted,
                                         const int* __restrict__ tile_expert, int div, int N,
                                         int K, int ks, int tile, int bx,
-                                        const int* wait, int need, bool pre,
-                                        const W4Pf& pf = W4Pf{}) {
+                                        const int* wait, int need, bool pre) {
     const int nrb = N * NMAT / 64, per = W4_WARPS / ks;
     const int e = pre ? __ldcg(tile_expert + tile) : tile_expert[tile];
     extern __shared__ uint4 w4_smem[];
@@ -1084,7 +1023,6 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
     // pairs are read.
     if (live && h0 < h1) w4_issue(l, h0, 0);
     cp_async_commit();
-    if (PF) w4_prefetch_down(pf, e, tile, tile_expert, pre, bx, w4_groups(nrb, ks));
     if (threadIdx.x < ROWS_PER_TILE) {
         const int* sp = sorted + (size_t)tile * ROWS_PER_TILE + threadIdx.x;
         tp[threadIdx.x] = pre ? __ldcg(sp) : *sp;
@@ -1139,7 +1077,7 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
 // projection (gate/up runs between), and of gate/up when moe_split_x ran after the
 // routing.  Unset, the kernel reads nothing before the wait.  The K split: w4_split of
 // the host's segments s0 .. s7, at most ks_hi.
-template <int NMAT, bool PF = false>
+template <int NMAT>
 __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ hs,
                                        const u32* __restrict__ xs,
                                        const uint4* __restrict__ qw,
@@ -1148,20 +1086,15 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
                                        const int* __restrict__ sorted,
                                        const int* __restrict__ tile_expert, int div, int N,
                                        int K, int max_tiles, int ks_hi, W4_SEG_PARAMS,
-                                       bool pre, int bid, const W4Pf& pf = W4Pf{}) {
+                                       bool pre, int bid) {
     if (!pre) pdl_enter();
     const int nrb = N * NMAT / 64;
     const int ntiles = pre ? __ldcg(tile_expert + max_tiles) : tile_expert[max_tiles];
     const int ks = w4_split(ntiles, ks_hi, W4_SEG_ARGS);
     const int xneed = w4_groups(nrb, ks);
     if (bid >= ntiles * xneed) return;  // uniform per block
-    W4Pf p = pf;
-    if (PF) {  // the budget's row blocks shared out over the real tiles (>= the experts)
-        const int share = pf.rb / (ntiles > 0 ? ntiles : 1);
-        p.rb = share < pf.nrb ? share : pf.nrb;
-    }
-    w4_item<NMAT, false, PF>(y, hs, xs, qw, scw, topk_w, sorted, tile_expert, div, N, K, ks,
-                             bid / xneed, bid % xneed, nullptr, 0, pre, p);
+    w4_item<NMAT, false>(y, hs, xs, qw, scw, topk_w, sorted, tile_expert, div, N, K, ks,
+                         bid / xneed, bid % xneed, nullptr, 0, pre);
 }
 
 // Routed experts gate/up + SiLU, INT4: h[p, n] = silu(x[p / topk] . Wg[e, n]) *
@@ -1183,24 +1116,6 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up
     w4_mma<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
               reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K,
               max_tiles, ks_hi, W4_SEG_ARGS, pre != 0, blockIdx.x);
-}
-
-// moe_gate_up_w4 that also prefetches into L2 the first row blocks of each routed expert's
-// down weights (w4_prefetch_down): pf_rb row blocks (with their scales) in all, shared out
-// over the real tiles, at most nrb_dn an expert; qd [E, nrb_dn, Kd / 16, 32, 4] u32, sd
-// [E, nrb_dn, Kd / 128, 8, 8] bf16 as moe_down_w4's.  Otherwise as moe_gate_up_w4 (the
-// same items and values).
-extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up_w4_pf(
-    u32* __restrict__ h, const u32* __restrict__ xs, const u32* __restrict__ q13,
-    const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
-    const int* __restrict__ tile_expert, int topk, int N, int K, int max_tiles, int ks_hi,
-    W4_SEG_PARAMS, int pre, const u32* __restrict__ qd, const bf16_bits* __restrict__ sd,
-    int nrb_dn, int kd, int pf_rb) {
-    const W4Pf pf{reinterpret_cast<const uint4*>(qd), reinterpret_cast<const uint4*>(sd), nrb_dn,
-                  kd, pf_rb};
-    w4_mma<2, true>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
-                    reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N,
-                    K, max_tiles, ks_hi, W4_SEG_ARGS, pre != 0, blockIdx.x, pf);
 }
 
 // moe_gate_up_w4 and the shared expert's SwiGLU hidden (swiglu_tiled_bf16) in one launch:

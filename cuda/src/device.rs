@@ -105,12 +105,11 @@ pub fn rows_env(var: &str, default: usize) -> Result<usize> {
 }
 
 /// The INT4 expert GEMMs (tensor-core mma over pre-shuffled fragments: cuda/kernels/linear.cu).
-pub const W4_KERNELS: [&str; 5] = [
+pub const W4_KERNELS: [&str; 4] = [
     "moe_gate_up_w4",
     "moe_down_w4",
     "moe_experts_w4",
     "moe_gate_up_shared_w4",
-    "moe_gate_up_w4_pf",
 ];
 
 /// Shared-memory carveout (percent of the SM's 228 KB) asked for the INT4 GEMMs: all of
@@ -212,12 +211,6 @@ pub struct Gpu {
     /// launch (`moe_gate_up_shared_w4`) instead of its own launch after the experts;
     /// default with INT4 experts and the tiled GEMMs, `SPECLAB_SHARED_MERGE=0` off.
     pub merge_shared: bool,
-    /// The L2 cache's bytes (`CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE`).
-    pub l2_bytes: usize,
-    /// The share of L2 the INT4 gate/up launch fills with the down projection's weights
-    /// (`moe_gate_up_w4_pf`, [`crate::launch::w4_pf_rows`]); `SPECLAB_W4_L2PF=f` sets it,
-    /// 0 turns the prefetch off.
-    pub w4_l2pf: f64,
     /// INT4 expert GEMM blocks resident at once: SMs x the occupancy of `moe_down_w4`
     /// at its block and shared memory (a wave of the K-split rule, launch.rs `W4Split::waves`).
     pub w4_slots: usize,
@@ -295,15 +288,8 @@ impl Gpu {
             }
         }
         let w4_slots = w4_slots(&ctx, &funcs)?;
-        let l2 = ctx
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
-            .map_err(|e| CudaError::driver("L2 cache size", e))?;
         Ok(Self {
             w4_slots,
-            l2_bytes: l2.max(0) as usize,
-            w4_l2pf: crate::launch::w4_l2pf(
-                std::env::var(crate::launch::W4_L2PF_ENV).ok().as_deref(),
-            )?,
             ctx,
             stream,
             arch,

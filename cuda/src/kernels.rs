@@ -33,12 +33,11 @@ pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// 128-groups, a warp must walk for that packing; `LT_PREWAIT`: the tiled bf16 GEMMs load their first
 /// weight words before the programmatic-dependent-launch wait; `ATT_INFLIGHT`:
 /// positions `paged_attention` loads per warp pass).
-pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 6] = [
+pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 5] = [
     ("W4_XS", 2..=3),
     ("W4_PACK2", 0..=1),
     ("W4_PACK2_HALVES", 1..=64),
     ("LT_PREWAIT", 0..=1),
-    ("W4_PF_LAST", 0..=1),
     ("ATT_INFLIGHT", 1..=8),
 ];
 
@@ -89,7 +88,6 @@ pub const SOURCES: &[KernelSource] = &[
             "swiglu_tiled_bf16",
             "moe_split_x",
             "moe_gate_up_w4",
-            "moe_gate_up_w4_pf",
             "moe_gate_up_shared_w4",
             "moe_gate_up_bf16",
             "moe_down_w4",

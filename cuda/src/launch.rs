@@ -397,39 +397,6 @@ pub fn w4_ks_max(k: usize) -> usize {
     ks
 }
 
-/// The environment variable of [`w4_l2pf`].
-pub const W4_L2PF_ENV: &str = "SPECLAB_W4_L2PF";
-/// The share of L2 the INT4 gate/up launch fills with down weights by default.
-pub const W4_L2PF_DEFAULT: f64 = 0.0;
-/// Experts whose down weights are smaller than this are not prefetched (models/tiny's
-/// 16 KB sit in L2 anyway; GLM-5.3-Flash's are 4.2 MB).
-pub const W4_PF_MIN_EXPERT_BYTES: usize = 1 << 20;
-
-/// [`W4_L2PF_DEFAULT`], or the share `env` names (`SPECLAB_W4_L2PF`, in [0, 0.9]).
-pub fn w4_l2pf(env: Option<&str>) -> Result<f64> {
-    let Some(v) = env.map(str::trim) else {
-        return Ok(W4_L2PF_DEFAULT);
-    };
-    match v.parse::<f64>() {
-        Ok(f) if (0.0..=0.9).contains(&f) => Ok(f),
-        _ => Err(CudaError::Input(format!(
-            "{W4_L2PF_ENV}=`{v}`: expected the share of L2 to prefetch into, from 0 (off) to 0.9"
-        ))),
-    }
-}
-
-/// Down-projection row blocks (64 rows of `inter` INT4 weights and their scales) that
-/// `share` of an L2 of `l2_bytes` holds: `moe_gate_up_w4_pf`'s budget, shared out over the
-/// real tiles in the kernel. 0 (no prefetch) when the share is 0 or an expert's down
-/// weights are below [`W4_PF_MIN_EXPERT_BYTES`].
-pub fn w4_pf_rows(l2_bytes: usize, share: f64, hidden: usize, inter: usize) -> usize {
-    let rb = 64 * inter / 2 + 64 * (inter / 128) * 2;
-    if share <= 0.0 || rb == 0 || (hidden / 64) * rb < W4_PF_MIN_EXPERT_BYTES {
-        return 0;
-    }
-    (share * l2_bytes as f64 / rb as f64) as usize
-}
-
 /// What an INT4 expert GEMM launch knows about its tiles.
 #[derive(Debug, Clone, Copy)]
 pub struct W4Tiles {
@@ -553,36 +520,6 @@ pub fn round_up(x: usize, m: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn l2_prefetch_share_parses_or_explains() {
-        assert_eq!(w4_l2pf(None).unwrap(), W4_L2PF_DEFAULT);
-        assert_eq!(w4_l2pf(Some(" 0.6")).unwrap(), 0.6);
-        assert_eq!(w4_l2pf(Some("0")).unwrap(), 0.0);
-        for bad in ["x", "-0.1", "0.95", "nan"] {
-            let e = w4_l2pf(Some(bad)).unwrap_err().to_string();
-            assert!(
-                e.contains("SPECLAB_W4_L2PF") && e.contains("0.9"),
-                "{bad}: {e}"
-            );
-        }
-    }
-
-    #[test]
-    fn l2_prefetch_rows_fill_the_share_at_glm_shapes_only() {
-        // GLM-5.3-Flash down: 64 rows x 2048 K a row block = 64 KiB + 2 KiB of scales.
-        let rb = 64 * 2048 / 2 + 64 * 16 * 2;
-        let l2 = 50 << 20;
-        assert_eq!(
-            w4_pf_rows(l2, 0.6, 4096, 2048),
-            (0.6 * l2 as f64 / rb as f64) as usize
-        );
-        // M = 1 (8 experts) at 0.6 of 50 MiB: 58 of an expert's 64 row blocks.
-        assert_eq!(w4_pf_rows(l2, 0.6, 4096, 2048) / 8, 58);
-        assert_eq!(w4_pf_rows(l2, 0.0, 4096, 2048), 0);
-        // models/tiny (hidden 256, inter 128): 16 KiB an expert, below the floor: none.
-        assert_eq!(w4_pf_rows(l2, 0.6, 256, 128), 0);
-    }
-
     use super::*;
     use crate::kernels::SOURCES;
 

@@ -364,8 +364,7 @@ pub struct MoeBenchReport {
     pub expert_bytes_each: usize,
     pub layer_copy_bytes: usize,
     /// Resident blocks an SM of moe_gate_up_w4 / moe_down_w4 / moe_experts_w4 /
-    /// moe_gate_up_shared_w4 / moe_gate_up_w4_pf (`device::W4_KERNELS` order; the
-    /// occupancy API).
+    /// moe_gate_up_shared_w4 (`device::W4_KERNELS` order; the occupancy API).
     pub w4_blocks_per_sm: Vec<u32>,
     /// Registers a thread and local (spill) bytes a thread of the same kernels.
     pub w4_regs_local: Vec<[i32; 2]>,
@@ -379,12 +378,6 @@ pub struct MoeBenchReport {
     /// and the resident INT4 blocks it counts waves of (launch.rs `w4_ks_waves`).
     pub w4_waves: bool,
     pub w4_slots: usize,
-    /// The share of L2 the gate/up launch fills with the down weights
-    /// (`moe_gate_up_w4_pf`; 0: off, `SPECLAB_W4_L2PF`), the L2's bytes, and the row blocks
-    /// that share holds at this shape (launch.rs `w4_pf_rows`).
-    pub w4_l2pf: f64,
-    pub l2_bytes: usize,
-    pub w4_pf_rows: usize,
     /// The experts ran as one fused kernel (`moe_experts_w4`; without `SPECLAB_MOE_FUSED=1`: the
     /// split, gate/up and down kernels).
     pub moe_fused: bool,
@@ -1031,11 +1024,8 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         w4_ks_forced: launch::w4_ks_forced()?,
         w4_waves: g.w4_waves,
         w4_slots: g.w4_slots,
-        w4_l2pf: g.w4_l2pf,
-        l2_bytes: g.l2_bytes,
-        w4_pf_rows: launch::w4_pf_rows(g.l2_bytes, g.w4_l2pf, cfg.shape.hidden, cfg.shape.inter),
         moe_fused: launch::moe_fused(),
-        timing: "CUDA events around single calls, median of iters; experts = moe_split_x + moe_gate_up_w4 (moe_gate_up_w4_pf when w4_pf_rows > 0) + moe_down_w4, or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",
+        timing: "CUDA events around single calls, median of iters; experts = moe_split_x + moe_gate_up_w4 + moe_down_w4, or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",
         all_pass: rows.iter().all(|r| r.pass),
         rows,
     })

@@ -1002,29 +1002,13 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     ]);
     let pre = w4_pre(g, a.xs_ready);
     args.extend(w4_tail(gu_ks, pre[0])?);
-    let pf = match (&a.w, &a.shared) {
-        (ExpertPtrs::Int4 { .. }, None) => launch::w4_pf_rows(g.l2_bytes, g.w4_l2pf, hd, im),
-        _ => 0,
-    };
     match &a.shared {
         // SAFETY: h [P, Im] (INT4: P Im W4_XS_MAX / 2 words), x [T, H], the expert weights
         // [E, Im, 2, H] (as words / scales), sorted [8 max_tiles], tile_expert
         // [max_tiles + 1] checked; pair ids in `sorted` are < P and tile experts < E (moe_align's output over
         // ids < E). The INT4 kernels touch whole row blocks of 64 rows only (2 Im, H % 64 == 0,
         // checked by moe_w4; launch.rs tests the row-block cover).
-        None if pf == 0 => unsafe { launch(g, gu_name, gu_shape, &args)? },
-        None => {
-            // The down weights as moe_down_w4 reads them (checked below too); the kernel
-            // prefetches whole row blocks of experts < E, at most H / 64 an expert.
-            args.extend(dn_w.iter().cloned());
-            args.extend([
-                int(hd / 64, "down row blocks")?,
-                int(im, "down K")?,
-                int(pf, "prefetch row blocks")?,
-            ]);
-            // SAFETY: as moe_gate_up_w4 above; qd [E, H, Im] words, sd its scales checked.
-            unsafe { launch(g, "moe_gate_up_w4_pf", gu_shape, &args)? }
-        }
+        None => unsafe { launch(g, gu_name, gu_shape, &args)? },
         Some(sw) => gate_up_shared(g, sw, gu_shape, args)?,
     }
     let mut args = vec![y, h];
