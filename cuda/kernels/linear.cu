@@ -898,29 +898,6 @@ __device__ __forceinline__ float w4_value(const float* red, int rbl, int ks, int
     return v;
 }
 
-// The output of a row block (NMAT 2: gate rows g and up rows g + 8 of tile i give output
-// column 32 rb + 8 i + g, h = silu(gate) up, split; NMAT 1: row 64 rb + j scaled by the
-// router weight) from its values: val(j) = the dot product of row j (0..63, tile j / 16,
-// row j % 16) with pair slot q.  Shared by both epilogues.
-template <int NMAT, typename V>
-__device__ __forceinline__ void w4_out(float* __restrict__ y, u32* __restrict__ hs,
-                                       const float* __restrict__ topk_w, int p, int rb, int j,
-                                       int N, V val) {
-    if (NMAT == 2) {
-        const int i = j / 8, g = j % 8, n = 32 * rb + j;
-        float v = silu_f(val(16 * i + g)) * val(16 * i + g + 8);
-        unsigned short* h16 = reinterpret_cast<unsigned short*>(hs);
-#pragma unroll
-        for (int xi = 0; xi < W4_XS; ++xi) {
-            const u32 b = pack_bf2(v, 0.0f);
-            h16[2 * w4_h_word(p, n, N, xi) + (n & 1)] = (unsigned short)(b & 0xffffu);
-            v -= bf16lo(b);
-        }
-    } else {
-        y[(size_t)p * N + 64 * rb + j] = topk_w[p] * val(j);
-    }
-}
-
 // The block's outputs.  NMAT 2: tile i of row block rb holds gate (row g) and up (row g + 8)
 // of output column n = 32 rb + 8 i + g; h[p, n] = silu(gate) * up, split.  NMAT 1: row
 // 64 rb + 16 i + r is output column n; y[p, n] = topk_w[p] * value.
@@ -934,9 +911,22 @@ __device__ __forceinline__ void w4_epilogue(const float* red, float* __restrict_
         const int q = it / (per * cols), rbl = it / cols % per, j = it % cols;
         const int rb = bx * per + rbl;
         if (rb >= nrb) continue;
-        w4_out<NMAT>(y, hs, topk_w, tp[q], rb, j, N, [&](int row) {
-            return w4_value(red, rbl, ks, row / 16, row % 16, q, mode);
-        });
+        const int p = tp[q];
+        if (NMAT == 2) {
+            const int i = j / 8, g = j % 8, n = 32 * rb + j;
+            float v = silu_f(w4_value(red, rbl, ks, i, g, q, mode)) *
+                      w4_value(red, rbl, ks, i, g + 8, q, mode);
+            unsigned short* h16 = reinterpret_cast<unsigned short*>(hs);
+#pragma unroll
+            for (int xi = 0; xi < W4_XS; ++xi) {
+                const u32 b = pack_bf2(v, 0.0f);
+                h16[2 * w4_h_word(p, n, N, xi) + (n & 1)] = (unsigned short)(b & 0xffffu);
+                v -= bf16lo(b);
+            }
+        } else {
+            const float v = w4_value(red, rbl, ks, j / 16, j % 16, q, mode);
+            y[(size_t)p * N + 64 * rb + j] = topk_w[p] * v;
+        }
     }
 }
 
@@ -954,38 +944,21 @@ __device__ __forceinline__ int w4_ks(int nrb, int ntiles, int ks_hi, int target)
 }
 
 // The separate INT4 kernels' K split for `ntiles` real tiles from the host's segments
-// (cuda/src/launch.rs W4Split): segment i = (bound << 5) | ((kb - 1) << 3) | log2(ks),
-// bounds ascending; the first segment whose bound exceeds ntiles gives (ks, kb), past the
-// last (1, 1); ks at most ks_hi.  ks: the warps of a block splitting K; kb: the blocks
-// splitting each warp's K range further (w4_epilogue_kb; 1 = none).  The host derives
-// them from its rule (by default the wave rule, W4Split::waves), so the kernel's start-up
-// has eight compares and no division ahead of its first weight copy.
+// (cuda/src/launch.rs W4Split): segment i = (bound << 3) | log2(ks), bounds ascending; the
+// first segment whose bound exceeds ntiles gives ks, past the last 1 way, at most ks_hi.
+// The host derives them from its rule (by default the wave rule, W4Split::waves), so the
+// kernel's start-up has eight compares and no division ahead of its first weight copy.
 #define W4_SEGS 8
 #define W4_SEG_PARAMS int s0, int s1, int s2, int s3, int s4, int s5, int s6, int s7
 #define W4_SEG_ARGS s0, s1, s2, s3, s4, s5, s6, s7
-__device__ __forceinline__ int2 w4_split(int ntiles, int ks_hi, W4_SEG_PARAMS) {
+__device__ __forceinline__ int w4_split(int ntiles, int ks_hi, W4_SEG_PARAMS) {
     const int seg[W4_SEGS] = {W4_SEG_ARGS};
-    int ks = 1, kb = 1;
+    int ks = 1;
 #pragma unroll
     for (int i = W4_SEGS - 1; i >= 0; --i)
-        if (ntiles < (seg[i] >> 5)) {
-            ks = 1 << (seg[i] & 7);
-            kb = 1 + ((seg[i] >> 3) & 3);
-        }
-    return make_int2(ks < ks_hi ? ks : ks_hi, kb);
+        if (ntiles < (seg[i] >> 3)) ks = 1 << (seg[i] & 7);
+    return ks < ks_hi ? ks : ks_hi;
 }
-
-// The cross-block K split's buffers (kb > 1): every block's values, then the arrivals of
-// each (tile, row-block group), zero between launches (the last block resets its own).
-// Shapes: part [groups kb, W4_KB_STRIDE] f32 (pair q, row block rbl, row j at
-// (q W4_WARPS + rbl) 64 + j), ctr [groups] i32; groups = tiles x row-block groups.
-#define W4_KB_STRIDE (ROWS_PER_TILE * W4_WARPS * 64)
-struct W4Kb {
-    float* part;
-    int* ctr;
-    int kb;  // 1: no cross-block split, the buffers unused
-    int kz;  // this block's K part, 0 .. kb - 1
-};
 
 // The acquire side of the fused kernel's counters: thread 0 polls *ctr until it reaches
 // `need`, then the block goes on.  Bounded: past 2^26 polls (seconds) the kernel traps, an
@@ -1016,47 +989,6 @@ __device__ __forceinline__ int w4_signal(int* ctr) {
     return old;
 }
 
-// The cross-block K split's epilogue: the block stores its values (its K part of every
-// row and pair) in part, counts itself in ctr[gid]; the last of the group's kb blocks sums
-// the kb parts in part order (deterministic whatever the arrival order) and writes the
-// outputs, then zeroes ctr[gid].  Release / acquire as the fused kernel's counters
-// (w4_signal: barrier, fence, atomic; the reader fences and reads through L2).
-template <int NMAT>
-__device__ __forceinline__ void w4_epilogue_kb(const float* red, float* __restrict__ y,
-                                               u32* __restrict__ hs,
-                                               const float* __restrict__ topk_w, const int* tp,
-                                               int np, int mode, int ks, int nrb, int N, int bx,
-                                               int gid, const W4Kb& kb) {
-    const int per = W4_WARPS / ks;
-    float* mine = kb.part + ((size_t)gid * kb.kb + kb.kz) * W4_KB_STRIDE;
-    for (int it = threadIdx.x; it < per * 64 * np; it += blockDim.x) {
-        const int q = it / (per * 64), rbl = it / 64 % per, j = it % 64;
-        if (bx * per + rbl >= nrb) continue;
-        mine[(q * W4_WARPS + rbl) * 64 + j] = w4_value(red, rbl, ks, j / 16, j % 16, q, mode);
-    }
-    __shared__ int last;
-    const int old = w4_signal(kb.ctr + gid);
-    if (threadIdx.x == 0) last = old == kb.kb - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const float* all = kb.part + (size_t)gid * kb.kb * W4_KB_STRIDE;
-    const int cols = NMAT == 2 ? 32 : 64;
-    for (int it = threadIdx.x; it < per * cols * np; it += blockDim.x) {
-        const int q = it / (per * cols), rbl = it / cols % per, j = it % cols;
-        const int rb = bx * per + rbl;
-        if (rb >= nrb) continue;
-        const float* at = all + (q * W4_WARPS + rbl) * 64;
-        w4_out<NMAT>(y, hs, topk_w, tp[q], rb, j, N, [&](int row) {
-            float v = 0.0f;
-            for (int z = 0; z < kb.kb; ++z) v += __ldcg(at + (size_t)z * W4_KB_STRIDE + row);
-            return v;
-        });
-    }
-    if (threadIdx.x == 0) kb.ctr[gid] = 0;
-}
-
-
 // One item: (tile, group bx of W4_WARPS / ks row blocks).  R = N * NMAT weight rows of K;
 // q [E, R / 64, K / 16, 32, 4] words, sc [E, R / 64, K / 128, 8, 8] bf16.  With `wait`
 // (the fused kernel) the B operand is read only once *wait >= need; the weights' first
@@ -1072,8 +1004,7 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
                                         const int* __restrict__ sorted,
                                         const int* __restrict__ tile_expert, int div, int N,
                                         int K, int ks, int tile, int bx,
-                                        const int* wait, int need, bool pre,
-                                        const W4Kb kbp = W4Kb{nullptr, nullptr, 1, 0}) {
+                                        const int* wait, int need, bool pre) {
     const int nrb = N * NMAT / 64, per = W4_WARPS / ks;
     const int e = pre ? __ldcg(tile_expert + tile) : tile_expert[tile];
     extern __shared__ uint4 w4_smem[];
@@ -1087,9 +1018,7 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
     uint4* st = w4_smem + warp * W4_STAGES * W4_SLOT * WARP + lane;
     const W4Lane l{qw + blk * (K / 16) * WARP + lane, scw + blk * (K / 128) * 8 + g, st,
                    smem_addr(st)};
-    // K slice kz ks + kw of ks kb (kb > 1: the block's slices are part kz of each warp's).
-    const int sl = kbp.kz * ks + kw, nsl = ks * kbp.kb;
-    const int h0 = sl * halves / nsl, h1 = (sl + 1) * halves / nsl;
+    const int h0 = kw * halves / ks, h1 = (kw + 1) * halves / ks;
     // The weights depend only on the expert: their first copy starts before the tile's
     // pairs are read.
     if (live && h0 < h1) w4_issue(l, h0, 0);
@@ -1133,12 +1062,7 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
         w4_run<2, CG>(red, l, b0, b1, h0, h1, live);
     }
     __syncthreads();  // every thread reaches it
-    if (kbp.kb > 1) {
-        w4_epilogue_kb<NMAT>(red, y, hs, topk_w, tp, np, mode, ks, nrb, N, bx,
-                             tile * w4_groups(nrb, ks) + bx, kbp);
-    } else {
-        w4_epilogue<NMAT>(red, y, hs, topk_w, tp, np, mode, ks, nrb, N, bx);
-    }
+    w4_epilogue<NMAT>(red, y, hs, topk_w, tp, np, mode, ks, nrb, N, bx);
 }
 
 // One block: item `bid` of (real tile, group of W4_WARPS / ks row blocks), tile-major;
@@ -1162,19 +1086,15 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
                                        const int* __restrict__ sorted,
                                        const int* __restrict__ tile_expert, int div, int N,
                                        int K, int max_tiles, int ks_hi, W4_SEG_PARAMS,
-                                       bool pre, int bid, float* kb_part, int* kb_ctr) {
+                                       bool pre, int bid) {
     if (!pre) pdl_enter();
     const int nrb = N * NMAT / 64;
     const int ntiles = pre ? __ldcg(tile_expert + max_tiles) : tile_expert[max_tiles];
-    const int2 sp = w4_split(ntiles, ks_hi, W4_SEG_ARGS);
-    const int ks = sp.x, kb = sp.y;
+    const int ks = w4_split(ntiles, ks_hi, W4_SEG_ARGS);
     const int xneed = w4_groups(nrb, ks);
-    if (bid >= ntiles * xneed * kb) return;  // uniform per block
-    // Item (tile, group bx, K part kz), kz fastest: a group's kb blocks start together.
-    const int grp = bid / kb;
+    if (bid >= ntiles * xneed) return;  // uniform per block
     w4_item<NMAT, false>(y, hs, xs, qw, scw, topk_w, sorted, tile_expert, div, N, K, ks,
-                         grp / xneed, grp % xneed, nullptr, 0, pre,
-                         W4Kb{kb_part, kb_ctr, kb, bid % kb});
+                         bid / xneed, bid % xneed, nullptr, 0, pre);
 }
 
 // Routed experts gate/up + SiLU, INT4: h[p, n] = silu(x[p / topk] . Wg[e, n]) *
@@ -1192,10 +1112,10 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up
     u32* __restrict__ h, const u32* __restrict__ xs, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
     const int* __restrict__ tile_expert, int topk, int N, int K, int max_tiles, int ks_hi,
-    W4_SEG_PARAMS, int pre, float* __restrict__ kb_part, int* __restrict__ kb_ctr) {
+    W4_SEG_PARAMS, int pre) {
     w4_mma<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
               reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K,
-              max_tiles, ks_hi, W4_SEG_ARGS, pre != 0, blockIdx.x, kb_part, kb_ctr);
+              max_tiles, ks_hi, W4_SEG_ARGS, pre != 0, blockIdx.x);
 }
 
 // moe_gate_up_w4 and the shared expert's SwiGLU hidden (swiglu_tiled_bf16) in one launch:
@@ -1211,8 +1131,7 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up
     u32* __restrict__ h, const u32* __restrict__ xs, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
     const int* __restrict__ tile_expert, int topk, int N, int K, int max_tiles, int ks_hi,
-    W4_SEG_PARAMS, int pre, float* __restrict__ kb_part, int* __restrict__ kb_ctr,
-    float* __restrict__ sh_h, const float* __restrict__ sh_x,
+    W4_SEG_PARAMS, int pre, float* __restrict__ sh_h, const float* __restrict__ sh_x,
     int sh_x_stride, const bf16_bits* __restrict__ sh_w13, int sh_m, int sh_n, int sh_k,
     int sh_gx, int sh_blocks) {
     const int b = blockIdx.x;
@@ -1223,7 +1142,7 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up
     }
     w4_mma<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
               reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K,
-              max_tiles, ks_hi, W4_SEG_ARGS, pre != 0, b - sh_blocks, kb_part, kb_ctr);
+              max_tiles, ks_hi, W4_SEG_ARGS, pre != 0, b - sh_blocks);
 }
 
 // Routed experts down-projection with the router weight applied: y[p, n] = w_p *
@@ -1236,11 +1155,10 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_down_w4
     float* __restrict__ y, const u32* __restrict__ h, const u32* __restrict__ qd,
     const bf16_bits* __restrict__ sd, const float* __restrict__ topk_w,
     const int* __restrict__ sorted, const int* __restrict__ tile_expert, int N, int K,
-    int max_tiles, int ks_hi, W4_SEG_PARAMS, int pre, float* __restrict__ kb_part,
-    int* __restrict__ kb_ctr) {
+    int max_tiles, int ks_hi, W4_SEG_PARAMS, int pre) {
     w4_mma<1>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
               reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, N, K, max_tiles,
-              ks_hi, W4_SEG_ARGS, pre != 0, blockIdx.x, kb_part, kb_ctr);
+              ks_hi, W4_SEG_ARGS, pre != 0, blockIdx.x);
 }
 
 // The routed experts in one launch (issue 12): the split of x (when x is not null),

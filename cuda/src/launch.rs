@@ -113,39 +113,6 @@ pub fn w4_ks_forced() -> Result<Option<usize>> {
     .map_err(CudaError::Input)
 }
 
-/// The environment variable forcing the INT4 GEMMs' cross-block K split (a sweep knob).
-pub const W4_KB_ENV: &str = "SPECLAB_W4_KB";
-/// Most blocks a row-block group's K is split over (linear.cu `w4_split`: two bits).
-pub const W4_KB_MAX: usize = 4;
-/// Floats a block's values take in the cross-block split's scratch (linear.cu
-/// `W4_KB_STRIDE`: 8 pair slots x W4_WARPS row blocks x 64 rows).
-pub const W4_KB_STRIDE: usize = ROWS_PER_TILE as usize * W4_WARPS as usize * 64;
-
-/// The forced cross-block K split ([`W4_KB_ENV`], read once), or `None`.
-pub fn w4_kb_forced() -> Result<Option<usize>> {
-    static KB: std::sync::OnceLock<std::result::Result<Option<usize>, String>> =
-        std::sync::OnceLock::new();
-    KB.get_or_init(|| match std::env::var(W4_KB_ENV) {
-        Err(_) => Ok(None),
-        Ok(v) => parse_w4_kb(&v).map(Some).map_err(|e| e.to_string()),
-    })
-    .clone()
-    .map_err(CudaError::Input)
-}
-
-/// A [`W4_KB_ENV`] value: 1 to [`W4_KB_MAX`].
-pub fn parse_w4_kb(v: &str) -> Result<usize> {
-    v.trim()
-        .parse::<usize>()
-        .ok()
-        .filter(|n| (1..=W4_KB_MAX).contains(n))
-        .ok_or_else(|| {
-            CudaError::Input(format!(
-                "{W4_KB_ENV}=`{v}`: expected a cross-block K split of 1 to {W4_KB_MAX}"
-            ))
-        })
-}
-
 /// A [`W4_KS_ENV`] value: 1, 2, 4 or 8.
 pub fn parse_w4_ks(v: &str) -> Result<usize> {
     v.trim()
@@ -295,34 +262,14 @@ pub fn w4_groups(rows: usize, ks: usize) -> usize {
 
 /// Segments a [`W4Split`] holds (linear.cu `W4_SEGS`).
 pub const W4_SEGS: usize = 8;
-/// Largest tile-count bound a segment can hold (`bound << 5` fits an `int`).
-const W4_SEG_MAX: usize = (i32::MAX >> 5) as usize;
-
-/// A K split: warps of a block splitting K (`ks`, a power of two up to W4_WARPS) and
-/// blocks splitting each warp's range further (`kb`, 1 to [`W4_KB_MAX`]; linear.cu
-/// `w4_epilogue_kb` sums their parts in order).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Ks {
-    pub ks: usize,
-    pub kb: usize,
-}
-
-impl Ks {
-    /// `ks` warps, one block.
-    pub fn warps(ks: usize) -> Self {
-        Self { ks, kb: 1 }
-    }
-    /// Items (blocks) of `tiles` tiles of `rows` weight rows.
-    pub fn items(self, rows: usize, tiles: usize) -> usize {
-        w4_groups(rows, self.ks) * self.kb * tiles
-    }
-}
+/// Largest tile-count bound a segment can hold (`bound << 3` fits an `int`).
+const W4_SEG_MAX: usize = (i32::MAX >> 3) as usize;
 
 /// The K split of the separate INT4 kernels (`moe_gate_up_w4`, `moe_down_w4`): the
 /// grid's bound and the tile-count segments the kernel picks by (linear.cu `w4_split`):
-/// segment `(bound << 5) | ((kb - 1) << 3) | log2(ks)`, bounds ascending; the first whose
-/// bound exceeds the tile count gives the split, past the last (1, 1); unused segments are
-/// 0; ks at most `ks_hi`.
+/// segment `(bound << 3) | log2(ks)`, bounds ascending; the first whose bound exceeds
+/// the tile count gives the split, past the last 1 way; unused segments are 0; at most
+/// `ks_hi`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct W4Split {
     pub ks_hi: usize,
@@ -332,8 +279,8 @@ pub struct W4Split {
 impl W4Split {
     /// Segments of `ks_of`, constant between consecutive `breaks` (ascending, from 0;
     /// constant past the last): equal neighbours merged, a last 1-way segment implicit.
-    fn from_breaks(ks_hi: usize, breaks: &[usize], ks_of: impl Fn(usize) -> Ks) -> Self {
-        let mut runs: Vec<(usize, Ks)> = Vec::new(); // (bound, split)
+    fn from_breaks(ks_hi: usize, breaks: &[usize], ks_of: impl Fn(usize) -> usize) -> Self {
+        let mut runs: Vec<(usize, usize)> = Vec::new(); // (bound, ks)
         for (i, &b) in breaks.iter().enumerate() {
             let bound = breaks
                 .get(i + 1)
@@ -346,13 +293,12 @@ impl W4Split {
                 _ => runs.push((bound, ks)),
             }
         }
-        if runs.last().is_some_and(|r| r.1 == Ks::warps(1)) {
+        if runs.last().is_some_and(|r| r.1 == 1) {
             runs.pop();
         }
         let mut seg = [0; W4_SEGS];
-        for (s, &(bound, k)) in seg.iter_mut().zip(&runs) {
-            let kb = k.kb.clamp(1, W4_KB_MAX);
-            *s = (bound << 5) | ((kb - 1) << 3) | k.ks.trailing_zeros() as usize;
+        for (s, &(bound, ks)) in seg.iter_mut().zip(&runs) {
+            *s = (bound << 3) | ks.trailing_zeros() as usize;
         }
         // The rules here give at most W4_SEGS runs (tested for the wave rule over rows,
         // slots and caps); more would drop the last ones, and the kernel and `ks` would
@@ -368,31 +314,12 @@ impl W4Split {
         breaks.extend([4, 2, 1].map(|j| target.div_ceil(w4_groups(rows, j))));
         breaks.sort_unstable();
         breaks.dedup();
-        Self::from_breaks(ks_hi, &breaks, |t| Ks::warps(w4_ks(rows, t, 8, target)))
+        Self::from_breaks(ks_hi, &breaks, |t| w4_ks(rows, t, 8, target))
     }
 
     /// `ks` ways whatever the tile count (at most `ks_hi`).
     pub fn forced(ks: usize, ks_hi: usize) -> Self {
-        Self::from_breaks(ks_hi, &[0], |_| Ks::warps(ks))
-    }
-
-    /// This split with every tile count's blocks splitting K `kb` ways too (a sweep knob,
-    /// [`W4_KB_ENV`]).
-    pub fn with_kb(self, kb: usize) -> Self {
-        let kb = kb.clamp(1, W4_KB_MAX);
-        let mut seg = self.seg;
-        let last = seg.iter().rposition(|&s| s > 0);
-        for s in seg.iter_mut().filter(|s| **s > 0) {
-            *s = (*s & !(3 << 3)) | ((kb - 1) << 3);
-        }
-        // Past the last segment the kernel takes (1, 1): add a (1, kb) segment to the end.
-        if kb > 1 {
-            let free = last.map_or(0, |i| i + 1);
-            if let Some(s) = seg.get_mut(free) {
-                *s = W4_SEG_MAX << 5 | ((kb - 1) << 3);
-            }
-        }
-        Self { seg, ..self }
+        Self::from_breaks(ks_hi, &[0], |_| ks)
     }
 
     /// The wave rule for `rows` weight rows, `slots` blocks resident at once, at most
@@ -410,79 +337,28 @@ impl W4Split {
         }
         breaks.sort_unstable();
         breaks.dedup();
-        Self::from_breaks(cap, &breaks, |t| {
-            Ks::warps(w4_ks_waves(rows, t, cap, slots))
-        })
+        Self::from_breaks(cap, &breaks, |t| w4_ks_waves(rows, t, cap, slots))
     }
 
     /// The kernel's split for `tiles` real tiles (linear.cu `w4_split`).
-    pub fn split(&self, tiles: usize) -> Ks {
-        self.seg
-            .iter()
-            .find(|&&s| tiles < s >> 5)
-            .map_or(Ks::warps(1), |&s| Ks {
-                ks: (1usize << (s & 7)).min(self.ks_hi),
-                kb: 1 + ((s >> 3) & 3),
-            })
-    }
-
-    /// The warps splitting K for `tiles` real tiles.
     pub fn ks(&self, tiles: usize) -> usize {
-        self.split(tiles).ks
-    }
-
-    /// The blocks splitting K for `tiles` real tiles.
-    pub fn kb(&self, tiles: usize) -> usize {
-        self.split(tiles).kb
-    }
-
-    /// The tile counts where the split can change in `lo..=hi`, with both ends: each
-    /// segment's last tile count and the one after it.
-    fn edges(&self, lo: usize, hi: usize) -> Vec<usize> {
-        let mut v = vec![lo, hi];
-        for &s in self.seg.iter().filter(|&&s| s > 0) {
-            let b = s >> 5;
-            v.extend(
-                [b.saturating_sub(1), b]
-                    .into_iter()
-                    .filter(|t| (lo..=hi).contains(t)),
-            );
-        }
-        v
-    }
-
-    /// The most blocks any tile count in `lo..=hi` takes for `rows` weight rows (the
-    /// grid; within a segment the items grow with the tiles).
-    pub fn max_items(&self, rows: usize, lo: usize, hi: usize) -> usize {
-        self.edges(lo, hi)
-            .into_iter()
-            .map(|t| self.split(t).items(rows, t))
-            .max()
-            .unwrap_or(0)
-    }
-
-    /// The cross-block split's scratch for `rows` weight rows over tile counts `lo..=hi`:
-    /// (floats of the parts, counters), 0 when no tile count splits across blocks.
-    pub fn kb_scratch(&self, rows: usize, lo: usize, hi: usize) -> (usize, usize) {
-        self.edges(lo, hi)
-            .into_iter()
-            .map(|t| self.split(t))
-            .zip(self.edges(lo, hi))
-            .filter(|(k, _)| k.kb > 1)
-            .map(|(k, t)| {
-                let groups = w4_groups(rows, k.ks) * t;
-                (groups * k.kb * W4_KB_STRIDE, groups)
-            })
-            .fold((0, 0), |a, b| (a.0.max(b.0), a.1.max(b.1)))
+        let ks = self
+            .seg
+            .iter()
+            .find(|&&s| tiles < s >> 3)
+            .map_or(1, |&s| 1 << (s & 7));
+        ks.min(self.ks_hi)
     }
 
     /// The largest split of any tile count in `lo..=hi`.
     pub fn max_over(&self, lo: usize, hi: usize) -> usize {
-        self.edges(lo, hi)
-            .into_iter()
-            .map(|t| self.ks(t))
-            .max()
-            .unwrap_or(1)
+        let mut ks = self.ks(lo).max(self.ks(hi));
+        for &s in self.seg.iter().filter(|&&s| s > 0) {
+            if (lo..=hi).contains(&(s >> 3)) {
+                ks = ks.max(self.ks(s >> 3));
+            }
+        }
+        ks
     }
 }
 
@@ -534,10 +410,6 @@ pub struct W4Tiles {
     pub forced: Option<usize>,
     /// The wave rule's resident blocks (`Gpu::w4_slots`); `None`: the reaching rule.
     pub slots: Option<usize>,
-    /// A forced cross-block K split ([`w4_kb_forced`]); applied only with `kb_ok`.
-    pub kb_forced: Option<usize>,
-    /// The launch has the cross-block split's scratch (else every split is one block).
-    pub kb_ok: bool,
 }
 
 /// INT4 expert GEMMs (`moe_gate_up_w4` with `nmat` 2, `moe_down_w4` with 1) over
@@ -579,12 +451,9 @@ pub fn moe_w4(
             W4Split::reaching(n * nmat, ks_hi, t.target)
         }
     };
-    let split = match t.kb_forced {
-        Some(kb) if t.kb_ok => split.with_kb(kb),
-        _ => split,
-    };
+    let per_block = W4_WARPS as usize / split.ks_hi;
     let mut s = grid_2d(
-        split.max_items(n * nmat, 1, max_tiles.max(1)),
+        (n * nmat / 64).div_ceil(per_block) * max_tiles,
         1,
         32 * W4_WARPS,
         what,
@@ -742,33 +611,29 @@ mod tests {
     }
 
     /// Model of kernel `w4_mma`'s walk for `ntiles` real tiles: the kernel's K split
-    /// `(ks, kb) = split.split(ntiles)` (linear.cu `w4_split`); block b < ntiles xneed kb
-    /// is K part kz = b % kb of group grp = b / kb, tile grp / xneed, row-block group
-    /// bx = grp % xneed; warp w owns row block `bx (W4_WARPS / ks) + w / ks` (real when
-    /// below `rows / 64`) and half groups `[sl G / S, (sl + 1) G / S)` with slice
-    /// `sl = kz ks + w % ks` of `S = ks kb`, `G = k / 64`. Counts each (tile, row block,
-    /// half group); also returns the blocks the kernel needs and the most blocks of one
-    /// group (the arrivals `w4_epilogue_kb` counts).
+    /// `ks = split.ks(ntiles)` (linear.cu `w4_split`); block b < ntiles xneed is tile
+    /// b / xneed, group bx = b % xneed; warp w owns row block `bx (W4_WARPS / ks) + w / ks`
+    /// (real when below `rows / 64`) and half groups `[kw G / ks, (kw + 1) G / ks)` with
+    /// `kw = w % ks`, `G = k / 64`. Counts each (tile, row block, half group); also returns
+    /// the blocks the kernel needs.
     fn w4_owned(rows: usize, k: usize, ntiles: usize, split: &W4Split) -> (Vec<u8>, usize) {
         let (groups, nrb) = (k / 64, rows / 64);
-        let Ks { ks, kb } = split.split(ntiles);
+        let ks = split.ks(ntiles);
         let per = W4_WARPS as usize / ks;
         let xneed = nrb.div_ceil(per);
-        let nsl = ks * kb;
         let mut owned = vec![0u8; ntiles * nrb * groups];
-        for b in 0..ntiles * xneed * kb {
-            let (grp, kz) = (b / kb, b % kb);
-            let (tile, bx) = (grp / xneed, grp % xneed);
+        for b in 0..ntiles * xneed {
+            let (tile, bx) = (b / xneed, b % xneed);
             for w in 0..W4_WARPS as usize {
-                let (sl, rb) = (kz * ks + w % ks, bx * per + w / ks);
+                let (kw, rb) = (w % ks, bx * per + w / ks);
                 if rb < nrb {
-                    for h in sl * groups / nsl..(sl + 1) * groups / nsl {
-                        owned[(tile * nrb + rb) * groups + h] += 1;
+                    for grp in kw * groups / ks..(kw + 1) * groups / ks {
+                        owned[(tile * nrb + rb) * groups + grp] += 1;
                     }
                 }
             }
         }
-        (owned, ntiles * xneed * kb)
+        (owned, ntiles * xneed)
     }
 
     #[test]
@@ -779,8 +644,6 @@ mod tests {
             target: W4_TARGET_BLOCKS,
             forced: None,
             slots: None,
-            kb_forced: None,
-            kb_ok: false,
         };
         assert_eq!(parse_w4_target(" 512").unwrap(), 512);
         assert!(moe_fused_wanted(Some("1")) && moe_fused_wanted(Some(" 1")));
@@ -803,12 +666,11 @@ mod tests {
         assert_eq!(w4_ks(256, 2, 4, 256), 4);
         let (s, ks) = moe_w4(2048, 4096, 2, &tl(8, 8), "t").unwrap();
         assert_eq!((s.grid, ks.ks_hi, ks.ks(8)), ((256, 1, 1), 4, 4));
-        // M = 16: at least 16 tiles, so ks_hi = 2, over the 128-tile bound; the grid is
-        // the most items of any tile count: 128 tiles of whole-K walks, 8 groups each.
+        // M = 16: at least 16 tiles, so ks_hi = 2, over the 128-tile bound.
         let (s, ks) = moe_w4(4096, 2048, 1, &tl(128, 16), "t").unwrap();
         assert_eq!(
             (s.grid, ks.ks_hi, ks.ks(16), ks.ks(106)),
-            ((8 * 128, 1, 1), 2, 2, 1)
+            ((16 * 128, 1, 1), 2, 2, 1)
         );
         let (s, ks) = moe_w4(256, 128, 1, &tl(3, 2), "t").unwrap();
         assert_eq!(
@@ -845,17 +707,13 @@ mod tests {
             for (n, nmat) in [(32, 2), (64, 1), (96, 2), (192, 1), (2048, 2), (4096, 1)] {
                 for (max, min) in [(1, 1), (8, 8), (300, 8), (40, 20)] {
                     let rules = [None, Some(1), Some(2), Some(4), Some(8)]
-                        .map(|f| (f, None, None))
+                        .map(|f| (f, None))
                         .into_iter()
-                        .chain([(None, Some(264), None), (None, Some(132), None)])
-                        .chain([(None, Some(7), None), (None, Some(264), Some(3))])
-                        .chain([(Some(1), None, Some(4)), (Some(4), None, Some(2))]);
-                    for (f, slots, kb) in rules {
+                        .chain([(None, Some(264)), (None, Some(132)), (None, Some(7))]);
+                    for (f, slots) in rules {
                         let t = W4Tiles {
                             forced: f,
                             slots,
-                            kb_forced: kb,
-                            kb_ok: kb.is_some(),
                             ..tl(max, min)
                         };
                         let (s, split) = moe_w4(n, k, nmat, &t, "t").unwrap();
@@ -863,10 +721,8 @@ mod tests {
                         assert!(ks_hi.is_power_of_two() && ks_hi <= w4_ks_max(k));
                         for ntiles in [min, (min + max) / 2, max] {
                             let (owned, blocks) = w4_owned(n * nmat, k, ntiles, &split);
-                            let at = format!(
-                                "n {n} k {k} nmat {nmat} tiles {ntiles} {f:?} {slots:?} kb {kb:?}"
-                            );
-                            assert_eq!(split.kb(ntiles), kb.unwrap_or(1), "{at}");
+                            let at =
+                                format!("n {n} k {k} nmat {nmat} tiles {ntiles} {f:?} {slots:?}");
                             assert!(blocks <= s.grid.0 as usize, "{at}");
                             assert!(owned.iter().all(|&c| c == 1), "{at}");
                         }

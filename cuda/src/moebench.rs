@@ -320,10 +320,8 @@ pub struct MoeRow {
     /// at the compiled `W4_XS`; mean over the draws).
     pub tiles_unpacked: f64,
     /// The K split each draw's gate/up and down launches took (the host's mirror of the
-    /// kernels' choice, `launch::W4Split::split` of the draw's tile count), draw by draw:
-    /// warps of a block on K (`ks`), and blocks a row-block group's K is split over (`kb`).
+    /// kernels' choice, `launch::W4Split::ks` of the draw's tile count), draw by draw.
     pub ks: Vec<[usize; 2]>,
-    pub kb: Vec<[usize; 2]>,
     /// Median µs of moe_gate_up_w4 + moe_down_w4 (CUDA events), and the 10th / 90th percentiles.
     pub experts_us: f64,
     pub experts_us_p10: f64,
@@ -532,20 +530,12 @@ struct Scratch {
     /// Shape: [MOE_SYNC_FIXED + max_tiles] the fused experts kernel's counters (zero between
     /// calls).
     sync: DevBuf<i32>,
-    /// The INT4 kernels' cross-block K split: parts [groups kb, W4_KB_STRIDE] and counters
-    /// [groups] (zero between calls), sized by `ops::w4_kb_scratch` for this M.
-    kb_part: DevBuf<f32>,
-    kb_ctr: DevBuf<i32>,
 }
 
 impl Scratch {
     fn new(g: &Gpu, s: &MoeShape, m: usize) -> Result<Self> {
         let (st, p) = (&g.stream, m * s.topk);
-        let max_tiles = launch::moe_max_tiles(p, s.experts);
-        let (parts, ctrs) = ops::w4_kb_scratch(g, max_tiles, m, s.topk, s.hidden, s.inter)?;
         Ok(Self {
-            kb_part: DevBuf::zeros(st, parts.max(1), "K-split parts")?,
-            kb_ctr: DevBuf::zeros(st, ctrs.max(1), "K-split counters")?,
             h: DevBuf::zeros(st, p * s.inter * launch::W4_XS_MAX / 2, "h")?,
             xs: DevBuf::zeros(st, m * s.hidden * launch::W4_XS_MAX / 2, "xs")?,
             y: DevBuf::zeros(st, p * s.hidden, "y")?,
@@ -595,7 +585,6 @@ fn experts_of<'a>(
         hidden: s.hidden,
         inter: s.inter,
         shared,
-        kb: Some((&sc.kb_part, &sc.kb_ctr)),
     }
 }
 
@@ -868,20 +857,17 @@ fn check_row(
 }
 
 /// The K split of each draw's gate/up and down launches: the launch shapes
-/// `ops::moe_experts` builds (`launch::moe_w4` under this device's rule, with the
-/// cross-block split's scratch the bench gives it) at the draw's tile count.
-fn draw_splits(g: &Gpu, s: &MoeShape, m: usize, draws: &[DevDraw]) -> Result<Vec<[launch::Ks; 2]>> {
-    let w4t = launch::W4Tiles {
-        kb_ok: true,
-        ..ops::w4_tiles(g, launch::moe_max_tiles(m * s.topk, s.experts), m, s.topk)?
-    };
+/// `ops::moe_experts` builds (`launch::moe_w4` under this device's rule) at the draw's
+/// tile count.
+fn draw_splits(g: &Gpu, s: &MoeShape, m: usize, draws: &[DevDraw]) -> Result<Vec<[usize; 2]>> {
+    let w4t = ops::w4_tiles(g, launch::moe_max_tiles(m * s.topk, s.experts), m, s.topk)?;
     let (_, gu) = launch::moe_w4(s.inter, s.hidden, 2, &w4t, "bench gate/up")?;
     let (_, dn) = launch::moe_w4(s.hidden, s.inter, 1, &w4t, "bench down")?;
     Ok(draws
         .iter()
         .map(|d| {
             let t = launch::moe_tiles_used(&d.draw.counts(s.experts));
-            [gu.split(t), dn.split(t)]
+            [gu.ks(t), dn.ks(t)]
         })
         .collect())
 }
@@ -934,9 +920,7 @@ fn run_row(
     let tiles = mean(&|d| launch::moe_tiles_used(&d.counts(s.experts)) as f64);
     let xs = crate::kernels::w4_xs(&crate::kernels::env_defines()?);
     let tiles_unpacked = mean(&|d| launch::moe_tiles_unpacked(&d.counts(s.experts), xs) as f64);
-    let splits = draw_splits(g, s, m, &draws)?;
-    let ks = splits.iter().map(|[a, b]| [a.ks, b.ks]).collect();
-    let kb = splits.iter().map(|[a, b]| [a.kb, b.kb]).collect();
+    let ks = draw_splits(g, s, m, &draws)?;
     let (med, p10, p90) = percentiles(ex);
     let (lmed, _, _) = percentiles(ly);
     let expert_bytes = distinct * s.expert_bytes() as f64;
@@ -948,7 +932,6 @@ fn run_row(
         tiles,
         tiles_unpacked,
         ks,
-        kb,
         experts_us: med,
         experts_us_p10: p10,
         experts_us_p90: p90,

@@ -856,9 +856,6 @@ pub struct Experts<'a> {
     /// launch (`moe_gate_up_shared_w4`, its tiled `swiglu` bit for bit); `None`: the
     /// caller launches it. Only with INT4 experts, not the fused launch.
     pub shared: Option<Swiglu<'a>>,
-    /// The INT4 kernels' cross-block K split scratch (parts, counters zero between
-    /// launches; linear.cu `W4Kb`); `None`: every split stays in one block.
-    pub kb: Option<(&'a DevBuf<f32>, &'a DevBuf<i32>)>,
 }
 
 /// The weight-prologue flags (`pre`) of the INT4 gate/up and down launches: the routing
@@ -877,31 +874,7 @@ pub fn w4_tiles(g: &Gpu, max_tiles: usize, t: usize, k: usize) -> Result<launch:
         target: launch::w4_target_blocks()?,
         forced: launch::w4_ks_forced()?,
         slots: g.w4_waves.then_some(g.w4_slots),
-        kb_forced: launch::w4_kb_forced()?,
-        kb_ok: false,
     })
-}
-
-/// The cross-block K split's scratch (floats of the parts, counters) the INT4 gate/up and
-/// down launches of `t` tokens routed top-`k` over `max_tiles` tiles need at hidden `hd`,
-/// moe-intermediate `im` under this device's rule ([`Experts::kb`]).
-pub fn w4_kb_scratch(
-    g: &Gpu,
-    max_tiles: usize,
-    t: usize,
-    k: usize,
-    hd: usize,
-    im: usize,
-) -> Result<(usize, usize)> {
-    let w4t = launch::W4Tiles {
-        kb_ok: true,
-        ..w4_tiles(g, max_tiles, t, k)?
-    };
-    let (_, gu) = launch::moe_w4(im, hd, 2, &w4t, "moe gate/up")?;
-    let (_, dn) = launch::moe_w4(hd, im, 1, &w4t, "moe down")?;
-    let a = gu.kb_scratch(2 * im, 1, max_tiles.max(1));
-    let b = dn.kb_scratch(hd, 1, max_tiles.max(1));
-    Ok((a.0.max(b.0), a.1.max(b.1)))
 }
 
 /// Kernels `moe_gate_up_*` then `moe_down_*`.
@@ -957,10 +930,7 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     };
     // Shapes first (every check before any launch). INT4: the kernels pick the warps
     // splitting K from the real tile count, up to the host's bound `ks_hi` (launch.rs).
-    let w4t = launch::W4Tiles {
-        kb_ok: a.kb.is_some(),
-        ..w4_tiles(g, r.max_tiles, r.t, r.k)?
-    };
+    let w4t = w4_tiles(g, r.max_tiles, r.t, r.k)?;
     let none = launch::W4Split {
         ks_hi: 0,
         seg: [0; launch::W4_SEGS],
@@ -976,26 +946,14 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
         (launch::moe_gemm(hd, r.max_tiles, dn_name)?, none)
     };
     // The INT4 kernels' last arguments: the grid's tiles, the K-split bound and
-    // segments, the weight prologue, the cross-block split's scratch.
-    let kb_args = |ks: &launch::W4Split, rows: usize| -> Result<[Arg; 2]> {
-        let (parts, ctrs) = ks.kb_scratch(rows, 1, r.max_tiles.max(1));
-        match a.kb {
-            Some((p, c)) if parts > 0 => Ok([
-                ptr(p, 0, parts, "K-split parts")?,
-                ptr(c, 0, ctrs, "K-split counters")?,
-            ]),
-            // No tile count splits across blocks: the kernel never reads them.
-            _ => Ok([Arg::P(0), Arg::P(0)]),
-        }
-    };
-    let w4_tail = |ks: launch::W4Split, pre: bool, rows: usize| -> Result<Vec<Arg>> {
+    // segments, the weight prologue.
+    let w4_tail = |ks: launch::W4Split, pre: bool| -> Result<Vec<Arg>> {
         Ok(if int4 {
             let mut v = vec![int(r.max_tiles, "max_tiles")?, int(ks.ks_hi, "ks_hi")?];
             for s in ks.seg {
                 v.push(int(s, "K-split segment")?);
             }
             v.push(Arg::I(i32::from(pre)));
-            v.extend(kb_args(&ks, rows)?);
             v
         } else {
             Vec::new()
@@ -1043,7 +1001,7 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
         int(hd, "K")?,
     ]);
     let pre = w4_pre(g, a.xs_ready);
-    args.extend(w4_tail(gu_ks, pre[0], 2 * im)?);
+    args.extend(w4_tail(gu_ks, pre[0])?);
     match &a.shared {
         // SAFETY: h [P, Im] (INT4: P Im W4_XS_MAX / 2 words), x [T, H], the expert weights
         // [E, Im, 2, H] (as words / scales), sorted [8 max_tiles], tile_expert
@@ -1056,7 +1014,7 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     let mut args = vec![y, h];
     args.extend(dn_w);
     args.extend([wts, sorted, tiles, int(hd, "N")?, int(im, "K")?]);
-    args.extend(w4_tail(dn_ks, pre[1], hd)?);
+    args.extend(w4_tail(dn_ks, pre[1])?);
     // SAFETY: y [P, H], h as above, weights [E, H, Im], wts [P] checked; indices as above.
     unsafe { launch(g, dn_name, dn_shape, &args) }
 }

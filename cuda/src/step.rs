@@ -614,8 +614,6 @@ impl CudaBackend {
             hidden: h,
             inter: cfg.moe_intermediate_size,
             shared: merge.then(|| self.mlp_swiglu(t, &m.shared)),
-            // models/tiny's splits stay in one block (its K is 128 / 256).
-            kb: None,
         };
         ops::moe_experts(g, &r, &ex)?;
         if g.fuse_combine && t >= g.tiled_min_rows {
