@@ -93,7 +93,8 @@ fn i32s(v: impl Iterator<Item = usize>) -> Result<Vec<i32>> {
 }
 
 impl CudaBackend {
-    /// Grow the chain buffers to hold `idx` and `keep` elements.
+    /// Grow the chain buffers to hold `idx` and `keep` elements (dropping the captured
+    /// chains, whose feeds hold the old buffers' addresses).
     fn chain_bufs(&mut self, idx: usize, keep: usize) -> Result<()> {
         let st = self.gpu.stream.clone();
         let small = match &self.chain {
@@ -109,6 +110,8 @@ impl CudaBackend {
                 idx: DevBuf::zeros(&st, idx.max(i0).max(64), "MTP chain rows")?,
                 keep: DevBuf::zeros(&st, keep.max(k0).max(64), "MTP chain drafts")?,
             });
+            // A captured chain's feeds write the old drafts buffer: drop them.
+            self.chain_graphs.clear();
         }
         Ok(())
     }
