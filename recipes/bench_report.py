@@ -24,17 +24,22 @@ def e2e(path):
     print(f"Record `{path}` (commit {d.get('git_commit')}): copy {d['copy_gb_s']:.0f} GB/s, "
           f"weights {d['weight_bytes'] / 1e6:.1f} MB, launch {d['launch_us_eager']:.2f} us eager / "
           f"{d['launch_us']:.2f} us in a graph; all outputs equal: {d['outputs_all_match']}.\n")
-    print("| c | drafter | graphs | tok/s | us/step (fwd / draft / host) | kernels | tau | x none | x eager ref | x graph ref |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    # Records since 2026-12-06 also hold the steady rate (the lazy graph captures' host
+    # time taken out: decode_tok_s_steady, speedup_vs_none_steady); older ones print "-".
+    print("| c | drafter | graphs | tok/s | us/step (fwd / draft / host) | kernels | tau | x none | steady tok/s, x none | x eager ref | x graph ref |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         name = r["drafter"] + (f" N={r['num_spec']}" if r["num_spec"] else "")
         c = r["concurrency"]
         xe = r["decode_tok_s"] / eager[c] if c in eager else float("nan")
         xg = r["decode_tok_s"] / graph[c] if c in graph else float("nan")
+        st = r.get("decode_tok_s_steady")
+        sx = r.get("speedup_vs_none_steady")
+        steady = f"{st:,.0f}, {sx:.2f}" if st is not None and sx is not None else "-"
         print(f"| {c} | {name} | {'on' if r['graphs'] else 'off'} | {r['decode_tok_s']:,.0f} | "
               f"{r['us_per_step']:.0f} ({r['forward_us_per_step']:.0f} / {r['draft_us_per_step']:.0f} / "
               f"{r['host_us_per_step']:.0f}) | {r['kernels_per_step']:.0f} | {r['tau']:.2f} | "
-              f"{r['speedup_vs_none']:.2f} | {xe:.1f} | {xg:.2f} |")
+              f"{r['speedup_vs_none']:.2f} | {steady} | {xe:.1f} | {xg:.2f} |")
     print("\nBest drafter per concurrency (graphs on):\n")
     print("| c | none tok/s | best | its tok/s | x none | PyTorch eager | PyTorch graph |")
     print("|---|---|---|---|---|---|---|")
