@@ -6,7 +6,7 @@
 # (routing, M) per setting, the median over its rounds.
 #
 #   here:    bash recipes/gpu_check.sh --build
-#   device:  run(command="bash recipes/unpack_bins.sh && LEGS=';SPECLAB_W4_L2PF=0.6' COMMIT=<c> bash recipes/moe_ab.sh", carry=["target/gpu-pack"])
+#   device:  run(command="bash recipes/unpack_bins.sh && LEGS=';SPECLAB_W4_KS=4' COMMIT=<c> bash recipes/moe_ab.sh", carry=["target/gpu-pack"])
 # Records in $OUT/records.tar (leg<round>_<i>.json), the table in $OUT/summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
