@@ -369,7 +369,6 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Grow the workspace / metadata buffer for a step; drops graphs when anything moved.
     /// Drop every captured step and chain (their addresses moved).
     pub(crate) fn drop_graphs(&mut self) {
         self.graphs.clear();
@@ -385,7 +384,15 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Grow the workspace / metadata buffer for a step (drops graphs when anything moved)
+    /// and upload its metadata at offset 0 (`m.base` must be 0).
     pub(crate) fn ensure(&mut self, m: &StepMeta, collect: Collect) -> Result<()> {
+        if m.base != 0 {
+            return Err(CudaError::Input(format!(
+                "step metadata at base {} uploaded on its own (internal)",
+                m.base
+            )));
+        }
         let stream = self.gpu.stream.clone();
         if m.t_total > self.ws.t_cap || m.num_seqs > self.ws.s_cap {
             let t = grow_to(m.t_total);
