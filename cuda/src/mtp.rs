@@ -45,7 +45,7 @@ use crate::backend::{CudaBackend, GRAPH_MAX_CHUNK};
 use crate::buf::DevBuf;
 use crate::error::{CudaError, Result};
 use crate::meta::{self, ChunkIn, MetaDims, StepMeta};
-use crate::mtp_graph::{ChainMode, ChainPlan, Feed};
+use crate::mtp_graph::{ChainMode, ChainPlan, Feed, LaterPass, ONE_GRAPH_MAX_SEQS};
 
 /// One request of a chained MTP step.
 #[derive(Debug, Clone)]
@@ -223,8 +223,14 @@ impl CudaBackend {
         let passes = reqs.iter().map(|r| r.want).max().unwrap_or(0).max(1);
         self.chain_bufs(t.max(2 * s1), passes * s1)?;
         let graphable = first.iter().all(|f| f.tokens.len() <= GRAPH_MAX_CHUNK);
-        let plan = self.plan_chain(kv, reqs, &first, valid)?;
-        self.run_chain(&plan, mode, graphable)?;
+        // Past ONE_GRAPH_MAX_SEQS chunks building every pass's metadata before the first
+        // costs more than the graph saves (runs/newold-f8f40b3/): a graph a pass there.
+        let mode = match mode {
+            ChainMode::OneGraph if s1 > ONE_GRAPH_MAX_SEQS => ChainMode::PerPass,
+            m => m,
+        };
+        let plan = self.plan_chain(kv, reqs, &first, valid, mode == ChainMode::OneGraph)?;
+        self.run_chain(kv, &plan, mode, graphable)?;
         // One read of every pass's drafts.
         let c = self.chain_ref()?;
         let keep = c
@@ -243,12 +249,16 @@ impl CudaBackend {
     /// Every pass of the chain on the host (module doc): (1) the first pass over each
     /// request's rows, the draft of a chunk from its last committed row; (2) passes 2..
     /// over the chunks whose request wants another draft, one row each, fed on the device.
+    /// With `all` every pass's metadata is built now (one upload); without, only the
+    /// first's (the others are built as the chain runs, while the device runs the pass
+    /// before).
     fn plan_chain(
         &self,
         kv: &KvCacheManager,
         reqs: &[ChainReq<'_>],
         first: &[FirstChunk],
         valid: usize,
+        all: bool,
     ) -> Result<ChainPlan> {
         let s1 = first.len();
         let chunks: Vec<ChunkIn<'_>> = first
@@ -272,6 +282,7 @@ impl CudaBackend {
         let lasts: Vec<usize> = pass.iter().map(|c| c.last_row).collect();
         let mut metas = vec![self.chain_meta(kv, &chunks, Some(&lasts))?];
         let mut feeds = Vec::new();
+        let mut later = Vec::new();
         let mut order = vec![pass.iter().map(|c| c.req).collect::<Vec<_>>()];
         let mut t_prev = row0;
         loop {
@@ -301,19 +312,17 @@ impl CudaBackend {
             if next.is_empty() {
                 break;
             }
-            let chunks: Vec<ChunkIn<'_>> = next
+            let spec: LaterPass = next
                 .iter()
                 .map(|c| {
                     let r = &reqs[c.req];
-                    ChunkIn {
-                        slot: r.slot,
-                        tokens: &PLACEHOLDER,
-                        start_pos: r.start_pos + r.rows.len() + p - 1,
-                        snapshot: false,
-                    }
+                    (r.slot, r.start_pos + r.rows.len() + p - 1)
                 })
                 .collect();
-            metas.push(self.chain_meta(kv, &chunks, None)?);
+            if all {
+                metas.push(self.later_meta(kv, &spec)?);
+            }
+            later.push(spec);
             t_prev = next.len();
             order.push(next.iter().map(|c| c.req).collect());
             pass = next
@@ -326,7 +335,22 @@ impl CudaBackend {
                 .collect();
         }
         let gather = i32s(first.iter().flat_map(|f| f.src.clone()))?;
-        ChainPlan::lay_out(metas, gather, feeds, valid, order)
+        ChainPlan::lay_out(metas, later, gather, feeds, valid, order)
+    }
+
+    /// The metadata of a later pass: its chunks one placeholder token each (`mtp_feed`
+    /// writes the drafts in on the device).
+    pub(crate) fn later_meta(&self, kv: &KvCacheManager, spec: &LaterPass) -> Result<StepMeta> {
+        let chunks: Vec<ChunkIn<'_>> = spec
+            .iter()
+            .map(|&(slot, start_pos)| ChunkIn {
+                slot,
+                tokens: &PLACEHOLDER,
+                start_pos,
+                snapshot: false,
+            })
+            .collect();
+        self.chain_meta(kv, &chunks, None)
     }
 
     pub(crate) fn chain_ref(&self) -> Result<&ChainBufs> {

@@ -21,6 +21,9 @@
 //! kernels, their order and their inputs are those of the per-pass path, so the drafts
 //! are the same bit for bit (gpu_check compares the two).
 
+use speclab_engine::kv::KvCacheManager;
+use speclab_engine::ReqSlot;
+
 use crate::backend::{capture, CudaBackend};
 use crate::error::{CudaError, Result};
 use crate::meta::StepMeta;
@@ -29,6 +32,17 @@ use crate::step::{Collect, StepKind};
 
 /// A chain's shape: each pass's (tokens, chunks).
 pub type ChainKey = Vec<(usize, usize)>;
+
+/// A later pass (2..): each chunk's (slot, start position), one placeholder token each.
+pub type LaterPass = Vec<(ReqSlot, usize)>;
+
+/// Most chunks (requests) a chain runs as one graph; more, a graph a pass
+/// ([`ChainMode::PerPass`]). Building every pass's metadata before the first pass runs
+/// takes the host time the per-pass chain spends while the device runs the pass before:
+/// on an H100 (`runs/newold-f8f40b3/`, against the per-pass chain of 0ef7aa5) one graph
+/// saved 10 us of draft a step at c = 1, 3 at c = 8, none at c = 32 and cost 9-25 at
+/// c = 128. 64 lies between the last two, not measured itself.
+pub const ONE_GRAPH_MAX_SEQS: usize = 64;
 
 /// The step kind of every pass: greedy ids of each chunk's last row.
 pub(crate) const PASS: StepKind = StepKind::Mtp {
@@ -61,8 +75,11 @@ pub(crate) struct Feed {
 /// Every pass of a chain, laid out for one upload.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct ChainPlan {
-    /// Pass q's metadata with `base` at its place in `data`.
+    /// Pass q's metadata with `base` at its place in `data`: every pass, or only the first
+    /// (a per-pass chain builds the others as it runs, from `later`).
     pub passes: Vec<StepMeta>,
+    /// Passes 2.. as chunks.
+    pub later: Vec<LaterPass>,
     /// One after each pass.
     pub feeds: Vec<Feed>,
     /// The first pass's source rows in the forward's final hidden. Shape: [T_1].
@@ -90,14 +107,16 @@ impl ChainPlan {
     /// words into one upload, setting every base and offset.
     pub fn lay_out(
         mut passes: Vec<StepMeta>,
+        later: Vec<LaterPass>,
         gather: Vec<i32>,
         mut feeds: Vec<Feed>,
         valid: usize,
         order: Vec<Vec<usize>>,
     ) -> Result<Self> {
-        if feeds.len() != passes.len() || passes.is_empty() {
+        let n = later.len() + 1;
+        if feeds.len() != n || (passes.len() != n && passes.len() != 1) {
             return Err(CudaError::Input(format!(
-                "MTP chain plan: {} feeds for {} passes (internal)",
+                "MTP chain plan: {} feeds and {} built passes for {n} passes (internal)",
                 feeds.len(),
                 passes.len()
             )));
@@ -115,6 +134,7 @@ impl ChainPlan {
         }
         Ok(Self {
             passes,
+            later,
             feeds,
             gather,
             gather_off,
@@ -124,12 +144,17 @@ impl ChainPlan {
         })
     }
 
-    /// The shape every offset follows from.
+    /// The shape every offset follows from (of a plan with every pass built).
     pub fn key(&self) -> ChainKey {
         self.passes
             .iter()
             .map(|m| (m.t_total, m.num_seqs))
             .collect()
+    }
+
+    /// Every pass's metadata is built (a one-graph plan).
+    pub fn complete(&self) -> bool {
+        self.passes.len() == self.feeds.len()
     }
 }
 
@@ -137,13 +162,17 @@ impl CudaBackend {
     /// Run `plan` in `mode` (`graphable`: every chunk is graph-sized).
     pub(crate) fn run_chain(
         &mut self,
+        kv: &KvCacheManager,
         plan: &ChainPlan,
         mode: ChainMode,
         graphable: bool,
     ) -> Result<()> {
         let ran = match mode {
-            ChainMode::OneGraph => self.chain_one_graph(plan, graphable),
-            ChainMode::PerPass => self.chain_per_pass(plan, graphable),
+            ChainMode::OneGraph if plan.complete() => self.chain_one_graph(plan, graphable),
+            ChainMode::OneGraph => Err(CudaError::Input(
+                "MTP chain: one graph needs every pass built (internal)".into(),
+            )),
+            ChainMode::PerPass => self.chain_per_pass(kv, plan, graphable),
         };
         // What an MTP pass leaves: no target hidden rows or logits to read.
         self.final_hidden_rows = None;
@@ -208,9 +237,15 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Each pass's metadata and index words uploaded just before it (the chain before
-    /// one upload: two copies a pass in the stream, a graph a pass).
-    fn chain_per_pass(&mut self, plan: &ChainPlan, graphable: bool) -> Result<()> {
+    /// Each later pass's metadata built and uploaded with its index words just before it,
+    /// while the device runs the pass before (the chain before one upload: two copies a
+    /// pass in the stream, a graph a pass).
+    fn chain_per_pass(
+        &mut self,
+        kv: &KvCacheManager,
+        plan: &ChainPlan,
+        graphable: bool,
+    ) -> Result<()> {
         let t1 = plan.gather.len();
         self.chain_write_idx(&plan.gather)?;
         let first = StepMeta {
@@ -222,10 +257,10 @@ impl CudaBackend {
         self.chain_gather(plan.valid, gather, t1)?;
         self.launch_step(&first, PASS, graphable)?;
         for (q, f) in plan.feeds.iter().enumerate() {
-            let next = plan.passes.get(q + 1).map(|m| StepMeta {
-                base: 0,
-                ..m.clone()
-            });
+            let next = match plan.later.get(q) {
+                Some(spec) => Some(self.later_meta(kv, spec)?),
+                None => None,
+            };
             if let Some(m) = &next {
                 self.chain_write_idx(&f.idx)?;
                 self.ensure(m, Collect::default())?;
@@ -326,6 +361,7 @@ mod tests {
         let (ta, tb) = (a.layout.total, b.layout.total);
         let plan = ChainPlan::lay_out(
             vec![a, b],
+            vec![vec![(ReqSlot(0), 3)]],
             vec![5, 6, 7],
             vec![feed(1, 9), feed(0, 0)],
             3,
@@ -353,6 +389,7 @@ mod tests {
         let mk = |v: i32| {
             ChainPlan::lay_out(
                 vec![pass(6, 2, v), pass(2, 2, v)],
+                vec![vec![(ReqSlot(0), 6), (ReqSlot(1), 6)]],
                 vec![v; 6],
                 vec![feed(2, v), feed(0, v)],
                 6,
@@ -375,11 +412,33 @@ mod tests {
     }
 
     #[test]
-    fn a_plan_needs_a_feed_per_pass() {
-        let e = ChainPlan::lay_out(vec![pass(1, 1, 0)], vec![0], vec![], 1, vec![vec![0]])
+    fn a_plan_needs_a_feed_per_pass_and_the_first_or_every_pass_built() {
+        let later = || vec![vec![(ReqSlot(0), 1)]];
+        let e = ChainPlan::lay_out(vec![pass(1, 1, 0)], later(), vec![0], vec![], 1, vec![])
             .unwrap_err()
             .to_string();
-        assert!(e.contains("0 feeds for 1 passes"), "{e}");
-        assert!(ChainPlan::lay_out(vec![], vec![], vec![], 0, vec![]).is_err());
+        assert!(e.contains("0 feeds and 1 built passes for 2 passes"), "{e}");
+        assert!(ChainPlan::lay_out(vec![], vec![], vec![], vec![], 0, vec![]).is_err());
+        // A per-pass plan: only the first pass built, the later one as chunks.
+        let p = ChainPlan::lay_out(
+            vec![pass(1, 1, 0)],
+            later(),
+            vec![0],
+            vec![feed(1, 0), feed(0, 0)],
+            1,
+            vec![vec![0], vec![0]],
+        )
+        .unwrap();
+        assert!(!p.complete());
+        // Two of three passes built is neither.
+        let e = ChainPlan::lay_out(
+            vec![pass(1, 1, 0), pass(1, 1, 0)],
+            vec![vec![(ReqSlot(0), 1)], vec![(ReqSlot(0), 2)]],
+            vec![0],
+            vec![feed(1, 0), feed(1, 0), feed(0, 0)],
+            1,
+            vec![],
+        );
+        assert!(e.is_err());
     }
 }
