@@ -121,10 +121,14 @@ impl ChainPlan {
                 passes.len()
             )));
         }
+        // The one upload, only for a plan with every pass built: a per-pass chain uploads
+        // each pass's own data (no copy of it here; the first pass stays at base 0).
         let mut data = Vec::new();
-        for m in &mut passes {
-            m.base = data.len();
-            data.extend_from_slice(&m.data);
+        if passes.len() == n {
+            for m in &mut passes {
+                m.base = data.len();
+                data.extend_from_slice(&m.data);
+            }
         }
         let gather_off = data.len();
         data.extend_from_slice(&gather);
@@ -248,14 +252,11 @@ impl CudaBackend {
     ) -> Result<()> {
         let t1 = plan.gather.len();
         self.chain_write_idx(&plan.gather)?;
-        let first = StepMeta {
-            base: 0,
-            ..plan.passes[0].clone()
-        };
-        self.ensure(&first, Collect::default())?;
+        let first = &plan.passes[0];
+        self.ensure(first, Collect::default())?;
         let gather = ptr(&self.chain_ref()?.idx, 0, t1, "MTP chain rows")?;
         self.chain_gather(plan.valid, gather, t1)?;
-        self.launch_step(&first, PASS, graphable)?;
+        self.launch_step(first, PASS, graphable)?;
         for (q, f) in plan.feeds.iter().enumerate() {
             let next = match plan.later.get(q) {
                 Some(spec) => Some(self.later_meta(kv, spec)?),
@@ -430,6 +431,11 @@ mod tests {
         )
         .unwrap();
         assert!(!p.complete());
+        // Its first pass stays at base 0 and is not copied into the upload.
+        assert_eq!(
+            (p.passes[0].base, p.gather_off, p.data.len()),
+            (0, 0, 1 + 2)
+        );
         // Two of three passes built is neither.
         let e = ChainPlan::lay_out(
             vec![pass(1, 1, 0), pass(1, 1, 0)],
