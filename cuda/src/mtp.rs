@@ -335,7 +335,7 @@ impl CudaBackend {
                 .collect();
         }
         let gather = i32s(first.iter().flat_map(|f| f.src.clone()))?;
-        ChainPlan::lay_out(metas, later, gather, feeds, valid, order)
+        ChainPlan::lay_out(metas, later, gather, feeds, valid, order, all)
     }
 
     /// The metadata of a later pass: its chunks one placeholder token each (`mtp_feed`

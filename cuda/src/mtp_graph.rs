@@ -104,7 +104,8 @@ pub enum ChainMode {
 
 impl ChainPlan {
     /// Lay out `passes` (each built at base 0), the gather rows and the feeds' index
-    /// words into one upload, setting every base and offset.
+    /// words into one upload, setting every base and offset; the passes go into it only
+    /// with `upload` (a one-graph chain; a per-pass chain uploads each pass's own data).
     pub fn lay_out(
         mut passes: Vec<StepMeta>,
         later: Vec<LaterPass>,
@@ -112,6 +113,7 @@ impl ChainPlan {
         mut feeds: Vec<Feed>,
         valid: usize,
         order: Vec<Vec<usize>>,
+        upload: bool,
     ) -> Result<Self> {
         let n = later.len() + 1;
         if feeds.len() != n || (passes.len() != n && passes.len() != 1) {
@@ -121,10 +123,15 @@ impl ChainPlan {
                 passes.len()
             )));
         }
-        // The one upload, only for a plan with every pass built: a per-pass chain uploads
-        // each pass's own data (no copy of it here; the first pass stays at base 0).
+        if upload && passes.len() != n {
+            return Err(CudaError::Input(format!(
+                "MTP chain plan: one upload of {} built passes for {n} (internal)",
+                passes.len()
+            )));
+        }
+        // No copy of the passes for a per-pass chain; its first pass stays at base 0.
         let mut data = Vec::new();
-        if passes.len() == n {
+        if upload {
             for m in &mut passes {
                 m.base = data.len();
                 data.extend_from_slice(&m.data);
@@ -367,6 +374,7 @@ mod tests {
             vec![feed(1, 9), feed(0, 0)],
             3,
             vec![vec![0], vec![0]],
+            true,
         )
         .unwrap();
         assert_eq!(plan.passes[0].base, 0);
@@ -395,6 +403,7 @@ mod tests {
                 vec![feed(2, v), feed(0, v)],
                 6,
                 vec![vec![0, 1], vec![0, 1]],
+                true,
             )
             .unwrap()
         };
@@ -415,11 +424,19 @@ mod tests {
     #[test]
     fn a_plan_needs_a_feed_per_pass_and_the_first_or_every_pass_built() {
         let later = || vec![vec![(ReqSlot(0), 1)]];
-        let e = ChainPlan::lay_out(vec![pass(1, 1, 0)], later(), vec![0], vec![], 1, vec![])
-            .unwrap_err()
-            .to_string();
+        let e = ChainPlan::lay_out(
+            vec![pass(1, 1, 0)],
+            later(),
+            vec![0],
+            vec![],
+            1,
+            vec![],
+            false,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("0 feeds and 1 built passes for 2 passes"), "{e}");
-        assert!(ChainPlan::lay_out(vec![], vec![], vec![], vec![], 0, vec![]).is_err());
+        assert!(ChainPlan::lay_out(vec![], vec![], vec![], vec![], 0, vec![], false).is_err());
         // A per-pass plan: only the first pass built, the later one as chunks.
         let p = ChainPlan::lay_out(
             vec![pass(1, 1, 0)],
@@ -428,6 +445,7 @@ mod tests {
             vec![feed(1, 0), feed(0, 0)],
             1,
             vec![vec![0], vec![0]],
+            false,
         )
         .unwrap();
         assert!(!p.complete());
@@ -444,6 +462,18 @@ mod tests {
             vec![feed(1, 0), feed(1, 0), feed(0, 0)],
             1,
             vec![],
+            false,
+        );
+        assert!(e.is_err());
+        // One upload needs every pass built.
+        let e = ChainPlan::lay_out(
+            vec![pass(1, 1, 0)],
+            later(),
+            vec![0],
+            vec![feed(1, 0), feed(0, 0)],
+            1,
+            vec![],
+            true,
         );
         assert!(e.is_err());
     }
