@@ -101,6 +101,30 @@ pub(crate) fn capture(gpu: &Gpu, body: impl FnOnce() -> Result<()>) -> Result<(C
     Ok((graph, captured))
 }
 
+/// [`capture`], then the graph uploaded and the capture's host time counted
+/// ([`ops::note_capture`]): every captured graph of the engine (steps, MTP chains, the
+/// DFlash drafter's block) goes through here.
+pub(crate) fn capture_uploaded(
+    gpu: &Gpu,
+    body: impl FnOnce() -> Result<()>,
+) -> Result<(CudaGraph, u64)> {
+    let t0 = std::time::Instant::now();
+    let (graph, n) = capture(gpu, body)?;
+    graph
+        .upload()
+        .map_err(|e| CudaError::driver("graph upload", e))?;
+    ops::note_capture(t0);
+    Ok((graph, n))
+}
+
+/// Replay a captured graph (`what` names it in errors), its kernels counted as executed.
+pub(crate) fn launch_captured(g: Option<&(CudaGraph, u64)>, what: &str) -> Result<()> {
+    let (g, n) = g.ok_or_else(|| CudaError::Input(format!("{what} graph vanished (internal)")))?;
+    ops::KERNELS.fetch_add(*n, std::sync::atomic::Ordering::Relaxed);
+    g.launch()
+        .map_err(|e| CudaError::driver(format!("{what} graph launch"), e))
+}
+
 /// The use of a step shape at which its CUDA graph is captured (earlier uses run
 /// eagerly). vLLM captures a fixed list of batch sizes at start-up and pads every batch
 /// to one of them (`compilation_config.cudagraph_capture_sizes`); this engine captures
@@ -644,20 +668,10 @@ impl CudaBackend {
 
     fn replay(&mut self, key: GraphKey, m: &StepMeta, kind: StepKind) -> Result<()> {
         if !self.graphs.contains_key(&key) {
-            let t0 = std::time::Instant::now();
-            let (graph, captured) = capture(&self.gpu, || self.run(m, kind))?;
-            graph
-                .upload()
-                .map_err(|e| CudaError::driver("graph upload", e))?;
-            ops::note_capture(t0);
-            self.graphs.insert(key, (graph, captured));
+            let captured = capture_uploaded(&self.gpu, || self.run(m, kind))?;
+            self.graphs.insert(key, captured);
         }
-        let (g, n) = self
-            .graphs
-            .get(&key)
-            .ok_or_else(|| CudaError::Input("graph vanished (internal)".into()))?;
-        ops::KERNELS.fetch_add(*n, std::sync::atomic::Ordering::Relaxed);
-        g.launch().map_err(|e| CudaError::driver("graph launch", e))
+        launch_captured(self.graphs.get(&key), "step")
     }
 
     /// Launch cost in µs per kernel of the engine's smallest kernel (a 4-float copy):

@@ -865,14 +865,7 @@ fn run_step(
         return fx(dev);
     }
     if !dev.graphs.contains_key(&key) {
-        let t0 = std::time::Instant::now();
-        let captured = crate::backend::capture(&be.gpu, || fx(dev)).and_then(|(g, n)| {
-            g.upload()
-                .map_err(|e| CudaError::driver("graph upload", e))?;
-            ops::note_capture(t0);
-            Ok((g, n))
-        });
-        match captured {
+        match crate::backend::capture_uploaded(&be.gpu, || fx(dev)) {
             Ok(gn) => {
                 dev.graphs.insert(key, gn);
             }
@@ -882,13 +875,7 @@ fn run_step(
             }
         }
     }
-    let (g, n) = dev
-        .graphs
-        .get(&key)
-        .ok_or_else(|| CudaError::Input("dflash2 graph vanished (internal)".into()))?;
-    ops::KERNELS.fetch_add(*n, std::sync::atomic::Ordering::Relaxed);
-    g.launch()
-        .map_err(|e| CudaError::driver("dflash2 graph launch", e))
+    crate::backend::launch_captured(dev.graphs.get(&key), "dflash2")
 }
 
 /// The block forward's borrowed context.

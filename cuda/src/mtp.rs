@@ -230,7 +230,7 @@ impl CudaBackend {
             m => m,
         };
         let plan = self.plan_chain(kv, reqs, &first, valid, mode == ChainMode::OneGraph)?;
-        self.run_chain(kv, &plan, mode, graphable)?;
+        self.run_chain(kv, &plan, graphable)?;
         // One read of every pass's drafts.
         let c = self.chain_ref()?;
         let keep = c

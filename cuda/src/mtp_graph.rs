@@ -24,7 +24,7 @@
 use speclab_engine::kv::KvCacheManager;
 use speclab_engine::ReqSlot;
 
-use crate::backend::{capture, CudaBackend};
+use crate::backend::{capture_uploaded, launch_captured, CudaBackend};
 use crate::error::{CudaError, Result};
 use crate::meta::StepMeta;
 use crate::ops::{self, int, ptr, Arg};
@@ -89,6 +89,9 @@ pub(crate) struct ChainPlan {
     pub valid: usize,
     /// Requests each pass drafts for, in chunk order.
     pub order: Vec<Vec<usize>>,
+    /// The chain runs as one upload and one graph (every pass built, in `data`); else a
+    /// graph a pass, the later passes built as it runs.
+    pub one_graph: bool,
     /// The whole upload.
     pub data: Vec<i32>,
 }
@@ -151,6 +154,7 @@ impl ChainPlan {
             gather_off,
             valid,
             order,
+            one_graph: upload,
             data,
         })
     }
@@ -162,28 +166,21 @@ impl ChainPlan {
             .map(|m| (m.t_total, m.num_seqs))
             .collect()
     }
-
-    /// Every pass's metadata is built (a one-graph plan).
-    pub fn complete(&self) -> bool {
-        self.passes.len() == self.feeds.len()
-    }
 }
 
 impl CudaBackend {
-    /// Run `plan` in `mode` (`graphable`: every chunk is graph-sized).
+    /// Run `plan` as it was built (`ChainPlan::one_graph`; `graphable`: every chunk is
+    /// graph-sized).
     pub(crate) fn run_chain(
         &mut self,
         kv: &KvCacheManager,
         plan: &ChainPlan,
-        mode: ChainMode,
         graphable: bool,
     ) -> Result<()> {
-        let ran = match mode {
-            ChainMode::OneGraph if plan.complete() => self.chain_one_graph(plan, graphable),
-            ChainMode::OneGraph => Err(CudaError::Input(
-                "MTP chain: one graph needs every pass built (internal)".into(),
-            )),
-            ChainMode::PerPass => self.chain_per_pass(kv, plan, graphable),
+        let ran = if plan.one_graph {
+            self.chain_one_graph(plan, graphable)
+        } else {
+            self.chain_per_pass(kv, plan, graphable)
         };
         // What an MTP pass leaves: no target hidden rows or logits to read.
         self.final_hidden_rows = None;
@@ -218,21 +215,10 @@ impl CudaBackend {
 
     fn chain_replay(&mut self, plan: &ChainPlan, key: ChainKey) -> Result<()> {
         if !self.chain_graphs.contains_key(&key) {
-            let t0 = std::time::Instant::now();
-            let (graph, n) = capture(&self.gpu, || self.chain_launch(plan))?;
-            graph
-                .upload()
-                .map_err(|e| CudaError::driver("MTP chain graph upload", e))?;
-            ops::note_capture(t0);
-            self.chain_graphs.insert(key.clone(), (graph, n));
+            let captured = capture_uploaded(&self.gpu, || self.chain_launch(plan))?;
+            self.chain_graphs.insert(key.clone(), captured);
         }
-        let (g, n) = self
-            .chain_graphs
-            .get(&key)
-            .ok_or_else(|| CudaError::Input("MTP chain graph vanished (internal)".into()))?;
-        ops::KERNELS.fetch_add(*n, std::sync::atomic::Ordering::Relaxed);
-        g.launch()
-            .map_err(|e| CudaError::driver("MTP chain graph launch", e))
+        launch_captured(self.chain_graphs.get(&key), "MTP chain")
     }
 
     /// The chain's launches, every input already in the metadata buffer.
@@ -377,6 +363,7 @@ mod tests {
             true,
         )
         .unwrap();
+        assert!(plan.one_graph);
         assert_eq!(plan.passes[0].base, 0);
         assert_eq!(plan.passes[1].base, ta);
         assert_eq!(plan.gather_off, ta + tb);
@@ -448,7 +435,7 @@ mod tests {
             false,
         )
         .unwrap();
-        assert!(!p.complete());
+        assert!(!p.one_graph);
         // Its first pass stays at base 0 and is not copied into the upload.
         assert_eq!(
             (p.passes[0].base, p.gather_off, p.data.len()),
