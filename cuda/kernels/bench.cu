@@ -88,7 +88,8 @@ __device__ __forceinline__ double warp_sum_d(double v) {
 }
 
 // h_ref[i, n] = silu(g) * u for checked pair p = pairs[i] (expert ids[p], token p / topk),
-// g / u = x[token] . Wg / Wu of column n, in f64.  Shapes: h_ref [npairs, N] f32,
+// g / u = x[token] . Wg / Wu of column n, in f64.  act 1: x and h as the kernels see them
+// (w4_act: rounded to bf16 at W4_XS 1), the kernels' function; act 0: the exact f32 model.  Shapes: h_ref [npairs, N] f32,
 // x [T, K], q13 / s13 in the device INT4 layout (2N rows), ids [P], pairs [npairs].
 // Launch: grid (ceil(N / 4), npairs), block 128.
 extern "C" __global__ void moe_ref_gate_up_w4(float* __restrict__ h_ref,
@@ -97,7 +98,7 @@ extern "C" __global__ void moe_ref_gate_up_w4(float* __restrict__ h_ref,
                                               const bf16_bits* __restrict__ s13,
                                               const int* __restrict__ ids,
                                               const int* __restrict__ pairs, int topk, int N,
-                                              int K) {
+                                              int K, int act) {
     pdl_enter();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n = blockIdx.x * 4 + warp;
@@ -108,13 +109,14 @@ extern "C" __global__ void moe_ref_gate_up_w4(float* __restrict__ h_ref,
     const float* xr = x + (size_t)(p / topk) * K;
     double g = 0.0, u = 0.0;
     for (int k = lane; k < K; k += WARP) {
-        const double xv = xr[k];
+        const double xv = act ? w4_act(xr[k]) : xr[k];
         g += xv * ref_w4(q13, s13, e, 2 * N, ref_gate_up_row(n, 0), K, k);
         u += xv * ref_w4(q13, s13, e, 2 * N, ref_gate_up_row(n, 1), K, k);
     }
     g = warp_sum_d(g);
     u = warp_sum_d(u);
-    if (lane == 0) h_ref[(size_t)i * N + n] = (float)(g / (1.0 + exp(-g)) * u);
+    const float h = (float)(g / (1.0 + exp(-g)) * u);
+    if (lane == 0) h_ref[(size_t)i * N + n] = act ? w4_act(h) : h;
 }
 
 // y_ref[i, n] = wts[p] * (h_ref[i] . Wd[ids[p], n]) in f64.  Shapes: y_ref [npairs, N],

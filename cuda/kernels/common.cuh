@@ -97,8 +97,10 @@ __device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
 // Split activations, the B operand of the INT4 expert GEMMs (linear.cu, issue 12): each f32
 // value as W4_XS bf16 terms in mma B-fragment order.  Here because moe.cu's fused router
 // writes them too (models/tiny: no separate launch).
-// bf16 terms an activation is split into: 3 exact, 2 = 16 significant bits (tunable at
-// NVRTC time: SPECLAB_KERNEL_DEFINES, cuda/README.md).
+// bf16 terms an activation is split into: 3 exact, 2 = 16 significant bits, 1 = the
+// activation rounded to bf16, the A16 of W4A16 as vLLM's Marlin MoE takes it (bf16 / fp16
+// activations, csrc/moe/marlin_moe_wna16/; the intermediate h rounded to bf16 too).
+// Tunable at NVRTC time: SPECLAB_KERNEL_DEFINES, cuda/README.md.
 #ifndef W4_XS
 #define W4_XS 3
 #endif
@@ -119,6 +121,17 @@ __device__ __forceinline__ void split_bf2(float a, float b, u32 t[W4_XS]) {
         a -= bf16lo(t[i]);
         b -= bf16hi(t[i]);
     }
+}
+
+// An activation as the INT4 expert GEMMs see it: exact for W4_XS >= 2 up to the dropped
+// terms, rounded to bf16 (nearest even) for W4_XS 1.  The f64 references (bench.cu) apply
+// it so they compute the kernels' function.
+__device__ __forceinline__ float w4_act(float v) {
+#if W4_XS == 1
+    return bf16lo(pack_bf2(v, 0.0f));
+#else
+    return v;
+#endif
 }
 
 // u32 index of the split activations of element k of row p (rows of K elements): per

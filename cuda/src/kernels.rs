@@ -28,13 +28,14 @@ pub const CACHE_ENV: &str = "SPECLAB_KERNEL_CACHE";
 pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// The tunables [`DEFINES_ENV`] may set, with their allowed range: compile-time knobs of
 /// the kernels that the host's launch shapes do not depend on (`W4_XS`: the INT4 expert
-/// GEMMs' activation split terms; `W4_PACK2`: their tiles of 3-5 pairs in two packed mma
+/// GEMMs' activation split terms, 3 exact, 1 the bf16 activations of W4A16 as vLLM's Marlin
+/// takes them; `W4_PACK2`: their tiles of 3-5 pairs in two packed mma
 /// sets (1) or unpacked (0, the default); `W4_PACK2_HALVES`: the K slice, in half
 /// 128-groups, a warp must walk for that packing; `LT_PREWAIT`: the tiled bf16 GEMMs load their first
 /// weight words before the programmatic-dependent-launch wait; `ATT_INFLIGHT`:
 /// positions `paged_attention` loads per warp pass).
 pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 5] = [
-    ("W4_XS", 2..=3),
+    ("W4_XS", 1..=3),
     ("W4_PACK2", 0..=1),
     ("W4_PACK2_HALVES", 1..=64),
     ("LT_PREWAIT", 0..=1),
@@ -432,11 +433,19 @@ mod tests {
             vec!["-DW4_XS=2".to_string(), "-DW4_XS=3".to_string()]
         );
         assert_eq!(w4_xs(&parse_defines("W4_XS=2").unwrap()), 2);
+        assert_eq!(w4_xs(&parse_defines("W4_XS=1").unwrap()), 1);
         assert_eq!(w4_xs(&parse_defines("W4_XS=2, W4_XS=3").unwrap()), 3);
         assert_eq!(w4_xs(&[]), 3);
         assert_eq!(w4_xs(&[]), 3);
         assert!(parse_defines("").unwrap().is_empty());
-        for bad in ["W4_XS", "W4_RT=2", "W4_XS=x", "W4_XS=4", "W4_MINB=2"] {
+        for bad in [
+            "W4_XS",
+            "W4_RT=2",
+            "W4_XS=x",
+            "W4_XS=0",
+            "W4_XS=4",
+            "W4_MINB=2",
+        ] {
             let e = parse_defines(bad).unwrap_err().to_string();
             assert!(e.contains(DEFINES_ENV) && e.contains(bad), "{bad}: {e}");
         }

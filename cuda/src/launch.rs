@@ -532,6 +532,8 @@ mod tests {
         );
         // xs 2: up to 4 pairs pack.
         assert_eq!(moe_tiles_unpacked(&[4, 5, 16], 2), 1 + 2);
+        // xs 1 (bf16 activations): every tile of at most 8 pairs packs.
+        assert_eq!(moe_tiles_unpacked(&[1, 7, 8, 16, 23], 1), 0);
         assert!(moe_tiles_unpacked(&[5, 9], 3) <= moe_tiles_used(&[5, 9]));
     }
 

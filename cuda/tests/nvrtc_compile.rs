@@ -57,6 +57,9 @@ fn every_kernel_compiles_to_ptx_for_sm_90a() {
     // races nothing.
     for (name, defines) in [
         ("linear.cu", "W4_XS=2"),
+        ("linear.cu", "W4_XS=1"),
+        ("moe.cu", "W4_XS=1"),
+        ("bench.cu", "W4_XS=1"),
         ("linear.cu", "W4_PACK2=1"),
         ("linear.cu", "W4_PACK2=1 W4_PACK2_HALVES=1"),
         ("linear.cu", "LT_PREWAIT=0"),

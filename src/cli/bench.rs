@@ -275,7 +275,7 @@ fn print_moe(r: &speclab_cuda::moebench::MoeBenchReport, out: &std::path::Path) 
         r.config.copies
     );
     outln!(
-        "{:>8} {:>4} {:>7} {:>10} {:>10} {:>8} {:>6} {:>10} {:>9} {}",
+        "{:>8} {:>4} {:>7} {:>10} {:>10} {:>8} {:>6} {:>10} {:>9} {:>9} {}",
         "routing",
         "M",
         "experts",
@@ -285,11 +285,12 @@ fn print_moe(r: &speclab_cuda::moebench::MoeBenchReport, out: &std::path::Path) 
         "%copy",
         "layer_us",
         "rel_err",
+        "vs_exact",
         ""
     );
     for w in &r.rows {
         outln!(
-            "{:>8} {:>4} {:>7.1} {:>10.1} {:>10.1} {:>8.0} {:>5.0}% {:>10.1} {:>9.1e} {}",
+            "{:>8} {:>4} {:>7.1} {:>10.1} {:>10.1} {:>8.0} {:>5.0}% {:>10.1} {:>9.1e} {:>9.1e} {}",
             w.routing,
             w.m,
             w.distinct_experts,
@@ -299,6 +300,7 @@ fn print_moe(r: &speclab_cuda::moebench::MoeBenchReport, out: &std::path::Path) 
             100.0 * w.frac_copy,
             w.layer_us,
             w.max_rel_err,
+            w.max_rel_err_exact,
             if w.pass { "ok" } else { "FAIL" }
         );
     }
