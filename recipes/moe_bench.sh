@@ -16,6 +16,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${MOE_BIN:-target/moe-bench/speclab}
+# The device's copy of .git is stale: the record names the commit COMMIT gives, if set.
+[ -n "${COMMIT:-}" ] && export SPECLAB_GIT_COMMIT="$COMMIT"
 
 if [ "${1:-}" = "--build" ]; then
   CARGO_PROFILE_RELEASE_DEBUG=0 cargo build --release --locked -p speclab --bin speclab

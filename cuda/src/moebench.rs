@@ -25,7 +25,7 @@
 //! exact layout of [`crate::repack`]; every routing draw has `k` distinct experts `< E`
 //! per token (checked before upload, as `moe_align` requires); every (M, routing) row is
 //! checked against the f64 reference of kernels/bench.cu on up to `check_pairs` pairs, and
-//! a row whose error exceeds [`REF_TOL`] is marked failed (the report's `all_pass`).
+//! a row whose error exceeds [`ref_tol`] is marked failed (the report's `all_pass`).
 
 use std::collections::BTreeSet;
 
@@ -39,8 +39,25 @@ use crate::error::{CudaError, Result};
 use crate::launch;
 use crate::ops::{self, int, long, ptr, Arg, Mat};
 
-/// Bound on `max|y - y_ref| / max|y_ref|` of the routed outputs against the f64 reference.
+/// Bound on `max|y - y_ref| / max|y_ref|` of the routed outputs against the f64 reference
+/// (activations split into 2 or 3 bf16 terms: the f32 dot product up to summation order).
 pub const REF_TOL: f64 = 1e-4;
+/// The bound at `W4_XS` 1 (bf16 activations and intermediate). The reference rounds x and
+/// h as the kernels do, but h is rounded after a sum whose order differs (f32 in the
+/// kernels, f64 here), so now and then an h element lands one bf16 step (2^-8 relative)
+/// away; measured up to 2.7e-4 on an H100 (`runs/moe-a16-89249e8/`, uniform M = 8),
+/// against 2.5e-3..3.6e-3 from the exact f32 model, so a bound of 1e-3 still tells the
+/// kernels' function from the exact one and from a wrong kernel.
+pub const REF_TOL_A16: f64 = 1e-3;
+
+/// The bound for kernels compiled with `xs` activation terms ([`REF_TOL`] or [`REF_TOL_A16`]).
+pub fn ref_tol(xs: usize) -> f64 {
+    if xs <= 1 {
+        REF_TOL_A16
+    } else {
+        REF_TOL
+    }
+}
 /// Zipf exponent of the skewed routing (expert popularity ~ 1 / rank^s).
 pub const ZIPF_S: f64 = 1.2;
 /// Probability that a token keeps each expert of the previous token (sequence routing).
@@ -345,7 +362,7 @@ pub struct MoeRow {
     pub checked_pairs: usize,
     /// Against the f64 reference of the kernels' function (activations as the compiled
     /// `W4_XS` takes them: bench.cu `moe_ref_gate_up_w4` act 1); `pass` is this below
-    /// [`REF_TOL`].
+    /// [`ref_tol`] of the compiled `W4_XS`.
     pub max_abs_err: f64,
     pub max_rel_err: f64,
     /// Against the exact f32 model's f64 reference (act 0): what `W4_XS` < 3 costs in
@@ -958,7 +975,7 @@ fn run_row(
         max_abs_err: abs,
         max_rel_err: rel,
         max_rel_err_exact: rel_exact,
-        pass: rel < REF_TOL,
+        pass: rel < ref_tol(xs),
     })
 }
 
@@ -1025,7 +1042,7 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         zipf_s: ZIPF_S,
         seq_keep: SEQ_KEEP,
         routed_scaling_factor: RSF,
-        ref_tol: REF_TOL,
+        ref_tol: ref_tol(crate::kernels::w4_xs(&crate::kernels::env_defines()?)),
         copy_gb_s,
         copy_gb_s_end,
         expert_bytes_each: cfg.shape.expert_bytes(),
@@ -1047,6 +1064,15 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a16_rows_take_the_looser_bound_and_only_they() {
+        assert_eq!(ref_tol(3), REF_TOL);
+        assert_eq!(ref_tol(2), REF_TOL);
+        assert_eq!(ref_tol(1), REF_TOL_A16);
+        // Still below what bf16 activations cost against the exact model (2.5e-3 measured).
+        assert!(REF_TOL_A16 < 2.5e-3 && REF_TOL < REF_TOL_A16);
+    }
 
     #[test]
     fn glm_bytes_match_the_anchor_floor() {
