@@ -1070,9 +1070,11 @@ mod tests {
         assert_eq!(ref_tol(3), REF_TOL);
         assert_eq!(ref_tol(2), REF_TOL);
         assert_eq!(ref_tol(1), REF_TOL_A16);
-        // Still below what bf16 activations cost against the exact model (2.5e-3 measured).
-        assert!(REF_TOL_A16 < 2.5e-3 && REF_TOL < REF_TOL_A16);
     }
+
+    // The A16 bound stays below what bf16 activations cost against the exact model
+    // (2.5e-3 measured) and above the exact modes' bound.
+    const _: () = assert!(REF_TOL_A16 < 2.5e-3 && REF_TOL < REF_TOL_A16);
 
     #[test]
     fn glm_bytes_match_the_anchor_floor() {
