@@ -62,6 +62,62 @@ pub const W4_TARGET_ENV: &str = "SPECLAB_W4_TARGET_BLOCKS";
 /// recorded by `bench moe`; unset, the reaching rule ([`w4_ks`]).
 pub const W4_KS_ENV: &str = "SPECLAB_W4_KS";
 
+/// The wave rule's band ([`w4_ks_waves`]): a split whose items fill one wave of resident
+/// blocks to between `lo` and `hi` percent is taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct WaveBand {
+    pub lo: usize,
+    pub hi: usize,
+}
+
+impl WaveBand {
+    /// Exact activations (`W4_XS` 2, 3): 70-105%, fitted on the H200 sweep of
+    /// `runs/ab-210cbc4/`.
+    pub const EXACT: Self = Self { lo: 70, hi: 105 };
+    /// bf16 activations (`W4_XS` 1): 65-100%. Every tile of at most 8 pairs is then one
+    /// mma a k16 step, so tiles cost alike and one partial wave beats a second one
+    /// sooner: on an H100 sequence M = 2 (11 tiles: 67% at 2 ways) took 66.3 us at 2 ways
+    /// against 73.4 at the 4 the exact band gives, and sequence M = 8 (17-21 tiles; 17 at
+    /// 2 ways is 103%) 110.5 us at 4 ways against 120.5 under the exact band
+    /// (`runs/moe-a16-4e243be/`, `SPECLAB_W4_KS` forced per leg).
+    pub const A16: Self = Self { lo: 65, hi: 100 };
+
+    /// The band for kernels compiled with `xs` activation terms, or the one
+    /// [`W4_BAND_ENV`] gives (`lo,hi` percent).
+    pub fn for_xs(xs: usize, env: Option<&str>) -> Result<Self> {
+        match env {
+            Some(v) => Self::parse(v),
+            None if xs <= 1 => Ok(Self::A16),
+            None => Ok(Self::EXACT),
+        }
+    }
+
+    /// `lo,hi`: percents, 1 <= lo <= hi <= 400.
+    pub fn parse(v: &str) -> Result<Self> {
+        let bad = || {
+            CudaError::Input(format!(
+                "{W4_BAND_ENV}=`{v}`: expected `lo,hi` percents of a wave, 1 <= lo <= hi <= 400"
+            ))
+        };
+        let (a, b) = v.split_once(',').ok_or_else(bad)?;
+        let lo = a.trim().parse::<usize>().map_err(|_| bad())?;
+        let hi = b.trim().parse::<usize>().map_err(|_| bad())?;
+        if lo == 0 || lo > hi || hi > 400 {
+            return Err(bad());
+        }
+        Ok(Self { lo, hi })
+    }
+
+    /// Whether `items` fill `slots` within the band.
+    fn holds(&self, items: usize, slots: usize) -> bool {
+        100 * items >= self.lo * slots && 100 * items <= self.hi * slots
+    }
+}
+
+/// Environment variable setting the wave rule's band, `lo,hi` percent (a tuning knob for
+/// sweeps, recorded by `bench moe`); unset, [`WaveBand::for_xs`] of the compiled kernels.
+pub const W4_BAND_ENV: &str = "SPECLAB_W4_BAND";
+
 /// Fixed counters ahead of the per-tile ones in the fused INT4 experts kernel's `sync`
 /// buffer (linear.cu `moe_experts_w4`): ticket, blocks done, split chunks done.
 pub const MOE_SYNC_FIXED: usize = 3;
@@ -325,19 +381,19 @@ impl W4Split {
     /// The wave rule for `rows` weight rows, `slots` blocks resident at once, at most
     /// `cap` ways (`W4_WAVE_CAP` and the K bound): [`w4_ks_waves`] as segments (each of
     /// its conditions flips at one tile count a split).
-    pub fn waves(rows: usize, cap: usize, slots: usize) -> Self {
+    pub fn waves(rows: usize, cap: usize, slots: usize, band: WaveBand) -> Self {
         let mut breaks = vec![0];
         for ks in [1, 2, 4] {
             let g = w4_groups(rows, ks).max(1);
             breaks.extend([
-                (7 * slots).div_ceil(10 * g),
-                21 * slots / (20 * g) + 1,
+                (band.lo * slots).div_ceil(100 * g),
+                band.hi * slots / (100 * g) + 1,
                 (5 * slots).div_ceil(2 * g),
             ]);
         }
         breaks.sort_unstable();
         breaks.dedup();
-        Self::from_breaks(cap, &breaks, |t| w4_ks_waves(rows, t, cap, slots))
+        Self::from_breaks(cap, &breaks, |t| w4_ks_waves(rows, t, cap, slots, band))
     }
 
     /// The kernel's split for `tiles` real tiles (linear.cu `w4_split`).
@@ -368,16 +424,17 @@ pub const W4_WAVE_CAP: usize = 4;
 
 /// The wave rule (fitted on the `SPECLAB_W4_KS` sweep of `runs/ab-210cbc4/`, GLM-5.3-Flash
 /// shapes on the H200): of the splits up to `cap`, the largest whose items (row-block
-/// groups x `tiles`) fill one wave of `slots` resident blocks to 70-105%; else the
+/// groups x `tiles`) fill one wave of `slots` resident blocks within `band` (70-105%,
+/// [`WaveBand::EXACT`]; 65-100% for bf16 activations, [`WaveBand::A16`]); else the
 /// smallest whose items reach 2.5 waves (dynamic scheduling then evens out tiles of
 /// unequal cost, such as the unpacked tiles of skewed routing); else `cap`. A partial
 /// second wave is what it avoids: zipf M = 8 (35.5 tiles) took 193.6 us at the reaching
 /// rule's whole-K walks (1.08 waves) and 162.7 at 4 ways (4.3 waves).
-pub fn w4_ks_waves(rows: usize, tiles: usize, cap: usize, slots: usize) -> usize {
+pub fn w4_ks_waves(rows: usize, tiles: usize, cap: usize, slots: usize, band: WaveBand) -> usize {
     let cap = cap.max(1);
     let cands = [1, 2, 4, 8].into_iter().filter(|&k| k <= cap);
     let items = |k: usize| w4_groups(rows, k) * tiles;
-    let fill = |k: usize| 10 * items(k) >= 7 * slots && 20 * items(k) <= 21 * slots;
+    let fill = |k: usize| band.holds(items(k), slots);
     if let Some(k) = cands.clone().rev().find(|&k| fill(k)) {
         return k;
     }
@@ -408,8 +465,9 @@ pub struct W4Tiles {
     pub target: usize,
     /// A forced K split ([`w4_ks_forced`]) in place of the rules.
     pub forced: Option<usize>,
-    /// The wave rule's resident blocks (`Gpu::w4_slots`); `None`: the reaching rule.
-    pub slots: Option<usize>,
+    /// The wave rule's resident blocks (`Gpu::w4_slots`) and band (`Gpu::w4_band`);
+    /// `None`: the reaching rule.
+    pub waves: Option<(usize, WaveBand)>,
 }
 
 /// INT4 expert GEMMs (`moe_gate_up_w4` with `nmat` 2, `moe_down_w4` with 1) over
@@ -437,10 +495,10 @@ pub fn moe_w4(
             "{what}: INT4 expert GEMM with N = {n}, K = {k}, {nmat} matrices (needs K % 128 == 0, N x matrices % 64 == 0)"
         )));
     }
-    let split = match (t.forced, t.slots) {
+    let split = match (t.forced, t.waves) {
         (Some(ks), _) => W4Split::forced(ks, ks.min(w4_ks_max(k))),
-        (None, Some(slots)) => {
-            let w = W4Split::waves(n * nmat, W4_WAVE_CAP.min(w4_ks_max(k)), slots);
+        (None, Some((slots, band))) => {
+            let w = W4Split::waves(n * nmat, W4_WAVE_CAP.min(w4_ks_max(k)), slots, band);
             W4Split {
                 ks_hi: w.max_over(t.min.min(max_tiles), max_tiles),
                 ..w
@@ -639,13 +697,28 @@ mod tests {
     }
 
     #[test]
+    fn wave_band_follows_the_activations_and_parses() {
+        assert_eq!(WaveBand::for_xs(3, None).unwrap(), WaveBand::EXACT);
+        assert_eq!(WaveBand::for_xs(2, None).unwrap(), WaveBand::EXACT);
+        assert_eq!(WaveBand::for_xs(1, None).unwrap(), WaveBand::A16);
+        assert_eq!(
+            WaveBand::for_xs(3, Some(" 60, 110 ")).unwrap(),
+            WaveBand { lo: 60, hi: 110 }
+        );
+        for bad in ["", "70", "x,1", "0,100", "90,80", "70,401", "70,100,3"] {
+            let e = WaveBand::parse(bad).unwrap_err().to_string();
+            assert!(e.contains(W4_BAND_ENV) && e.contains(bad), "{bad}: {e}");
+        }
+    }
+
+    #[test]
     fn w4_blocks_cover_every_row_block_and_half_group_once() {
         let tl = |max, min| W4Tiles {
             max,
             min,
             target: W4_TARGET_BLOCKS,
             forced: None,
-            slots: None,
+            waves: None,
         };
         assert_eq!(parse_w4_target(" 512").unwrap(), 512);
         assert!(moe_fused_wanted(Some("1")) && moe_fused_wanted(Some(" 1")));
@@ -711,11 +784,18 @@ mod tests {
                     let rules = [None, Some(1), Some(2), Some(4), Some(8)]
                         .map(|f| (f, None))
                         .into_iter()
-                        .chain([(None, Some(264)), (None, Some(132)), (None, Some(7))]);
+                        .chain(
+                            [
+                                (264, WaveBand::EXACT),
+                                (132, WaveBand::A16),
+                                (7, WaveBand::EXACT),
+                            ]
+                            .map(|w| (None, Some(w))),
+                        );
                     for (f, slots) in rules {
                         let t = W4Tiles {
                             forced: f,
-                            slots,
+                            waves: slots,
                             ..tl(max, min)
                         };
                         let (s, split) = moe_w4(n, k, nmat, &t, "t").unwrap();
@@ -761,33 +841,41 @@ mod tests {
         // GLM-5.3-Flash (64 row blocks), 264 slots: one well-filled wave (8 tiles at 4
         // ways, 13-16 at 2, 31 whole-K), else the first split past 2.5 waves (21 and 37
         // tiles at 4, 60 at 2, 100 whole-K), as the sweep of runs/ab-210cbc4 measured.
-        let glm = |t| w4_ks_waves(4096, t, 4, 264);
+        let glm = |t| w4_ks_waves(4096, t, 4, 264, WaveBand::EXACT);
         let got: Vec<usize> = [8, 13, 16, 21, 31, 37, 60, 100, 400].map(glm).to_vec();
         assert_eq!(got, [4, 2, 2, 4, 1, 4, 2, 1, 1]);
         // models/tiny's shapes (4 row blocks): below 93 tiles (its decode steps have at
         // most 48, 128 rows x top-2) never a filled wave, so the cap, which is what the
         // reaching rule gives them too (their blocks do not reach 256).
         for t in 1..93 {
-            assert_eq!(w4_ks_waves(256, t, 4, 264), 4);
+            assert_eq!(w4_ks_waves(256, t, 4, 264, WaveBand::EXACT), 4);
             assert_eq!(
-                w4_ks_waves(256, t, 4, 264),
+                w4_ks_waves(256, t, 4, 264, WaveBand::A16),
                 w4_ks(256, t, 4, W4_TARGET_BLOCKS)
             );
         }
-        for rows in [64usize, 256, 512, 2048, 4096, 8192] {
+        // bf16 activations: 11 tiles at 2 ways (67% of a wave), 17 at 4 (2 ways is 103%).
+        let a16 = |t| w4_ks_waves(4096, t, 4, 264, WaveBand::A16);
+        assert_eq!([8, 11, 13, 17, 21].map(a16), [4, 2, 2, 4, 4]);
+        assert_eq!([11, 17].map(glm), [4, 2]);
+        let bands = [WaveBand::EXACT, WaveBand::A16, WaveBand { lo: 1, hi: 400 }];
+        for (rows, band) in [64usize, 256, 512, 2048, 4096, 8192]
+            .into_iter()
+            .flat_map(|r| bands.map(|b| (r, b)))
+        {
             for slots in [7usize, 132, 264, 528] {
                 for cap in [1usize, 2, 4] {
-                    let split = W4Split::waves(rows, cap, slots);
+                    let split = W4Split::waves(rows, cap, slots, band);
                     for t in 0..3000 {
-                        let at = format!("rows {rows} slots {slots} cap {cap} tiles {t}");
-                        assert_eq!(split.ks(t), w4_ks_waves(rows, t, cap, slots), "{at}");
+                        let at = format!("rows {rows} slots {slots} cap {cap} tiles {t} {band:?}");
+                        assert_eq!(split.ks(t), w4_ks_waves(rows, t, cap, slots, band), "{at}");
                     }
                     for (lo, hi) in [(0, 5), (8, 8), (8, 300), (17, 90), (1, 2999)] {
                         let want = (lo..=hi).map(|t| split.ks(t)).max().unwrap();
                         assert_eq!(
                             split.max_over(lo, hi),
                             want,
-                            "{rows} {slots} {cap} {lo}..{hi}"
+                            "{rows} {slots} {cap} {lo}..{hi} {band:?}"
                         );
                     }
                 }
