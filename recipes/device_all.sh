@@ -18,5 +18,6 @@ moe=$?
 tar czf "$FINAL/results.tgz" -C "$W" .
 cp "$W/e2e/bench-e2e.json" "$FINAL/" 2>/dev/null
 cp "$W/moe/bench_moe.json" "$FINAL/" 2>/dev/null
+cp "$W/moe/bench_moe_a16.json" "$FINAL/" 2>/dev/null
 echo "e2e_bench exit $e2e, moe_bench exit $moe"
 [ "$e2e" = 0 ] && [ "$moe" = 0 ]

@@ -9,6 +9,7 @@
 #   device:  run(command="bash recipes/moe_bench.sh", carry=["target/moe-bench"], timeout_s=600)
 #
 # Writes $OUT/bench_moe.json (the record; commit it as runs/bench-moe.json), $OUT/bench_moe.log,
+# $OUT/bench_moe_a16.json (the same kernels with bf16 activations, W4_XS=1; MOE_A16=0 skips),
 # $OUT/gpu_anchors.json, $OUT/anchors.log; the table is printed last. Exit: speclab's (1 = a row
 # failed its reference check, every row still printed; 2 = an error such as no CUDA device, see
 # bench_moe.log); 3 = the binary was not built and carried.
@@ -42,16 +43,29 @@ RUST_LOG=info timeout 300 "$BIN" bench moe ${MOE_ARGS:-} --out "$OUT/bench_moe.j
   > "$OUT/bench_moe.txt" 2> "$OUT/bench_moe.log" || rc=$?
 echo "speclab bench moe: exit $rc"
 [ "$rc" = 0 ] || tail -5 "$OUT/bench_moe.log"
+# The same kernels compiled for bf16 activations (W4_XS=1: W4A16 as vLLM's Marlin MoE takes
+# them), record bench_moe_a16.json; MOE_A16=0 skips it.
+if [ "${MOE_A16:-1}" != 0 ]; then
+  a16=0
+  # shellcheck disable=SC2086
+  SPECLAB_KERNEL_DEFINES=W4_XS=1 RUST_LOG=info timeout 300 "$BIN" bench moe ${MOE_ARGS:-} \
+    --out "$OUT/bench_moe_a16.json" > "$OUT/bench_moe_a16.txt" 2> "$OUT/bench_moe_a16.log" || a16=$?
+  echo "speclab bench moe (W4_XS=1): exit $a16"
+  [ "$a16" = 0 ] || { tail -5 "$OUT/bench_moe_a16.log"; rc=$a16; }
+fi
 OUT="$OUT" timeout 240 python3 recipes/anchors/moe_bf16.py > "$OUT/anchors.log" 2>&1 \
   || echo "anchors failed: $(tail -3 "$OUT/anchors.log")"
 
-python3 - "$OUT" <<'PY' || true
+for rec in bench_moe.json bench_moe_a16.json; do
+[ -f "$OUT/$rec" ] || continue
+python3 - "$OUT" "$rec" <<'PY' || true
 import json, sys
 d = sys.argv[1]
 try:
-    b = json.load(open(f"{d}/bench_moe.json"))
+    b = json.load(open(f"{d}/{sys.argv[2]}"))
 except Exception as e:
     print("no bench record:", e); sys.exit(0)
+print(f"\n== {sys.argv[2]} (kernel defines {b.get('kernel_defines') or 'none: exact activations'})")
 try:
     a = json.load(open(f"{d}/gpu_anchors.json"))
 except Exception as e:
@@ -77,4 +91,5 @@ if worst:
     print(f"worst M<=64 row: {worst['routing']} M={worst['m']} at {100*worst['frac_copy']:.0f}% of copy (goal 70%)")
 print("all reference checks pass" if b["all_pass"] else "SOME REFERENCE CHECKS FAILED")
 PY
+done
 exit "$rc"
