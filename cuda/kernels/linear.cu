@@ -611,7 +611,9 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 #define W4_SLOT 5
 // Blocks an SM the registers are budgeted for (128 a thread; ptxas: 1 also takes 128, 3
 // spills at 80).
+#ifndef W4_MINB
 #define W4_MINB 2
+#endif
 // Asynchronous 16-byte copy global -> shared, L2 only (sm_80+ cp.async, as Marlin's
 // multi-stage pipeline: vLLM csrc/quantization/gptq_marlin/marlin.cuh cp_async4).
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -1039,7 +1041,9 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
     for (int r = 0; r < ROWS_PER_TILE; ++r) np += tp[r] >= 0;
     // The tile's column mode (uniform per block; W4M above).
     const bool pack2 = W4_PACK2 && W4_XS == 3 && halves / ks >= W4_PACK2_HALVES;
-    const int mode = np * W4_XS <= ROWS_PER_TILE                  ? 0
+    // With one term (W4_XS 1) every tile packs (np <= ROWS_PER_TILE): mode 0 as a constant,
+    // so the other modes' code, and the registers it would claim, is compiled out.
+    const int mode = W4_XS == 1 || np * W4_XS <= ROWS_PER_TILE    ? 0
                      : pack2 && np * W4_XS <= 2 * ROWS_PER_TILE ? 1
                                                                   : 2;
     // This lane's B columns g (and, mode 1, g + 8): pair slot q of term xl (mode 2: pair g,

@@ -33,9 +33,12 @@ pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// sets (1) or unpacked (0, the default); `W4_PACK2_HALVES`: the K slice, in half
 /// 128-groups, a warp must walk for that packing; `LT_PREWAIT`: the tiled bf16 GEMMs load their first
 /// weight words before the programmatic-dependent-launch wait; `ATT_INFLIGHT`:
-/// positions `paged_attention` loads per warp pass).
-pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 5] = [
+/// positions `paged_attention` loads per warp pass; `W4_MINB`: the INT4 expert GEMMs'
+/// `__launch_bounds__` blocks an SM, which caps their registers; the host reads the
+/// resulting occupancy, so the K-split rule's wave follows it).
+pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 6] = [
     ("W4_XS", 1..=3),
+    ("W4_MINB", 1..=4),
     ("W4_PACK2", 0..=1),
     ("W4_PACK2_HALVES", 1..=64),
     ("LT_PREWAIT", 0..=1),
@@ -436,7 +439,10 @@ mod tests {
         assert_eq!(w4_xs(&parse_defines("W4_XS=1").unwrap()), 1);
         assert_eq!(w4_xs(&parse_defines("W4_XS=2, W4_XS=3").unwrap()), 3);
         assert_eq!(w4_xs(&[]), 3);
-        assert_eq!(w4_xs(&[]), 3);
+        assert_eq!(
+            parse_defines("W4_XS=1 W4_MINB=3").unwrap(),
+            vec!["-DW4_XS=1".to_string(), "-DW4_MINB=3".to_string()]
+        );
         assert!(parse_defines("").unwrap().is_empty());
         for bad in [
             "W4_XS",
@@ -444,7 +450,7 @@ mod tests {
             "W4_XS=x",
             "W4_XS=0",
             "W4_XS=4",
-            "W4_MINB=2",
+            "W4_MINB=5",
         ] {
             let e = parse_defines(bad).unwrap_err().to_string();
             assert!(e.contains(DEFINES_ENV) && e.contains(bad), "{bad}: {e}");

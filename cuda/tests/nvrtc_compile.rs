@@ -60,6 +60,7 @@ fn every_kernel_compiles_to_ptx_for_sm_90a() {
         ("linear.cu", "W4_XS=1"),
         ("moe.cu", "W4_XS=1"),
         ("bench.cu", "W4_XS=1"),
+        ("linear.cu", "W4_XS=1 W4_MINB=3"),
         ("linear.cu", "W4_PACK2=1"),
         ("linear.cu", "W4_PACK2=1 W4_PACK2_HALVES=1"),
         ("linear.cu", "LT_PREWAIT=0"),
