@@ -89,8 +89,9 @@ __device__ __forceinline__ double warp_sum_d(double v) {
 
 // h_ref[i, n] = silu(g) * u for checked pair p = pairs[i] (expert ids[p], token p / topk),
 // g / u = x[token] . Wg / Wu of column n, in f64.  act 1: x and h as the kernels see them
-// (w4_act: rounded to bf16 at W4_XS 1), the kernels' function; act 0: the exact f32 model.  Shapes: h_ref [npairs, N] f32,
-// x [T, K], q13 / s13 in the device INT4 layout (2N rows), ids [P], pairs [npairs].
+// (w4_act: rounded to bf16 at W4_XS 1), the kernels' function; act 0: the exact f32 model.
+// Shapes: h_ref [npairs, N] f32, x [T, K], q13 / s13 in the device INT4 layout (2N rows),
+// ids [P], pairs [npairs].
 // Launch: grid (ceil(N / 4), npairs), block 128.
 extern "C" __global__ void moe_ref_gate_up_w4(float* __restrict__ h_ref,
                                               const float* __restrict__ x,

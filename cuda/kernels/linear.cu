@@ -610,7 +610,8 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 // uint4 a lane a stage: 4 k16 steps of weights + the group's scales.
 #define W4_SLOT 5
 // Blocks an SM the registers are budgeted for (128 a thread; ptxas: 1 also takes 128, 3
-// spills at 80).
+// spills at 80).  A tunable (SPECLAB_KERNEL_DEFINES=W4_MINB=n); 3 with W4_XS=1 (95
+// registers at 2) spilled 40-56 bytes and was slower at every row (runs/moe-minb3-ff0865d/).
 #ifndef W4_MINB
 #define W4_MINB 2
 #endif
