@@ -6,6 +6,7 @@ findings/bench-moe.md (every figure there comes from these records through this 
     python3 recipes/bench_report.py moe runs/bench-moe.json [findings/bench-moe-gbs.svg]
 Standard library only."""
 import json
+import os
 import sys
 
 
@@ -95,9 +96,18 @@ def svg_plot(rows, floor_frac, out):
 def moe(path, svg=None):
     b = json.load(open(path))
     a = b.get("anchors", {})
+    # A device call's record keeps its PyTorch anchors beside it (recipes/moe_bench.sh).
+    side = os.path.join(os.path.dirname(path), "gpu_anchors.json")
+    if not a and os.path.exists(side):
+        a = json.load(open(side))
+        print(f"(anchors from `{side}`, the same call)")
     anc = {r["M"]: r for r in a.get("moe_bf16", [])}
     print(f"Record `{path}` (commit {b.get('git_commit')}): {b['device']}, copy {b['copy_gb_s']:.0f} GB/s "
           f"(torch's copy {a.get('copy_GBps', float('nan')):.0f} GB/s); all reference checks pass: {b['all_pass']}.\n")
+    defines = b.get("kernel_defines") or []
+    print(f"Kernel defines: {' '.join(defines) or 'none (exact activations)'}; rel err against the kernels' "
+          f"function / the exact model, worst row: {max(r['max_rel_err'] for r in b['rows']):.1e} / "
+          f"{max(r.get('max_rel_err_exact', r['max_rel_err']) for r in b['rows']):.1e}.\n")
     print("| routing | M | experts | experts us | floor us | GB/s | % copy | layer us | grouped_mm bf16 us | x grouped_mm | check |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in b["rows"]:
