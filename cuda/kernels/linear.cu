@@ -605,8 +605,19 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 
 #define W4_RT 4
 #define W4_WARPS 8
-// Weight stages: a double buffer (more stages measured slower, runs/moe-variants/).
+// Weight stages: a double buffer (more stages measured slower, runs/moe-variants/, when they
+// cost a resident block).  SPECLAB_KERNEL_DEFINES=W4_STAGES=3 takes the triple-buffered walk
+// (w4_walk3; modes 0 and 2 only, W4_PACK2 0): two halves in flight while one is multiplied,
+// still 2 blocks an SM (94 KB of shared memory each).
+#ifndef W4_STAGES
 #define W4_STAGES 2
+#endif
+#if W4_STAGES != 2 && W4_STAGES != 3
+#error "W4_STAGES must be 2 or 3"
+#endif
+#if W4_STAGES == 3 && W4_PACK2
+#error "W4_STAGES=3 walks modes 0 and 2 only: W4_PACK2 must be 0"
+#endif
 // uint4 a lane a stage: 4 k16 steps of weights + the group's scales.
 #define W4_SLOT 5
 // Blocks an SM the registers are budgeted for (128 a thread; ptxas: 1 also takes 128, 3
@@ -624,6 +635,10 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
 }
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
+}
+// Wait until at most two committed groups are pending (the triple-buffered walk).
+__device__ __forceinline__ void cp_async_wait_two() {
+    asm volatile("cp.async.wait_group 2;" ::: "memory");
 }
 // Wait until at most one committed group is pending.
 __device__ __forceinline__ void cp_async_wait_one() {
@@ -854,6 +869,46 @@ __device__ __forceinline__ void w4_walk(float acc[][W4_RT][4], const W4Lane& l,
     }
 }
 
+// w4_walk with three weight stages (W4_STAGES 3; modes 0 and 2): while half h is
+// multiplied, halves h + 1 and h + 2 are in flight.  Unrolled by three so the slots and
+// the three B operands are fixed registers.  One group is committed per half, empty past
+// h1, so `cp.async.wait_group 2` always means "half h has landed".  The sums are those of
+// w4_walk, in the same order.
+template <int MODE, bool CG>
+__device__ __forceinline__ void w4_walk3(float acc[][W4_RT][4], const W4Lane& l,
+                                         const uint2* __restrict__ b0,
+                                         const uint2* __restrict__ b1, int h0, int h1) {
+    if constexpr (MODE == 1) {  // never taken: W4_STAGES 3 requires W4_PACK2 0
+        w4_walk<MODE, CG>(acc, l, b0, b1, h0, h1);
+        return;
+    }
+    W4B<MODE> x0, x1, x2;
+    // Half h0 is in slot 0, committed by the caller; half h0 + 1 into slot 1.
+    if (h0 + 1 < h1) w4_issue(l, h0 + 1, 1);
+    cp_async_commit();
+    w4_load_b<MODE, CG>(x0, b0, b1, h0);
+    if (h0 + 1 < h1) w4_load_b<MODE, CG>(x1, b0, b1, h0 + 1);
+    for (int h = h0; h < h1; h += 3) {
+        if (h + 2 < h1) w4_issue(l, h + 2, 2);
+        cp_async_commit();
+        if (h + 2 < h1) w4_load_b<MODE, CG>(x2, b0, b1, h + 2);
+        cp_async_wait_two();  // half h has landed
+        w4_take<MODE>(acc, l, 0, x0);
+        if (h + 1 >= h1) break;
+        if (h + 3 < h1) w4_issue(l, h + 3, 0);
+        cp_async_commit();
+        if (h + 3 < h1) w4_load_b<MODE, CG>(x0, b0, b1, h + 3);
+        cp_async_wait_two();  // half h + 1 has landed
+        w4_take<MODE>(acc, l, 1, x1);
+        if (h + 2 >= h1) break;
+        if (h + 4 < h1) w4_issue(l, h + 4, 1);
+        cp_async_commit();
+        if (h + 4 < h1) w4_load_b<MODE, CG>(x1, b0, b1, h + 4);
+        cp_async_wait_two();  // half h + 2 has landed
+        w4_take<MODE>(acc, l, 2, x2);
+    }
+}
+
 // Floats of one accumulator set of the block in `red`: [W4_WARPS][W4_RT 4][32].
 #define W4_RED_SET (W4_WARPS * W4_RT * 4 * WARP)
 
@@ -871,7 +926,11 @@ __device__ __forceinline__ void w4_run(float* red, const W4Lane& l, const uint2*
         for (int i = 0; i < W4_RT; ++i)
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[m][i][c] = 0.0f;
+#if W4_STAGES == 3
+    if (live) w4_walk3<MODE, CG>(acc, l, b0, b1, h0, h1);
+#else
     if (live) w4_walk<MODE, CG>(acc, l, b0, b1, h0, h1);
+#endif
 #pragma unroll
     for (int m = 0; m < NA; ++m)
 #pragma unroll

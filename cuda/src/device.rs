@@ -129,7 +129,7 @@ fn allow_smem(f: &CudaFunction, name: &str, bytes: u32) -> Result<()> {
 
 fn prefer_shared(f: &CudaFunction, name: &str) -> Result<()> {
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
-    allow_smem(f, name, crate::launch::W4_SMEM)?;
+    allow_smem(f, name, crate::launch::w4_smem())?;
     // A hint: if a driver refuses it the kernels still run (with fewer resident blocks,
     // which the bench record's occupancy shows).
     let _ = f.set_attribute(
@@ -234,7 +234,7 @@ fn w4_slots(ctx: &CudaContext, funcs: &HashMap<&'static str, CudaFunction>) -> R
     let per = f
         .occupancy_max_active_blocks_per_multiprocessor(
             32 * crate::launch::W4_WARPS,
-            crate::launch::W4_SMEM as usize,
+            crate::launch::w4_smem() as usize,
             None,
         )
         .map_err(|e| CudaError::driver("occupancy of moe_down_w4", e))?;

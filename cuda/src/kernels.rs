@@ -35,10 +35,12 @@ pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// weight words before the programmatic-dependent-launch wait; `ATT_INFLIGHT`:
 /// positions `paged_attention` loads per warp pass; `W4_MINB`: the INT4 expert GEMMs'
 /// `__launch_bounds__` blocks an SM, which caps their registers; the host reads the
-/// resulting occupancy, so the K-split rule's wave follows it).
-pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 6] = [
+/// resulting occupancy, so the K-split rule's wave follows it; `W4_STAGES`: their weight
+/// stages, 2 or 3, with the blocks' shared memory following, `launch::w4_smem`).
+pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 7] = [
     ("W4_XS", 1..=3),
     ("W4_MINB", 1..=4),
+    ("W4_STAGES", 2..=3),
     ("W4_PACK2", 0..=1),
     ("W4_PACK2_HALVES", 1..=64),
     ("LT_PREWAIT", 0..=1),
@@ -224,6 +226,15 @@ pub fn w4_xs(defines: &[String]) -> usize {
         .rev()
         .find_map(|d| d.strip_prefix("-DW4_XS=")?.parse().ok())
         .unwrap_or(3)
+}
+
+/// The INT4 kernels' weight stages: the last `W4_STAGES` of `defines`, else 2.
+pub fn w4_stages(defines: &[String]) -> usize {
+    defines
+        .iter()
+        .rev()
+        .find_map(|d| d.strip_prefix("-DW4_STAGES=")?.parse().ok())
+        .unwrap_or(2)
 }
 
 /// FNV-1a 64-bit hash (stable across runs, platforms and Rust versions).
@@ -437,6 +448,8 @@ mod tests {
         );
         assert_eq!(w4_xs(&parse_defines("W4_XS=2").unwrap()), 2);
         assert_eq!(w4_xs(&parse_defines("W4_XS=1").unwrap()), 1);
+        assert_eq!(w4_stages(&parse_defines("W4_STAGES=3").unwrap()), 3);
+        assert_eq!(w4_stages(&[]), 2);
         assert_eq!(w4_xs(&parse_defines("W4_XS=2, W4_XS=3").unwrap()), 3);
         assert_eq!(w4_xs(&[]), 3);
         assert_eq!(

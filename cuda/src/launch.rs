@@ -48,7 +48,8 @@ pub const W4_WARPS: u32 = 8;
 /// Most bf16 terms the INT4 gate/up kernel splits an `h` element into (linear.cu `W4_XS`
 /// <= 3): the `h` scratch holds `P Im W4_XS_MAX / 2` words.
 pub const W4_XS_MAX: usize = 3;
-/// Weight stages of the INT4 GEMMs (`W4_STAGES`, a double buffer).
+/// Weight stages of the INT4 GEMMs (`W4_STAGES`, a double buffer; 3 with
+/// `SPECLAB_KERNEL_DEFINES=W4_STAGES=3`, [`w4_smem`]).
 pub const W4_STAGES: u32 = 2;
 /// Blocks an INT4 expert GEMM launch aims at (2 resident per SM on the H200's 132 SMs,
 /// about one wave): [`w4_ks`] splits K no further than needed to reach it.
@@ -212,8 +213,23 @@ pub const W4_SLOT: u32 = 5;
 /// `[W4_WARPS][W4_STAGES][W4_SLOT][32]` uint4 and the accumulator array
 /// `[2 sets][W4_WARPS][W4_RT 4][32]` f32 (linear.cu `w4_run`: with `W4_PACK2=1` a tile of
 /// 3-5 pairs keeps two accumulator sets; the default leaves the second unused).
-pub const W4_SMEM: u32 =
-    W4_WARPS * W4_STAGES * W4_SLOT * 32 * 16 + 2 * W4_WARPS * W4_RT * 4 * 32 * 4;
+pub const W4_SMEM: u32 = w4_smem_for(W4_STAGES);
+
+/// [`W4_SMEM`] for `stages` weight stages.
+pub const fn w4_smem_for(stages: u32) -> u32 {
+    W4_WARPS * stages * W4_SLOT * 32 * 16 + 2 * W4_WARPS * W4_RT * 4 * 32 * 4
+}
+
+/// The INT4 GEMMs' dynamic shared memory as the kernels are compiled now: [`w4_smem_for`]
+/// the `W4_STAGES` of `SPECLAB_KERNEL_DEFINES` ([`crate::kernels::w4_stages`]), else
+/// [`W4_SMEM`]. (A bad define fails the kernels' compile before any launch.)
+pub fn w4_smem() -> u32 {
+    static SMEM: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *SMEM.get_or_init(|| {
+        let defines = crate::kernels::env_defines().unwrap_or_default();
+        w4_smem_for(crate::kernels::w4_stages(&defines) as u32)
+    })
+}
 /// Largest k of `moe_topk` / `moe_combine` (`TOPK_MAX`).
 pub const TOPK_MAX: usize = 8;
 /// Largest expert count of `moe_topk` / `moe_align` (`EXPERTS_MAX`).
@@ -522,7 +538,7 @@ pub fn moe_w4(
         32 * W4_WARPS,
         what,
     )?;
-    s.smem = W4_SMEM;
+    s.smem = w4_smem();
     Ok((s, split))
 }
 

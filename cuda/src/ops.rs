@@ -1067,7 +1067,7 @@ fn moe_experts_fused(
     };
     let grid = f.grid + split_chunks;
     let mut shape = launch::grid_2d(grid, 1, 32 * launch::W4_WARPS, "moe_experts_w4")?;
-    shape.smem = launch::W4_SMEM;
+    shape.smem = launch::w4_smem();
     let mut args = vec![
         y,
         h,

@@ -61,6 +61,8 @@ fn every_kernel_compiles_to_ptx_for_sm_90a() {
         ("moe.cu", "W4_XS=1"),
         ("bench.cu", "W4_XS=1"),
         ("linear.cu", "W4_XS=1 W4_MINB=3"),
+        ("linear.cu", "W4_XS=1 W4_STAGES=3"),
+        ("linear.cu", "W4_STAGES=3"),
         ("linear.cu", "W4_PACK2=1"),
         ("linear.cu", "W4_PACK2=1 W4_PACK2_HALVES=1"),
         ("linear.cu", "LT_PREWAIT=0"),
