@@ -608,7 +608,8 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 // Weight stages: a double buffer (more stages measured slower, runs/moe-variants/, when they
 // cost a resident block).  SPECLAB_KERNEL_DEFINES=W4_STAGES=3 takes the triple-buffered walk
 // (w4_walk3; modes 0 and 2 only, W4_PACK2 0): two halves in flight while one is multiplied,
-// still 2 blocks an SM (94 KB of shared memory each).
+// still 2 blocks an SM (94 KB of shared memory each).  With W4_XS=1 it made the small-M
+// rows slower on an H100 (M = 1 51 against 48 us; runs/moe-stages3-a5fabdb/).
 #ifndef W4_STAGES
 #define W4_STAGES 2
 #endif
