@@ -870,6 +870,21 @@ __device__ __forceinline__ void w4_walk(float acc[][W4_RT][4], const W4Lane& l,
     }
 }
 
+// One step of the triple-buffered walk: half `next` (if below h1) into slot (J + 2) % 3 with
+// its B operand into `xn`, one group committed either way, then the half in slot J, which
+// has landed once at most two groups are pending, multiplied with `xj`.
+template <int MODE, bool CG, int J>
+__device__ __forceinline__ void w4_step3(float acc[][W4_RT][4], const W4Lane& l,
+                                         const uint2* __restrict__ b0,
+                                         const uint2* __restrict__ b1, int next, int h1,
+                                         W4B<MODE>& xn, const W4B<MODE>& xj) {
+    if (next < h1) w4_issue(l, next, (J + 2) % 3);
+    cp_async_commit();
+    if (next < h1) w4_load_b<MODE, CG>(xn, b0, b1, next);
+    cp_async_wait_two();
+    w4_take<MODE>(acc, l, J, xj);
+}
+
 // w4_walk with three weight stages (W4_STAGES 3; modes 0 and 2): while half h is
 // multiplied, halves h + 1 and h + 2 are in flight.  Unrolled by three so the slots and
 // the three B operands are fixed registers.  One group is committed per half, empty past
@@ -890,23 +905,11 @@ __device__ __forceinline__ void w4_walk3(float acc[][W4_RT][4], const W4Lane& l,
     w4_load_b<MODE, CG>(x0, b0, b1, h0);
     if (h0 + 1 < h1) w4_load_b<MODE, CG>(x1, b0, b1, h0 + 1);
     for (int h = h0; h < h1; h += 3) {
-        if (h + 2 < h1) w4_issue(l, h + 2, 2);
-        cp_async_commit();
-        if (h + 2 < h1) w4_load_b<MODE, CG>(x2, b0, b1, h + 2);
-        cp_async_wait_two();  // half h has landed
-        w4_take<MODE>(acc, l, 0, x0);
+        w4_step3<MODE, CG, 0>(acc, l, b0, b1, h + 2, h1, x2, x0);
         if (h + 1 >= h1) break;
-        if (h + 3 < h1) w4_issue(l, h + 3, 0);
-        cp_async_commit();
-        if (h + 3 < h1) w4_load_b<MODE, CG>(x0, b0, b1, h + 3);
-        cp_async_wait_two();  // half h + 1 has landed
-        w4_take<MODE>(acc, l, 1, x1);
+        w4_step3<MODE, CG, 1>(acc, l, b0, b1, h + 3, h1, x0, x1);
         if (h + 2 >= h1) break;
-        if (h + 4 < h1) w4_issue(l, h + 4, 1);
-        cp_async_commit();
-        if (h + 4 < h1) w4_load_b<MODE, CG>(x1, b0, b1, h + 4);
-        cp_async_wait_two();  // half h + 2 has landed
-        w4_take<MODE>(acc, l, 2, x2);
+        w4_step3<MODE, CG, 2>(acc, l, b0, b1, h + 4, h1, x1, x2);
     }
 }
 

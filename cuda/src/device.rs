@@ -214,8 +214,11 @@ pub struct Gpu {
     /// INT4 expert GEMM blocks resident at once: SMs x the occupancy of `moe_down_w4`
     /// at its block and shared memory (a wave of the K-split rule, launch.rs `W4Split::waves`).
     pub w4_slots: usize,
-    /// The wave rule's band: [`crate::launch::WaveBand::for_xs`] of the compiled `W4_XS`,
-    /// or `SPECLAB_W4_BAND`.
+    /// The activation terms the INT4 expert GEMMs were compiled with (`W4_XS` of
+    /// `SPECLAB_KERNEL_DEFINES`, [`kernels::w4_xs`]).
+    pub w4_xs: usize,
+    /// The wave rule's band: [`crate::launch::WaveBand::for_xs`] of `w4_xs`, or
+    /// `SPECLAB_W4_BAND`.
     pub w4_band: crate::launch::WaveBand,
     /// While profiling: (kernel name, an event recorded right after its launch).
     pub profile: std::cell::RefCell<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
@@ -291,12 +294,14 @@ impl Gpu {
             }
         }
         let w4_slots = w4_slots(&ctx, &funcs)?;
+        let w4_xs = kernels::w4_xs(&kernels::env_defines()?);
         let w4_band = crate::launch::WaveBand::for_xs(
-            kernels::w4_xs(&kernels::env_defines()?),
+            w4_xs,
             std::env::var(crate::launch::W4_BAND_ENV).ok().as_deref(),
         )?;
         Ok(Self {
             w4_slots,
+            w4_xs,
             w4_band,
             ctx,
             stream,

@@ -948,7 +948,7 @@ fn run_row(
     let mean = |f: &dyn Fn(&Draw) -> f64| draws.iter().map(|d| f(&d.draw)).sum::<f64>() / n as f64;
     let distinct = mean(&|d| d.distinct() as f64);
     let tiles = mean(&|d| launch::moe_tiles_used(&d.counts(s.experts)) as f64);
-    let xs = crate::kernels::w4_xs(&crate::kernels::env_defines()?);
+    let xs = g.w4_xs;
     let tiles_unpacked = mean(&|d| launch::moe_tiles_unpacked(&d.counts(s.experts), xs) as f64);
     let ks = draw_splits(g, s, m, &draws)?;
     let (med, p10, p90) = percentiles(ex);
@@ -1044,7 +1044,7 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         zipf_s: ZIPF_S,
         seq_keep: SEQ_KEEP,
         routed_scaling_factor: RSF,
-        ref_tol: ref_tol(crate::kernels::w4_xs(&crate::kernels::env_defines()?)),
+        ref_tol: ref_tol(g.w4_xs),
         copy_gb_s,
         copy_gb_s_end,
         expert_bytes_each: cfg.shape.expert_bytes(),
