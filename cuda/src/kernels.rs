@@ -218,23 +218,27 @@ pub fn env_defines() -> Result<Vec<String>> {
     }
 }
 
+/// The value of tunable `name` in `defines` (as [`env_defines`] gives them): the last one
+/// given, if any.
+pub fn define_value(defines: &[String], name: &str) -> Option<usize> {
+    defines.iter().rev().find_map(|d| {
+        d.strip_prefix("-D")?
+            .strip_prefix(name)?
+            .strip_prefix('=')?
+            .parse()
+            .ok()
+    })
+}
+
 /// The activation split terms the INT4 kernels are compiled with: the last `W4_XS` of
-/// `defines` (as [`env_defines`] gives them), else the source's default, 3.
+/// `defines`, else the source's default, 3.
 pub fn w4_xs(defines: &[String]) -> usize {
-    defines
-        .iter()
-        .rev()
-        .find_map(|d| d.strip_prefix("-DW4_XS=")?.parse().ok())
-        .unwrap_or(3)
+    define_value(defines, "W4_XS").unwrap_or(3)
 }
 
 /// The INT4 kernels' weight stages: the last `W4_STAGES` of `defines`, else 2.
 pub fn w4_stages(defines: &[String]) -> usize {
-    defines
-        .iter()
-        .rev()
-        .find_map(|d| d.strip_prefix("-DW4_STAGES=")?.parse().ok())
-        .unwrap_or(2)
+    define_value(defines, "W4_STAGES").unwrap_or(2)
 }
 
 /// FNV-1a 64-bit hash (stable across runs, platforms and Rust versions).
@@ -450,6 +454,8 @@ mod tests {
         assert_eq!(w4_xs(&parse_defines("W4_XS=1").unwrap()), 1);
         assert_eq!(w4_stages(&parse_defines("W4_STAGES=3").unwrap()), 3);
         assert_eq!(w4_stages(&[]), 2);
+        // A name that only starts like another is not it.
+        assert_eq!(define_value(&["-DW4_XSX=1".to_string()], "W4_XS"), None);
         assert_eq!(w4_xs(&parse_defines("W4_XS=2, W4_XS=3").unwrap()), 3);
         assert_eq!(w4_xs(&[]), 3);
         assert_eq!(

@@ -873,7 +873,12 @@ fn check_row(
     let y = sc.y.read(&g.stream, 0, m * s.topk * s.hidden, "y")?;
     let pairs = check_pairs(m * s.topk, cfg.check_pairs);
     let y_ref = reference(g, s, m, c, d, &pairs, true)?;
-    let y_exact = reference(g, s, m, c, d, &pairs, false)?;
+    // The exact model differs from the kernels' function only with bf16 activations.
+    let y_exact = if g.w4_xs <= 1 {
+        Some(reference(g, s, m, c, d, &pairs, false)?)
+    } else {
+        None
+    };
     let got: Vec<f32> = pairs
         .iter()
         .flat_map(|&p| {
@@ -882,7 +887,7 @@ fn check_row(
         })
         .collect();
     let (abs, rel) = errors(&got, &y_ref);
-    let (_, rel_exact) = errors(&got, &y_exact);
+    let rel_exact = y_exact.map_or(rel, |e| errors(&got, &e).1);
     Ok((pairs.len(), abs, rel, rel_exact))
 }
 
