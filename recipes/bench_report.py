@@ -4,6 +4,7 @@ findings/bench-moe.md (every figure there comes from these records through this 
 
     python3 recipes/bench_report.py e2e runs/bench-e2e-h200.json
     python3 recipes/bench_report.py moe runs/bench-moe.json [findings/bench-moe-gbs.svg]
+    python3 recipes/bench_report.py trace runs/<dir>/bench_moe_trace.json
 Standard library only."""
 import json
 import os
@@ -129,8 +130,43 @@ def moe(path, svg=None):
               " grouped_mm's time, i.e. what INT4 would need to match it)")
 
 
+def trace(path):
+    """Where a traced bench moe record's time goes (W4_TRACE=1, cuda/src/w4trace.rs): per
+    row, the medians over its traced calls of each phase, us from the call's first release."""
+    b = json.load(open(path))
+    print(f"Record `{path}` (commit {b.get('git_commit')}): {b['device']}, copy {b['copy_gb_s']:.0f} GB/s; "
+          f"defines {' '.join(b.get('kernel_defines') or [])}.\n")
+    print("Phases, median over the traced calls (us from the first release): split done; gate/up "
+          "released first (blocks), walk median / max, done last; down released first / last, walk "
+          "median / max, done last; the traced span against the timed call (events) and the floor.\n")
+    print("| routing | M | split done | gate/up rel. (blocks) | gate/up walk med / max | gate/up done | "
+          "down rel. first / last (blocks) | down walk med / max | down done | span | timed | floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    med = lambda v: sorted(v)[len(v) // 2]
+    for r in b["rows"]:
+        calls = r.get("trace") or []
+        if not calls:
+            continue
+        k = lambda c, name: next((x for x in c["kernels"] if x["kernel"] == name), None)
+        def f(name, get):
+            v = [get(k(c, name)) for c in calls if k(c, name)]
+            return med(v) if v else float("nan")
+        sp, gu, dn = "moe_split_x", "moe_gate_up_w4", "moe_down_w4"
+        print(f"| {r['routing']} | {r['m']} | {f(sp, lambda x: x['done']['max']):.1f} | "
+              f"{f(gu, lambda x: x['released']['min']):.1f} ({f(gu, lambda x: x['blocks']):.0f}) | "
+              f"{f(gu, lambda x: x['walk']['med']):.1f} / {f(gu, lambda x: x['walk']['max']):.1f} | "
+              f"{f(gu, lambda x: x['done']['max']):.1f} | "
+              f"{f(dn, lambda x: x['released']['min']):.1f} / {f(dn, lambda x: x['released']['max']):.1f} "
+              f"({f(dn, lambda x: x['blocks']):.0f}) | "
+              f"{f(dn, lambda x: x['walk']['med']):.1f} / {f(dn, lambda x: x['walk']['max']):.1f} | "
+              f"{f(dn, lambda x: x['done']['max']):.1f} | {med([c['span_us'] for c in calls]):.1f} | "
+              f"{r['experts_us']:.1f} | {r['floor_us']:.1f} |")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "e2e":
         e2e(sys.argv[2])
+    elif sys.argv[1] == "trace":
+        trace(sys.argv[2])
     else:
         moe(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)

@@ -627,6 +627,50 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 #ifndef W4_MINB
 #define W4_MINB 2
 #endif
+// Block trace (issue 12 diagnostics; SPECLAB_KERNEL_DEFINES=W4_TRACE=1, off by default and
+// then compiled out): thread 0 of every working block of moe_split_x, moe_gate_up_w4 and
+// moe_down_w4 appends one record of W4_TRACE_F words to w4_trace: kernel << 48 | SM << 32
+// | block, then %globaltimer (ns) at entry, once the grid-dependency wait returned, after
+// the block's weight walk (the barrier behind every warp's walk), and at the end of
+// thread 0's epilogue.  The host zeroes w4_trace_n before a traced call and reads both
+// back (cuda/src/w4trace.rs, which mirrors the constants); records past W4_TRACE_CAP are
+// counted, not written.  The timer is the one the CUDA events' clock domain shares (PTX
+// ISA, special register %globaltimer).
+#ifndef W4_TRACE
+#define W4_TRACE 0
+#endif
+#define W4_TRACE_CAP 16384
+#define W4_TRACE_F 5
+#if W4_TRACE
+__device__ unsigned long long w4_trace[W4_TRACE_CAP * W4_TRACE_F];
+__device__ unsigned int w4_trace_n;
+#endif
+struct W4Clock {
+#if W4_TRACE
+    unsigned long long t[4];
+#endif
+    // Time mark I (0 entry, 1 released, 2 walked, 3 done), thread 0 only.
+    template <int I>
+    __device__ __forceinline__ void mark() {
+#if W4_TRACE
+        if (threadIdx.x == 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t[I]));
+#endif
+    }
+    // Append this block's record as kernel `k` (1 split, 2 gate/up, 3 down).
+    __device__ __forceinline__ void put(int k) const {
+#if W4_TRACE
+        if (threadIdx.x != 0) return;
+        u32 sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        const u32 slot = atomicAdd(&w4_trace_n, 1u);
+        if (slot >= W4_TRACE_CAP) return;
+        unsigned long long* r = w4_trace + (size_t)slot * W4_TRACE_F;
+        r[0] = (unsigned long long)k << 48 | (unsigned long long)sm << 32 | blockIdx.x;
+        for (int i = 0; i < 4; ++i) r[1 + i] = t[i];
+#endif
+    }
+};
+
 // Asynchronous 16-byte copy global -> shared, L2 only (sm_80+ cp.async, as Marlin's
 // multi-stage pipeline: vLLM csrc/quantization/gptq_marlin/marlin.cuh cp_async4).
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -668,11 +712,17 @@ __device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], u32 b0, u32
 // Launch: grid (ceil(T K / 4 / 128)), block 128: one thread per (row, k16 step, t).
 extern "C" __global__ void moe_split_x(u32* __restrict__ xs, const float* __restrict__ x, int T,
                                        int K) {
+    W4Clock ck;
+    ck.mark<0>();
     pdl_enter();
+    ck.mark<1>();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)T * (K / 4)) return;
+    if (i >= (long long)T * (K / 4)) return;  // thread 0's i is the block's first
     const int row = (int)(i / (K / 4));
     w4_split_item(xs, x + (size_t)row * K, row, K, (int)(i % (K / 4)));
+    ck.mark<2>();
+    ck.mark<3>();
+    ck.put(1);
 }
 
 // Column modes of a tile's mma (uniform per block), from its pair count np:
@@ -1070,7 +1120,8 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
                                         const int* __restrict__ sorted,
                                         const int* __restrict__ tile_expert, int div, int N,
                                         int K, int ks, int tile, int bx,
-                                        const int* wait, int need, bool pre) {
+                                        const int* wait, int need, bool pre,
+                                        W4Clock& ck) {
     const int nrb = N * NMAT / 64, per = W4_WARPS / ks;
     const int e = pre ? __ldcg(tile_expert + tile) : tile_expert[tile];
     extern __shared__ uint4 w4_smem[];
@@ -1093,7 +1144,10 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
         const int* sp = sorted + (size_t)tile * ROWS_PER_TILE + threadIdx.x;
         tp[threadIdx.x] = pre ? __ldcg(sp) : *sp;
     }
-    if (pre) pdl_enter();  // every thread: the B operand below is the previous grid's output
+    if (pre) {
+        pdl_enter();  // every thread: the B operand below is the previous grid's output
+        ck.mark<1>();
+    }
     if (wait) {
         w4_wait(wait, need);  // includes the barrier
     } else {
@@ -1130,7 +1184,9 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
         w4_run<2, CG>(red, l, b0, b1, h0, h1, live);
     }
     __syncthreads();  // every thread reaches it
+    ck.mark<2>();
     w4_epilogue<NMAT>(red, y, hs, topk_w, tp, np, mode, ks, nrb, N, bx);
+    ck.mark<3>();
 }
 
 // One block: item `bid` of (real tile, group of W4_WARPS / ks row blocks), tile-major;
@@ -1155,14 +1211,20 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
                                        const int* __restrict__ tile_expert, int div, int N,
                                        int K, int max_tiles, int ks_hi, W4_SEG_PARAMS,
                                        bool pre, int bid) {
-    if (!pre) pdl_enter();
+    W4Clock ck;
+    ck.mark<0>();
+    if (!pre) {
+        pdl_enter();
+        ck.mark<1>();
+    }
     const int nrb = N * NMAT / 64;
     const int ntiles = pre ? __ldcg(tile_expert + max_tiles) : tile_expert[max_tiles];
     const int ks = w4_split(ntiles, ks_hi, W4_SEG_ARGS);
     const int xneed = w4_groups(nrb, ks);
     if (bid >= ntiles * xneed) return;  // uniform per block
     w4_item<NMAT, false>(y, hs, xs, qw, scw, topk_w, sorted, tile_expert, div, N, K, ks,
-                         bid / xneed, bid % xneed, nullptr, 0, pre);
+                         bid / xneed, bid % xneed, nullptr, 0, pre, ck);
+    ck.put(NMAT == 2 ? 2 : 3);
 }
 
 // Routed experts gate/up + SiLU, INT4: h[p, n] = silu(x[p / topk] . Wg[e, n]) *
@@ -1256,6 +1318,7 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_experts
     if (threadIdx.x == 0) ticket = atomicAdd(sync, 1);
     __syncthreads();
     const int item = ticket;
+    W4Clock ck;  // the fused kernel is not traced (its marks are never put)
     const int ntiles = tile_expert[max_tiles];
     const int nrb_gu = 2 * Im / 64, nrb_dn = H / 64;
     const int ks_gu = w4_ks(nrb_gu, ntiles, ks_hi_gu, target);
@@ -1278,17 +1341,17 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_experts
         const uint4* sc = reinterpret_cast<const uint4*>(s13);
         if (nsplit) {
             w4_item<2, true>(nullptr, h, xs, q, sc, nullptr, sorted, tile_expert, topk, Im, H,
-                             ks_gu, tile, bx, sync + 2, nsplit, false);
+                             ks_gu, tile, bx, sync + 2, nsplit, false, ck);
         } else {
             w4_item<2, false>(nullptr, h, xs, q, sc, nullptr, sorted, tile_expert, topk, Im, H,
-                              ks_gu, tile, bx, nullptr, 0, false);
+                              ks_gu, tile, bx, nullptr, 0, false, ck);
         }
         w4_signal(gu_done + tile);
     } else if (item < nsplit + ngu + ndn) {
         const int j = item - nsplit - ngu, tile = j / xdn;
         w4_item<1, true>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
                          reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, H, Im,
-                         ks_dn, tile, j % xdn, gu_done + tile, xgu, false);
+                         ks_dn, tile, j % xdn, gu_done + tile, xgu, false, ck);
     }
     // Every block, item or not, counts out; the last one resets what this launch touched.
     const int out = w4_signal(sync + 1);

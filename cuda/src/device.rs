@@ -220,6 +220,9 @@ pub struct Gpu {
     /// The wave rule's band: [`crate::launch::WaveBand::for_xs`] of `w4_xs`, or
     /// `SPECLAB_W4_BAND`.
     pub w4_band: crate::launch::WaveBand,
+    /// linear.cu's module when its kernels were compiled with `W4_TRACE=1` (block traces
+    /// of the INT4 expert kernels, [`crate::w4trace`]), else `None`.
+    pub w4_trace: Option<Arc<cudarc::driver::CudaModule>>,
     /// While profiling: (kernel name, an event recorded right after its launch).
     pub profile: std::cell::RefCell<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
 }
@@ -275,6 +278,9 @@ impl Gpu {
             .map_err(|e| CudaError::driver("new_stream", e))?;
         let dir = kernels::cache_dir();
         let mut funcs = HashMap::new();
+        let defines = kernels::env_defines()?;
+        let traced = kernels::define_value(&defines, "W4_TRACE").unwrap_or(0) != 0;
+        let mut w4_trace = None;
         for src in kernels::SOURCES {
             let ptx = kernels::compile(src, &arch, &dir)?;
             let module = ctx
@@ -292,9 +298,12 @@ impl Gpu {
                 }
                 funcs.insert(entry, f);
             }
+            if traced && src.name == "linear.cu" {
+                w4_trace = Some(module);
+            }
         }
         let w4_slots = w4_slots(&ctx, &funcs)?;
-        let w4_xs = kernels::w4_xs(&kernels::env_defines()?);
+        let w4_xs = kernels::w4_xs(&defines);
         let w4_band = crate::launch::WaveBand::for_xs(
             w4_xs,
             std::env::var(crate::launch::W4_BAND_ENV).ok().as_deref(),
@@ -332,22 +341,29 @@ impl Gpu {
             w4_pre: env_on("SPECLAB_W4_PRE"),
             w4_waves: env_on("SPECLAB_W4_WAVES"),
             merge_shared: env_on("SPECLAB_SHARED_MERGE"),
+            w4_trace,
             profile: std::cell::RefCell::new(None),
         })
+    }
+
+    /// Hold the stream for `cycles` SM clocks (one thread of kernel `spin_wait`), so that
+    /// the launches enqueued next queue up behind it as they would behind real work.
+    pub fn spin(&self, cycles: i64) -> Result<()> {
+        let args = [crate::ops::Arg::L(cycles)];
+        let one = crate::launch::Shape {
+            grid: (1, 1, 1),
+            block: (1, 1, 1),
+            smem: 0,
+        };
+        // SAFETY: spin_wait takes one `long long` and touches no memory.
+        unsafe { crate::ops::launch(self, "spin_wait", one, &args) }
     }
 
     /// Start recording an event after every launch (eager steps only: events cannot be
     /// recorded inside a graph capture). The first entry is the start mark.
     pub fn profile_start(&self) -> Result<()> {
         // ~5 ms at the H200's ~2 GHz: longer than the host takes to enqueue a step.
-        let args = [crate::ops::Arg::L(10_000_000)];
-        // SAFETY: spin_wait takes one `long long` and touches no memory.
-        let one = crate::launch::Shape {
-            grid: (1, 1, 1),
-            block: (1, 1, 1),
-            smem: 0,
-        };
-        unsafe { crate::ops::launch(self, "spin_wait", one, &args)? };
+        self.spin(10_000_000)?;
         let e = self.timing_event()?;
         *self.profile.borrow_mut() = Some(vec![("start", e)]);
         Ok(())

@@ -36,8 +36,9 @@ pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// positions `paged_attention` loads per warp pass; `W4_MINB`: the INT4 expert GEMMs'
 /// `__launch_bounds__` blocks an SM, which caps their registers; the host reads the
 /// resulting occupancy, so the K-split rule's wave follows it; `W4_STAGES`: their weight
-/// stages, 2 or 3, with the blocks' shared memory following, `launch::w4_smem`).
-pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 7] = [
+/// stages, 2 or 3, with the blocks' shared memory following, `launch::w4_smem`;
+/// `W4_TRACE`: block traces of the INT4 expert kernels, `crate::w4trace`).
+pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 8] = [
     ("W4_XS", 1..=3),
     ("W4_MINB", 1..=4),
     ("W4_STAGES", 2..=3),
@@ -45,6 +46,7 @@ pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 7] = [
     ("W4_PACK2_HALVES", 1..=64),
     ("LT_PREWAIT", 0..=1),
     ("ATT_INFLIGHT", 1..=8),
+    ("W4_TRACE", 0..=1),
 ];
 
 /// The prelude prepended to every source.

@@ -21,7 +21,8 @@
 //! [`dflash`] / [`dflash_plan`] (the DFlash2 drafter on the device, beside the target),
 //! [`gemm_check`] (the register-tiled bf16 GEMMs against the per-column ones, and the
 //! router with the fused norm against `rmsnorm` + router, bit for bit), [`sample`] (the
-//! device sampler: rejection sampling where the logits are).
+//! device sampler: rejection sampling where the logits are), [`w4trace`] (block traces of
+//! the INT4 expert kernels, `W4_TRACE=1`).
 //!
 //! Invariants: numerics follow docs/model.md §1 (f32 compute; bf16 weights widened
 //! exactly; INT4 dequantized to exact f32 products); every launch's bounds are checked
@@ -50,6 +51,7 @@ pub mod repack;
 pub mod sample;
 pub mod seam;
 pub mod step;
+pub mod w4trace;
 pub mod weights;
 pub mod workspace;
 

@@ -369,6 +369,59 @@ pub struct MoeRow {
     /// precision (equal to `max_rel_err` at the default 3).
     pub max_rel_err_exact: f64,
     pub pass: bool,
+    /// Block traces of [`TRACE_CALLS`] more experts calls, when the kernels were compiled
+    /// with `W4_TRACE=1` ([`crate::w4trace`]; the timed calls above are not traced).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trace: Option<Vec<crate::w4trace::CallTrace>>,
+}
+
+/// Traced experts calls a row, each on the next layer copy (cold in L2 as the timed ones).
+pub const TRACE_CALLS: usize = 3;
+
+/// The block traces of [`TRACE_CALLS`] experts calls on copies / draws `first`, `first +
+/// 1`, ...: each behind a spin kernel, so its launches are queued before the first runs,
+/// as in the back-to-back timed calls.
+fn trace_row(
+    g: &Gpu,
+    s: &MoeShape,
+    m: usize,
+    copies: &[LayerCopy],
+    draws: &[DevDraw],
+    sc: &Scratch,
+    first: usize,
+) -> Result<Vec<crate::w4trace::CallTrace>> {
+    let n = copies.len();
+    (first..first + TRACE_CALLS)
+        .map(|i| {
+            crate::w4trace::reset(g)?;
+            g.spin(1_000_000)?;
+            experts_call(g, s, m, &copies[i % n], &draws[i % n], sc)?;
+            let (recs, dropped) = crate::w4trace::read(g)?;
+            Ok(crate::w4trace::summarize(&recs, dropped))
+        })
+        .collect()
+}
+
+/// One log line of a traced call: per kernel, blocks, release first / last, walk median /
+/// max, last block done (µs from the call's first release).
+fn trace_line(c: &crate::w4trace::CallTrace) -> String {
+    let mut out = format!("    trace span {:.1} us", c.span_us);
+    for k in &c.kernels {
+        out += &format!(
+            " | {} {} blk: released {:.1}..{:.1} walk {:.1}/{:.1} done {:.1}",
+            k.kernel.trim_start_matches("moe_"),
+            k.blocks,
+            k.released.min,
+            k.released.max,
+            k.walk.med,
+            k.walk.max,
+            k.done.max
+        );
+    }
+    if c.dropped > 0 {
+        out += &format!(" ({} records dropped)", c.dropped);
+    }
+    out
 }
 
 /// The record of one run.
@@ -950,6 +1003,10 @@ fn run_row(
         layer_call(g, s, m, &copies[i % n], &draws[i % n], &sc)
     })?;
     let (pairs, abs, rel, rel_exact) = check_row(g, cfg, m, &copies[0], &draws[0], &sc)?;
+    let trace = match g.w4_trace {
+        Some(_) => Some(trace_row(g, s, m, copies, &draws, &sc, cfg.iters)?),
+        None => None,
+    };
     let mean = |f: &dyn Fn(&Draw) -> f64| draws.iter().map(|d| f(&d.draw)).sum::<f64>() / n as f64;
     let distinct = mean(&|d| d.distinct() as f64);
     let tiles = mean(&|d| launch::moe_tiles_used(&d.counts(s.experts)) as f64);
@@ -983,6 +1040,7 @@ fn run_row(
         max_rel_err: rel,
         max_rel_err_exact: rel_exact,
         pass: rel < ref_tol(xs),
+        trace,
     })
 }
 
@@ -1037,6 +1095,9 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
                 r.max_rel_err_exact,
                 if r.pass { "" } else { "  FAIL" }
             ));
+            for c in r.trace.iter().flatten() {
+                log(&trace_line(c));
+            }
             rows.push(r);
         }
     }

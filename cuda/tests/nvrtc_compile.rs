@@ -75,6 +75,20 @@ fn every_kernel_compiles_to_ptx_for_sm_90a() {
         }
         std::env::remove_var(kernels::DEFINES_ENV);
     }
+    // The block trace (W4_TRACE=1, cuda/src/w4trace.rs) declares the globals the host reads.
+    let linear = SOURCES.iter().find(|s| s.name == "linear.cu").unwrap();
+    std::env::set_var(kernels::DEFINES_ENV, "W4_XS=1, W4_TRACE=1");
+    match kernels::compile(linear, kernels::DEFAULT_ARCH, &dir) {
+        Ok(p) => {
+            for global in ["w4_trace[", "w4_trace_n"] {
+                if !p.ptx.contains(global) {
+                    failures.push(format!("linear.cu W4_TRACE=1: no global {global}"));
+                }
+            }
+        }
+        Err(e) => failures.push(format!("linear.cu W4_TRACE=1: {e}")),
+    }
+    std::env::remove_var(kernels::DEFINES_ENV);
     // The second compile of one source is served from the cache.
     let again = kernels::compile(&SOURCES[0], kernels::DEFAULT_ARCH, &dir).unwrap();
     assert!(again.cached, "second compile was not a cache hit");
