@@ -12,7 +12,10 @@
 //! - `experts_us`: the engine's routed-expert kernels, `moe_gate_up_w4` + `moe_down_w4`
 //!   ([`ops::moe_experts`], the call `step.rs` makes), on routing injected after the
 //!   router (`moe_align` of the draw done once beforehand). This is "the MoE kernel" whose
-//!   GB/s the goals are about.
+//!   GB/s the goals are about. The exact kernels take `moe_split_x` of the f32 input
+//!   first; with bf16 activations (`W4_XS=1`) gate/up reads the f32 input itself and
+//!   rounds it as the split would (the same bits, checked on every row:
+//!   `direct_split_differ`), as a W4A16 kernel takes its bf16 input.
 //! - `layer_us`: the whole MoE layer as `step.rs` runs it: router GEMV (`linear_bf16`),
 //!   `moe_topk` (its choice discarded), `moe_align` of the injected routing, the experts,
 //!   the bf16 shared expert (`swiglu_dense_bf16` + `linear_bf16`), `moe_combine`.
@@ -369,6 +372,10 @@ pub struct MoeRow {
     /// precision (equal to `max_rel_err` at the default 3).
     pub max_rel_err_exact: f64,
     pub pass: bool,
+    /// With gate/up reading the f32 input (bf16 activations, [`experts_input`]): the
+    /// routed outputs that differ in any bit from the `moe_split_x` path's on the checked
+    /// draw (must be 0 for `pass`); `None` when the split path is the timed one.
+    pub direct_split_differ: Option<usize>,
     /// Block traces of [`TRACE_CALLS`] more experts calls, when the kernels were compiled
     /// with `W4_TRACE=1` ([`crate::w4trace`]; the timed calls above are not traced).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -640,10 +647,27 @@ fn experts_call(
     d: &DevDraw,
     sc: &Scratch,
 ) -> Result<()> {
-    ops::moe_experts(g, &d.routing(s, m), &experts_of(s, c, d, sc, None))
+    let ex = experts_of(s, c, d, sc, None, experts_input(g, true));
+    ops::moe_experts(g, &d.routing(s, m), &ex)
 }
 
-/// The routed experts of copy `c` on draw `d` into `sc` (the input split by the launch),
+/// The activations of an experts call: with bf16 activations (`W4_XS` 1) gate/up reads
+/// the f32 input itself (unless `SPECLAB_W4_DIRECT=0`, [`Gpu::w4_direct`]), as a W4A16
+/// MoE kernel takes its bf16 input; the exact kernels
+/// need `moe_split_x` first. `settled`: the routing was written before the grid before
+/// gate/up (the timed experts call's injected routing; not in the layer call, whose
+/// `moe_align` runs right before).
+fn experts_input(g: &Gpu, settled: bool) -> ops::ExpertInput {
+    if g.w4_xs == 1 && g.w4_direct && !launch::moe_fused() {
+        ops::ExpertInput::Direct {
+            routing_settled: settled,
+        }
+    } else {
+        ops::ExpertInput::Split
+    }
+}
+
+/// The routed experts of copy `c` on draw `d` into `sc`, the activations as `input` says,
 /// with `shared` merged into the gate/up launch when given.
 fn experts_of<'a>(
     s: &MoeShape,
@@ -651,12 +675,13 @@ fn experts_of<'a>(
     d: &'a DevDraw,
     sc: &'a Scratch,
     shared: Option<ops::Swiglu<'a>>,
+    input: ops::ExpertInput,
 ) -> ops::Experts<'a> {
     ops::Experts {
         w: c.experts(),
         x: &d.x,
         xs: &sc.xs,
-        xs_ready: false,
+        input,
         h: &sc.h,
         y: &sc.y,
         sync: &sc.sync,
@@ -693,6 +718,7 @@ pub fn shared_merge_parity(g: &Gpu, out: &mut Vec<crate::check::CheckLine>) -> R
                 &d,
                 &sc,
                 merged.then(|| ex_shared(&sc, &d, &c, &s, m)),
+                ops::ExpertInput::Split,
             );
             ops::moe_experts(g, &d.routing(&s, m), &ex)?;
             if !merged {
@@ -774,7 +800,11 @@ fn layer_call(
     };
     ops::moe_topk(g, &topk, &sc.logits, &c.bias, true, RSF)?;
     ops::moe_align(g, &r)?;
-    experts_call(g, s, m, c, d, sc)?;
+    ops::moe_experts(
+        g,
+        &r,
+        &experts_of(s, c, d, sc, None, experts_input(g, false)),
+    )?;
     ops::swiglu(
         g,
         &ops::Swiglu {
@@ -920,10 +950,28 @@ fn check_row(
     c: &LayerCopy,
     d: &DevDraw,
     sc: &Scratch,
-) -> Result<(usize, f64, f64, f64)> {
+) -> Result<(usize, f64, f64, f64, Option<usize>)> {
     let s = &cfg.shape;
+    let n = m * s.topk * s.hidden;
+    // With gate/up reading the f32 input, the split path must give the same bits.
+    let differ = match experts_input(g, true) {
+        ops::ExpertInput::Split => None,
+        _ => {
+            let split = experts_of(s, c, d, sc, None, ops::ExpertInput::Split);
+            ops::moe_experts(g, &d.routing(s, m), &split)?;
+            let y_split = sc.y.read(&g.stream, 0, n, "y (split)")?;
+            experts_call(g, s, m, c, d, sc)?;
+            let y = sc.y.read(&g.stream, 0, n, "y")?;
+            Some(
+                y.iter()
+                    .zip(&y_split)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count(),
+            )
+        }
+    };
     experts_call(g, s, m, c, d, sc)?;
-    let y = sc.y.read(&g.stream, 0, m * s.topk * s.hidden, "y")?;
+    let y = sc.y.read(&g.stream, 0, n, "y")?;
     let pairs = check_pairs(m * s.topk, cfg.check_pairs);
     let y_ref = reference(g, s, m, c, d, &pairs, true)?;
     // The exact model differs from the kernels' function only with bf16 activations.
@@ -941,7 +989,7 @@ fn check_row(
         .collect();
     let (abs, rel) = errors(&got, &y_ref);
     let rel_exact = y_exact.map_or(rel, |e| errors(&got, &e).1);
-    Ok((pairs.len(), abs, rel, rel_exact))
+    Ok((pairs.len(), abs, rel, rel_exact, differ))
 }
 
 /// The K split of each draw's gate/up and down launches: the launch shapes
@@ -1002,7 +1050,7 @@ fn run_row(
     let ly = time_calls(g, cfg.iters, |i| {
         layer_call(g, s, m, &copies[i % n], &draws[i % n], &sc)
     })?;
-    let (pairs, abs, rel, rel_exact) = check_row(g, cfg, m, &copies[0], &draws[0], &sc)?;
+    let (pairs, abs, rel, rel_exact, differ) = check_row(g, cfg, m, &copies[0], &draws[0], &sc)?;
     let trace = match g.w4_trace {
         Some(_) => Some(trace_row(g, s, m, copies, &draws, &sc, cfg.iters)?),
         None => None,
@@ -1039,7 +1087,8 @@ fn run_row(
         max_abs_err: abs,
         max_rel_err: rel,
         max_rel_err_exact: rel_exact,
-        pass: rel < ref_tol(xs),
+        pass: rel < ref_tol(xs) && differ.unwrap_or(0) == 0,
+        direct_split_differ: differ,
         trace,
     })
 }
@@ -1124,7 +1173,7 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         w4_slots: g.w4_slots,
         w4_band: g.w4_band,
         moe_fused: launch::moe_fused(),
-        timing: "CUDA events around single calls, median of iters; experts = moe_split_x + moe_gate_up_w4 + moe_down_w4, or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",
+        timing: "CUDA events around single calls, median of iters; experts = moe_split_x + moe_gate_up_w4 + moe_down_w4 (with bf16 activations, W4_XS=1: moe_gate_up_w4 reading the f32 input + moe_down_w4, no split), or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",
         all_pass: rows.iter().all(|r| r.pass),
         rows,
     })

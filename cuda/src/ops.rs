@@ -660,7 +660,7 @@ pub struct Router<'a> {
     /// Shape: [E].
     pub bias: &'a DevBuf<f32>,
     /// Shape: [T, K W4_XS_MAX / 2]: the INT4 experts' split input, written on the way
-    /// (then [`Experts::xs_ready`]); `None` writes nothing.
+    /// (then [`ExpertInput::Ready`]); `None` writes nothing.
     pub xs: Option<&'a DevBuf<f32>>,
     /// The post-attention rmsnorm fused in: (raw residual [T, K], norm weight [K], eps).
     /// The kernel writes rmsnorm(residual) into `x` (bit for bit kernel `rmsnorm`) and
@@ -841,8 +841,8 @@ pub struct Experts<'a> {
     pub x: &'a DevBuf<f32>,
     /// Shape: [T, H W4_XS_MAX / 2] scratch: the split input of the INT4 kernels.
     pub xs: &'a DevBuf<f32>,
-    /// `xs` already holds the split of `x` (the fused router wrote it): no `moe_split_x`.
-    pub xs_ready: bool,
+    /// Where the INT4 gate/up launch takes its activations from.
+    pub input: ExpertInput,
     /// Shape: [P, Im] scratch.
     pub h: &'a DevBuf<f32>,
     /// Shape: [P, H] output.
@@ -858,11 +858,31 @@ pub struct Experts<'a> {
     pub shared: Option<Swiglu<'a>>,
 }
 
+/// Where the INT4 gate/up launch of [`moe_experts`] takes its activations from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertInput {
+    /// `moe_split_x` splits `x` into `xs` first (so the routing is two grids back).
+    Split,
+    /// `xs` already holds the split of `x` (the fused router wrote it, the grid before).
+    Ready,
+    /// gate/up reads the f32 `x` itself and rounds it to bf16 as the split would (linear.cu
+    /// `W4BF`): bf16 activations (`W4_XS` 1) only, no split launch, not with the shared
+    /// expert merged in or the fused kernel. `routing_settled`: the routing was written
+    /// before the grid before gate/up (bench moe's injected routing), so gate/up's weight
+    /// prologue may read it before the grid-dependency wait.
+    Direct { routing_settled: bool },
+}
+
 /// The weight-prologue flags (`pre`) of the INT4 gate/up and down launches: the routing
 /// must be at least two grids back (linear.cu `w4_mma`). Down always has gate/up between;
-/// gate/up only when `moe_split_x` runs after the routing (`xs_ready` false).
-fn w4_pre(g: &Gpu, xs_ready: bool) -> [bool; 2] {
-    [g.w4_pre && !xs_ready, g.w4_pre]
+/// gate/up when `moe_split_x` runs after the routing, or the routing is settled.
+fn w4_pre(g: &Gpu, input: ExpertInput) -> [bool; 2] {
+    let gate_up = match input {
+        ExpertInput::Split => true,
+        ExpertInput::Ready => false,
+        ExpertInput::Direct { routing_settled } => routing_settled,
+    };
+    [g.w4_pre && gate_up, g.w4_pre]
 }
 
 /// What the INT4 expert GEMMs of `t` tokens routed top-`k` over a grid of `max_tiles`
@@ -964,6 +984,14 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
             "moe_experts: the shared expert rides only on the separate INT4 gate/up launch (internal)".into(),
         ));
     }
+    let direct = matches!(a.input, ExpertInput::Direct { .. });
+    if direct && (!int4 || g.w4_xs != 1 || launch::moe_fused() || a.shared.is_some()) {
+        return Err(CudaError::Input(format!(
+            "moe_experts: gate/up reads f32 activations only in the separate INT4 launch \
+             without the shared expert, with bf16 activations (W4_XS=1; compiled {}) (internal)",
+            g.w4_xs
+        )));
+    }
     if int4 && launch::moe_fused() {
         let fused = Fused {
             gu_w,
@@ -976,7 +1004,7 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     }
     let mut args = if int4 {
         let xs = ptr(a.xs, 0, r.t * hd * launch::W4_XS_MAX / 2, "moe xs")?;
-        if !a.xs_ready {
+        if a.input == ExpertInput::Split {
             let split = [xs, x, int(r.t, "T")?, int(hd, "K")?];
             // SAFETY: xs [T, H W4_XS_MAX / 2] words, x [T, H] checked; H % 128 == 0 (above).
             unsafe {
@@ -1000,15 +1028,22 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
         int(im, "N")?,
         int(hd, "K")?,
     ]);
-    let pre = w4_pre(g, a.xs_ready);
+    let pre = w4_pre(g, a.input);
     args.extend(w4_tail(gu_ks, pre[0])?);
     match &a.shared {
-        // SAFETY: h [P, Im] (INT4: P Im W4_XS_MAX / 2 words), x [T, H], the expert weights
-        // [E, Im, 2, H] (as words / scales), sorted [8 max_tiles], tile_expert
-        // [max_tiles + 1] checked; pair ids in `sorted` are < P and tile experts < E (moe_align's output over
-        // ids < E). The INT4 kernels touch whole row blocks of 64 rows only (2 Im, H % 64 == 0,
-        // checked by moe_w4; launch.rs tests the row-block cover).
-        None => unsafe { launch(g, gu_name, gu_shape, &args)? },
+        None => {
+            if int4 {
+                // xf: the f32 input for ExpertInput::Direct (checked above), else null.
+                args.push(if direct { x } else { Arg::P(0) });
+            }
+            // SAFETY: h [P, Im] (INT4: P Im W4_XS_MAX / 2 words), x [T, H] (rows 8-byte
+            // aligned: H % 128 == 0), the expert weights [E, Im, 2, H] (as words / scales),
+            // sorted [8 max_tiles], tile_expert [max_tiles + 1] checked; pair ids in
+            // `sorted` are < P and tile experts < E (moe_align's output over ids < E). The
+            // INT4 kernels touch whole row blocks of 64 rows only (2 Im, H % 64 == 0,
+            // checked by moe_w4; launch.rs tests the row-block cover).
+            unsafe { launch(g, gu_name, gu_shape, &args)? }
+        }
         Some(sw) => gate_up_shared(g, sw, gu_shape, args)?,
     }
     let mut args = vec![y, h];
@@ -1049,7 +1084,7 @@ struct Fused {
     target: usize,
 }
 
-/// Kernel `moe_experts_w4`: split (unless `xs_ready`), gate/up and down in one launch.
+/// Kernel `moe_experts_w4`: split (unless `xs` is ready), gate/up and down in one launch.
 /// `p` = the checked pointers sorted, tile_expert, h, x, y, wts of `moe_experts`.
 fn moe_experts_fused(
     g: &Gpu,
@@ -1060,7 +1095,8 @@ fn moe_experts_fused(
 ) -> Result<()> {
     let [sorted, tiles, h, x, y, wts] = p;
     let (hd, im) = (a.hidden, a.inter);
-    let split_chunks = if a.xs_ready {
+    let ready = a.input == ExpertInput::Ready;
+    let split_chunks = if ready {
         0
     } else {
         (r.t * hd / 4).div_ceil(32 * launch::W4_WARPS as usize)
@@ -1072,7 +1108,7 @@ fn moe_experts_fused(
         y,
         h,
         ptr(a.xs, 0, r.t * hd * launch::W4_XS_MAX / 2, "moe xs")?,
-        if a.xs_ready { Arg::P(0) } else { x },
+        if ready { Arg::P(0) } else { x },
         int(r.t, "T")?,
     ];
     args.extend(f.gu_w);

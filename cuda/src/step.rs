@@ -607,7 +607,11 @@ impl CudaBackend {
             w,
             x: &ws.a,
             xs: &ws.xs_moe,
-            xs_ready: fused_split,
+            input: if fused_split {
+                ops::ExpertInput::Ready
+            } else {
+                ops::ExpertInput::Split
+            },
             h: &ws.h_moe,
             y: &ws.y_pairs,
             sync: &ws.moe_sync,
