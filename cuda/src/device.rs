@@ -525,8 +525,15 @@ mod tests {
             "float nw0 = 0.0f, b0 = 0.0f;",
             "if (pre && norm_w != nullptr && threadIdx.x < K) nw0 = norm_w[threadIdx.x];",
             "if (pre && warp < E) b0 = bias[warp];",
-            // w4_mma: the wait unless `pre` (then in w4_item, after the routing reads).
+            // w4_mma: the wait unless `pre` (then in w4_item, after the routing reads);
+            // its block-trace clock (W4_TRACE, registers only).
             "if (!pre)",
+            "W4Clock ck;",
+            "ck.mark<0>();",
+            // moe_gate_up_w4: no f32 input unless compiled for bf16 activations.
+            "#if W4_XS != 1",
+            "xf = nullptr;",
+            "#endif",
             // kda_recurrent_impl: indices, shared arrays, the weight rows' L2 prefetch.
             "__shared__ float ",
             "const int h = blockIdx.x, s = blockIdx.y, j = threadIdx.x;",
