@@ -785,30 +785,6 @@ __device__ __forceinline__ void w4_load_b(W4B<MODE>& b, const uint2* __restrict_
     }
 }
 
-#if W4_XS == 1
-// The B operand of a half group read straight from the f32 activations (gate/up with `xf`,
-// W4_XS 1: no moe_split_x): this lane's pairs (2t, 2t + 1) and (2t + 8, 2t + 9) of each k16
-// step as loaded, rounded to bf16 pairs (pack_bf2, as w4_split_item rounds them) only when
-// multiplied (w4_take), so the next half's loads stay in flight meanwhile.
-struct W4BF {
-    float2 v[4][2];
-};
-
-// As w4_load_b, from f32 activations: `b0` = this lane's row of x + 2t (as uint2*), k16
-// step s at + 8 s float2s, its high pair 4 float2s further.
-template <int MODE, bool CG>
-__device__ __forceinline__ void w4_load_b(W4BF& b, const uint2* __restrict__ b0,
-                                          const uint2* __restrict__, int hg) {
-    const float2* f = reinterpret_cast<const float2*>(b0);
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-        const float2* p = f + (size_t)(hg * 4 + u) * 8;
-        b.v[u][0] = CG ? __ldcg(p) : __ldg(p);
-        b.v[u][1] = CG ? __ldcg(p + 4) : __ldg(p + 4);
-    }
-}
-#endif
-
 // Word i (0..3) of a uint4 (i a compile-time constant after unrolling).
 __device__ __forceinline__ u32 w4_word(const uint4& a, int i) {
     return i == 0 ? a.x : i == 1 ? a.y : i == 2 ? a.z : a.w;
@@ -910,34 +886,18 @@ __device__ __forceinline__ void w4_take(float acc[][W4_RT][4], const W4Lane& l, 
     }
 }
 
-#if W4_XS == 1
-// w4_take (mode 0) of a B operand loaded as f32 pairs: rounded to bf16 pairs here.
-template <int MODE>
-__device__ __forceinline__ void w4_take(float acc[][W4_RT][4], const W4Lane& l, int j,
-                                        const W4BF& f) {
-    static_assert(MODE == 0, "f32 activations are read in the packed mode only");
-    W4B<0> b;
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-        b.v[u][0] = pack_bf2(f.v[u][0].x, f.v[u][0].y);
-        b.v[u][1] = pack_bf2(f.v[u][1].x, f.v[u][1].y);
-    }
-    w4_take<0>(acc, l, j, b);
-}
-#endif
-
 // acc += sum over half groups [h0, h1) of scale * W x, after the copy of half h0 into
 // slot 0 was issued and committed.  Double buffer, unrolled by two so the slots and the
 // two B operands are fixed registers: while half j is multiplied, half j + 1's weights
 // (cp.async) and B operand (registers) are in flight.
-template <int MODE, bool CG, class B = W4B<MODE>>
+template <int MODE, bool CG>
 __device__ __forceinline__ void w4_walk(float acc[][W4_RT][4], const W4Lane& l,
                                         const uint2* __restrict__ b0,
                                         const uint2* __restrict__ b1, int h0, int h1) {
     // Mode 1 (two accumulator sets) has one B buffer, loaded just before its half's
     // weights are waited for: a second one spills (ptxas, 128 registers).
     constexpr bool ONE = MODE == 1;
-    B x0, x1;
+    W4B<MODE> x0, x1;
     w4_load_b<MODE, CG>(x0, b0, b1, h0);
     for (int h = h0; h < h1; h += 2) {
         const bool two = h + 1 < h1;
@@ -963,11 +923,11 @@ __device__ __forceinline__ void w4_walk(float acc[][W4_RT][4], const W4Lane& l,
 // One step of the triple-buffered walk: half `next` (if below h1) into slot (J + 2) % 3 with
 // its B operand into `xn`, one group committed either way, then the half in slot J, which
 // has landed once at most two groups are pending, multiplied with `xj`.
-template <int MODE, bool CG, int J, class B>
+template <int MODE, bool CG, int J>
 __device__ __forceinline__ void w4_step3(float acc[][W4_RT][4], const W4Lane& l,
                                          const uint2* __restrict__ b0,
                                          const uint2* __restrict__ b1, int next, int h1,
-                                         B& xn, const B& xj) {
+                                         W4B<MODE>& xn, const W4B<MODE>& xj) {
     if (next < h1) w4_issue(l, next, (J + 2) % 3);
     cp_async_commit();
     if (next < h1) w4_load_b<MODE, CG>(xn, b0, b1, next);
@@ -980,7 +940,7 @@ __device__ __forceinline__ void w4_step3(float acc[][W4_RT][4], const W4Lane& l,
 // the three B operands are fixed registers.  One group is committed per half, empty past
 // h1, so `cp.async.wait_group 2` always means "half h has landed".  The sums are those of
 // w4_walk, in the same order.
-template <int MODE, bool CG, class B = W4B<MODE>>
+template <int MODE, bool CG>
 __device__ __forceinline__ void w4_walk3(float acc[][W4_RT][4], const W4Lane& l,
                                          const uint2* __restrict__ b0,
                                          const uint2* __restrict__ b1, int h0, int h1) {
@@ -988,18 +948,18 @@ __device__ __forceinline__ void w4_walk3(float acc[][W4_RT][4], const W4Lane& l,
         w4_walk<MODE, CG>(acc, l, b0, b1, h0, h1);
         return;
     }
-    B x0, x1, x2;
+    W4B<MODE> x0, x1, x2;
     // Half h0 is in slot 0, committed by the caller; half h0 + 1 into slot 1.
     if (h0 + 1 < h1) w4_issue(l, h0 + 1, 1);
     cp_async_commit();
     w4_load_b<MODE, CG>(x0, b0, b1, h0);
     if (h0 + 1 < h1) w4_load_b<MODE, CG>(x1, b0, b1, h0 + 1);
     for (int h = h0; h < h1; h += 3) {
-        w4_step3<MODE, CG, 0, B>(acc, l, b0, b1, h + 2, h1, x2, x0);
+        w4_step3<MODE, CG, 0>(acc, l, b0, b1, h + 2, h1, x2, x0);
         if (h + 1 >= h1) break;
-        w4_step3<MODE, CG, 1, B>(acc, l, b0, b1, h + 3, h1, x0, x1);
+        w4_step3<MODE, CG, 1>(acc, l, b0, b1, h + 3, h1, x0, x1);
         if (h + 2 >= h1) break;
-        w4_step3<MODE, CG, 2, B>(acc, l, b0, b1, h + 4, h1, x1, x2);
+        w4_step3<MODE, CG, 2>(acc, l, b0, b1, h + 4, h1, x1, x2);
     }
 }
 
@@ -1008,7 +968,7 @@ __device__ __forceinline__ void w4_walk3(float acc[][W4_RT][4], const W4Lane& l,
 
 // The warp's walk in mode MODE, then its accumulator sets (NA) into red (set m at
 // m W4_RED_SET).  A warp past the row blocks (`live` false) stores zeros.
-template <int MODE, bool CG, class B = W4B<MODE>>
+template <int MODE, bool CG>
 __device__ __forceinline__ void w4_run(float* red, const W4Lane& l, const uint2* b0,
                                        const uint2* b1, int h0, int h1, bool live) {
     constexpr int NA = W4M<MODE>::NA;
@@ -1021,9 +981,9 @@ __device__ __forceinline__ void w4_run(float* red, const W4Lane& l, const uint2*
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[m][i][c] = 0.0f;
 #if W4_STAGES == 3
-    if (live) w4_walk3<MODE, CG, B>(acc, l, b0, b1, h0, h1);
+    if (live) w4_walk3<MODE, CG>(acc, l, b0, b1, h0, h1);
 #else
-    if (live) w4_walk<MODE, CG, B>(acc, l, b0, b1, h0, h1);
+    if (live) w4_walk<MODE, CG>(acc, l, b0, b1, h0, h1);
 #endif
 #pragma unroll
     for (int m = 0; m < NA; ++m)
@@ -1161,7 +1121,7 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
                                         const int* __restrict__ tile_expert, int div, int N,
                                         int K, int ks, int tile, int bx,
                                         const int* wait, int need, bool pre,
-                                        const float* __restrict__ xf, W4Clock& ck) {
+                                        W4Clock& ck) {
     const int nrb = N * NMAT / 64, per = W4_WARPS / ks;
     const int e = pre ? __ldcg(tile_expert + tile) : tile_expert[tile];
     extern __shared__ uint4 w4_smem[];
@@ -1213,17 +1173,11 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
     const int q1 = c1 / W4_XS, x1 = c1 % W4_XS;
     const int p0 = tp[q0 < np ? q0 : 0], p1 = tp[mode == 1 && q1 < np ? q1 : 0];
     const uint2* b0 = reinterpret_cast<const uint2*>(
-        xf ? reinterpret_cast<const u32*>(xf + (size_t)(p0 / div) * K + 2 * t)
-           : xs + w4_h_word(NMAT == 2 ? p0 / div : p0, 2 * t, K, x0));
+        xs + w4_h_word(NMAT == 2 ? p0 / div : p0, 2 * t, K, x0));
     const uint2* b1 = reinterpret_cast<const uint2*>(
         xs + w4_h_word(NMAT == 2 ? p1 / div : p1, 2 * t, K, x1));
     if (mode == 0) {
-#if W4_XS == 1
-        if (xf) {
-            w4_run<0, CG, W4BF>(red, l, b0, b1, h0, h1, live);
-        } else
-#endif
-            w4_run<0, CG>(red, l, b0, b1, h0, h1, live);
+        w4_run<0, CG>(red, l, b0, b1, h0, h1, live);
     } else if (W4_PACK2 && mode == 1) {  // compiled out by default
         w4_run<1, CG>(red, l, b0, b1, h0, h1, live);
     } else {
@@ -1256,7 +1210,7 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
                                        const int* __restrict__ sorted,
                                        const int* __restrict__ tile_expert, int div, int N,
                                        int K, int max_tiles, int ks_hi, W4_SEG_PARAMS,
-                                       bool pre, int bid, const float* __restrict__ xf) {
+                                       bool pre, int bid) {
     W4Clock ck;
     ck.mark<0>();
     if (!pre) {
@@ -1269,7 +1223,7 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
     const int xneed = w4_groups(nrb, ks);
     if (bid >= ntiles * xneed) return;  // uniform per block
     w4_item<NMAT, false>(y, hs, xs, qw, scw, topk_w, sorted, tile_expert, div, N, K, ks,
-                         bid / xneed, bid % xneed, nullptr, 0, pre, xf, ck);
+                         bid / xneed, bid % xneed, nullptr, 0, pre, ck);
     ck.put(NMAT == 2 ? 2 : 3);
 }
 
@@ -1281,23 +1235,17 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
 // words (N = moe_intermediate_size).
 // tile_expert [max_tiles + 1] (moe_align: experts, then the count used).  s0 .. s7:
 // the K split's tile-count segments (w4_split).  pre: the weight prologue before the
-// grid-dependency wait (w4_mma; only when a grid runs between the routing and this one,
-// or the routing was written before the grid before this one).  xf: null, or (W4_XS 1
-// only) the f32 input x [T, K] itself, rows 8-byte aligned, read in place of xs and
-// rounded to bf16 as moe_split_x would (W4BF): the same bits without the split launch.
+// grid-dependency wait (w4_mma; only when a grid runs between the routing and this one).
 // Launch: grid (max_tiles ceil(2N / 64 / (W4_WARPS / ks_hi))), block 32 W4_WARPS, dynamic
 // shared memory W4_SMEM (launch.rs moe_w4).
 extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up_w4(
     u32* __restrict__ h, const u32* __restrict__ xs, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
     const int* __restrict__ tile_expert, int topk, int N, int K, int max_tiles, int ks_hi,
-    W4_SEG_PARAMS, int pre, const float* __restrict__ xf) {
-#if W4_XS != 1
-    xf = nullptr;  // host-checked: f32 activations only with bf16 activations (W4_XS 1)
-#endif
+    W4_SEG_PARAMS, int pre) {
     w4_mma<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
               reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K,
-              max_tiles, ks_hi, W4_SEG_ARGS, pre != 0, blockIdx.x, xf);
+              max_tiles, ks_hi, W4_SEG_ARGS, pre != 0, blockIdx.x);
 }
 
 // moe_gate_up_w4 and the shared expert's SwiGLU hidden (swiglu_tiled_bf16) in one launch:
@@ -1324,7 +1272,7 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up
     }
     w4_mma<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
               reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K,
-              max_tiles, ks_hi, W4_SEG_ARGS, pre != 0, b - sh_blocks, nullptr);
+              max_tiles, ks_hi, W4_SEG_ARGS, pre != 0, b - sh_blocks);
 }
 
 // Routed experts down-projection with the router weight applied: y[p, n] = w_p *
@@ -1340,7 +1288,7 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_down_w4
     int max_tiles, int ks_hi, W4_SEG_PARAMS, int pre) {
     w4_mma<1>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
               reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, N, K, max_tiles,
-              ks_hi, W4_SEG_ARGS, pre != 0, blockIdx.x, nullptr);
+              ks_hi, W4_SEG_ARGS, pre != 0, blockIdx.x);
 }
 
 // The routed experts in one launch (issue 12): the split of x (when x is not null),
@@ -1393,17 +1341,17 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_experts
         const uint4* sc = reinterpret_cast<const uint4*>(s13);
         if (nsplit) {
             w4_item<2, true>(nullptr, h, xs, q, sc, nullptr, sorted, tile_expert, topk, Im, H,
-                             ks_gu, tile, bx, sync + 2, nsplit, false, nullptr, ck);
+                             ks_gu, tile, bx, sync + 2, nsplit, false, ck);
         } else {
             w4_item<2, false>(nullptr, h, xs, q, sc, nullptr, sorted, tile_expert, topk, Im, H,
-                              ks_gu, tile, bx, nullptr, 0, false, nullptr, ck);
+                              ks_gu, tile, bx, nullptr, 0, false, ck);
         }
         w4_signal(gu_done + tile);
     } else if (item < nsplit + ngu + ndn) {
         const int j = item - nsplit - ngu, tile = j / xdn;
         w4_item<1, true>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
                          reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, H, Im,
-                         ks_dn, tile, j % xdn, gu_done + tile, xgu, false, nullptr, ck);
+                         ks_dn, tile, j % xdn, gu_done + tile, xgu, false, ck);
     }
     // Every block, item or not, counts out; the last one resets what this launch touched.
     const int out = w4_signal(sync + 1);

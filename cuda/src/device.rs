@@ -220,10 +220,6 @@ pub struct Gpu {
     /// The wave rule's band: [`crate::launch::WaveBand::for_xs`] of `w4_xs`, or
     /// `SPECLAB_W4_BAND`.
     pub w4_band: crate::launch::WaveBand,
-    /// With bf16 activations (`W4_XS` 1), bench moe's INT4 gate/up reads the f32 input
-    /// itself (`ops::ExpertInput::Direct`, default); `SPECLAB_W4_DIRECT=0` launches
-    /// `moe_split_x` first (the A/B reference).
-    pub w4_direct: bool,
     /// linear.cu's module when its kernels were compiled with `W4_TRACE=1` (block traces
     /// of the INT4 expert kernels, [`crate::w4trace`]), else `None`.
     pub w4_trace: Option<Arc<cudarc::driver::CudaModule>>,
@@ -346,7 +342,6 @@ impl Gpu {
             w4_waves: env_on("SPECLAB_W4_WAVES"),
             merge_shared: env_on("SPECLAB_SHARED_MERGE"),
             w4_trace,
-            w4_direct: env_on("SPECLAB_W4_DIRECT"),
             profile: std::cell::RefCell::new(None),
         })
     }
@@ -530,10 +525,6 @@ mod tests {
             "if (!pre)",
             "W4Clock ck;",
             "ck.mark<0>();",
-            // moe_gate_up_w4: no f32 input unless compiled for bf16 activations.
-            "#if W4_XS != 1",
-            "xf = nullptr;",
-            "#endif",
             // kda_recurrent_impl: indices, shared arrays, the weight rows' L2 prefetch.
             "__shared__ float ",
             "const int h = blockIdx.x, s = blockIdx.y, j = threadIdx.x;",

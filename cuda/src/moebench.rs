@@ -12,10 +12,13 @@
 //! - `experts_us`: the engine's routed-expert kernels, `moe_gate_up_w4` + `moe_down_w4`
 //!   ([`ops::moe_experts`], the call `step.rs` makes), on routing injected after the
 //!   router (`moe_align` of the draw done once beforehand). This is "the MoE kernel" whose
-//!   GB/s the goals are about. The exact kernels take `moe_split_x` of the f32 input
-//!   first; with bf16 activations (`W4_XS=1`) gate/up reads the f32 input itself and
-//!   rounds it as the split would (the same bits, checked on every row:
-//!   `direct_split_differ`), as a W4A16 kernel takes its bf16 input.
+//!   GB/s the goals are about. Its input is given in the kernels' format, as the engine's
+//!   router writes it (`xs`: the split of the f32 input, 3 bf16 terms or, with `W4_XS=1`,
+//!   the bf16 activations a W4A16 kernel takes), split once per draw at upload; the
+//!   routing is settled, so gate/up's weight prologue runs (as down's always does).
+//!   Until 2026-12-06 the call also launched `moe_split_x` of the f32 input, with gate/up
+//!   after it; `SPECLAB_MOE_SPLIT_IN_CALL=1` times that for comparison, and every row
+//!   checks that both give the same bits (`split_ready_differ`).
 //! - `layer_us`: the whole MoE layer as `step.rs` runs it: router GEMV (`linear_bf16`),
 //!   `moe_topk` (its choice discarded), `moe_align` of the injected routing, the experts,
 //!   the bf16 shared expert (`swiglu_dense_bf16` + `linear_bf16`), `moe_combine`.
@@ -372,10 +375,9 @@ pub struct MoeRow {
     /// precision (equal to `max_rel_err` at the default 3).
     pub max_rel_err_exact: f64,
     pub pass: bool,
-    /// With gate/up reading the f32 input (bf16 activations, [`experts_input`]): the
-    /// routed outputs that differ in any bit from the `moe_split_x` path's on the checked
-    /// draw (must be 0 for `pass`); `None` when the split path is the timed one.
-    pub direct_split_differ: Option<usize>,
+    /// Routed outputs of the checked draw that differ in any bit between the input split
+    /// inside the call and split at upload ([`experts_with`]; must be 0 for `pass`).
+    pub split_ready_differ: usize,
     /// Block traces of [`TRACE_CALLS`] more experts calls, when the kernels were compiled
     /// with `W4_TRACE=1` ([`crate::w4trace`]; the timed calls above are not traced).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -466,6 +468,9 @@ pub struct MoeBenchReport {
     /// The experts ran as one fused kernel (`moe_experts_w4`; without `SPECLAB_MOE_FUSED=1`: the
     /// split, gate/up and down kernels).
     pub moe_fused: bool,
+    /// The timed experts call split the f32 input itself (`SPECLAB_MOE_SPLIT_IN_CALL=1`,
+    /// [`split_in_call`]) instead of taking the split made at upload.
+    pub split_in_call: bool,
     pub timing: &'static str,
     pub rows: Vec<MoeRow>,
     pub all_pass: bool,
@@ -576,6 +581,9 @@ struct DevDraw {
     tiles: DevBuf<i32>,
     /// Shape: [M, H] f32 input.
     x: DevBuf<f32>,
+    /// Shape: [M, H W4_XS_MAX / 2] words: `x` split for the INT4 gate/up (`moe_split_x` at
+    /// upload), the input in the kernels' format as the engine's router writes it.
+    xs: DevBuf<f32>,
 }
 
 impl DevDraw {
@@ -647,24 +655,43 @@ fn experts_call(
     d: &DevDraw,
     sc: &Scratch,
 ) -> Result<()> {
-    let ex = experts_of(s, c, d, sc, None, experts_input(g, true));
+    experts_with(g, s, m, c, d, sc, split_in_call())
+}
+
+/// [`experts_call`] with the input split inside the call (`split`: `moe_split_x` into the
+/// scratch, then gate/up) or ready (`d.xs`, split at upload; the routing is settled, so
+/// gate/up's weight prologue runs as down's does).
+fn experts_with(
+    g: &Gpu,
+    s: &MoeShape,
+    m: usize,
+    c: &LayerCopy,
+    d: &DevDraw,
+    sc: &Scratch,
+    split: bool,
+) -> Result<()> {
+    let input = if split {
+        ops::ExpertInput::Split
+    } else {
+        ops::ExpertInput::Ready {
+            routing_settled: true,
+        }
+    };
+    let mut ex = experts_of(s, c, d, sc, None, input);
+    if !split {
+        ex.xs = &d.xs;
+    }
     ops::moe_experts(g, &d.routing(s, m), &ex)
 }
 
-/// The activations of an experts call: with bf16 activations (`W4_XS` 1) gate/up reads
-/// the f32 input itself (unless `SPECLAB_W4_DIRECT=0`, [`Gpu::w4_direct`]), as a W4A16
-/// MoE kernel takes its bf16 input; the exact kernels
-/// need `moe_split_x` first. `settled`: the routing was written before the grid before
-/// gate/up (the timed experts call's injected routing; not in the layer call, whose
-/// `moe_align` runs right before).
-fn experts_input(g: &Gpu, settled: bool) -> ops::ExpertInput {
-    if g.w4_xs == 1 && g.w4_direct && !launch::moe_fused() {
-        ops::ExpertInput::Direct {
-            routing_settled: settled,
-        }
-    } else {
-        ops::ExpertInput::Split
-    }
+/// Environment variable: the timed experts call launches `moe_split_x` of the f32 input
+/// first (the definition of `experts_us` before 2026-12-06; the A/B reference).
+pub const SPLIT_IN_CALL_ENV: &str = "SPECLAB_MOE_SPLIT_IN_CALL";
+
+/// Whether [`SPLIT_IN_CALL_ENV`] is set to 1 (read once).
+pub fn split_in_call() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var(SPLIT_IN_CALL_ENV).is_ok_and(|v| v.trim() == "1"))
 }
 
 /// The routed experts of copy `c` on draw `d` into `sc`, the activations as `input` says,
@@ -803,7 +830,7 @@ fn layer_call(
     ops::moe_experts(
         g,
         &r,
-        &experts_of(s, c, d, sc, None, experts_input(g, false)),
+        &experts_of(s, c, d, sc, None, ops::ExpertInput::Split),
     )?;
     ops::swiglu(
         g,
@@ -950,28 +977,19 @@ fn check_row(
     c: &LayerCopy,
     d: &DevDraw,
     sc: &Scratch,
-) -> Result<(usize, f64, f64, f64, Option<usize>)> {
+) -> Result<(usize, f64, f64, f64, usize)> {
     let s = &cfg.shape;
     let n = m * s.topk * s.hidden;
-    // With gate/up reading the f32 input, the split path must give the same bits.
-    let differ = match experts_input(g, true) {
-        ops::ExpertInput::Split => None,
-        _ => {
-            let split = experts_of(s, c, d, sc, None, ops::ExpertInput::Split);
-            ops::moe_experts(g, &d.routing(s, m), &split)?;
-            let y_split = sc.y.read(&g.stream, 0, n, "y (split)")?;
-            experts_call(g, s, m, c, d, sc)?;
-            let y = sc.y.read(&g.stream, 0, n, "y")?;
-            Some(
-                y.iter()
-                    .zip(&y_split)
-                    .filter(|(a, b)| a.to_bits() != b.to_bits())
-                    .count(),
-            )
-        }
-    };
+    // The input split inside the call and at upload must give the same bits.
+    experts_with(g, s, m, c, d, sc, !split_in_call())?;
+    let y_other = sc.y.read(&g.stream, 0, n, "y (other input path)")?;
     experts_call(g, s, m, c, d, sc)?;
     let y = sc.y.read(&g.stream, 0, n, "y")?;
+    let differ = y
+        .iter()
+        .zip(&y_other)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
     let pairs = check_pairs(m * s.topk, cfg.check_pairs);
     let y_ref = reference(g, s, m, c, d, &pairs, true)?;
     // The exact model differs from the kernels' function only with bf16 activations.
@@ -1018,9 +1036,11 @@ fn upload_draw(g: &Gpu, s: &MoeShape, m: usize, draw: Draw, seed: u32) -> Result
         sorted: DevBuf::zeros(st, launch::ROWS_PER_TILE as usize * mt, "sorted")?,
         tiles: DevBuf::zeros(st, mt + 1, "tiles")?,
         x: DevBuf::zeros(st, m * s.hidden, "x")?,
+        xs: DevBuf::zeros(st, m * s.hidden * launch::W4_XS_MAX / 2, "xs")?,
         draw,
     };
     fill_f32(g, &d.x, seed, -1.0, 1.0)?;
+    ops::moe_split_x(g, &d.xs, &d.x, m, s.hidden)?;
     ops::moe_align(g, &d.routing(s, m))?;
     Ok(d)
 }
@@ -1087,8 +1107,8 @@ fn run_row(
         max_abs_err: abs,
         max_rel_err: rel,
         max_rel_err_exact: rel_exact,
-        pass: rel < ref_tol(xs) && differ.unwrap_or(0) == 0,
-        direct_split_differ: differ,
+        pass: rel < ref_tol(xs) && differ == 0,
+        split_ready_differ: differ,
         trace,
     })
 }
@@ -1173,7 +1193,8 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         w4_slots: g.w4_slots,
         w4_band: g.w4_band,
         moe_fused: launch::moe_fused(),
-        timing: "CUDA events around single calls, median of iters; experts = moe_split_x + moe_gate_up_w4 + moe_down_w4 (with bf16 activations, W4_XS=1: moe_gate_up_w4 reading the f32 input + moe_down_w4, no split), or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",
+        split_in_call: split_in_call(),
+        timing: "CUDA events around single calls, median of iters; experts = moe_gate_up_w4 + moe_down_w4 on the input split at upload (split_in_call: moe_split_x + moe_gate_up_w4 + moe_down_w4), or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",
         all_pass: rows.iter().all(|r| r.pass),
         rows,
     })

@@ -863,14 +863,11 @@ pub struct Experts<'a> {
 pub enum ExpertInput {
     /// `moe_split_x` splits `x` into `xs` first (so the routing is two grids back).
     Split,
-    /// `xs` already holds the split of `x` (the fused router wrote it, the grid before).
-    Ready,
-    /// gate/up reads the f32 `x` itself and rounds it to bf16 as the split would (linear.cu
-    /// `W4BF`): bf16 activations (`W4_XS` 1) only, no split launch, not with the shared
-    /// expert merged in or the fused kernel. `routing_settled`: the routing was written
-    /// before the grid before gate/up (bench moe's injected routing), so gate/up's weight
-    /// prologue may read it before the grid-dependency wait.
-    Direct { routing_settled: bool },
+    /// `xs` already holds the split of `x`: the fused router wrote it (the grid before), or
+    /// bench moe did at set-up. `routing_settled`: the routing was written before the grid
+    /// before gate/up (bench moe's injected routing, not the engine's router), so gate/up's
+    /// weight prologue may read it before the grid-dependency wait.
+    Ready { routing_settled: bool },
 }
 
 /// The weight-prologue flags (`pre`) of the INT4 gate/up and down launches: the routing
@@ -879,8 +876,7 @@ pub enum ExpertInput {
 fn w4_pre(g: &Gpu, input: ExpertInput) -> [bool; 2] {
     let gate_up = match input {
         ExpertInput::Split => true,
-        ExpertInput::Ready => false,
-        ExpertInput::Direct { routing_settled } => routing_settled,
+        ExpertInput::Ready { routing_settled } => routing_settled,
     };
     [g.w4_pre && gate_up, g.w4_pre]
 }
@@ -895,6 +891,31 @@ pub fn w4_tiles(g: &Gpu, max_tiles: usize, t: usize, k: usize) -> Result<launch:
         forced: launch::w4_ks_forced()?,
         waves: g.w4_waves.then_some((g.w4_slots, g.w4_band)),
     })
+}
+
+/// Kernel `moe_split_x`: `xs` [T, H W4_XS_MAX / 2] words = the split of `x` [T, H] the
+/// INT4 gate/up reads (H % 128 == 0).
+pub fn moe_split_x(g: &Gpu, xs: &DevBuf<f32>, x: &DevBuf<f32>, t: usize, hd: usize) -> Result<()> {
+    if !hd.is_multiple_of(128) {
+        return Err(CudaError::Unsupported(format!(
+            "moe_split_x needs H % 128 == 0 (H {hd})"
+        )));
+    }
+    let args = [
+        ptr(xs, 0, t * hd * launch::W4_XS_MAX / 2, "moe xs")?,
+        ptr(x, 0, t * hd, "moe x")?,
+        int(t, "T")?,
+        int(hd, "K")?,
+    ];
+    // SAFETY: xs [T, H W4_XS_MAX / 2] words, x [T, H] checked; H % 128 == 0 (above).
+    unsafe {
+        launch(
+            g,
+            "moe_split_x",
+            launch::moe_split(t, hd, "moe_split_x")?,
+            &args,
+        )
+    }
 }
 
 /// Kernels `moe_gate_up_*` then `moe_down_*`.
@@ -984,14 +1005,6 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
             "moe_experts: the shared expert rides only on the separate INT4 gate/up launch (internal)".into(),
         ));
     }
-    let direct = matches!(a.input, ExpertInput::Direct { .. });
-    if direct && (!int4 || g.w4_xs != 1 || launch::moe_fused() || a.shared.is_some()) {
-        return Err(CudaError::Input(format!(
-            "moe_experts: gate/up reads f32 activations only in the separate INT4 launch \
-             without the shared expert, with bf16 activations (W4_XS=1; compiled {}) (internal)",
-            g.w4_xs
-        )));
-    }
     if int4 && launch::moe_fused() {
         let fused = Fused {
             gu_w,
@@ -1005,16 +1018,7 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     let mut args = if int4 {
         let xs = ptr(a.xs, 0, r.t * hd * launch::W4_XS_MAX / 2, "moe xs")?;
         if a.input == ExpertInput::Split {
-            let split = [xs, x, int(r.t, "T")?, int(hd, "K")?];
-            // SAFETY: xs [T, H W4_XS_MAX / 2] words, x [T, H] checked; H % 128 == 0 (above).
-            unsafe {
-                launch(
-                    g,
-                    "moe_split_x",
-                    launch::moe_split(r.t, hd, "moe_split_x")?,
-                    &split,
-                )?
-            };
+            moe_split_x(g, a.xs, a.x, r.t, hd)?;
         }
         vec![h, xs]
     } else {
@@ -1031,19 +1035,12 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     let pre = w4_pre(g, a.input);
     args.extend(w4_tail(gu_ks, pre[0])?);
     match &a.shared {
-        None => {
-            if int4 {
-                // xf: the f32 input for ExpertInput::Direct (checked above), else null.
-                args.push(if direct { x } else { Arg::P(0) });
-            }
-            // SAFETY: h [P, Im] (INT4: P Im W4_XS_MAX / 2 words), x [T, H] (rows 8-byte
-            // aligned: H % 128 == 0), the expert weights [E, Im, 2, H] (as words / scales),
-            // sorted [8 max_tiles], tile_expert [max_tiles + 1] checked; pair ids in
-            // `sorted` are < P and tile experts < E (moe_align's output over ids < E). The
-            // INT4 kernels touch whole row blocks of 64 rows only (2 Im, H % 64 == 0,
-            // checked by moe_w4; launch.rs tests the row-block cover).
-            unsafe { launch(g, gu_name, gu_shape, &args)? }
-        }
+        // SAFETY: h [P, Im] (INT4: P Im W4_XS_MAX / 2 words), x [T, H], the expert weights
+        // [E, Im, 2, H] (as words / scales), sorted [8 max_tiles], tile_expert
+        // [max_tiles + 1] checked; pair ids in `sorted` are < P and tile experts < E
+        // (moe_align's output over ids < E). The INT4 kernels touch whole row blocks of 64
+        // rows only (2 Im, H % 64 == 0, checked by moe_w4; launch.rs tests the row-block cover).
+        None => unsafe { launch(g, gu_name, gu_shape, &args)? },
         Some(sw) => gate_up_shared(g, sw, gu_shape, args)?,
     }
     let mut args = vec![y, h];
@@ -1095,7 +1092,7 @@ fn moe_experts_fused(
 ) -> Result<()> {
     let [sorted, tiles, h, x, y, wts] = p;
     let (hd, im) = (a.hidden, a.inter);
-    let ready = a.input == ExpertInput::Ready;
+    let ready = matches!(a.input, ExpertInput::Ready { .. });
     let split_chunks = if ready {
         0
     } else {

@@ -608,7 +608,10 @@ impl CudaBackend {
             x: &ws.a,
             xs: &ws.xs_moe,
             input: if fused_split {
-                ops::ExpertInput::Ready
+                // The router writes the split and the routing in the grid just before.
+                ops::ExpertInput::Ready {
+                    routing_settled: false,
+                }
             } else {
                 ops::ExpertInput::Split
             },
