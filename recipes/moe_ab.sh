@@ -20,7 +20,10 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
   for i in "${!SETS[@]}"; do
     f="$W/leg${r}_$i.json"
     echo "== round $r leg $i: ${SETS[$i]:-defaults}"
-    env ${SETS[$i]} timeout 150 "$BIN" bench moe --m "${MS:-1,2,4,8,16,32,64}" --iters "${ITERS:-50}" \
+    # A leg may name another binary (SPECLAB_BIN=path, e.g. an earlier commit's, unpacked
+    # beside this one), so two builds alternate in one call.
+    env ${SETS[$i]} bash -c 'exec timeout 150 "${SPECLAB_BIN:-$0}" "$@"' "$BIN" bench moe \
+      --m "${MS:-1,2,4,8,16,32,64}" --iters "${ITERS:-50}" \
       --out "$f" > "$W/leg${r}_$i.log" 2>&1 || { rc=1; tail -3 "$W/leg${r}_$i.log"; }
     keep "$f"
   done
