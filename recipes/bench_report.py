@@ -109,13 +109,17 @@ def moe(path, svg=None):
     print(f"Kernel defines: {' '.join(defines) or 'none (exact activations)'}; rel err against the kernels' "
           f"function / the exact model, worst row: {max(r['max_rel_err'] for r in b['rows']):.1e} / "
           f"{max(r.get('max_rel_err_exact', r['max_rel_err']) for r in b['rows']):.1e}.\n")
-    print("| routing | M | experts | experts us | floor us | GB/s | % copy | layer us | grouped_mm bf16 us | x grouped_mm | check |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    # Records since 2026-12-06 also time the experts in chains of back-to-back calls.
+    ch = "experts_us_chained" in b["rows"][0]
+    print("| routing | M | experts | experts us | floor us | GB/s | % copy |" + (" chained us (% copy) |" if ch else "")
+          + " layer us | grouped_mm bf16 us | x grouped_mm | check |")
+    print("|---|---|---|---|---|---|---|" + ("---|" if ch else "") + "---|---|---|---|")
     for r in b["rows"]:
         g = anc.get(r["m"], {}).get("grouped_mm_us")
         xg = g / r["experts_us"] if g else float("nan")
+        chc = f" {r['experts_us_chained']:.1f} ({100 * r['frac_copy_chained']:.0f}%) |" if ch else ""
         print(f"| {r['routing']} | {r['m']} | {r['distinct_experts']:.1f} | {r['experts_us']:.1f} | {r['floor_us']:.1f} | "
-              f"{r['gb_s']:.0f} | {100 * r['frac_copy']:.0f}% | {r['layer_us']:.1f} | "
+              f"{r['gb_s']:.0f} | {100 * r['frac_copy']:.0f}% |{chc} {r['layer_us']:.1f} | "
               f"{(g if g else float('nan')):.1f} | {xg:.2f} | {'ok' if r['pass'] else 'FAIL'} |")
     if svg:
         rows = list(b["rows"])

@@ -41,19 +41,27 @@ for r in range(1, rounds + 1):
         for row in rec["rows"]:
             k = (row["routing"], row["m"])
             t.setdefault(k, {}).setdefault(i, []).append((row["experts_us"], row["frac_copy"], row["pass"]))
+            if "experts_us_chained" in row:
+                t.setdefault(("chained",) + k, {}).setdefault(i, []).append(
+                    (row["experts_us_chained"], row["frac_copy_chained"], row["pass"]))
 names = [s or "defaults" for s in sets]
-print("| routing | M | " + " | ".join(names) + " |")
-print("|---|---|" + "---|" * len(sets))
-for k in sorted(t, key=lambda k: (k[0], k[1])):
-    cells = []
-    for i in range(len(sets)):
-        v = t[k].get(i, [])
-        if not v:
-            cells.append("-"); continue
-        us = statistics.median(x[0] for x in v)
-        fr = statistics.median(x[1] for x in v)
-        ok = all(x[2] for x in v)
-        cells.append(f"{us:.1f} ({100 * fr:.0f}%){'' if ok else ' FAIL'} [{'/'.join(f'{x[0]:.1f}' for x in v)}]")
-    print(f"| {k[0]} | {k[1]} | " + " | ".join(cells) + " |")
+for chained in (False, True):
+    keys = sorted((k for k in t if (k[0] == "chained") == chained), key=str)
+    if not keys:
+        continue
+    print("\n" + ("experts us a call in chains of back-to-back calls" if chained else "experts us, single calls"))
+    print("| routing | M | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(sets))
+    for k in sorted(keys, key=lambda k: (k[-2], k[-1])):
+        cells = []
+        for i in range(len(sets)):
+            v = t[k].get(i, [])
+            if not v:
+                cells.append("-"); continue
+            us = statistics.median(x[0] for x in v)
+            fr = statistics.median(x[1] for x in v)
+            ok = all(x[2] for x in v)
+            cells.append(f"{us:.1f} ({100 * fr:.0f}%){'' if ok else ' FAIL'} [{'/'.join(f'{x[0]:.1f}' for x in v)}]")
+        print(f"| {k[-2]} | {k[-1]} | " + " | ".join(cells) + " |")
 PY
 exit $rc

@@ -23,7 +23,10 @@
 //!   `moe_topk` (its choice discarded), `moe_align` of the injected routing, the experts,
 //!   the bf16 shared expert (`swiglu_dense_bf16` + `linear_bf16`), `moe_combine`.
 //!
-//! Both are CUDA-event times of single calls (median of `iters`). Call `i` uses layer copy
+//! Both are CUDA-event times of single calls (median of `iters`); `experts_us_chained` is
+//! the experts' time a call in chains of [`CHAIN`] back-to-back calls, as a model step runs
+//! a layer after other kernels (the single call's launch latency hidden, gate/up reading
+//! the routing after the grid before it as after the engine's router). Call `i` uses layer copy
 //! `i % copies` and routing draw `i % draws` (`draws` = `copies`): every copy is a
 //! different 3.7 GB region, so no call finds the previous call's experts in the 50 MB L2.
 //!
@@ -349,6 +352,13 @@ pub struct MoeRow {
     pub experts_us: f64,
     pub experts_us_p10: f64,
     pub experts_us_p90: f64,
+    /// µs a call of the experts in chains of [`CHAIN`] back-to-back calls (median over the
+    /// chains; [`time_chained`]): as in a model step, where the layer's kernels follow
+    /// other kernels, the launch latency of a single call is hidden, and gate/up reads the
+    /// routing after the grid before it (as after the engine's router; no weight prologue).
+    pub experts_us_chained: f64,
+    /// expert_bytes / experts_us_chained over the copy bandwidth.
+    pub frac_copy_chained: f64,
     /// Median µs of the whole layer (router, topk, align, experts, shared expert, combine).
     pub layer_us: f64,
     /// Routed-expert weight + scale bytes read (mean over the draws).
@@ -866,6 +876,24 @@ fn event(g: &Gpu) -> Result<cudarc::driver::CudaEvent> {
         .map_err(|e| CudaError::driver("new_event", e))
 }
 
+/// Calls a chain of [`time_chained`].
+pub const CHAIN: usize = 16;
+
+/// CUDA-event µs a call of `reps` chains of [`CHAIN`] back-to-back calls `f(i)` (each
+/// chain's time over CHAIN; 3 untimed warm-up calls first): consecutive calls overlap at
+/// their boundary (programmatic dependent launch) as a model's layers do.
+fn time_chained(g: &Gpu, reps: usize, mut f: impl FnMut(usize) -> Result<()>) -> Result<Vec<f64>> {
+    let mut i = 0;
+    let per = time_calls(g, reps, |_| {
+        for _ in 0..CHAIN {
+            f(i)?;
+            i += 1;
+        }
+        Ok(())
+    })?;
+    Ok(per.into_iter().map(|us| us / CHAIN as f64).collect())
+}
+
 /// CUDA-event µs of `iters` single calls of `f(i)` (3 untimed warm-up calls first).
 fn time_calls(g: &Gpu, iters: usize, mut f: impl FnMut(usize) -> Result<()>) -> Result<Vec<f64>> {
     for i in 0..3 {
@@ -1067,6 +1095,26 @@ fn run_row(
     let ex = time_calls(g, cfg.iters, |i| {
         experts_call(g, s, m, &copies[i % n], &draws[i % n], &sc)
     })?;
+    let chained = time_chained(g, cfg.iters.div_ceil(CHAIN).max(3), |i| {
+        let ex = experts_of(
+            s,
+            &copies[i % n],
+            &draws[i % n],
+            &sc,
+            None,
+            ops::ExpertInput::Ready {
+                routing_settled: false,
+            },
+        );
+        ops::moe_experts(
+            g,
+            &draws[i % n].routing(s, m),
+            &ops::Experts {
+                xs: &draws[i % n].xs,
+                ..ex
+            },
+        )
+    })?;
     let ly = time_calls(g, cfg.iters, |i| {
         layer_call(g, s, m, &copies[i % n], &draws[i % n], &sc)
     })?;
@@ -1085,6 +1133,7 @@ fn run_row(
     let (lmed, _, _) = percentiles(ly);
     let expert_bytes = distinct * s.expert_bytes() as f64;
     let gb_s = expert_bytes / (med * 1e-6) / 1e9;
+    let (chained_us, _, _) = percentiles(chained);
     Ok(MoeRow {
         m,
         routing: mode.name(),
@@ -1095,6 +1144,8 @@ fn run_row(
         experts_us: med,
         experts_us_p10: p10,
         experts_us_p90: p90,
+        experts_us_chained: chained_us,
+        frac_copy_chained: expert_bytes / (chained_us * 1e-6) / 1e9 / copy_gb_s,
         layer_us: lmed,
         expert_bytes,
         act_bytes: s.act_bytes(m),
@@ -1152,13 +1203,15 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         for &m in &cfg.ms {
             let r = run_row(&g, cfg, &copies, m, mode, copy_gb_s)?;
             log(&format!(
-                "{:>8} M={:<4} experts {:>6.1} ({:>7.1} us, {:>5.0} GB/s, {:>4.0}% of copy) layer {:>7.1} us  rel err {:.1e} (exact model {:.1e}){}",
+                "{:>8} M={:<4} experts {:>6.1} ({:>7.1} us, {:>5.0} GB/s, {:>4.0}% of copy; chained {:>7.1} us, {:>4.0}%) layer {:>7.1} us  rel err {:.1e} (exact model {:.1e}){}",
                 r.routing,
                 r.m,
                 r.distinct_experts,
                 r.experts_us,
                 r.gb_s,
                 100.0 * r.frac_copy,
+                r.experts_us_chained,
+                100.0 * r.frac_copy_chained,
                 r.layer_us,
                 r.max_rel_err,
                 r.max_rel_err_exact,
@@ -1194,7 +1247,7 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         w4_band: g.w4_band,
         moe_fused: launch::moe_fused(),
         split_in_call: split_in_call(),
-        timing: "CUDA events around single calls, median of iters; experts = moe_gate_up_w4 + moe_down_w4 on the input split at upload (split_in_call: moe_split_x + moe_gate_up_w4 + moe_down_w4), or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",
+        timing: "CUDA events around single calls, median of iters (experts_us_chained: chains of CHAIN back-to-back calls, gate/up without its weight prologue, median over the chains); experts = moe_gate_up_w4 + moe_down_w4 on the input split at upload (split_in_call: moe_split_x + moe_gate_up_w4 + moe_down_w4), or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",
         all_pass: rows.iter().all(|r| r.pass),
         rows,
     })

@@ -275,13 +275,15 @@ fn print_moe(r: &speclab_cuda::moebench::MoeBenchReport, out: &std::path::Path) 
         r.config.copies
     );
     outln!(
-        "{:>8} {:>4} {:>7} {:>10} {:>10} {:>8} {:>6} {:>10} {:>9} {:>9} {}",
+        "{:>8} {:>4} {:>7} {:>10} {:>10} {:>8} {:>6} {:>10} {:>7} {:>10} {:>9} {:>9} {}",
         "routing",
         "M",
         "experts",
         "experts_us",
         "floor_us",
         "GB/s",
+        "%copy",
+        "chained_us",
         "%copy",
         "layer_us",
         "rel_err",
@@ -290,7 +292,7 @@ fn print_moe(r: &speclab_cuda::moebench::MoeBenchReport, out: &std::path::Path) 
     );
     for w in &r.rows {
         outln!(
-            "{:>8} {:>4} {:>7.1} {:>10.1} {:>10.1} {:>8.0} {:>5.0}% {:>10.1} {:>9.1e} {:>9.1e} {}",
+            "{:>8} {:>4} {:>7.1} {:>10.1} {:>10.1} {:>8.0} {:>5.0}% {:>10.1} {:>6.0}% {:>10.1} {:>9.1e} {:>9.1e} {}",
             w.routing,
             w.m,
             w.distinct_experts,
@@ -298,6 +300,8 @@ fn print_moe(r: &speclab_cuda::moebench::MoeBenchReport, out: &std::path::Path) 
             w.floor_us,
             w.gb_s,
             100.0 * w.frac_copy,
+            w.experts_us_chained,
+            100.0 * w.frac_copy_chained,
             w.layer_us,
             w.max_rel_err,
             w.max_rel_err_exact,
