@@ -1105,9 +1105,8 @@ __device__ __forceinline__ int w4_signal(int* ctr) {
     return old;
 }
 
-// One item: (tile, group bx of W4_WARPS / ks row blocks) of expert e (tile_expert[tile],
-// read by the caller).  R = N * NMAT weight rows of K; q [E, R / 64, K / 16, 32, 4] words,
-// sc [E, R / 64, K / 128, 8, 8] bf16.  With `wait`
+// One item: (tile, group bx of W4_WARPS / ks row blocks).  R = N * NMAT weight rows of K;
+// q [E, R / 64, K / 16, 32, 4] words, sc [E, R / 64, K / 128, 8, 8] bf16.  With `wait`
 // (the fused kernel) the B operand is read only once *wait >= need; the weights' first
 // copy is in flight by then.  With `pre` the grid-dependency wait (pdl_enter) comes here,
 // after the routing is read (through L2) and the weights' first copy issued: the caller
@@ -1119,10 +1118,12 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
                                         const uint4* __restrict__ scw,
                                         const float* __restrict__ topk_w,
                                         const int* __restrict__ sorted,
-                                        int e, int div, int N, int K, int ks, int tile,
-                                        int bx, const int* wait, int need, bool pre,
+                                        const int* __restrict__ tile_expert, int div, int N,
+                                        int K, int ks, int tile, int bx,
+                                        const int* wait, int need, bool pre,
                                         W4Clock& ck) {
     const int nrb = N * NMAT / 64, per = W4_WARPS / ks;
+    const int e = pre ? __ldcg(tile_expert + tile) : tile_expert[tile];
     extern __shared__ uint4 w4_smem[];
     float* red = reinterpret_cast<float*>(w4_smem + W4_WARPS * W4_STAGES * W4_SLOT * WARP);
     __shared__ int tp[ROWS_PER_TILE];
@@ -1217,24 +1218,12 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
         ck.mark<1>();
     }
     const int nrb = N * NMAT / 64;
-    // The expert of this block's tile under each K split the block may take (1, 2, 4, 8,
-    // up to ks_hi), loaded beside the tile count that decides the split: the first weight
-    // copy then waits for one load, not two in a row (a DRAM round trip less at start).
-    int cand[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int t = bid / w4_groups(nrb, 1 << i);
-        cand[i] = -1;
-        if ((1 << i) <= ks_hi && t < max_tiles)
-            cand[i] = pre ? __ldcg(tile_expert + t) : tile_expert[t];
-    }
     const int ntiles = pre ? __ldcg(tile_expert + max_tiles) : tile_expert[max_tiles];
     const int ks = w4_split(ntiles, ks_hi, W4_SEG_ARGS);
     const int xneed = w4_groups(nrb, ks);
     if (bid >= ntiles * xneed) return;  // uniform per block
-    const int e = ks == 1 ? cand[0] : ks == 2 ? cand[1] : ks == 4 ? cand[2] : cand[3];
-    w4_item<NMAT, false>(y, hs, xs, qw, scw, topk_w, sorted, e, div, N, K, ks, bid / xneed,
-                         bid % xneed, nullptr, 0, pre, ck);
+    w4_item<NMAT, false>(y, hs, xs, qw, scw, topk_w, sorted, tile_expert, div, N, K, ks,
+                         bid / xneed, bid % xneed, nullptr, 0, pre, ck);
     ck.put(NMAT == 2 ? 2 : 3);
 }
 
@@ -1350,20 +1339,19 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_experts
         const int j = item - nsplit, tile = j / xgu, bx = j % xgu;
         const uint4* q = reinterpret_cast<const uint4*>(q13);
         const uint4* sc = reinterpret_cast<const uint4*>(s13);
-        const int e = tile_expert[tile];
         if (nsplit) {
-            w4_item<2, true>(nullptr, h, xs, q, sc, nullptr, sorted, e, topk, Im, H, ks_gu,
-                             tile, bx, sync + 2, nsplit, false, ck);
+            w4_item<2, true>(nullptr, h, xs, q, sc, nullptr, sorted, tile_expert, topk, Im, H,
+                             ks_gu, tile, bx, sync + 2, nsplit, false, ck);
         } else {
-            w4_item<2, false>(nullptr, h, xs, q, sc, nullptr, sorted, e, topk, Im, H, ks_gu,
-                              tile, bx, nullptr, 0, false, ck);
+            w4_item<2, false>(nullptr, h, xs, q, sc, nullptr, sorted, tile_expert, topk, Im, H,
+                              ks_gu, tile, bx, nullptr, 0, false, ck);
         }
         w4_signal(gu_done + tile);
     } else if (item < nsplit + ngu + ndn) {
         const int j = item - nsplit - ngu, tile = j / xdn;
         w4_item<1, true>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
-                         reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert[tile], 1,
-                         H, Im, ks_dn, tile, j % xdn, gu_done + tile, xgu, false, ck);
+                         reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, H, Im,
+                         ks_dn, tile, j % xdn, gu_done + tile, xgu, false, ck);
     }
     // Every block, item or not, counts out; the last one resets what this launch touched.
     const int out = w4_signal(sync + 1);
