@@ -165,6 +165,31 @@ def trace(path):
               f"{f(dn, lambda x: x['walk']['med']):.1f} / {f(dn, lambda x: x['walk']['max']):.1f} | "
               f"{f(dn, lambda x: x['done']['max']):.1f} | {med([c['span_us'] for c in calls]):.1f} | "
               f"{r['experts_us']:.1f} | {r['floor_us']:.1f} |")
+    # Records since the per-SM walks (sm_walk_us): are the slow SMs the same call after call?
+    rows = [r for r in b["rows"] if r.get("trace") and "sm_walk_us" in r["trace"][0]["kernels"][0]]
+    if not rows:
+        return
+    print("\nPer-SM mean walk (us), and its Pearson correlation between the traced calls (pairs of "
+          "calls, SMs that ran blocks in both): near 1, the same SMs are slow every call.\n")
+    print("| routing | M | kernel | SM mean walk min / median / max | correlation between calls |")
+    print("|---|---|---|---|---|")
+    def pearson(a, b):
+        pts = [(x, y) for x, y in zip(a, b) if x > 0 and y > 0]
+        if len(pts) < 3:
+            return float("nan")
+        mx = sum(x for x, _ in pts) / len(pts); my = sum(y for _, y in pts) / len(pts)
+        sxy = sum((x - mx) * (y - my) for x, y in pts)
+        sx = sum((x - mx) ** 2 for x, _ in pts) ** 0.5; sy = sum((y - my) ** 2 for _, y in pts) ** 0.5
+        return sxy / (sx * sy) if sx > 0 and sy > 0 else float("nan")
+    for r in rows:
+        for name in ("moe_gate_up_w4", "moe_down_w4"):
+            per = [next((k["sm_walk_us"] for k in c["kernels"] if k["kernel"] == name), []) for c in r["trace"]]
+            flat = sorted(v for p in per for v in p if v > 0)
+            if not flat:
+                continue
+            cors = [pearson(per[i], per[j]) for i in range(len(per)) for j in range(i + 1, len(per))]
+            print(f"| {r['routing']} | {r['m']} | {name} | {flat[0]:.1f} / {flat[len(flat) // 2]:.1f} / {flat[-1]:.1f} | "
+                  f"{' / '.join(f'{c:.2f}' for c in cors)} |")
 
 
 if __name__ == "__main__":

@@ -99,6 +99,10 @@ pub struct KernelTrace {
     pub epilogue: Spread,
     /// Block end times.
     pub done: Spread,
+    /// Mean walk duration of the blocks each SM ran, by SM id (0 for SMs that ran none):
+    /// whether the slow walks sit on the same SMs call after call (a per-SM bandwidth
+    /// share) or move (contention).
+    pub sm_walk_us: Vec<f32>,
 }
 
 /// One traced call.
@@ -128,6 +132,11 @@ pub fn summarize(recs: &[BlockRec], dropped: usize) -> CallTrace {
                 *per_sm.entry(r.sm).or_default() += 1;
             }
             let col = |f: &dyn Fn(&BlockRec) -> f64| Spread::of(rs.iter().map(|r| f(r)).collect());
+            let sms = per_sm.keys().next_back().map_or(0, |&s| s as usize + 1);
+            let mut sm_walk = vec![0.0f32; sms];
+            for r in &rs {
+                sm_walk[r.sm as usize] += dur(r.t[1], r.t[2]) as f32 / per_sm[&r.sm] as f32;
+            }
             Some(KernelTrace {
                 kernel: KERNELS[k as usize - 1],
                 blocks: rs.len(),
@@ -138,6 +147,7 @@ pub fn summarize(recs: &[BlockRec], dropped: usize) -> CallTrace {
                 walk: col(&|r| dur(r.t[1], r.t[2])),
                 epilogue: col(&|r| dur(r.t[2], r.t[3])),
                 done: col(&|r| us(r.t[3])),
+                sm_walk_us: sm_walk,
             })
         })
         .collect();
@@ -250,6 +260,8 @@ mod tests {
             }
         );
         assert_eq!(gu.done.max, 12.5);
+        // SM 0 ran walks of 10 and 12 us, SM 5 one of 6; SMs 1-4 none.
+        assert_eq!(gu.sm_walk_us, vec![11.0, 0.0, 0.0, 0.0, 0.0, 6.0]);
         let dn = &c.kernels[1];
         assert_eq!(dn.kernel, "moe_down_w4");
         assert_eq!(dn.released.min, 12.5);
