@@ -414,7 +414,7 @@ fn trace_row(
         .map(|i| {
             crate::w4trace::reset(g)?;
             g.spin(1_000_000)?;
-            experts_call(g, s, m, &copies[i % n], &draws[i % n], sc)?;
+            experts_with(g, s, m, &copies[i % n], &draws[i % n], sc, timed_input())?;
             let (recs, dropped) = crate::w4trace::read(g)?;
             Ok(crate::w4trace::summarize(&recs, dropped))
         })
@@ -657,20 +657,20 @@ impl Scratch {
     }
 }
 
-fn experts_call(
-    g: &Gpu,
-    s: &MoeShape,
-    m: usize,
-    c: &LayerCopy,
-    d: &DevDraw,
-    sc: &Scratch,
-) -> Result<()> {
-    experts_with(g, s, m, c, d, sc, split_in_call())
+/// The input of the timed experts call: split at upload (the routing settled), or split
+/// inside the call with `SPECLAB_MOE_SPLIT_IN_CALL=1`.
+fn timed_input() -> ops::ExpertInput {
+    if split_in_call() {
+        ops::ExpertInput::Split
+    } else {
+        ops::ExpertInput::Ready {
+            routing_settled: true,
+        }
+    }
 }
 
-/// [`experts_call`] with the input split inside the call (`split`: `moe_split_x` into the
-/// scratch, then gate/up) or ready (`d.xs`, split at upload; the routing is settled, so
-/// gate/up's weight prologue runs as down's does).
+/// The routed experts of copy `c` on draw `d`: `Split` launches `moe_split_x` of `d.x` into
+/// the scratch first; `Ready` takes `d.xs`, split at upload.
 fn experts_with(
     g: &Gpu,
     s: &MoeShape,
@@ -678,17 +678,10 @@ fn experts_with(
     c: &LayerCopy,
     d: &DevDraw,
     sc: &Scratch,
-    split: bool,
+    input: ops::ExpertInput,
 ) -> Result<()> {
-    let input = if split {
-        ops::ExpertInput::Split
-    } else {
-        ops::ExpertInput::Ready {
-            routing_settled: true,
-        }
-    };
     let mut ex = experts_of(s, c, d, sc, None, input);
-    if !split {
+    if input != ops::ExpertInput::Split {
         ex.xs = &d.xs;
     }
     ops::moe_experts(g, &d.routing(s, m), &ex)
@@ -1009,9 +1002,16 @@ fn check_row(
     let s = &cfg.shape;
     let n = m * s.topk * s.hidden;
     // The input split inside the call and at upload must give the same bits.
-    experts_with(g, s, m, c, d, sc, !split_in_call())?;
+    let other = if split_in_call() {
+        ops::ExpertInput::Ready {
+            routing_settled: true,
+        }
+    } else {
+        ops::ExpertInput::Split
+    };
+    experts_with(g, s, m, c, d, sc, other)?;
     let y_other = sc.y.read(&g.stream, 0, n, "y (other input path)")?;
-    experts_call(g, s, m, c, d, sc)?;
+    experts_with(g, s, m, c, d, sc, timed_input())?;
     let y = sc.y.read(&g.stream, 0, n, "y")?;
     let differ = y
         .iter()
@@ -1093,27 +1093,14 @@ fn run_row(
     let sc = Scratch::new(g, s, m)?;
     let n = copies.len();
     let ex = time_calls(g, cfg.iters, |i| {
-        experts_call(g, s, m, &copies[i % n], &draws[i % n], &sc)
+        experts_with(g, s, m, &copies[i % n], &draws[i % n], &sc, timed_input())
     })?;
+    // Chained calls take the input split at upload whatever SPECLAB_MOE_SPLIT_IN_CALL says.
+    let unsettled = ops::ExpertInput::Ready {
+        routing_settled: false,
+    };
     let chained = time_chained(g, cfg.iters.div_ceil(CHAIN).max(3), |i| {
-        let ex = experts_of(
-            s,
-            &copies[i % n],
-            &draws[i % n],
-            &sc,
-            None,
-            ops::ExpertInput::Ready {
-                routing_settled: false,
-            },
-        );
-        ops::moe_experts(
-            g,
-            &draws[i % n].routing(s, m),
-            &ops::Experts {
-                xs: &draws[i % n].xs,
-                ..ex
-            },
-        )
+        experts_with(g, s, m, &copies[i % n], &draws[i % n], &sc, unsettled)
     })?;
     let ly = time_calls(g, cfg.iters, |i| {
         layer_call(g, s, m, &copies[i % n], &draws[i % n], &sc)
