@@ -30,7 +30,9 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
 done
 python3 - "$W" "${ROUNDS:-2}" "${LEGS:-}" <<'PY' || rc=1
 import json, statistics, sys
-d, rounds, sets = sys.argv[1], int(sys.argv[2]), (sys.argv[3].split(";") if sys.argv[3] else [""])
+# As bash's `read -ra` (which drops one trailing empty field) split LEGS.
+legs = sys.argv[3][:-1] if sys.argv[3].endswith(";") else sys.argv[3]
+d, rounds, sets = sys.argv[1], int(sys.argv[2]), (legs.split(";") if legs else [""])
 t = {}
 for r in range(1, rounds + 1):
     for i in range(len(sets)):
