@@ -8,7 +8,8 @@
 #   here:    bash recipes/moe_bench.sh --build      # release binary -> target/moe-bench/
 #   device:  run(command="bash recipes/moe_bench.sh", carry=["target/moe-bench"], timeout_s=600)
 #
-# Writes $OUT/bench_moe.json (the record; commit it as runs/bench-moe.json), $OUT/bench_moe.log,
+# Writes $OUT/bench_moe.json (the record; commit it as runs/bench-moe.json), $OUT/bench_moe.log
+# (speclab's table and log),
 # $OUT/bench_moe_a16.json (the same kernels with bf16 activations, W4_XS=1; MOE_A16=0 skips),
 # $OUT/gpu_anchors.json, $OUT/anchors.log; the table is printed last. Exit: speclab's (1 = a row
 # failed its reference check, every row still printed; 2 = an error such as no CUDA device, see
@@ -40,7 +41,7 @@ nvidia-smi -L || true
 rc=0
 # shellcheck disable=SC2086
 RUST_LOG=info timeout 300 "$BIN" bench moe ${MOE_ARGS:-} --out "$OUT/bench_moe.json" \
-  > "$OUT/bench_moe.txt" 2> "$OUT/bench_moe.log" || rc=$?
+  > "$OUT/bench_moe.log" 2>&1 || rc=$?
 echo "speclab bench moe: exit $rc"
 [ "$rc" = 0 ] || tail -5 "$OUT/bench_moe.log"
 # The same kernels compiled for bf16 activations (W4_XS=1: W4A16 as vLLM's Marlin MoE takes
@@ -49,7 +50,7 @@ if [ "${MOE_A16:-1}" != 0 ]; then
   a16=0
   # shellcheck disable=SC2086
   SPECLAB_KERNEL_DEFINES=W4_XS=1 RUST_LOG=info timeout 300 "$BIN" bench moe ${MOE_ARGS:-} \
-    --out "$OUT/bench_moe_a16.json" > "$OUT/bench_moe_a16.txt" 2> "$OUT/bench_moe_a16.log" || a16=$?
+    --out "$OUT/bench_moe_a16.json" > "$OUT/bench_moe_a16.log" 2>&1 || a16=$?
   echo "speclab bench moe (W4_XS=1): exit $a16"
   [ "$a16" = 0 ] || { tail -5 "$OUT/bench_moe_a16.log"; rc=$a16; }
 fi
@@ -92,4 +93,7 @@ if worst:
 print("all reference checks pass" if b["all_pass"] else "SOME REFERENCE CHECKS FAILED")
 PY
 done
+# The device tool returns at most 8 files a call: the records' lock files go (the six files
+# above stay: two records, their logs, the anchors and their log).
+rm -f "$OUT"/.bench_moe*.json.lock
 exit "$rc"

@@ -135,15 +135,16 @@ pub const MOE_SYNC_FIXED: usize = 3;
 /// (runs/moe-variants/README.md, "Persistent grid ... fused experts kernel").
 pub const MOE_FUSED_ENV: &str = "SPECLAB_MOE_FUSED";
 
-/// Whether a `SPECLAB_MOE_FUSED` value asks for the fused kernel (`1` only).
-pub fn moe_fused_wanted(v: Option<&str>) -> bool {
+/// Whether an opt-in switch's value turns it on (`1` only; unset or anything else: off),
+/// e.g. `SPECLAB_MOE_FUSED` for the fused kernel.
+pub fn opt_in(v: Option<&str>) -> bool {
     v.map(str::trim) == Some("1")
 }
 
 /// The fused INT4 experts kernel is used ([`MOE_FUSED_ENV`], read once).
 pub fn moe_fused() -> bool {
     static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *FUSED.get_or_init(|| moe_fused_wanted(std::env::var(MOE_FUSED_ENV).ok().as_deref()))
+    *FUSED.get_or_init(|| opt_in(std::env::var(MOE_FUSED_ENV).ok().as_deref()))
 }
 
 /// The INT4 GEMMs' target block count: [`W4_TARGET_ENV`] if set (1..=65536), else
@@ -743,8 +744,8 @@ mod tests {
             waves: None,
         };
         assert_eq!(parse_w4_target(" 512").unwrap(), 512);
-        assert!(moe_fused_wanted(Some("1")) && moe_fused_wanted(Some(" 1")));
-        assert!(!moe_fused_wanted(None) && !moe_fused_wanted(Some("0")));
+        assert!(opt_in(Some("1")) && opt_in(Some(" 1")));
+        assert!(!opt_in(None) && !opt_in(Some("0")));
         for bad in ["0", "x", "-3", "70000", ""] {
             let e = parse_w4_target(bad).unwrap_err().to_string();
             assert!(e.contains(W4_TARGET_ENV) && e.contains("1 to 65536"), "{e}");

@@ -660,7 +660,12 @@ impl Scratch {
 /// The input of the timed experts call: split at upload (the routing settled), or split
 /// inside the call with `SPECLAB_MOE_SPLIT_IN_CALL=1`.
 fn timed_input() -> ops::ExpertInput {
-    if split_in_call() {
+    input_for(split_in_call())
+}
+
+/// The experts' input split inside the call (`split`) or at upload (the routing settled).
+fn input_for(split: bool) -> ops::ExpertInput {
+    if split {
         ops::ExpertInput::Split
     } else {
         ops::ExpertInput::Ready {
@@ -694,7 +699,7 @@ pub const SPLIT_IN_CALL_ENV: &str = "SPECLAB_MOE_SPLIT_IN_CALL";
 /// Whether [`SPLIT_IN_CALL_ENV`] is set to 1 (read once).
 pub fn split_in_call() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var(SPLIT_IN_CALL_ENV).is_ok_and(|v| v.trim() == "1"))
+    *ON.get_or_init(|| launch::opt_in(std::env::var(SPLIT_IN_CALL_ENV).ok().as_deref()))
 }
 
 /// The routed experts of copy `c` on draw `d` into `sc`, the activations as `input` says,
@@ -1002,14 +1007,7 @@ fn check_row(
     let s = &cfg.shape;
     let n = m * s.topk * s.hidden;
     // The input split inside the call and at upload must give the same bits.
-    let other = if split_in_call() {
-        ops::ExpertInput::Ready {
-            routing_settled: true,
-        }
-    } else {
-        ops::ExpertInput::Split
-    };
-    experts_with(g, s, m, c, d, sc, other)?;
+    experts_with(g, s, m, c, d, sc, input_for(!split_in_call()))?;
     let y_other = sc.y.read(&g.stream, 0, n, "y (other input path)")?;
     experts_with(g, s, m, c, d, sc, timed_input())?;
     let y = sc.y.read(&g.stream, 0, n, "y")?;
