@@ -1362,3 +1362,276 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_experts
         for (int t = 0; t < ntiles; ++t) gu_done[t] = 0;
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Dynamic split of the INT4 expert GEMMs (issue 12; host switch SPECLAB_W4_DYN, launch.rs
+// w4_dyn).  The block traces showed the one-wave kernels above streaming at the copy
+// bandwidth while their slowest block ends 3-6 us after the median one, and that which SM
+// is slow changes from call to call (runs/moe-bench-h100-ba29a50/, findings/bench-moe.md
+// "Where the time goes"): a static split cannot trim that tail, a shared queue can (the
+// idea of stream-K, Osama et al. 2023, "Stream-K: Work-centric Parallel Decomposition for
+// Dense Matrix Multiplication on the GPU"; the fix-up here is the engine's own).
+// - Units (tile, row block rb, K chunk kc), kc fastest, numbered u = (tile nrb + rb) KC +
+//   kc; a chunk is HC = halves / KC half groups (HC even).  KC: the largest power of two
+//   up to the first that gives at least `min_units` units (<= halves / 2, units <= cap).
+// - Every warp is a worker: it takes units from ctl[0] (one atomicAdd a unit, taken one
+//   unit ahead so the weight stream runs on across units: the first half of the next unit
+//   is in flight while the last of this one is multiplied), walks the unit's halves as
+//   w4_walk does (mode 0 only, the host guarantees np W4_XS <= 8 for every tile), and
+//   stores the unit's partial sums (real columns only) to part [u][8 columns][64 rows].
+// - Deterministic fix-up: a fenced increment of done[pair] per unit (the release side of
+//   CUTLASS's semaphore); the warp whose increment completes the pair's KC units sums the
+//   KC partials in kc order, applies the epilogue (gate/up: silu(gate) up, split; down:
+//   topk_w value) and zeroes done[pair].  So the result does not depend on which warp ran
+//   which unit.  It differs from the static kernels' only in summation order.
+// - The last warp to leave (ctl[1]) zeroes ctl: the counters are zero between launches
+//   (allocated zeroed).  Consecutive launches of one kernel are separated by at least one
+//   completed grid (each kernel here waits before it triggers), so they never overlap.
+// - `pre`: the first unit's routing reads and weight copy before the grid-dependency wait,
+//   under w4_mma's condition (the routing at least two grids back).
+// Shapes: as moe_gate_up_w4 / moe_down_w4, plus part [cap 512] f32, done [max_tiles nrb]
+// i32, ctl [2] i32.  Launch: grid (resident blocks), block 32 W4_WARPS, dynamic shared
+// memory W4_SMEM (the stages only are used).
+
+// One unit as a lane sees it.
+struct W4Unit {
+    W4Lane l;        // weights of (expert, rb) from k16 step 0
+    const uint2* b;  // this lane's B column
+    int u, pair, h0, h1, np, p;  // p: the pair id (sorted) of this lane's column, or -1
+};
+
+// Unit u's lane state; u >= units gives u = -1.
+template <int NMAT>
+__device__ __forceinline__ W4Unit w4_unit(int u, int units, int kc_n, int hc, int nrb, int K,
+                                          int div, const u32* __restrict__ xs,
+                                          const uint4* __restrict__ qw,
+                                          const uint4* __restrict__ scw,
+                                          const int* __restrict__ sorted,
+                                          const int* __restrict__ tile_expert, uint4* st) {
+    W4Unit w;
+    w.u = u < units ? u : -1;
+    if (w.u < 0) return w;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    w.pair = u / kc_n;
+    const int kc = u % kc_n, tile = w.pair / nrb, rb = w.pair % nrb;
+    const int e = __ldcg(tile_expert + tile);
+    const size_t blk = (size_t)e * nrb + rb;
+    w.l = W4Lane{qw + blk * (K / 16) * WARP + lane, scw + blk * (K / 128) * 8 + g, st,
+                 smem_addr(st)};
+    w.h0 = kc * hc;
+    w.h1 = w.h0 + hc;
+    // moe_align fills a tile front to back: np = the real pairs among its 8 slots.
+    const int sp = __ldcg(sorted + (size_t)tile * ROWS_PER_TILE + (lane & 7));
+    w.np = __popc(__ballot_sync(0xffffffffu, sp >= 0) & 0xffu);
+    const int q = g / W4_XS, x = g % W4_XS;
+    const int pq = __shfl_sync(0xffffffffu, sp, q < w.np ? q : 0);
+    w.p = q < w.np ? pq : -1;
+    w.b = reinterpret_cast<const uint2*>(xs + w4_h_word(NMAT == 2 ? pq / div : pq, 2 * t, K, x));
+    return w;
+}
+
+// Store the unit's partials (columns below np W4_XS) to part[u] and zero acc.
+__device__ __forceinline__ void w4_dyn_store(float* __restrict__ part, const W4Unit& w,
+                                             float acc[][W4_RT][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, ncol = w.np * W4_XS;
+    float* d = part + (size_t)w.u * (ROWS_PER_TILE * 64);
+#pragma unroll
+    for (int i = 0; i < W4_RT; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int col = 2 * t + (c & 1), row = 16 * i + g + 8 * (c >> 1);
+            if (col < ncol) __stcg(d + col * 64 + row, acc[0][i][c]);
+            acc[0][i][c] = 0.0f;
+        }
+}
+
+// Value (row, column col) of `pair`: its KC partials summed in kc order.
+__device__ __forceinline__ float w4_dyn_sum(const float* __restrict__ part, int pair, int kc_n,
+                                            int col, int row) {
+    const float* s = part + (size_t)pair * kc_n * (ROWS_PER_TILE * 64) + col * 64 + row;
+    float v = 0.0f;
+    for (int k = 0; k < kc_n; ++k) v += __ldcg(s + (size_t)k * (ROWS_PER_TILE * 64));
+    return v;
+}
+
+// The pair's outputs once its KC units are stored (one warp): the epilogue of w4_epilogue
+// for one row block (gate/up: 32 outputs, down: 64), W4_XS terms summed.
+template <int NMAT>
+__device__ __forceinline__ void w4_dyn_finish(const float* __restrict__ part, float* __restrict__ y,
+                                              u32* __restrict__ hs,
+                                              const float* __restrict__ topk_w,
+                                              const int* __restrict__ sorted, int pair, int kc_n,
+                                              int nrb, int np, int N) {
+    const int lane = threadIdx.x & 31, tile = pair / nrb, rb = pair % nrb;
+    for (int q = 0; q < np; ++q) {
+        const int p = __ldcg(sorted + (size_t)tile * ROWS_PER_TILE + q);
+        if (NMAT == 2) {
+            const int i = lane / 8, g = lane % 8, n = 32 * rb + lane;
+            float gate = 0.0f, up = 0.0f;
+            for (int x = 0; x < W4_XS; ++x) {
+                gate += w4_dyn_sum(part, pair, kc_n, q * W4_XS + x, 16 * i + g);
+                up += w4_dyn_sum(part, pair, kc_n, q * W4_XS + x, 16 * i + g + 8);
+            }
+            float v = silu_f(gate) * up;
+            unsigned short* h16 = reinterpret_cast<unsigned short*>(hs);
+#pragma unroll
+            for (int xi = 0; xi < W4_XS; ++xi) {
+                const u32 b = pack_bf2(v, 0.0f);
+                h16[2 * w4_h_word(p, n, N, xi) + (n & 1)] = (unsigned short)(b & 0xffffu);
+                v -= bf16lo(b);
+            }
+        } else {
+            for (int r = lane; r < 64; r += WARP) {
+                float v = 0.0f;
+                for (int x = 0; x < W4_XS; ++x) v += w4_dyn_sum(part, pair, kc_n, q * W4_XS + x, r);
+                y[(size_t)p * N + 64 * rb + r] = topk_w[p] * v;
+            }
+        }
+    }
+}
+
+// Count unit w done; the warp that completes its pair runs the pair's epilogue.
+template <int NMAT>
+__device__ __forceinline__ void w4_dyn_done(const float* __restrict__ part, int* __restrict__ done,
+                                            float* __restrict__ y, u32* __restrict__ hs,
+                                            const float* __restrict__ topk_w,
+                                            const int* __restrict__ sorted, const W4Unit& w,
+                                            int kc_n, int nrb, int N) {
+    __syncwarp();
+    int old = 0;
+    if ((threadIdx.x & 31) == 0) {
+        __threadfence();
+        old = atomicAdd(done + w.pair, 1);
+    }
+    old = __shfl_sync(0xffffffffu, old, 0);
+    if (old != kc_n - 1) return;
+    __threadfence();  // acquire: the other units' partials
+    w4_dyn_finish<NMAT>(part, y, hs, topk_w, sorted, w.pair, kc_n, nrb, w.np, N);
+    if ((threadIdx.x & 31) == 0) done[w.pair] = 0;
+}
+
+// Units: KC (power of two, HC = halves / KC even) from the pair count.
+__device__ __forceinline__ int w4_dyn_kc(int pairs, int halves, int min_units, int cap) {
+    int kc = 1;
+    while ((halves / 2) % (2 * kc) == 0 && pairs * kc < min_units && pairs * 2 * kc <= cap)
+        kc *= 2;
+    return kc;
+}
+
+template <int NMAT>
+__device__ __forceinline__ void w4_dyn(float* __restrict__ y, u32* __restrict__ hs,
+                                       const u32* __restrict__ xs,
+                                       const uint4* __restrict__ qw,
+                                       const uint4* __restrict__ scw,
+                                       const float* __restrict__ topk_w,
+                                       const int* __restrict__ sorted,
+                                       const int* __restrict__ tile_expert, int div, int N,
+                                       int K, int max_tiles, float* __restrict__ part,
+                                       int* __restrict__ done, int* __restrict__ ctl, int cap,
+                                       int min_units, bool pre) {
+    W4Clock ck;
+    ck.mark<0>();
+    if (!pre) {
+        pdl_enter();
+        ck.mark<1>();
+    }
+    const int nrb = N * NMAT / 64, halves = K / 64, lane = threadIdx.x & 31;
+    const int pairs = __ldcg(tile_expert + max_tiles) * nrb;
+    if (pairs > cap) __trap();  // the host sizes part for every tile (launch.rs w4_dyn)
+    const int kc_n = w4_dyn_kc(pairs, halves, min_units, cap), hc = halves / kc_n;
+    const int units = pairs * kc_n;
+    extern __shared__ uint4 w4_smem[];
+    uint4* st = w4_smem + (threadIdx.x >> 5) * W4_STAGES * W4_SLOT * WARP + lane;
+    int u = 0;
+    if (lane == 0) u = atomicAdd(ctl, 1);
+    u = __shfl_sync(0xffffffffu, u, 0);
+    W4Unit cur = w4_unit<NMAT>(u, units, kc_n, hc, nrb, K, div, xs, qw, scw, sorted,
+                               tile_expert, st);
+    if (cur.u >= 0) {
+        if (cur.np * W4_XS > ROWS_PER_TILE) __trap();  // mode 0 only (host-checked)
+        w4_issue(cur.l, cur.h0, 0);
+    }
+    cp_async_commit();
+    if (pre) {
+        pdl_enter();
+        ck.mark<1>();
+    }
+    float acc[1][W4_RT][4];
+#pragma unroll
+    for (int i = 0; i < W4_RT; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[0][i][c] = 0.0f;
+    W4B<0> x0, x1;
+    if (cur.u >= 0) w4_load_b<0, false>(x0, cur.b, cur.b, cur.h0);
+    while (cur.u >= 0) {
+        int nu = 0;  // the next unit, taken now, used at this unit's last half
+        if (lane == 0) nu = atomicAdd(ctl, 1);
+        W4Unit nxt;
+        nxt.u = -1;
+        for (int h = cur.h0; h < cur.h1; h += 2) {
+            // Half h is in slot 0 with B operand x0; h + 1 < h1 (HC even).
+            w4_issue(cur.l, h + 1, 1);
+            cp_async_commit();
+            w4_load_b<0, false>(x1, cur.b, cur.b, h + 1);
+            cp_async_wait_one();
+            w4_take<0>(acc, cur.l, 0, x0);
+            if (h + 2 < cur.h1) {
+                w4_issue(cur.l, h + 2, 0);
+                w4_load_b<0, false>(x0, cur.b, cur.b, h + 2);
+            } else {
+                nxt = w4_unit<NMAT>(__shfl_sync(0xffffffffu, nu, 0), units, kc_n, hc, nrb, K,
+                                    div, xs, qw, scw, sorted, tile_expert, st);
+                if (nxt.u >= 0) {
+                    if (nxt.np * W4_XS > ROWS_PER_TILE) __trap();
+                    w4_issue(nxt.l, nxt.h0, 0);
+                    w4_load_b<0, false>(x0, nxt.b, nxt.b, nxt.h0);
+                }
+            }
+            cp_async_commit();
+            cp_async_wait_one();
+            w4_take<0>(acc, cur.l, 1, x1);
+        }
+        w4_dyn_store(part, cur, acc);
+        w4_dyn_done<NMAT>(part, done, y, hs, topk_w, sorted, cur, kc_n, nrb, N);
+        cur = nxt;
+    }
+    cp_async_wait_one();
+    ck.mark<2>();
+    // Every warp counts out; the last one zeroes the queue for the next launch.
+    int out = 0;
+    if (lane == 0) out = atomicAdd(ctl + 1, 1);
+    out = __shfl_sync(0xffffffffu, out, 0);
+    if (lane == 0 && out == (int)(gridDim.x * (blockDim.x >> 5)) - 1) {
+        ctl[0] = 0;
+        ctl[1] = 0;
+    }
+    __syncthreads();
+    ck.mark<3>();
+    ck.put(NMAT == 2 ? 2 : 3);
+}
+
+// moe_gate_up_w4 with the dynamic split (above): the same outputs up to summation order.
+// Extra shapes: part [cap 512] f32, done [max_tiles 2N / 64] i32, ctl [2] i32.
+extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up_w4_dyn(
+    u32* __restrict__ h, const u32* __restrict__ xs, const u32* __restrict__ q13,
+    const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
+    const int* __restrict__ tile_expert, int topk, int N, int K, int max_tiles,
+    float* __restrict__ part, int* __restrict__ done, int* __restrict__ ctl, int cap,
+    int min_units, int pre) {
+    w4_dyn<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
+              reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K,
+              max_tiles, part, done, ctl, cap, min_units, pre != 0);
+}
+
+// moe_down_w4 with the dynamic split.  Extra shapes: part [cap 512] f32, done [max_tiles
+// N / 64] i32, ctl [2] i32.
+extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_down_w4_dyn(
+    float* __restrict__ y, const u32* __restrict__ h, const u32* __restrict__ qd,
+    const bf16_bits* __restrict__ sd, const float* __restrict__ topk_w,
+    const int* __restrict__ sorted, const int* __restrict__ tile_expert, int N, int K,
+    int max_tiles, float* __restrict__ part, int* __restrict__ done, int* __restrict__ ctl,
+    int cap, int min_units, int pre) {
+    w4_dyn<1>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
+              reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, N, K,
+              max_tiles, part, done, ctl, cap, min_units, pre != 0);
+}

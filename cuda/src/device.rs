@@ -105,11 +105,13 @@ pub fn rows_env(var: &str, default: usize) -> Result<usize> {
 }
 
 /// The INT4 expert GEMMs (tensor-core mma over pre-shuffled fragments: cuda/kernels/linear.cu).
-pub const W4_KERNELS: [&str; 4] = [
+pub const W4_KERNELS: [&str; 6] = [
     "moe_gate_up_w4",
     "moe_down_w4",
     "moe_experts_w4",
     "moe_gate_up_shared_w4",
+    "moe_gate_up_w4_dyn",
+    "moe_down_w4_dyn",
 ];
 
 /// Shared-memory carveout (percent of the SM's 228 KB) asked for the INT4 GEMMs: all of

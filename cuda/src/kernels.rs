@@ -101,6 +101,8 @@ pub const SOURCES: &[KernelSource] = &[
             "moe_down_w4",
             "moe_down_bf16",
             "moe_experts_w4",
+            "moe_gate_up_w4_dyn",
+            "moe_down_w4_dyn",
         ],
     },
     KernelSource {
