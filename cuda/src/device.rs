@@ -485,13 +485,14 @@ mod tests {
         // entry point calls it first, or after a prologue that only computes indices and
         // loads constant weights (the tiled GEMMs' LT_PREWAIT, the router's and KDA's
         // weight prologues), or first calls a device function held to the same rule.
-        // The INT4 GEMMs' `pre` path (w4_mma / w4_item) also reads the routing before the
+        // The INT4 GEMMs' `pre` path (w4_mma / w4_item, w4_dyn) also reads the routing before the
         // wait, which the host allows only two grids after the routing (linear.cu w4_mma),
         // and the KDA kernels' `pre` path the state pages and chunk metadata, written by
         // earlier steps or the host (kda.cu kda_recurrent_impl).
         let delegates = [
             "swiglu_tiled_block(",
             "w4_mma<",
+            "w4_dyn<",
             "kda_recurrent_impl<",
             "kda_conv_block(",
             "lowrank_block<",

@@ -221,7 +221,13 @@ pub struct W4Dyn {
 
 impl W4Dyn {
     /// For `max_tiles` tiles of GEMMs with `rb_gu` / `rb_dn` row blocks of 64.
-    pub fn plan(slots: usize, per_warp: usize, max_tiles: usize, rb_gu: usize, rb_dn: usize) -> Self {
+    pub fn plan(
+        slots: usize,
+        per_warp: usize,
+        max_tiles: usize,
+        rb_gu: usize,
+        rb_dn: usize,
+    ) -> Self {
         let min_units = slots * W4_WARPS as usize * per_warp;
         let pairs = max_tiles * rb_gu.max(rb_dn);
         // Room for every pair once, and for the K chunks that reach min_units (the

@@ -883,7 +883,11 @@ impl W4DynWork {
             hidden / 64,
         );
         Ok(Self {
-            part: DevBuf::zeros(&g.stream, plan.cap * launch::W4_DYN_UNIT_FLOATS, "w4 dyn part")?,
+            part: DevBuf::zeros(
+                &g.stream,
+                plan.cap * launch::W4_DYN_UNIT_FLOATS,
+                "w4 dyn part",
+            )?,
             sync: DevBuf::zeros(&g.stream, plan.sync_len(), "w4 dyn sync")?,
             plan,
         })
@@ -1119,7 +1123,12 @@ fn moe_experts_dyn(
         )));
     }
     let xs = ptr(a.xs, 0, r.t * hd * launch::W4_XS_MAX / 2, "moe xs")?;
-    let part = ptr(&dw.part, 0, pl.cap * launch::W4_DYN_UNIT_FLOATS, "w4 dyn part")?;
+    let part = ptr(
+        &dw.part,
+        0,
+        pl.cap * launch::W4_DYN_UNIT_FLOATS,
+        "w4 dyn part",
+    )?;
     let c = launch::W4_DYN_CTL;
     let sync = |off: usize, len: usize| ptr(&dw.sync, off, len, "w4 dyn sync");
     let tail = |pre: bool| -> Result<Vec<Arg>> {
