@@ -1374,9 +1374,10 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_experts
 // - Units (tile, row block rb, K chunk kc), kc fastest, numbered u = (tile nrb + rb) KC +
 //   kc; a chunk is HC = halves / KC half groups (HC even).  KC: the largest power of two
 //   up to the first that gives at least `min_units` units (<= halves / 2, units <= cap).
-// - Every warp is a worker: it takes units from ctl[0] (one atomicAdd a unit, taken one
-//   unit ahead so the weight stream runs on across units: the first half of the next unit
-//   is in flight while the last of this one is multiplied), walks the unit's halves as
+// - Every warp is a worker: it takes units from the queue ctl (one atomicAdd a unit,
+//   claimed two units ahead and the next unit's routing loaded one ahead, so the weight
+//   stream runs on across units: the first half of the next unit is in flight while the
+//   last of this one is multiplied), walks the unit's halves as
 //   w4_walk does (mode 0 only, the host guarantees np W4_XS <= 8 for every tile), and
 //   stores the unit's partial sums (real columns only) to part [u][8 columns][64 rows].
 // - Deterministic fix-up: a fenced increment of done[pair] per unit (the release side of
@@ -1384,48 +1385,98 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_experts
 //   KC partials in kc order, applies the epilogue (gate/up: silu(gate) up, split; down:
 //   topk_w value) and zeroes done[pair].  So the result does not depend on which warp ran
 //   which unit.  It differs from the static kernels' only in summation order.
-// - The last warp to leave (ctl[1]) zeroes ctl: the counters are zero between launches
+// - The last warp to leave (ctl[W4_DYN_CTL_N - 1]) zeroes ctl: the counters are zero between launches
 //   (allocated zeroed).  Consecutive launches of one kernel are separated by at least one
 //   completed grid (each kernel here waits before it triggers), so they never overlap.
 // - `pre`: the first unit's routing reads and weight copy before the grid-dependency wait,
 //   under w4_mma's condition (the routing at least two grids back).
 // Shapes: as moe_gate_up_w4 / moe_down_w4, plus part [cap 512] f32, done [max_tiles nrb]
-// i32, ctl [2] i32.  Launch: grid (resident blocks), block 32 W4_WARPS, dynamic shared
+// i32, ctl [W4_DYN_CTL_N] i32.  Launch: grid (resident blocks), block 32 W4_WARPS, dynamic shared
 // memory W4_SMEM (the stages only are used).
+
+// Diagnostics of the dynamic split (SPECLAB_KERNEL_DEFINES): W4_DYN_Q queues (1..32; the
+// units cut into Q contiguous ranges, warp w starting on queue w % Q and moving on when it
+// is empty: Q addresses share the atomics) and W4_DYN_FENCE (0 drops the fix-up's fences:
+// racy, for timing what they cost only, never for results).
+#ifndef W4_DYN_Q
+#define W4_DYN_Q 1
+#endif
+#if W4_DYN_Q < 1 || W4_DYN_Q > 32
+#error "W4_DYN_Q must be 1..32"
+#endif
+#ifndef W4_DYN_FENCE
+#define W4_DYN_FENCE 1
+#endif
+// ctl ints a kernel: the queues, then the leavers (launch.rs W4_DYN_CTL is twice this).
+#define W4_DYN_CTL_N 33
+
+// The queue cursor of a warp (lane 0's values count).
+struct W4Queue {
+    int* ctl;
+    int units, q;
+    // Queue j's units: [lo(j), lo(j + 1)).
+    __device__ __forceinline__ int lo(int j) const { return (int)((long long)units * j / W4_DYN_Q); }
+    // Start a claim on the current queue (lane 0; the result is read by `take`).
+    __device__ __forceinline__ int start() const { return atomicAdd(ctl + q, 1); }
+    // The unit of claim `raw` on queue q, moving on to later queues while they are empty;
+    // units (none left) once every queue was tried.  Lane 0.
+    __device__ __forceinline__ int take(int raw) {
+        for (int tried = 0;; ++tried) {
+            const int u = lo(q) + raw;
+            if (u < lo(q + 1)) return u;
+            if (tried + 1 >= W4_DYN_Q) return units;
+            q = q + 1 < W4_DYN_Q ? q + 1 : 0;
+            raw = start();
+        }
+    }
+};
+
+// What a unit's lane state needs from memory (the routing), loaded a unit ahead.
+struct W4UnitPre {
+    int u, e, sp;
+};
+
+// Start unit u's routing loads (u >= units: none).
+__device__ __forceinline__ W4UnitPre w4_unit_pre(int u, int units, int kc_n, int nrb,
+                                                 const int* __restrict__ sorted,
+                                                 const int* __restrict__ tile_expert) {
+    W4UnitPre r{u < units ? u : -1, 0, -1};
+    if (r.u < 0) return r;
+    const int tile = u / kc_n / nrb;
+    r.e = __ldcg(tile_expert + tile);
+    r.sp = __ldcg(sorted + (size_t)tile * ROWS_PER_TILE + (threadIdx.x & 7));
+    return r;
+}
 
 // One unit as a lane sees it.
 struct W4Unit {
     W4Lane l;        // weights of (expert, rb) from k16 step 0
     const uint2* b;  // this lane's B column
-    int u, pair, h0, h1, np, p;  // p: the pair id (sorted) of this lane's column, or -1
+    int u, pair, h0, h1, np;
 };
 
-// Unit u's lane state; u >= units gives u = -1.
+// Unit pr.u's lane state (pr.u < 0 gives u = -1).  Every lane calls it (warp collectives).
 template <int NMAT>
-__device__ __forceinline__ W4Unit w4_unit(int u, int units, int kc_n, int hc, int nrb, int K,
+__device__ __forceinline__ W4Unit w4_unit(const W4UnitPre& pr, int kc_n, int hc, int nrb, int K,
                                           int div, const u32* __restrict__ xs,
                                           const uint4* __restrict__ qw,
-                                          const uint4* __restrict__ scw,
-                                          const int* __restrict__ sorted,
-                                          const int* __restrict__ tile_expert, uint4* st) {
+                                          const uint4* __restrict__ scw, uint4* st) {
     W4Unit w;
-    w.u = u < units ? u : -1;
+    w.u = pr.u;
     if (w.u < 0) return w;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    w.pair = u / kc_n;
-    const int kc = u % kc_n, tile = w.pair / nrb, rb = w.pair % nrb;
-    const int e = __ldcg(tile_expert + tile);
-    const size_t blk = (size_t)e * nrb + rb;
+    w.pair = w.u / kc_n;
+    const int kc = w.u % kc_n, rb = w.pair % nrb;
+    const size_t blk = (size_t)pr.e * nrb + rb;
     w.l = W4Lane{qw + blk * (K / 16) * WARP + lane, scw + blk * (K / 128) * 8 + g, st,
                  smem_addr(st)};
     w.h0 = kc * hc;
     w.h1 = w.h0 + hc;
     // moe_align fills a tile front to back: np = the real pairs among its 8 slots.
-    const int sp = __ldcg(sorted + (size_t)tile * ROWS_PER_TILE + (lane & 7));
-    w.np = __popc(__ballot_sync(0xffffffffu, sp >= 0) & 0xffu);
+    w.np = __popc(__ballot_sync(0xffffffffu, pr.sp >= 0) & 0xffu);
+    if (w.np * W4_XS > ROWS_PER_TILE) __trap();  // mode 0 only (launch.rs w4_dyn_fits)
     const int q = g / W4_XS, x = g % W4_XS;
-    const int pq = __shfl_sync(0xffffffffu, sp, q < w.np ? q : 0);
-    w.p = q < w.np ? pq : -1;
+    const int pq = __shfl_sync(0xffffffffu, pr.sp, q < w.np ? q : 0);
     w.b = reinterpret_cast<const uint2*>(xs + w4_h_word(NMAT == 2 ? pq / div : pq, 2 * t, K, x));
     return w;
 }
@@ -1450,6 +1501,7 @@ __device__ __forceinline__ float w4_dyn_sum(const float* __restrict__ part, int 
                                             int col, int row) {
     const float* s = part + (size_t)pair * kc_n * (ROWS_PER_TILE * 64) + col * 64 + row;
     float v = 0.0f;
+#pragma unroll 8
     for (int k = 0; k < kc_n; ++k) v += __ldcg(s + (size_t)k * (ROWS_PER_TILE * 64));
     return v;
 }
@@ -1497,15 +1549,17 @@ __device__ __forceinline__ void w4_dyn_done(const float* __restrict__ part, int*
                                             const float* __restrict__ topk_w,
                                             const int* __restrict__ sorted, const W4Unit& w,
                                             int kc_n, int nrb, int N) {
+#if W4_DYN_FENCE
+    __threadfence();  // every lane: its partials before the count (a warp-wide MEMBAR)
+#endif
     __syncwarp();
     int old = 0;
-    if ((threadIdx.x & 31) == 0) {
-        __threadfence();
-        old = atomicAdd(done + w.pair, 1);
-    }
+    if ((threadIdx.x & 31) == 0) old = atomicAdd(done + w.pair, 1);
     old = __shfl_sync(0xffffffffu, old, 0);
     if (old != kc_n - 1) return;
+#if W4_DYN_FENCE
     __threadfence();  // acquire: the other units' partials
+#endif
     w4_dyn_finish<NMAT>(part, y, hs, topk_w, sorted, w.pair, kc_n, nrb, w.np, N);
     if ((threadIdx.x & 31) == 0) done[w.pair] = 0;
 }
@@ -1518,6 +1572,9 @@ __device__ __forceinline__ int w4_dyn_kc(int pairs, int halves, int min_units, i
     return kc;
 }
 
+// The walk of w4_dyn over its units: each unit's halves as w4_walk walks them (mode 0),
+// the next unit's first half issued before this unit's last is multiplied; the unit after
+// next is claimed, and the next one's routing loaded, at the start of each unit.
 template <int NMAT>
 __device__ __forceinline__ void w4_dyn(float* __restrict__ y, u32* __restrict__ hs,
                                        const u32* __restrict__ xs,
@@ -1537,20 +1594,22 @@ __device__ __forceinline__ void w4_dyn(float* __restrict__ y, u32* __restrict__ 
     }
     const int nrb = N * NMAT / 64, halves = K / 64, lane = threadIdx.x & 31;
     const int pairs = __ldcg(tile_expert + max_tiles) * nrb;
-    if (pairs > cap) __trap();  // the host sizes part for every tile (launch.rs w4_dyn)
+    if (pairs > cap) __trap();  // the host sizes part for every tile (launch.rs W4Dyn)
     const int kc_n = w4_dyn_kc(pairs, halves, min_units, cap), hc = halves / kc_n;
     const int units = pairs * kc_n;
     extern __shared__ uint4 w4_smem[];
     uint4* st = w4_smem + (threadIdx.x >> 5) * W4_STAGES * W4_SLOT * WARP + lane;
-    int u = 0;
-    if (lane == 0) u = atomicAdd(ctl, 1);
-    u = __shfl_sync(0xffffffffu, u, 0);
-    W4Unit cur = w4_unit<NMAT>(u, units, kc_n, hc, nrb, K, div, xs, qw, scw, sorted,
-                               tile_expert, st);
-    if (cur.u >= 0) {
-        if (cur.np * W4_XS > ROWS_PER_TILE) __trap();  // mode 0 only (host-checked)
-        w4_issue(cur.l, cur.h0, 0);
+    W4Queue wq{ctl, units, (int)((blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) % W4_DYN_Q)};
+    int u = 0, nu = 0;
+    if (lane == 0) {
+        u = wq.take(wq.start());
+        nu = wq.take(wq.start());
     }
+    u = __shfl_sync(0xffffffffu, u, 0);
+    nu = __shfl_sync(0xffffffffu, nu, 0);
+    W4Unit cur = w4_unit<NMAT>(w4_unit_pre(u, units, kc_n, nrb, sorted, tile_expert), kc_n, hc,
+                               nrb, K, div, xs, qw, scw, st);
+    if (cur.u >= 0) w4_issue(cur.l, cur.h0, 0);
     cp_async_commit();
     if (pre) {
         pdl_enter();
@@ -1564,8 +1623,10 @@ __device__ __forceinline__ void w4_dyn(float* __restrict__ y, u32* __restrict__ 
     W4B<0> x0, x1;
     if (cur.u >= 0) w4_load_b<0, false>(x0, cur.b, cur.b, cur.h0);
     while (cur.u >= 0) {
-        int nu = 0;  // the next unit, taken now, used at this unit's last half
-        if (lane == 0) nu = atomicAdd(ctl, 1);
+        // The next unit's routing, and a claim on the one after, while this one walks.
+        const W4UnitPre npre = w4_unit_pre(nu, units, kc_n, nrb, sorted, tile_expert);
+        int raw = 0;
+        if (lane == 0 && nu < units) raw = wq.start();
         W4Unit nxt;
         nxt.u = -1;
         for (int h = cur.h0; h < cur.h1; h += 2) {
@@ -1579,10 +1640,8 @@ __device__ __forceinline__ void w4_dyn(float* __restrict__ y, u32* __restrict__ 
                 w4_issue(cur.l, h + 2, 0);
                 w4_load_b<0, false>(x0, cur.b, cur.b, h + 2);
             } else {
-                nxt = w4_unit<NMAT>(__shfl_sync(0xffffffffu, nu, 0), units, kc_n, hc, nrb, K,
-                                    div, xs, qw, scw, sorted, tile_expert, st);
+                nxt = w4_unit<NMAT>(npre, kc_n, hc, nrb, K, div, xs, qw, scw, st);
                 if (nxt.u >= 0) {
-                    if (nxt.np * W4_XS > ROWS_PER_TILE) __trap();
                     w4_issue(nxt.l, nxt.h0, 0);
                     w4_load_b<0, false>(x0, nxt.b, nxt.b, nxt.h0);
                 }
@@ -1594,16 +1653,17 @@ __device__ __forceinline__ void w4_dyn(float* __restrict__ y, u32* __restrict__ 
         w4_dyn_store(part, cur, acc);
         w4_dyn_done<NMAT>(part, done, y, hs, topk_w, sorted, cur, kc_n, nrb, N);
         cur = nxt;
+        if (lane == 0) nu = nu < units ? wq.take(raw) : units;
+        nu = __shfl_sync(0xffffffffu, nu, 0);
     }
     cp_async_wait_one();
     ck.mark<2>();
-    // Every warp counts out; the last one zeroes the queue for the next launch.
+    // Every warp counts out; the last one zeroes the queues for the next launch.
     int out = 0;
-    if (lane == 0) out = atomicAdd(ctl + 1, 1);
+    if (lane == 0) out = atomicAdd(ctl + W4_DYN_CTL_N - 1, 1);
     out = __shfl_sync(0xffffffffu, out, 0);
     if (lane == 0 && out == (int)(gridDim.x * (blockDim.x >> 5)) - 1) {
-        ctl[0] = 0;
-        ctl[1] = 0;
+        for (int j = 0; j < W4_DYN_CTL_N; ++j) ctl[j] = 0;
     }
     __syncthreads();
     ck.mark<3>();
@@ -1611,7 +1671,7 @@ __device__ __forceinline__ void w4_dyn(float* __restrict__ y, u32* __restrict__ 
 }
 
 // moe_gate_up_w4 with the dynamic split (above): the same outputs up to summation order.
-// Extra shapes: part [cap 512] f32, done [max_tiles 2N / 64] i32, ctl [2] i32.
+// Extra shapes: part [cap 512] f32, done [max_tiles 2N / 64] i32, ctl [W4_DYN_CTL_N] i32.
 extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up_w4_dyn(
     u32* __restrict__ h, const u32* __restrict__ xs, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
@@ -1624,7 +1684,7 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up
 }
 
 // moe_down_w4 with the dynamic split.  Extra shapes: part [cap 512] f32, done [max_tiles
-// N / 64] i32, ctl [2] i32.
+// N / 64] i32, ctl [W4_DYN_CTL_N] i32.
 extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_down_w4_dyn(
     float* __restrict__ y, const u32* __restrict__ h, const u32* __restrict__ qd,
     const bf16_bits* __restrict__ sd, const float* __restrict__ topk_w,

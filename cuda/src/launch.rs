@@ -165,9 +165,13 @@ pub const W4_DYN_UNITS_PER_WARP: usize = 2;
 /// rows]`, linear.cu `w4_dyn_store`).
 pub const W4_DYN_UNIT_FLOATS: usize = ROWS_PER_TILE as usize * 64;
 
-/// Counters ahead of the per-pair ones in the dynamic split's sync buffer: gate/up's queue
+/// Queue counters of one dynamic kernel (linear.cu `W4_DYN_CTL_N`: up to 32 queues, then
+/// the leavers).
+pub const W4_DYN_CTL_N: usize = 33;
+
+/// Counters ahead of the per-pair ones in the dynamic split's sync buffer: gate/up's queues
 /// and leavers, then down's.
-pub const W4_DYN_CTL: usize = 4;
+pub const W4_DYN_CTL: usize = 2 * W4_DYN_CTL_N;
 
 /// The dynamic split is on ([`W4_DYN_ENV`], read once).
 pub fn w4_dyn() -> bool {
@@ -779,6 +783,7 @@ mod tests {
         assert_eq!(define("W4_STAGES"), Some(W4_STAGES as usize));
         assert_eq!(define("W4_SLOT"), Some(W4_SLOT as usize));
         assert_eq!(define("W4_SEGS"), Some(W4_SEGS));
+        assert_eq!(define("W4_DYN_CTL_N"), Some(W4_DYN_CTL_N));
         assert_eq!(W4_SMEM, 73_728);
         assert_eq!(define("EXPERTS_MAX"), Some(EXPERTS_MAX));
         assert_eq!(define("HEAD_DIM_MAX"), Some(HEAD_DIM_MAX));
@@ -844,7 +849,7 @@ mod tests {
         // GLM-5.3-Flash (hidden 4096, inter 2048) at M = 1 (8 tiles) on 132 SMs x 2.
         let p = W4Dyn::plan(264, 2, 8, 64, 64);
         assert_eq!((p.min_units, p.pairs, p.cap), (4224, 512, 8448));
-        assert_eq!(p.sync_len(), 4 + 1024);
+        assert_eq!(p.sync_len(), 66 + 1024);
         // gate/up: 64 halves -> 16 chunks of 4; down: 32 halves -> 16 chunks of 2.
         assert_eq!((p.kc(512, 64), p.kc(512, 32)), (16, 16));
         // Many tiles: one chunk (the whole K) once the pairs alone reach the units.

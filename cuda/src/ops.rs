@@ -1147,17 +1147,20 @@ fn moe_experts_dyn(
     args.extend(w.gu_w);
     args.extend([sorted, tiles, int(r.k, "topk")?, int(im, "N")?]);
     args.extend([int(hd, "K")?, int(w.max_tiles, "max_tiles")?, part]);
-    args.extend([sync(c, pl.pairs)?, sync(0, 2)?]);
+    args.extend([sync(c, pl.pairs)?, sync(0, launch::W4_DYN_CTL_N)?]);
     args.extend(tail(pre[0])?);
     // SAFETY: as moe_experts' gate/up launch; part [cap, 512] f32 and the counters
-    // (done [pairs] >= max_tiles x 2 Im / 64, checked above; ctl [2]) are this workspace's,
+    // (done [pairs] >= max_tiles x 2 Im / 64, checked above; ctl [W4_DYN_CTL_N]) are this workspace's,
     // zero between launches; the kernel traps should the tiles exceed cap.
     unsafe { launch(g, "moe_gate_up_w4_dyn", shape, &args)? };
     let mut args = vec![y, h];
     args.extend(w.dn_w);
     args.extend([wts, sorted, tiles, int(hd, "N")?, int(im, "K")?]);
     args.extend([int(w.max_tiles, "max_tiles")?, part]);
-    args.extend([sync(c + pl.pairs, pl.pairs)?, sync(2, 2)?]);
+    args.extend([
+        sync(c + pl.pairs, pl.pairs)?,
+        sync(launch::W4_DYN_CTL_N, launch::W4_DYN_CTL_N)?,
+    ]);
     args.extend(tail(pre[1])?);
     // SAFETY: as moe_experts' down launch, the workspace as above (done [pairs] >=
     // max_tiles x H / 64).
