@@ -1380,8 +1380,8 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_experts
 //   last of this one is multiplied), walks the unit's halves as
 //   w4_walk does (mode 0 only, the host guarantees np W4_XS <= 8 for every tile), and
 //   stores the unit's partial sums (real columns only) to part [u][8 columns][64 rows].
-// - Deterministic fix-up: a fenced increment of done[pair] per unit (the release side of
-//   CUTLASS's semaphore); the warp whose increment completes the pair's KC units sums the
+// - Deterministic fix-up: a fenced increment of done[pair] per unit (the fence-based
+//   release / acquire pattern of the PTX memory model, as CUTLASS's semaphore); the warp whose increment completes the pair's KC units sums the
 //   KC partials in kc order, applies the epilogue (gate/up: silu(gate) up, split; down:
 //   topk_w value) and zeroes done[pair].  So the result does not depend on which warp ran
 //   which unit.  It differs from the static kernels' only in summation order.
@@ -1396,8 +1396,10 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_experts
 
 // Diagnostics of the dynamic split (SPECLAB_KERNEL_DEFINES): W4_DYN_Q queues (1..32; the
 // units cut into Q contiguous ranges, warp w starting on queue w % Q and moving on when it
-// is empty: Q addresses share the atomics) and W4_DYN_FENCE (0 drops the fix-up's fences:
-// racy, for timing what they cost only, never for results).
+// is empty: Q addresses share the atomics) and W4_DYN_FENCE (the fix-up's fences: 1
+// fence.acq_rel.gpu, the release / acquire pattern of the PTX memory model; 2
+// __threadfence, i.e. fence.sc.gpu; 0 none: racy, for timing what they cost only, never
+// for results).
 #ifndef W4_DYN_Q
 #define W4_DYN_Q 1
 #endif
@@ -1407,6 +1409,13 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_experts
 #ifndef W4_DYN_FENCE
 #define W4_DYN_FENCE 1
 #endif
+__device__ __forceinline__ void w4_dyn_fence() {
+#if W4_DYN_FENCE == 1
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#elif W4_DYN_FENCE == 2
+    __threadfence();
+#endif
+}
 // ctl ints a kernel: the queues, then the leavers (launch.rs W4_DYN_CTL is twice this).
 #define W4_DYN_CTL_N 33
 
@@ -1549,17 +1558,13 @@ __device__ __forceinline__ void w4_dyn_done(const float* __restrict__ part, int*
                                             const float* __restrict__ topk_w,
                                             const int* __restrict__ sorted, const W4Unit& w,
                                             int kc_n, int nrb, int N) {
-#if W4_DYN_FENCE
-    __threadfence();  // every lane: its partials before the count (a warp-wide MEMBAR)
-#endif
+    w4_dyn_fence();  // release, every lane: its partials before the count
     __syncwarp();
     int old = 0;
     if ((threadIdx.x & 31) == 0) old = atomicAdd(done + w.pair, 1);
     old = __shfl_sync(0xffffffffu, old, 0);
     if (old != kc_n - 1) return;
-#if W4_DYN_FENCE
-    __threadfence();  // acquire: the other units' partials
-#endif
+    w4_dyn_fence();  // acquire: the other units' partials
     w4_dyn_finish<NMAT>(part, y, hs, topk_w, sorted, w.pair, kc_n, nrb, w.np, N);
     if ((threadIdx.x & 31) == 0) done[w.pair] = 0;
 }
