@@ -105,13 +105,11 @@ pub fn rows_env(var: &str, default: usize) -> Result<usize> {
 }
 
 /// The INT4 expert GEMMs (tensor-core mma over pre-shuffled fragments: cuda/kernels/linear.cu).
-pub const W4_KERNELS: [&str; 6] = [
+pub const W4_KERNELS: [&str; 4] = [
     "moe_gate_up_w4",
     "moe_down_w4",
     "moe_experts_w4",
     "moe_gate_up_shared_w4",
-    "moe_gate_up_w4_dyn",
-    "moe_down_w4_dyn",
 ];
 
 /// Shared-memory carveout (percent of the SM's 228 KB) asked for the INT4 GEMMs: all of
@@ -485,14 +483,13 @@ mod tests {
         // entry point calls it first, or after a prologue that only computes indices and
         // loads constant weights (the tiled GEMMs' LT_PREWAIT, the router's and KDA's
         // weight prologues), or first calls a device function held to the same rule.
-        // The INT4 GEMMs' `pre` path (w4_mma / w4_item, w4_dyn) also reads the routing before the
+        // The INT4 GEMMs' `pre` path (w4_mma / w4_item) also reads the routing before the
         // wait, which the host allows only two grids after the routing (linear.cu w4_mma),
         // and the KDA kernels' `pre` path the state pages and chunk metadata, written by
         // earlier steps or the host (kda.cu kda_recurrent_impl).
         let delegates = [
             "swiglu_tiled_block(",
             "w4_mma<",
-            "w4_dyn<",
             "kda_recurrent_impl<",
             "kda_conv_block(",
             "lowrank_block<",

@@ -37,10 +37,8 @@ pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// `__launch_bounds__` blocks an SM, which caps their registers; the host reads the
 /// resulting occupancy, so the K-split rule's wave follows it; `W4_STAGES`: their weight
 /// stages, 2 or 3, with the blocks' shared memory following, `launch::w4_smem`;
-/// `W4_TRACE`: block traces of the INT4 expert kernels, `crate::w4trace`; `W4_DYN_Q`: the
-/// dynamic split's queues; `W4_DYN_FENCE`: its fix-up fences, 1 acq_rel, 2 sc, 0 none (a
-/// racy diagnostic of their cost)).
-pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 10] = [
+/// `W4_TRACE`: block traces of the INT4 expert kernels, `crate::w4trace`).
+pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 8] = [
     ("W4_XS", 1..=3),
     ("W4_MINB", 1..=4),
     ("W4_STAGES", 2..=3),
@@ -49,8 +47,6 @@ pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 10] = [
     ("LT_PREWAIT", 0..=1),
     ("ATT_INFLIGHT", 1..=8),
     ("W4_TRACE", 0..=1),
-    ("W4_DYN_Q", 1..=32),
-    ("W4_DYN_FENCE", 0..=2),
 ];
 
 /// The prelude prepended to every source.
@@ -105,8 +101,6 @@ pub const SOURCES: &[KernelSource] = &[
             "moe_down_w4",
             "moe_down_bf16",
             "moe_experts_w4",
-            "moe_gate_up_w4_dyn",
-            "moe_down_w4_dyn",
         ],
     },
     KernelSource {

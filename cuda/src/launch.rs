@@ -147,130 +147,6 @@ pub fn moe_fused() -> bool {
     *FUSED.get_or_init(|| opt_in(std::env::var(MOE_FUSED_ENV).ok().as_deref()))
 }
 
-/// Environment variable turning the dynamic split of the INT4 expert GEMMs on: `1`
-/// (`moe_gate_up_w4_dyn` / `moe_down_w4_dyn`, linear.cu: every warp takes (tile, row block,
-/// K chunk) units from a queue, with a deterministic fix-up). Where a caller gives the
-/// kernels their workspace ([`W4Dyn`]) and [`w4_dyn_fits`] holds.
-pub const W4_DYN_ENV: &str = "SPECLAB_W4_DYN";
-
-/// Environment variable: the dynamic split's units a warp (1..=64, default
-/// [`W4_DYN_UNITS_PER_WARP`]); the kernels choose the K chunk from it.
-pub const W4_DYN_UNITS_ENV: &str = "SPECLAB_W4_DYN_UNITS";
-
-/// Default of [`W4_DYN_UNITS_ENV`]: at GLM-5.3-Flash's M = 1 gate/up this gives 16 K
-/// chunks of 4 half groups (8 KB of weights a warp a unit).
-pub const W4_DYN_UNITS_PER_WARP: usize = 2;
-
-/// Floats of one unit's partial sums in the dynamic split's workspace (`[8 columns][64
-/// rows]`, linear.cu `w4_dyn_store`).
-pub const W4_DYN_UNIT_FLOATS: usize = ROWS_PER_TILE as usize * 64;
-
-/// Queue counters of one dynamic kernel (linear.cu `W4_DYN_CTL_N`: up to 32 queues, then
-/// the leavers).
-pub const W4_DYN_CTL_N: usize = 33;
-
-/// Counters ahead of the per-pair ones in the dynamic split's sync buffer: gate/up's queues
-/// and leavers, then down's.
-pub const W4_DYN_CTL: usize = 2 * W4_DYN_CTL_N;
-
-/// The dynamic split is on ([`W4_DYN_ENV`], read once).
-pub fn w4_dyn() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| opt_in(std::env::var(W4_DYN_ENV).ok().as_deref()))
-}
-
-/// [`W4_DYN_UNITS_ENV`] (read once).
-pub fn w4_dyn_units() -> Result<usize> {
-    static U: std::sync::OnceLock<std::result::Result<usize, String>> = std::sync::OnceLock::new();
-    U.get_or_init(|| match std::env::var(W4_DYN_UNITS_ENV) {
-        Err(_) => Ok(W4_DYN_UNITS_PER_WARP),
-        Ok(v) => parse_w4_dyn_units(&v).map_err(|e| e.to_string()),
-    })
-    .clone()
-    .map_err(CudaError::Input)
-}
-
-/// A [`W4_DYN_UNITS_ENV`] value.
-pub fn parse_w4_dyn_units(v: &str) -> Result<usize> {
-    v.trim()
-        .parse::<usize>()
-        .ok()
-        .filter(|n| (1..=64).contains(n))
-        .ok_or_else(|| {
-            CudaError::Input(format!(
-                "{W4_DYN_UNITS_ENV}=`{v}`: expected units a warp from 1 to 64"
-            ))
-        })
-}
-
-/// The dynamic kernels walk in the packed column mode only (linear.cu mode 0: a tile's
-/// pairs times `xs` terms fit 8 columns). A tile of `t` tokens holds at most `t` pairs
-/// (a token's experts differ), so this holds for every routing when `xs == 1` or
-/// `t * xs <= 8`.
-pub fn w4_dyn_fits(t: usize, xs: usize) -> bool {
-    xs == 1 || t * xs <= ROWS_PER_TILE as usize
-}
-
-/// The dynamic split's launch for `slots` resident blocks: every slot a block (one wave
-/// of workers), `units` the kernels' `min_units` (units a warp times the warps), `cap` the
-/// workspace's units.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct W4Dyn {
-    pub blocks: usize,
-    pub min_units: usize,
-    pub cap: usize,
-    /// Per-pair counters a kernel: max_tiles x the larger row-block count.
-    pub pairs: usize,
-}
-
-impl W4Dyn {
-    /// For `max_tiles` tiles of GEMMs with `rb_gu` / `rb_dn` row blocks of 64.
-    pub fn plan(
-        slots: usize,
-        per_warp: usize,
-        max_tiles: usize,
-        rb_gu: usize,
-        rb_dn: usize,
-    ) -> Self {
-        let min_units = slots * W4_WARPS as usize * per_warp;
-        let pairs = max_tiles * rb_gu.max(rb_dn);
-        // Room for every pair once, and for the K chunks that reach min_units (the
-        // kernels' chunk doubling may overshoot it by up to 2x).
-        Self {
-            blocks: slots,
-            min_units,
-            cap: pairs.max(2 * min_units),
-            pairs,
-        }
-    }
-
-    /// K chunks a row block of `halves` half groups is cut into for `pairs` (tile, row
-    /// block) pairs (mirrors linear.cu `w4_dyn_kc`): doubled from 1 while the units stay
-    /// below `min_units`, a chunk keeps an even number of halves and the units fit `cap`.
-    pub fn kc(&self, pairs: usize, halves: usize) -> usize {
-        let mut kc = 1;
-        while (halves / 2).is_multiple_of(2 * kc)
-            && pairs * kc < self.min_units
-            && pairs * 2 * kc <= self.cap
-        {
-            kc *= 2;
-        }
-        kc
-    }
-
-    /// The i32 counters: [`W4_DYN_CTL`] then gate/up's and down's per-pair ones.
-    pub fn sync_len(&self) -> usize {
-        W4_DYN_CTL + 2 * self.pairs
-    }
-
-    /// The grid: one block a resident slot.
-    pub fn shape(&self, what: &str) -> Result<Shape> {
-        let mut s = grid_2d(self.blocks, 1, 32 * W4_WARPS, what)?;
-        s.smem = w4_smem();
-        Ok(s)
-    }
-}
-
 /// The INT4 GEMMs' target block count: [`W4_TARGET_ENV`] if set (1..=65536), else
 /// [`W4_TARGET_BLOCKS`].
 pub fn w4_target_blocks() -> Result<usize> {
@@ -783,7 +659,6 @@ mod tests {
         assert_eq!(define("W4_STAGES"), Some(W4_STAGES as usize));
         assert_eq!(define("W4_SLOT"), Some(W4_SLOT as usize));
         assert_eq!(define("W4_SEGS"), Some(W4_SEGS));
-        assert_eq!(define("W4_DYN_CTL_N"), Some(W4_DYN_CTL_N));
         assert_eq!(W4_SMEM, 73_728);
         assert_eq!(define("EXPERTS_MAX"), Some(EXPERTS_MAX));
         assert_eq!(define("HEAD_DIM_MAX"), Some(HEAD_DIM_MAX));
@@ -842,35 +717,6 @@ mod tests {
             }
         }
         (owned, ntiles * xneed)
-    }
-
-    #[test]
-    fn dyn_split_plan_reaches_its_units_within_the_workspace() {
-        // GLM-5.3-Flash (hidden 4096, inter 2048) at M = 1 (8 tiles) on 132 SMs x 2.
-        let p = W4Dyn::plan(264, 2, 8, 64, 64);
-        assert_eq!((p.min_units, p.pairs, p.cap), (4224, 512, 8448));
-        assert_eq!(p.sync_len(), 66 + 1024);
-        // gate/up: 64 halves -> 16 chunks of 4; down: 32 halves -> 16 chunks of 2.
-        assert_eq!((p.kc(512, 64), p.kc(512, 32)), (16, 16));
-        // Many tiles: one chunk (the whole K) once the pairs alone reach the units.
-        let big = W4Dyn::plan(264, 2, 300, 64, 64);
-        assert_eq!((big.cap, big.kc(300 * 64, 64)), (19200, 1));
-        // models/tiny's K = 128 (2 halves): one chunk of two halves at most.
-        assert_eq!(p.kc(4, 2), 1);
-        // Odd halves a chunk never happen; units never pass cap.
-        for pairs in [1usize, 7, 64, 512, 4000, 19200] {
-            for halves in [2usize, 4, 6, 32, 64] {
-                let kc = big.kc(pairs.min(big.pairs), halves);
-                assert!((halves / kc).is_multiple_of(2), "{pairs} {halves} {kc}");
-                assert!(pairs.min(big.pairs) * kc <= big.cap);
-            }
-        }
-        assert!(w4_dyn_fits(64, 1) && w4_dyn_fits(2, 3) && !w4_dyn_fits(3, 3));
-        assert_eq!(parse_w4_dyn_units(" 4").unwrap(), 4);
-        for bad in ["0", "65", "x", ""] {
-            let e = parse_w4_dyn_units(bad).unwrap_err().to_string();
-            assert!(e.contains(W4_DYN_UNITS_ENV) && e.contains(bad), "{e}");
-        }
     }
 
     #[test]

@@ -388,10 +388,6 @@ pub struct MoeRow {
     /// Routed outputs of the checked draw that differ in any bit between the input split
     /// inside the call and split at upload ([`experts_with`]; must be 0 for `pass`).
     pub split_ready_differ: usize,
-    /// The experts ran with the dynamic split (`SPECLAB_W4_DYN=1` and
-    /// `launch::w4_dyn_fits` at this M): the two calls of `split_ready_differ` then also
-    /// check that the fix-up is deterministic.
-    pub w4_dyn: bool,
     /// Block traces of [`TRACE_CALLS`] more experts calls, when the kernels were compiled
     /// with `W4_TRACE=1` ([`crate::w4trace`]; the timed calls above are not traced).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -485,10 +481,6 @@ pub struct MoeBenchReport {
     /// The timed experts call split the f32 input itself (`SPECLAB_MOE_SPLIT_IN_CALL=1`,
     /// [`split_in_call`]) instead of taking the split made at upload.
     pub split_in_call: bool,
-    /// The dynamic split was switched on (`SPECLAB_W4_DYN=1`; rows say where it applied)
-    /// with this many units a warp (`SPECLAB_W4_DYN_UNITS`).
-    pub w4_dyn: bool,
-    pub w4_dyn_units: usize,
     pub timing: &'static str,
     pub rows: Vec<MoeRow>,
     pub all_pass: bool,
@@ -641,8 +633,6 @@ struct Scratch {
     /// Shape: [MOE_SYNC_FIXED + max_tiles] the fused experts kernel's counters (zero between
     /// calls).
     sync: DevBuf<i32>,
-    /// The dynamic split's workspace, when `SPECLAB_W4_DYN=1` and it applies at this M.
-    dynamic: Option<ops::W4DynWork>,
 }
 
 impl Scratch {
@@ -663,15 +653,6 @@ impl Scratch {
                 launch::MOE_SYNC_FIXED + launch::moe_max_tiles(p, s.experts),
                 "moe sync",
             )?,
-            dynamic: match launch::w4_dyn() && launch::w4_dyn_fits(m, g.w4_xs) {
-                true => Some(ops::W4DynWork::new(
-                    g,
-                    launch::moe_max_tiles(p, s.experts),
-                    s.hidden,
-                    s.inter,
-                )?),
-                false => None,
-            },
         })
     }
 }
@@ -742,7 +723,6 @@ fn experts_of<'a>(
         hidden: s.hidden,
         inter: s.inter,
         shared,
-        dynamic: sc.dynamic.as_ref(),
     }
 }
 
@@ -1165,7 +1145,6 @@ fn run_row(
         max_rel_err_exact: rel_exact,
         pass: rel < ref_tol(xs) && differ == 0,
         split_ready_differ: differ,
-        w4_dyn: sc.dynamic.is_some(),
         trace,
     })
 }
@@ -1253,8 +1232,6 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         w4_band: g.w4_band,
         moe_fused: launch::moe_fused(),
         split_in_call: split_in_call(),
-        w4_dyn: launch::w4_dyn(),
-        w4_dyn_units: launch::w4_dyn_units()?,
         timing: "CUDA events around single calls, median of iters (experts_us_chained: chains of CHAIN back-to-back calls, gate/up without its weight prologue, median over the chains); experts = moe_gate_up_w4 + moe_down_w4 on the input split at upload (split_in_call: moe_split_x + moe_gate_up_w4 + moe_down_w4), or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",
         all_pass: rows.iter().all(|r| r.pass),
         rows,

@@ -856,42 +856,6 @@ pub struct Experts<'a> {
     /// launch (`moe_gate_up_shared_w4`, its tiled `swiglu` bit for bit); `None`: the
     /// caller launches it. Only with INT4 experts, not the fused launch.
     pub shared: Option<Swiglu<'a>>,
-    /// The dynamic split's workspace: with it, INT4 experts, no `shared`, the switch on
-    /// ([`launch::w4_dyn`]) and [`launch::w4_dyn_fits`], gate/up and down run as
-    /// `moe_gate_up_w4_dyn` / `moe_down_w4_dyn`.
-    pub dynamic: Option<&'a W4DynWork>,
-}
-
-/// Workspace of the INT4 experts' dynamic split (linear.cu `w4_dyn`), one per caller.
-pub struct W4DynWork {
-    pub plan: launch::W4Dyn,
-    /// Shape: [plan.cap, 8 columns, 64 rows] the units' partial sums (shared by gate/up
-    /// and down: a launch touches it only after its grid-dependency wait).
-    pub part: DevBuf<f32>,
-    /// Shape: [plan.sync_len()] counters, zero between launches (allocated zeroed).
-    pub sync: DevBuf<i32>,
-}
-
-impl W4DynWork {
-    /// For up to `max_tiles` tiles of an MoE layer with `hidden` / `inter` sizes on `g`.
-    pub fn new(g: &Gpu, max_tiles: usize, hidden: usize, inter: usize) -> Result<Self> {
-        let plan = launch::W4Dyn::plan(
-            g.w4_slots,
-            launch::w4_dyn_units()?,
-            max_tiles,
-            2 * inter / 64,
-            hidden / 64,
-        );
-        Ok(Self {
-            part: DevBuf::zeros(
-                &g.stream,
-                plan.cap * launch::W4_DYN_UNIT_FLOATS,
-                "w4 dyn part",
-            )?,
-            sync: DevBuf::zeros(&g.stream, plan.sync_len(), "w4 dyn sync")?,
-            plan,
-        })
-    }
 }
 
 /// Where the INT4 gate/up launch of [`moe_experts`] takes its activations from.
@@ -1051,16 +1015,6 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
         };
         return moe_experts_fused(g, r, a, fused, [sorted, tiles, h, x, y, wts]);
     }
-    if let Some(dw) = a.dynamic.filter(|_| {
-        int4 && a.shared.is_none() && launch::w4_dyn() && launch::w4_dyn_fits(r.t, g.w4_xs)
-    }) {
-        let w = DynArgs {
-            gu_w,
-            dn_w,
-            max_tiles: r.max_tiles,
-        };
-        return moe_experts_dyn(g, r, a, dw, w, [sorted, tiles, h, y, wts]);
-    }
     let mut args = if int4 {
         let xs = ptr(a.xs, 0, r.t * hd * launch::W4_XS_MAX / 2, "moe xs")?;
         if a.input == ExpertInput::Split {
@@ -1095,76 +1049,6 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     args.extend(w4_tail(dn_ks, pre[1])?);
     // SAFETY: y [P, H], h as above, weights [E, H, Im], wts [P] checked; indices as above.
     unsafe { launch(g, dn_name, dn_shape, &args) }
-}
-
-/// The checked weight pointers and tile bound `moe_experts` hands the dynamic split.
-struct DynArgs {
-    gu_w: Vec<Arg>,
-    dn_w: Vec<Arg>,
-    max_tiles: usize,
-}
-
-/// Kernels `moe_gate_up_w4_dyn` then `moe_down_w4_dyn` (split first when `a.input` says
-/// so). `p` = the checked pointers sorted, tile_expert, h, y, wts of `moe_experts`.
-fn moe_experts_dyn(
-    g: &Gpu,
-    r: &Routing<'_>,
-    a: &Experts<'_>,
-    dw: &W4DynWork,
-    w: DynArgs,
-    p: [Arg; 5],
-) -> Result<()> {
-    let [sorted, tiles, h, y, wts] = p;
-    let (hd, im, pl) = (a.hidden, a.inter, dw.plan);
-    if w.max_tiles * (2 * im / 64).max(hd / 64) > pl.pairs {
-        return Err(CudaError::Input(format!(
-            "moe_experts: the dynamic split's workspace holds {} row-block pairs, {} tiles need more (internal)",
-            pl.pairs, w.max_tiles
-        )));
-    }
-    let xs = ptr(a.xs, 0, r.t * hd * launch::W4_XS_MAX / 2, "moe xs")?;
-    let part = ptr(
-        &dw.part,
-        0,
-        pl.cap * launch::W4_DYN_UNIT_FLOATS,
-        "w4 dyn part",
-    )?;
-    let c = launch::W4_DYN_CTL;
-    let sync = |off: usize, len: usize| ptr(&dw.sync, off, len, "w4 dyn sync");
-    let tail = |pre: bool| -> Result<Vec<Arg>> {
-        Ok(vec![
-            int(pl.cap, "dyn cap")?,
-            int(pl.min_units, "dyn min units")?,
-            Arg::I(i32::from(pre)),
-        ])
-    };
-    let shape = pl.shape("moe w4 dyn")?;
-    if a.input == ExpertInput::Split {
-        moe_split_x(g, a.xs, a.x, r.t, hd)?;
-    }
-    let pre = w4_pre(g, a.input);
-    let mut args = vec![h, xs];
-    args.extend(w.gu_w);
-    args.extend([sorted, tiles, int(r.k, "topk")?, int(im, "N")?]);
-    args.extend([int(hd, "K")?, int(w.max_tiles, "max_tiles")?, part]);
-    args.extend([sync(c, pl.pairs)?, sync(0, launch::W4_DYN_CTL_N)?]);
-    args.extend(tail(pre[0])?);
-    // SAFETY: as moe_experts' gate/up launch; part [cap, 512] f32 and the counters
-    // (done [pairs] >= max_tiles x 2 Im / 64, checked above; ctl [W4_DYN_CTL_N]) are this workspace's,
-    // zero between launches; the kernel traps should the tiles exceed cap.
-    unsafe { launch(g, "moe_gate_up_w4_dyn", shape, &args)? };
-    let mut args = vec![y, h];
-    args.extend(w.dn_w);
-    args.extend([wts, sorted, tiles, int(hd, "N")?, int(im, "K")?]);
-    args.extend([int(w.max_tiles, "max_tiles")?, part]);
-    args.extend([
-        sync(c + pl.pairs, pl.pairs)?,
-        sync(launch::W4_DYN_CTL_N, launch::W4_DYN_CTL_N)?,
-    ]);
-    args.extend(tail(pre[1])?);
-    // SAFETY: as moe_experts' down launch, the workspace as above (done [pairs] >=
-    // max_tiles x H / 64).
-    unsafe { launch(g, "moe_down_w4_dyn", shape, &args) }
 }
 
 /// Kernel `moe_gate_up_shared_w4`: the INT4 gate/up launch `gu` (its checked `args`)

@@ -621,7 +621,6 @@ impl CudaBackend {
             hidden: h,
             inter: cfg.moe_intermediate_size,
             shared: merge.then(|| self.mlp_swiglu(t, &m.shared)),
-            dynamic: None,
         };
         ops::moe_experts(g, &r, &ex)?;
         if g.fuse_combine && t >= g.tiled_min_rows {
