@@ -48,7 +48,7 @@ for r in range(1, rounds + 1):
                     (row["experts_us_chained"], row["frac_copy_chained"], row["pass"]))
 names = [s or "defaults" for s in sets]
 for chained in (False, True):
-    keys = sorted((k for k in t if (k[0] == "chained") == chained), key=str)
+    keys = [k for k in t if (k[0] == "chained") == chained]
     if not keys:
         continue
     print("\n" + ("experts us a call in chains of back-to-back calls" if chained else "experts us, single calls"))

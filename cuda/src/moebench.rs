@@ -674,8 +674,7 @@ fn input_for(split: bool) -> ops::ExpertInput {
     }
 }
 
-/// The routed experts of copy `c` on draw `d`: `Split` launches `moe_split_x` of `d.x` into
-/// the scratch first; `Ready` takes `d.xs`, split at upload.
+/// The routed experts of copy `c` on draw `d` ([`experts_of`] without the shared expert).
 fn experts_with(
     g: &Gpu,
     s: &MoeShape,
@@ -685,11 +684,7 @@ fn experts_with(
     sc: &Scratch,
     input: ops::ExpertInput,
 ) -> Result<()> {
-    let mut ex = experts_of(s, c, d, sc, None, input);
-    if input != ops::ExpertInput::Split {
-        ex.xs = &d.xs;
-    }
-    ops::moe_experts(g, &d.routing(s, m), &ex)
+    ops::moe_experts(g, &d.routing(s, m), &experts_of(s, c, d, sc, None, input))
 }
 
 /// Environment variable: the timed experts call launches `moe_split_x` of the f32 input
@@ -702,8 +697,9 @@ pub fn split_in_call() -> bool {
     *ON.get_or_init(|| launch::opt_in(std::env::var(SPLIT_IN_CALL_ENV).ok().as_deref()))
 }
 
-/// The routed experts of copy `c` on draw `d` into `sc`, the activations as `input` says,
-/// with `shared` merged into the gate/up launch when given.
+/// The routed experts of copy `c` on draw `d` into `sc`, the activations as `input` says
+/// (`Split`: `moe_split_x` of `d.x` into the scratch first; `Ready`: `d.xs`, split at
+/// upload), with `shared` merged into the gate/up launch when given.
 fn experts_of<'a>(
     s: &MoeShape,
     c: &'a LayerCopy,
@@ -715,7 +711,10 @@ fn experts_of<'a>(
     ops::Experts {
         w: c.experts(),
         x: &d.x,
-        xs: &sc.xs,
+        xs: match input {
+            ops::ExpertInput::Split => &sc.xs,
+            ops::ExpertInput::Ready { .. } => &d.xs,
+        },
         input,
         h: &sc.h,
         y: &sc.y,
