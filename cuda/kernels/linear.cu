@@ -1014,19 +1014,39 @@ __device__ __forceinline__ float w4_value(const float* red, int rbl, int ks, int
     return v;
 }
 
+// Warming the epilogue's instructions (issue 12 diagnostics, SPECLAB_KERNEL_DEFINES=
+// W4_WARM=n, 0 by default).  Block traces put thread 0's epilogue at 1.2-1.5 us (median,
+// 3-4 us at most) at M = 1, for a few dozen instructions a thread: each block runs that code
+// once, after 20 us of weight streaming, so its instruction lines are likely cold (fetched
+// through an L2 that the stream keeps busy).  W4_WARM=1 makes w4_epilogue one non-inlined
+// function and has every block run it once `dry` (no stores) while its first weight copy
+// is in flight, so the real call finds its lines in the SM's instruction caches; W4_WARM=2
+// is the non-inlined function without the dry run (the control).
+#ifndef W4_WARM
+#define W4_WARM 0
+#endif
+#if W4_WARM
+#define W4_EPI_INLINE __noinline__
+#else
+#define W4_EPI_INLINE __forceinline__
+#endif
+
 // The block's outputs.  NMAT 2: tile i of row block rb holds gate (row g) and up (row g + 8)
 // of output column n = 32 rb + 8 i + g; h[p, n] = silu(gate) * up, split.  NMAT 1: row
-// 64 rb + 16 i + r is output column n; y[p, n] = topk_w[p] * value.
+// 64 rb + 16 i + r is output column n; y[p, n] = topk_w[p] * value.  `dry` (W4_WARM): every
+// thread runs one item's code on whatever `red` and `tp` hold and stores nothing.
 template <int NMAT>
-__device__ __forceinline__ void w4_epilogue(const float* red, float* __restrict__ y,
-                                            u32* __restrict__ hs,
-                                            const float* __restrict__ topk_w, const int* tp,
-                                            int np, int mode, int ks, int nrb, int N, int bx) {
+__device__ W4_EPI_INLINE void w4_epilogue(const float* red, float* __restrict__ y,
+                                          u32* __restrict__ hs,
+                                          const float* __restrict__ topk_w, const int* tp,
+                                          int np, int mode, int ks, int nrb, int N, int bx,
+                                          bool dry) {
     const int per = W4_WARPS / ks, cols = NMAT == 2 ? 32 : 64;
-    for (int it = threadIdx.x; it < per * cols * np; it += blockDim.x) {
+    const int items = dry ? (int)blockDim.x : per * cols * np;  // dry: q <= 255 / 32 < 8
+    for (int it = threadIdx.x; it < items; it += blockDim.x) {
         const int q = it / (per * cols), rbl = it / cols % per, j = it % cols;
         const int rb = bx * per + rbl;
-        if (rb >= nrb) continue;
+        if (rb >= nrb && !dry) continue;
         const int p = tp[q];
         if (NMAT == 2) {
             const int i = j / 8, g = j % 8, n = 32 * rb + j;
@@ -1036,12 +1056,13 @@ __device__ __forceinline__ void w4_epilogue(const float* red, float* __restrict_
 #pragma unroll
             for (int xi = 0; xi < W4_XS; ++xi) {
                 const u32 b = pack_bf2(v, 0.0f);
-                h16[2 * w4_h_word(p, n, N, xi) + (n & 1)] = (unsigned short)(b & 0xffffu);
+                if (!dry)
+                    h16[2 * w4_h_word(p, n, N, xi) + (n & 1)] = (unsigned short)(b & 0xffffu);
                 v -= bf16lo(b);
             }
         } else {
             const float v = w4_value(red, rbl, ks, j / 16, j % 16, q, mode);
-            y[(size_t)p * N + 64 * rb + j] = topk_w[p] * v;
+            if (!dry) y[(size_t)p * N + 64 * rb + j] = topk_w[p] * v;
         }
     }
 }
@@ -1176,6 +1197,10 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
     // pairs are read.
     if (live && h0 < h1) w4_issue(l, h0, 0);
     cp_async_commit();
+#if W4_WARM == 1
+    // While the first copy is in flight: the epilogue's code into the instruction caches.
+    w4_epilogue<NMAT>(red, y, hs, topk_w, tp, 1, 0, ks, nrb, N, bx, true);
+#endif
     if (pf && live && lane == 0) {  // W4_PF: the rest of the first pf halves into L2
         const int e1 = min(h1, h0 + pf);
         const uint4* qb = qw + blk * (K / 16) * WARP;
@@ -1229,7 +1254,7 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
     }
     __syncthreads();  // every thread reaches it
     ck.mark<2>();
-    w4_epilogue<NMAT>(red, y, hs, topk_w, tp, np, mode, ks, nrb, N, bx);
+    w4_epilogue<NMAT>(red, y, hs, topk_w, tp, np, mode, ks, nrb, N, bx, false);
     ck.mark<3>();
 }
 
