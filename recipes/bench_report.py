@@ -143,9 +143,9 @@ def trace(path):
     print("Phases, median over the traced calls (us from the first release): split done; gate/up "
           "released first (blocks), walk median / max, done last; down released first / last, walk "
           "median / max, done last; the traced span against the timed call (events) and the floor.\n")
-    print("| routing | M | split done | gate/up rel. (blocks) | gate/up walk med / max | gate/up done | "
-          "down rel. first / last (blocks) | down walk med / max | down done | span | timed | floor |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| routing | M | split done | gate/up rel. (blocks) | gate/up walk med / max | gate/up epi med / max | gate/up done | "
+          "down rel. first / last (blocks) | down walk med / max | down epi med / max | down done | span | timed | floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     med = lambda v: sorted(v)[len(v) // 2]
     for r in b["rows"]:
         calls = r.get("trace") or []
@@ -159,10 +159,12 @@ def trace(path):
         print(f"| {r['routing']} | {r['m']} | {f(sp, lambda x: x['done']['max']):.1f} | "
               f"{f(gu, lambda x: x['released']['min']):.1f} ({f(gu, lambda x: x['blocks']):.0f}) | "
               f"{f(gu, lambda x: x['walk']['med']):.1f} / {f(gu, lambda x: x['walk']['max']):.1f} | "
+              f"{f(gu, lambda x: x['epilogue']['med']):.1f} / {f(gu, lambda x: x['epilogue']['max']):.1f} | "
               f"{f(gu, lambda x: x['done']['max']):.1f} | "
               f"{f(dn, lambda x: x['released']['min']):.1f} / {f(dn, lambda x: x['released']['max']):.1f} "
               f"({f(dn, lambda x: x['blocks']):.0f}) | "
               f"{f(dn, lambda x: x['walk']['med']):.1f} / {f(dn, lambda x: x['walk']['max']):.1f} | "
+              f"{f(dn, lambda x: x['epilogue']['med']):.1f} / {f(dn, lambda x: x['epilogue']['max']):.1f} | "
               f"{f(dn, lambda x: x['done']['max']):.1f} | {med([c['span_us'] for c in calls]):.1f} | "
               f"{r['experts_us']:.1f} | {r['floor_us']:.1f} |")
     # Records since the per-SM walks (sm_walk_us): are the slow SMs the same call after call?

@@ -1042,9 +1042,9 @@ __device__ W4_EPI_INLINE void w4_epilogue(const float* red, float* __restrict__ 
                                           int np, int mode, int ks, int nrb, int N, int bx,
                                           bool dry) {
     const int per = W4_WARPS / ks, cols = NMAT == 2 ? 32 : 64;
-    const int items = dry ? (int)blockDim.x : per * cols * np;  // dry: q <= 255 / 32 < 8
+    const int items = dry ? (int)blockDim.x : per * cols * np;
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
-        const int q = it / (per * cols), rbl = it / cols % per, j = it % cols;
+        const int q = dry ? 0 : it / (per * cols), rbl = it / cols % per, j = it % cols;
         const int rb = bx * per + rbl;
         if (rb >= nrb && !dry) continue;
         const int p = tp[q];
@@ -1126,42 +1126,6 @@ __device__ __forceinline__ int w4_signal(int* ctr) {
     return old;
 }
 
-// L2 prefetch of the weights ahead of the grid-dependency wait (issue 12).  While the
-// previous grid's slowest blocks finish (at M = 1 gate/up's tail runs 3-6 us past its
-// median block, findings/bench-moe.md "Where the time goes"), the blocks of this grid that
-// are already resident only wait, and HBM is partly idle.  With W4_PF, lane 0 of each such
-// warp of a `pre` launch asks the L2 for the rest of its K range (one bulk prefetch of its
-// weight words and one of its scales, sm_90 cp.async.bulk.prefetch.L2, PTX ISA 8.0), so
-// the walk after the wait reads them from L2.  A hint only: results are the same bits.
-// Bit 0 of W4_PF: the down projection; bit 1: gate/up (pre only when a grid ran between
-// the routing and it).  W4_PF_MB caps what one launch asks for: a warp prefetches the
-// fraction cap / (the launch's weight bytes) of its range, its first halves, so that the
-// lines are not evicted before they are read when the weights far exceed the L2 (50 MB on
-// H100 and H200).
-#ifndef W4_PF
-#define W4_PF 0
-#endif
-#ifndef W4_PF_MB
-#define W4_PF_MB 24
-#endif
-__device__ __forceinline__ void l2_prefetch(const void* p, u32 bytes) {
-#if __CUDA_ARCH__ >= 900
-    if (bytes) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes)
-                            : "memory");
-#endif
-}
-
-// Half groups a warp of a `pre` launch prefetches (W4_PF): its range of `halves / ks`, or
-// the W4_PF_MB share of it when the launch's weights (ntiles tiles of nrb row blocks of K
-// 32 bytes) exceed the cap; 0 when W4_PF leaves this projection out.
-template <int NMAT>
-__device__ __forceinline__ int w4_pf_halves(int ntiles, int nrb, int K, int ks) {
-    if (!(W4_PF & (NMAT == 1 ? 1 : 2))) return 0;
-    const long long total = (long long)ntiles * nrb * K * 32, cap = (long long)W4_PF_MB << 20;
-    const long long range = K / 64 / ks;
-    return (int)(total <= cap ? range : range * cap / total);
-}
-
 // One item: (tile, group bx of W4_WARPS / ks row blocks).  R = N * NMAT weight rows of K;
 // q [E, R / 64, K / 16, 32, 4] words, sc [E, R / 64, K / 128, 8, 8] bf16.  With `wait`
 // (the fused kernel) the B operand is read only once *wait >= need; the weights' first
@@ -1177,7 +1141,7 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
                                         const int* __restrict__ sorted,
                                         const int* __restrict__ tile_expert, int div, int N,
                                         int K, int ks, int tile, int bx,
-                                        const int* wait, int need, bool pre, int pf,
+                                        const int* wait, int need, bool pre,
                                         W4Clock& ck) {
     const int nrb = N * NMAT / 64, per = W4_WARPS / ks;
     const int e = pre ? __ldcg(tile_expert + tile) : tile_expert[tile];
@@ -1201,14 +1165,6 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
     // While the first copy is in flight: the epilogue's code into the instruction caches.
     w4_epilogue<NMAT>(red, y, hs, topk_w, tp, 1, 0, ks, nrb, N, bx, true);
 #endif
-    if (pf && live && lane == 0) {  // W4_PF: the rest of the first pf halves into L2
-        const int e1 = min(h1, h0 + pf);
-        const uint4* qb = qw + blk * (K / 16) * WARP;
-        if (h0 + 1 < e1)
-            l2_prefetch(qb + (size_t)(h0 + 1) * (4 * WARP), (u32)(e1 - h0 - 1) * (4 * WARP * 16));
-        const uint4* sb = scw + blk * (K / 128) * 8;
-        l2_prefetch(sb + (size_t)(h0 / 2) * 8, (u32)((e1 + 1) / 2 - h0 / 2) * (8 * 16));
-    }
     if (threadIdx.x < ROWS_PER_TILE) {
         const int* sp = sorted + (size_t)tile * ROWS_PER_TILE + threadIdx.x;
         tp[threadIdx.x] = pre ? __ldcg(sp) : *sp;
@@ -1291,9 +1247,8 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
     const int ks = w4_split(ntiles, ks_hi, W4_SEG_ARGS);
     const int xneed = w4_groups(nrb, ks);
     if (bid >= ntiles * xneed) return;  // uniform per block
-    const int pf = pre ? w4_pf_halves<NMAT>(ntiles, nrb, K, ks) : 0;
     w4_item<NMAT, false>(y, hs, xs, qw, scw, topk_w, sorted, tile_expert, div, N, K, ks,
-                         bid / xneed, bid % xneed, nullptr, 0, pre, pf, ck);
+                         bid / xneed, bid % xneed, nullptr, 0, pre, ck);
     ck.put(NMAT == 2 ? 2 : 3);
 }
 
@@ -1411,17 +1366,17 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_experts
         const uint4* sc = reinterpret_cast<const uint4*>(s13);
         if (nsplit) {
             w4_item<2, true>(nullptr, h, xs, q, sc, nullptr, sorted, tile_expert, topk, Im, H,
-                             ks_gu, tile, bx, sync + 2, nsplit, false, 0, ck);
+                             ks_gu, tile, bx, sync + 2, nsplit, false, ck);
         } else {
             w4_item<2, false>(nullptr, h, xs, q, sc, nullptr, sorted, tile_expert, topk, Im, H,
-                              ks_gu, tile, bx, nullptr, 0, false, 0, ck);
+                              ks_gu, tile, bx, nullptr, 0, false, ck);
         }
         w4_signal(gu_done + tile);
     } else if (item < nsplit + ngu + ndn) {
         const int j = item - nsplit - ngu, tile = j / xdn;
         w4_item<1, true>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
                          reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, H, Im,
-                         ks_dn, tile, j % xdn, gu_done + tile, xgu, false, 0, ck);
+                         ks_dn, tile, j % xdn, gu_done + tile, xgu, false, ck);
     }
     // Every block, item or not, counts out; the last one resets what this launch touched.
     const int out = w4_signal(sync + 1);

@@ -37,11 +37,9 @@ pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// `__launch_bounds__` blocks an SM, which caps their registers; the host reads the
 /// resulting occupancy, so the K-split rule's wave follows it; `W4_STAGES`: their weight
 /// stages, 2 or 3, with the blocks' shared memory following, `launch::w4_smem`;
-/// `W4_TRACE`: block traces of the INT4 expert kernels, `crate::w4trace`; `W4_PF`: their
-/// L2 prefetch of the weights ahead of the grid-dependency wait, bit 0 down, bit 1 gate/up,
-/// and `W4_PF_MB` the megabytes one launch asks for at most; `W4_WARM`: their epilogue as one
+/// `W4_TRACE`: block traces of the INT4 expert kernels, `crate::w4trace`; `W4_WARM`: their epilogue as one
 /// non-inlined function, run once dry at the block's start (1) or not (2)).
-pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 11] = [
+pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 9] = [
     ("W4_XS", 1..=3),
     ("W4_MINB", 1..=4),
     ("W4_STAGES", 2..=3),
@@ -50,8 +48,6 @@ pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 11] = [
     ("LT_PREWAIT", 0..=1),
     ("ATT_INFLIGHT", 1..=8),
     ("W4_TRACE", 0..=1),
-    ("W4_PF", 0..=3),
-    ("W4_PF_MB", 1..=256),
     ("W4_WARM", 0..=2),
 ];
 
