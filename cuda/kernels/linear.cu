@@ -1003,8 +1003,10 @@ __device__ __forceinline__ float w4_red(const float* red, int w, int i, int r, i
 // Value of (row r of tile i, pair slot q) of the block's row block rbl: the sum over its
 // W4_XS term columns (modes 0 / 1; column c in set c / 8) or its one column (mode 2) of
 // the sum over its ks K-slice warps (in order).
-__device__ __forceinline__ float w4_value(const float* red, int rbl, int ks, int i, int r, int q,
-                                          int mode) {
+template <int KS>
+__device__ __forceinline__ float w4_value(const float* red, int rbl, int ks_rt, int i, int r,
+                                          int q, int mode) {
+    const int ks = KS ? KS : ks_rt;
     float v = 0.0f;
     for (int x = 0; x < (mode == 2 ? 1 : W4_XS); ++x) {
         const int col = mode == 2 ? q : q * W4_XS + x;
@@ -1014,57 +1016,63 @@ __device__ __forceinline__ float w4_value(const float* red, int rbl, int ks, int
     return v;
 }
 
-// Warming the epilogue's instructions (issue 12 diagnostics, SPECLAB_KERNEL_DEFINES=
-// W4_WARM=n, 0 by default).  Block traces put thread 0's epilogue at 1.2-1.5 us (median,
-// 3-4 us at most) at M = 1, for a few dozen instructions a thread: each block runs that code
-// once, after 20 us of weight streaming, so its instruction lines are likely cold (fetched
-// through an L2 that the stream keeps busy).  W4_WARM=1 makes w4_epilogue one non-inlined
-// function and has every block run it once `dry` (no stores) while its first weight copy
-// is in flight, so the real call finds its lines in the SM's instruction caches; W4_WARM=2
-// is the non-inlined function without the dry run (the control).
-#ifndef W4_WARM
-#define W4_WARM 0
-#endif
-#if W4_WARM
-#define W4_EPI_INLINE __noinline__
-#else
-#define W4_EPI_INLINE __forceinline__
-#endif
-
 // The block's outputs.  NMAT 2: tile i of row block rb holds gate (row g) and up (row g + 8)
 // of output column n = 32 rb + 8 i + g; h[p, n] = silu(gate) * up, split.  NMAT 1: row
-// 64 rb + 16 i + r is output column n; y[p, n] = topk_w[p] * value.  `dry` (W4_WARM): every
-// thread runs one item's code on whatever `red` and `tp` hold and stores nothing.
-template <int NMAT>
-__device__ W4_EPI_INLINE void w4_epilogue(const float* red, float* __restrict__ y,
-                                          u32* __restrict__ hs,
-                                          const float* __restrict__ topk_w, const int* tp,
-                                          int np, int mode, int ks, int nrb, int N, int bx,
-                                          bool dry) {
+// 64 rb + 16 i + r is output column n; y[p, n] = topk_w[p] * value.  KS > 0: the K split
+// as a constant (W4_EPI), so the item's indices are shifts and the K slices' loads of
+// w4_value unroll; KS 0 takes it from `ks` at run time.  The same sums in the same order.
+template <int NMAT, int KS>
+__device__ __forceinline__ void w4_epilogue_ks(const float* red, float* __restrict__ y,
+                                               u32* __restrict__ hs,
+                                               const float* __restrict__ topk_w,
+                                               const int* tp, int np, int mode, int ks_rt,
+                                               int nrb, int N, int bx) {
+    const int ks = KS ? KS : ks_rt;
     const int per = W4_WARPS / ks, cols = NMAT == 2 ? 32 : 64;
-    const int items = dry ? (int)blockDim.x : per * cols * np;
-    for (int it = threadIdx.x; it < items; it += blockDim.x) {
-        const int q = dry ? 0 : it / (per * cols), rbl = it / cols % per, j = it % cols;
+    for (int it = threadIdx.x; it < per * cols * np; it += blockDim.x) {
+        const int q = it / (per * cols), rbl = it / cols % per, j = it % cols;
         const int rb = bx * per + rbl;
-        if (rb >= nrb && !dry) continue;
+        if (rb >= nrb) continue;
         const int p = tp[q];
         if (NMAT == 2) {
             const int i = j / 8, g = j % 8, n = 32 * rb + j;
-            float v = silu_f(w4_value(red, rbl, ks, i, g, q, mode)) *
-                      w4_value(red, rbl, ks, i, g + 8, q, mode);
+            float v = silu_f(w4_value<KS>(red, rbl, ks, i, g, q, mode)) *
+                      w4_value<KS>(red, rbl, ks, i, g + 8, q, mode);
             unsigned short* h16 = reinterpret_cast<unsigned short*>(hs);
 #pragma unroll
             for (int xi = 0; xi < W4_XS; ++xi) {
                 const u32 b = pack_bf2(v, 0.0f);
-                if (!dry)
-                    h16[2 * w4_h_word(p, n, N, xi) + (n & 1)] = (unsigned short)(b & 0xffffu);
+                h16[2 * w4_h_word(p, n, N, xi) + (n & 1)] = (unsigned short)(b & 0xffffu);
                 v -= bf16lo(b);
             }
         } else {
-            const float v = w4_value(red, rbl, ks, j / 16, j % 16, q, mode);
-            if (!dry) y[(size_t)p * N + 64 * rb + j] = topk_w[p] * v;
+            const float v = w4_value<KS>(red, rbl, ks, j / 16, j % 16, q, mode);
+            y[(size_t)p * N + 64 * rb + j] = topk_w[p] * v;
         }
     }
+}
+
+// W4_EPI=1 (SPECLAB_KERNEL_DEFINES; issue 12, to be measured): the epilogue specialized by
+// the K split.  Block traces put thread 0's epilogue at 0.6 us at least and 1.3-1.5 us
+// (median) at M = 1, a dependent chain of run-time divisions and ks serial shared loads.
+#ifndef W4_EPI
+#define W4_EPI 0
+#endif
+template <int NMAT>
+__device__ __forceinline__ void w4_epilogue(const float* red, float* __restrict__ y,
+                                            u32* __restrict__ hs,
+                                            const float* __restrict__ topk_w, const int* tp,
+                                            int np, int mode, int ks, int nrb, int N, int bx) {
+#if W4_EPI
+    switch (ks) {
+        case 1: return w4_epilogue_ks<NMAT, 1>(red, y, hs, topk_w, tp, np, mode, 1, nrb, N, bx);
+        case 2: return w4_epilogue_ks<NMAT, 2>(red, y, hs, topk_w, tp, np, mode, 2, nrb, N, bx);
+        case 4: return w4_epilogue_ks<NMAT, 4>(red, y, hs, topk_w, tp, np, mode, 4, nrb, N, bx);
+        case 8: return w4_epilogue_ks<NMAT, 8>(red, y, hs, topk_w, tp, np, mode, 8, nrb, N, bx);
+        default: break;
+    }
+#endif
+    w4_epilogue_ks<NMAT, 0>(red, y, hs, topk_w, tp, np, mode, ks, nrb, N, bx);
 }
 
 // Items a tile of `nrb` row blocks takes at K split ks: groups of W4_WARPS / ks row blocks.
@@ -1161,10 +1169,6 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
     // pairs are read.
     if (live && h0 < h1) w4_issue(l, h0, 0);
     cp_async_commit();
-#if W4_WARM == 1
-    // While the first copy is in flight: the epilogue's code into the instruction caches.
-    w4_epilogue<NMAT>(red, y, hs, topk_w, tp, 1, 0, ks, nrb, N, bx, true);
-#endif
     if (threadIdx.x < ROWS_PER_TILE) {
         const int* sp = sorted + (size_t)tile * ROWS_PER_TILE + threadIdx.x;
         tp[threadIdx.x] = pre ? __ldcg(sp) : *sp;
@@ -1210,7 +1214,7 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
     }
     __syncthreads();  // every thread reaches it
     ck.mark<2>();
-    w4_epilogue<NMAT>(red, y, hs, topk_w, tp, np, mode, ks, nrb, N, bx, false);
+    w4_epilogue<NMAT>(red, y, hs, topk_w, tp, np, mode, ks, nrb, N, bx);
     ck.mark<3>();
 }
 

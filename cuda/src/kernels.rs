@@ -37,8 +37,8 @@ pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// `__launch_bounds__` blocks an SM, which caps their registers; the host reads the
 /// resulting occupancy, so the K-split rule's wave follows it; `W4_STAGES`: their weight
 /// stages, 2 or 3, with the blocks' shared memory following, `launch::w4_smem`;
-/// `W4_TRACE`: block traces of the INT4 expert kernels, `crate::w4trace`; `W4_WARM`: their epilogue as one
-/// non-inlined function, run once dry at the block's start (1) or not (2)).
+/// `W4_TRACE`: block traces of the INT4 expert kernels, `crate::w4trace`; `W4_EPI`: their epilogue specialized
+/// by the K split).
 pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 9] = [
     ("W4_XS", 1..=3),
     ("W4_MINB", 1..=4),
@@ -48,7 +48,7 @@ pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 9] = [
     ("LT_PREWAIT", 0..=1),
     ("ATT_INFLIGHT", 1..=8),
     ("W4_TRACE", 0..=1),
-    ("W4_WARM", 0..=2),
+    ("W4_EPI", 0..=1),
 ];
 
 /// The prelude prepended to every source.
