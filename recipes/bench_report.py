@@ -11,8 +11,18 @@ import os
 import sys
 
 
+def load(path):
+    """A record, plain JSON or xz-compressed (`.json.xz`: the traced records under runs/,
+    compressed to keep the tree small enough to carry to the device)."""
+    if str(path).endswith(".xz"):
+        import lzma
+        with lzma.open(path, "rt") as f:
+            return json.load(f)
+    return json.load(open(path))
+
+
 def e2e(path):
-    d = json.load(open(path))
+    d = load(path)
     rows = d["rows"]
     an = d.get("anchors", {})
     eager = {r["batch"]: r["decode_tok_s"] for r in an.get("e2e_ref", {}).get("rows", [])}
@@ -95,12 +105,12 @@ def svg_plot(rows, floor_frac, out):
 
 
 def moe(path, svg=None):
-    b = json.load(open(path))
+    b = load(path)
     a = b.get("anchors", {})
     # A device call's record keeps its PyTorch anchors beside it (recipes/moe_bench.sh).
     side = os.path.join(os.path.dirname(path), "gpu_anchors.json")
     if not a and os.path.exists(side):
-        a = json.load(open(side))
+        a = load(side)
         print(f"(anchors from `{side}`, the same call)")
     anc = {r["M"]: r for r in a.get("moe_bf16", [])}
     print(f"Record `{path}` (commit {b.get('git_commit')}): {b['device']}, copy {b['copy_gb_s']:.0f} GB/s "
@@ -137,7 +147,7 @@ def moe(path, svg=None):
 def trace(path):
     """Where a traced bench moe record's time goes (W4_TRACE=1, cuda/src/w4trace.rs): per
     row, the medians over its traced calls of each phase, us from the call's first release."""
-    b = json.load(open(path))
+    b = load(path)
     print(f"Record `{path}` (commit {b.get('git_commit')}): {b['device']}, copy {b['copy_gb_s']:.0f} GB/s; "
           f"defines {' '.join(b.get('kernel_defines') or [])}.\n")
     print("Phases, median over the traced calls (us from the first release): split done; gate/up "
