@@ -1052,11 +1052,14 @@ __device__ __forceinline__ void w4_epilogue_ks(const float* red, float* __restri
     }
 }
 
-// W4_EPI=1 (SPECLAB_KERNEL_DEFINES; issue 12, to be measured): the epilogue specialized by
-// the K split.  Block traces put thread 0's epilogue at 0.6 us at least and 1.3-1.5 us
-// (median) at M = 1, a dependent chain of run-time divisions and ks serial shared loads.
+// W4_EPI (default 1): the epilogue specialized by the K split (1, 2, 4, 8; any other takes
+// the run-time one, as SPECLAB_KERNEL_DEFINES=W4_EPI=0 does for all).  Block traces put thread
+// 0's epilogue at 0.6 us at least and 1.3-1.5 us (median) at M = 1: a dependent chain of
+// run-time divisions and ks serial shared loads.  Specialized, bench moe was faster on 41 of
+// 42 (routing, M <= 64, activations) rows on an H100, 0.7 us at M = 1
+// (runs/moe-epi-8d188c5/).
 #ifndef W4_EPI
-#define W4_EPI 0
+#define W4_EPI 1
 #endif
 template <int NMAT>
 __device__ __forceinline__ void w4_epilogue(const float* red, float* __restrict__ y,
