@@ -562,7 +562,7 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 // fragment order, a cp.async pipeline, lop3 dequantization to bf16 pairs, mma.sync
 // m16n8k16 with f32 accumulation; the arrangement here is the engine's own).  The previous
 // f32 CUDA-core split-K GEMV executed 6.4 instructions a weight and was issue-bound at 36%
-// of copy bandwidth (runs/ncu-final-m1.txt); this one runs about 65 SASS instructions a
+// of copy bandwidth (runs/ncu-final-m1.txt.xz); this one runs about 65 SASS instructions a
 // k16 step of 1024 weights a warp in its packed loop (2 a weight a lane).
 // - One moe_align tile (up to 8 pairs of one expert) is the mma's N = 8 columns.
 // - A warp owns a row block of 64 weight rows (W4_RT = 4 mma tiles of 16) over a K range
