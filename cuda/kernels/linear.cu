@@ -1016,14 +1016,6 @@ __device__ __forceinline__ float w4_value(const float* red, int rbl, int ks_rt, 
     return v;
 }
 
-// W4_TW=1 (to be measured): the down projection's router weights of the tile's pairs are
-// loaded once the pairs are known, held in a register through the walk and put in shared
-// memory before the epilogue, so the epilogue's multiply no longer waits on a dependent
-// global load (tp, then topk_w[p]).  0: the epilogue loads topk_w[p] itself.
-#ifndef W4_TW
-#define W4_TW 0
-#endif
-
 // The block's outputs.  NMAT 2: tile i of row block rb holds gate (row g) and up (row g + 8)
 // of output column n = 32 rb + 8 i + g; h[p, n] = silu(gate) * up, split.  NMAT 1: row
 // 64 rb + 16 i + r is output column n; y[p, n] = topk_w[p] * value.  KS > 0: the K split
@@ -1033,8 +1025,8 @@ template <int NMAT, int KS>
 __device__ __forceinline__ void w4_epilogue_ks(const float* red, float* __restrict__ y,
                                                u32* __restrict__ hs,
                                                const float* __restrict__ topk_w,
-                                               const float* tws, const int* tp, int np,
-                                               int mode, int ks_rt, int nrb, int N, int bx) {
+                                               const int* tp, int np, int mode, int ks_rt,
+                                               int nrb, int N, int bx) {
     const int ks = KS ? KS : ks_rt;
     const int per = W4_WARPS / ks, cols = NMAT == 2 ? 32 : 64;
     for (int it = threadIdx.x; it < per * cols * np; it += blockDim.x) {
@@ -1055,7 +1047,7 @@ __device__ __forceinline__ void w4_epilogue_ks(const float* red, float* __restri
             }
         } else {
             const float v = w4_value<KS>(red, rbl, ks, j / 16, j % 16, q, mode);
-            y[(size_t)p * N + 64 * rb + j] = (W4_TW ? tws[q] : topk_w[p]) * v;
+            y[(size_t)p * N + 64 * rb + j] = topk_w[p] * v;
         }
     }
 }
@@ -1072,23 +1064,18 @@ __device__ __forceinline__ void w4_epilogue_ks(const float* red, float* __restri
 template <int NMAT>
 __device__ __forceinline__ void w4_epilogue(const float* red, float* __restrict__ y,
                                             u32* __restrict__ hs,
-                                            const float* __restrict__ topk_w,
-                                            const float* tws, const int* tp, int np, int mode,
-                                            int ks, int nrb, int N, int bx) {
+                                            const float* __restrict__ topk_w, const int* tp,
+                                            int np, int mode, int ks, int nrb, int N, int bx) {
 #if W4_EPI
     switch (ks) {
-        case 1: return w4_epilogue_ks<NMAT, 1>(red, y, hs, topk_w, tws, tp, np, mode, 1, nrb, N,
-                                                   bx);
-        case 2: return w4_epilogue_ks<NMAT, 2>(red, y, hs, topk_w, tws, tp, np, mode, 2, nrb, N,
-                                                   bx);
-        case 4: return w4_epilogue_ks<NMAT, 4>(red, y, hs, topk_w, tws, tp, np, mode, 4, nrb, N,
-                                                   bx);
-        case 8: return w4_epilogue_ks<NMAT, 8>(red, y, hs, topk_w, tws, tp, np, mode, 8, nrb, N,
-                                                   bx);
+        case 1: return w4_epilogue_ks<NMAT, 1>(red, y, hs, topk_w, tp, np, mode, 1, nrb, N, bx);
+        case 2: return w4_epilogue_ks<NMAT, 2>(red, y, hs, topk_w, tp, np, mode, 2, nrb, N, bx);
+        case 4: return w4_epilogue_ks<NMAT, 4>(red, y, hs, topk_w, tp, np, mode, 4, nrb, N, bx);
+        case 8: return w4_epilogue_ks<NMAT, 8>(red, y, hs, topk_w, tp, np, mode, 8, nrb, N, bx);
         default: break;
     }
 #endif
-    w4_epilogue_ks<NMAT, 0>(red, y, hs, topk_w, tws, tp, np, mode, ks, nrb, N, bx);
+    w4_epilogue_ks<NMAT, 0>(red, y, hs, topk_w, tp, np, mode, ks, nrb, N, bx);
 }
 
 // Items a tile of `nrb` row blocks takes at K split ks: groups of W4_WARPS / ks row blocks.
@@ -1202,11 +1189,6 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
     int np = 0;
 #pragma unroll
     for (int r = 0; r < ROWS_PER_TILE; ++r) np += tp[r] >= 0;
-    // W4_TW: pair slot threadIdx.x's router weight, in flight during the walk.
-    __shared__ float tws[ROWS_PER_TILE];
-    float tw = 0.0f;
-    if (W4_TW && NMAT == 1 && threadIdx.x < ROWS_PER_TILE && tp[threadIdx.x] >= 0)
-        tw = topk_w[tp[threadIdx.x]];
     // The tile's column mode (uniform per block; W4M above).
     const bool pack2 = W4_PACK2 && W4_XS == 3 && halves / ks >= W4_PACK2_HALVES;
     // With one term (W4_XS 1) every tile packs (np <= ROWS_PER_TILE): mode 0 as a constant,
@@ -1233,10 +1215,9 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
     } else {
         w4_run<2, CG>(red, l, b0, b1, h0, h1, live);
     }
-    if (W4_TW && NMAT == 1 && threadIdx.x < ROWS_PER_TILE) tws[threadIdx.x] = tw;
     __syncthreads();  // every thread reaches it
     ck.mark<2>();
-    w4_epilogue<NMAT>(red, y, hs, topk_w, tws, tp, np, mode, ks, nrb, N, bx);
+    w4_epilogue<NMAT>(red, y, hs, topk_w, tp, np, mode, ks, nrb, N, bx);
     ck.mark<3>();
 }
 

@@ -38,9 +38,8 @@ pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// resulting occupancy, so the K-split rule's wave follows it; `W4_STAGES`: their weight
 /// stages, 2 or 3, with the blocks' shared memory following, `launch::w4_smem`;
 /// `W4_TRACE`: block traces of the INT4 expert kernels, `crate::w4trace`; `W4_EPI`: their epilogue specialized
-/// by the K split, 1 by default, 0 the run-time one; `W4_TW`: the down projection's router
-/// weights loaded during the walk, not in its epilogue).
-pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 10] = [
+/// by the K split, 1 by default, 0 the run-time one).
+pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 9] = [
     ("W4_XS", 1..=3),
     ("W4_MINB", 1..=4),
     ("W4_STAGES", 2..=3),
@@ -50,7 +49,6 @@ pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 10] = [
     ("ATT_INFLIGHT", 1..=8),
     ("W4_TRACE", 0..=1),
     ("W4_EPI", 0..=1),
-    ("W4_TW", 0..=1),
 ];
 
 /// The prelude prepended to every source.
