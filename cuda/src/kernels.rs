@@ -37,8 +37,8 @@ pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// `__launch_bounds__` blocks an SM, which caps their registers; the host reads the
 /// resulting occupancy, so the K-split rule's wave follows it; `W4_STAGES`: their weight
 /// stages, 2 or 3, with the blocks' shared memory following, `launch::w4_smem`;
-/// `W4_TRACE`: block traces of the INT4 expert kernels, `crate::w4trace`; `W4_EPI`: their epilogue specialized
-/// by the K split, 1 by default, 0 the run-time one).
+/// `W4_TRACE`: block traces of the INT4 expert kernels, `crate::w4trace`; `W4_EPI`: their
+/// epilogue specialized by the K split, 1 by default, 0 the run-time one).
 pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 9] = [
     ("W4_XS", 1..=3),
     ("W4_MINB", 1..=4),
