@@ -4,7 +4,8 @@ findings/bench-moe.md (every figure there comes from these records through this 
 
     python3 recipes/bench_report.py e2e runs/bench-e2e-h200.json
     python3 recipes/bench_report.py moe runs/bench-moe.json [findings/bench-moe-gbs.svg]
-    python3 recipes/bench_report.py trace runs/<dir>/bench_moe_trace.json
+    python3 recipes/bench_report.py trace runs/<dir>/bench_moe_trace.json[.xz]
+    python3 recipes/bench_report.py moeab runs/<moe_ab dir> 0:1 [2:3 ...]   # legs base:new
 Standard library only."""
 import json
 import os
@@ -151,8 +152,8 @@ def trace(path):
     print(f"Record `{path}` (commit {b.get('git_commit')}): {b['device']}, copy {b['copy_gb_s']:.0f} GB/s; "
           f"defines {' '.join(b.get('kernel_defines') or [])}.\n")
     print("Phases, median over the traced calls (us from the first release): split done; gate/up "
-          "released first (blocks), walk median / max, done last; down released first / last, walk "
-          "median / max, done last; the traced span against the timed call (events) and the floor.\n")
+          "released first (blocks), walk median / max, epilogue median / max, done last; down released "
+          "first / last, walk median / max, epilogue median / max, done last; the traced span against the timed call (events) and the floor.\n")
     print("| routing | M | split done | gate/up rel. (blocks) | gate/up walk med / max | gate/up epi med / max | gate/up done | "
           "down rel. first / last (blocks) | down walk med / max | down epi med / max | down done | span | timed | floor |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -204,10 +205,38 @@ def trace(path):
                   f"{' / '.join(f'{c:.2f}' for c in cors)} |")
 
 
+def moeab(d, pairs):
+    """Legs of one recipes/moe_ab.sh call (`<d>/leg<round>_<i>.json[.xz]`) compared in pairs
+    (base, new): experts us per (routing, M <= 64), the median over rounds, and how many
+    rows the new leg was faster on and by how much (single calls)."""
+    import glob
+    import statistics
+    t = {}
+    for f in sorted(glob.glob(os.path.join(d, "leg*_*.json*"))):
+        leg = int(os.path.basename(f).split("_")[1].split(".")[0])
+        for r in load(f)["rows"]:
+            if r["m"] <= 64:
+                t.setdefault(leg, {}).setdefault((r["routing"], r["m"]), []).append(r["experts_us"])
+    diffs = []
+    print("| routing | M | " + " | ".join(f"leg {b} -> leg {n}" for b, n in pairs) + " |")
+    print("|---|---|" + "---|" * len(pairs))
+    for k in sorted(t[pairs[0][0]], key=lambda k: (k[0], k[1])):
+        cells = []
+        for b, n in pairs:
+            x, y = statistics.median(t[b][k]), statistics.median(t[n][k])
+            diffs.append(100 * (y / x - 1))
+            cells.append(f"{x:.1f} -> {y:.1f} ({diffs[-1]:+.1f}%)")
+        print(f"| {k[0]} | {k[1]} | " + " | ".join(cells) + " |")
+    print(f"\nnew leg faster on {sum(v < 0 for v in diffs)} of {len(diffs)} rows; "
+          f"change {min(diffs):+.1f}% to {max(diffs):+.1f}%")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "e2e":
         e2e(sys.argv[2])
     elif sys.argv[1] == "trace":
         trace(sys.argv[2])
+    elif sys.argv[1] == "moeab":
+        moeab(sys.argv[2], [tuple(map(int, p.split(":"))) for p in sys.argv[3:]])
     else:
         moe(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
