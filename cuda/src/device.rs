@@ -217,12 +217,9 @@ pub struct Gpu {
     /// The activation terms the INT4 expert GEMMs were compiled with (`W4_XS` of
     /// `SPECLAB_KERNEL_DEFINES`, [`kernels::w4_xs`]).
     pub w4_xs: usize,
-    /// The wave rule's band of launches whose tiles do not all pack:
-    /// [`crate::launch::WaveBand::for_xs`] of `w4_xs`, or `SPECLAB_W4_BAND`. Each launch
-    /// takes [`Gpu::w4_band_for`].
+    /// The wave rule's band: [`crate::launch::WaveBand::for_xs`] of `w4_xs`, or
+    /// `SPECLAB_W4_BAND`.
     pub w4_band: crate::launch::WaveBand,
-    /// The band `SPECLAB_W4_BAND` forces on every launch, if set.
-    pub w4_band_forced: Option<crate::launch::WaveBand>,
     /// linear.cu's module when its kernels were compiled with `W4_TRACE=1` (block traces
     /// of the INT4 expert kernels, [`crate::w4trace`]), else `None`.
     pub w4_trace: Option<Arc<cudarc::driver::CudaModule>>,
@@ -307,14 +304,14 @@ impl Gpu {
         }
         let w4_slots = w4_slots(&ctx, &funcs)?;
         let w4_xs = kernels::w4_xs(&defines);
-        let band_env = std::env::var(crate::launch::W4_BAND_ENV).ok();
-        let w4_band = crate::launch::WaveBand::for_xs(w4_xs, band_env.as_deref())?;
-        let w4_band_forced = band_env.is_some().then_some(w4_band);
+        let w4_band = crate::launch::WaveBand::for_xs(
+            w4_xs,
+            std::env::var(crate::launch::W4_BAND_ENV).ok().as_deref(),
+        )?;
         Ok(Self {
             w4_slots,
             w4_xs,
             w4_band,
-            w4_band_forced,
             ctx,
             stream,
             arch,
@@ -347,12 +344,6 @@ impl Gpu {
             w4_trace,
             profile: std::cell::RefCell::new(None),
         })
-    }
-
-    /// The wave rule's band of an INT4 expert launch over `tokens` tokens
-    /// ([`crate::launch::WaveBand::for_launch`]).
-    pub fn w4_band_for(&self, tokens: usize) -> crate::launch::WaveBand {
-        crate::launch::WaveBand::for_launch(self.w4_xs, tokens, self.w4_band_forced)
     }
 
     /// Hold the stream for `cycles` SM clocks (one thread of kernel `spin_wait`), so that

@@ -99,23 +99,6 @@ impl WaveBand {
         }
     }
 
-    /// The band of one launch over `tokens` tokens, for kernels compiled with `xs` terms:
-    /// `forced` ([`W4_BAND_ENV`]) if given; else [`Self::A16`] wherever every tile packs its
-    /// pairs' terms into one mma a k16 step (`tokens x xs <= ROWS_PER_TILE`: a tile holds
-    /// at most `tokens` pairs, one a token), as every tile does with bf16 activations, so
-    /// the tiles cost alike and A16's reasoning holds; else [`Self::EXACT`]. With exact
-    /// activations (`xs` 3) that is decode at 1-2 tokens, where it changes only the
-    /// 11-tile draws (2 ways at 67% of a wave, not 4 at 133%): on the H200 sweep
-    /// `runs/ab-210cbc4/` sequence M = 2 (draws of 10-12 tiles) took 61.2 us at 2 ways for
-    /// every draw against 65.7 at 4.
-    pub fn for_launch(xs: usize, tokens: usize, forced: Option<Self>) -> Self {
-        match forced {
-            Some(b) => b,
-            None if xs <= 1 || tokens * xs <= ROWS_PER_TILE as usize => Self::A16,
-            None => Self::EXACT,
-        }
-    }
-
     /// `lo,hi`: percents, 1 <= lo <= hi <= 400.
     pub fn parse(v: &str) -> Result<Self> {
         let bad = || {
@@ -748,29 +731,6 @@ mod tests {
         for bad in ["", "70", "x,1", "0,100", "90,80", "70,401", "70,100,3"] {
             let e = WaveBand::parse(bad).unwrap_err().to_string();
             assert!(e.contains(W4_BAND_ENV) && e.contains(bad), "{bad}: {e}");
-        }
-    }
-
-    #[test]
-    fn packed_launches_take_the_a16_band() {
-        // Exact activations (3 terms): 1-2 tokens pack every tile, 3 do not.
-        assert_eq!(WaveBand::for_launch(3, 1, None), WaveBand::A16);
-        assert_eq!(WaveBand::for_launch(3, 2, None), WaveBand::A16);
-        assert_eq!(WaveBand::for_launch(3, 3, None), WaveBand::EXACT);
-        assert_eq!(WaveBand::for_launch(2, 4, None), WaveBand::A16);
-        assert_eq!(WaveBand::for_launch(2, 5, None), WaveBand::EXACT);
-        assert_eq!(WaveBand::for_launch(1, 256, None), WaveBand::A16);
-        let forced = WaveBand { lo: 70, hi: 105 };
-        assert_eq!(WaveBand::for_launch(3, 1, Some(forced)), forced);
-        assert_eq!(WaveBand::for_launch(1, 1, Some(forced)), forced);
-        // GLM-5.3-Flash gate/up (4096 rows), 264 slots: an 11-tile draw takes 2 ways
-        // (176 items, 67%) in the packed band and 4 (352, 133%) in the exact one; 10 and
-        // 12 tiles split alike in both.
-        let ks = |t, b| w4_ks_waves(4096, t, 4, 264, b);
-        assert_eq!(ks(11, WaveBand::A16), 2);
-        assert_eq!(ks(11, WaveBand::EXACT), 4);
-        for t in [8, 10, 12, 16] {
-            assert_eq!(ks(t, WaveBand::A16), ks(t, WaveBand::EXACT), "{t} tiles");
         }
     }
 

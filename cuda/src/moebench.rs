@@ -473,11 +473,8 @@ pub struct MoeBenchReport {
     /// and the resident INT4 blocks it counts waves of (launch.rs `w4_ks_waves`).
     pub w4_waves: bool,
     pub w4_slots: usize,
-    /// The wave rule's band, percent of a wave (launch.rs `WaveBand`), of launches whose
-    /// tiles do not all pack.
+    /// The wave rule's band, percent of a wave (launch.rs `WaveBand`).
     pub w4_band: launch::WaveBand,
-    /// The band of launches whose tiles all pack (`M x W4_XS <= 8`; `WaveBand::for_launch`).
-    pub w4_band_packed: launch::WaveBand,
     /// The experts ran as one fused kernel (`moe_experts_w4`; without `SPECLAB_MOE_FUSED=1`: the
     /// split, gate/up and down kernels).
     pub moe_fused: bool,
@@ -1232,7 +1229,6 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         w4_waves: g.w4_waves,
         w4_slots: g.w4_slots,
         w4_band: g.w4_band,
-        w4_band_packed: g.w4_band_for(1),
         moe_fused: launch::moe_fused(),
         split_in_call: split_in_call(),
         timing: "CUDA events around single calls, median of iters (experts_us_chained: chains of CHAIN back-to-back calls, gate/up without its weight prologue, median over the chains); experts = moe_gate_up_w4 + moe_down_w4 on the input split at upload (split_in_call: moe_split_x + moe_gate_up_w4 + moe_down_w4), or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",

@@ -889,7 +889,7 @@ pub fn w4_tiles(g: &Gpu, max_tiles: usize, t: usize, k: usize) -> Result<launch:
         min: launch::moe_min_tiles(t, k),
         target: launch::w4_target_blocks()?,
         forced: launch::w4_ks_forced()?,
-        waves: g.w4_waves.then_some((g.w4_slots, g.w4_band_for(t))),
+        waves: g.w4_waves.then_some((g.w4_slots, g.w4_band)),
     })
 }
 
