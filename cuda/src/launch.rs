@@ -412,6 +412,9 @@ impl W4Split {
                 (band.lo * slots).div_ceil(100 * g),
                 band.hi * slots / (100 * g) + 1,
                 (5 * slots).div_ceil(2 * g),
+                slots / g + 1,
+                (3 * slots).div_ceil(2 * g),
+                slots.div_ceil(2 * g),
             ]);
         }
         breaks.sort_unstable();
@@ -450,9 +453,15 @@ pub const W4_WAVE_CAP: usize = 4;
 /// groups x `tiles`) fill one wave of `slots` resident blocks within `band` (70-105%,
 /// [`WaveBand::EXACT`]; 65-100% for bf16 activations, [`WaveBand::A16`]); else the
 /// smallest whose items reach 2.5 waves (dynamic scheduling then evens out tiles of
-/// unequal cost, such as the unpacked tiles of skewed routing); else `cap`. A partial
-/// second wave is what it avoids: zipf M = 8 (35.5 tiles) took 193.6 us at the reaching
-/// rule's whole-K walks (1.08 waves) and 162.7 at 4 ways (4.3 waves).
+/// unequal cost, such as the unpacked tiles of skewed routing); else, where `cap`'s
+/// items would leave a second wave less than half full (1 to 1.5 waves), the largest
+/// split whose items fill one wave at least half; else `cap`. A partial second wave is
+/// what it avoids: zipf M = 8 (35.5 tiles) took 193.6 us at the reaching rule's whole-K
+/// walks (1.08 waves) and 162.7 at 4 ways (4.3 waves). The half-wave step takes 9-11
+/// tiles to 2 ways (55-67% of a wave) where `cap` 4 made 1.1-1.3 waves: sequence M = 2's
+/// 10- and 11-tile draws, on an H100 72.1 against 67.0 us with exact activations and
+/// 69.0 against 65.5 with bf16 (`runs/moe-band-b00b353/`), and on the H200 sweep 61.2 us
+/// with every draw at 2 ways against 65.7 at 4 (`runs/ab-210cbc4/`).
 pub fn w4_ks_waves(rows: usize, tiles: usize, cap: usize, slots: usize, band: WaveBand) -> usize {
     let cap = cap.max(1);
     let cands = [1, 2, 4, 8].into_iter().filter(|&k| k <= cap);
@@ -461,11 +470,17 @@ pub fn w4_ks_waves(rows: usize, tiles: usize, cap: usize, slots: usize, band: Wa
     if let Some(k) = cands.clone().rev().find(|&k| fill(k)) {
         return k;
     }
-    let mut reach = cands.clone().filter(|&k| 2 * items(k) >= 5 * slots);
-    reach
-        .next()
-        .or_else(|| cands.clone().next_back())
-        .unwrap_or(1)
+    if let Some(k) = cands.clone().find(|&k| 2 * items(k) >= 5 * slots) {
+        return k;
+    }
+    let top = cands.clone().next_back().unwrap_or(1);
+    if items(top) > slots && 2 * items(top) < 3 * slots {
+        let half_wave = |&k: &usize| items(k) <= slots && 2 * items(k) >= slots;
+        if let Some(k) = cands.clone().rev().find(half_wave) {
+            return k;
+        }
+    }
+    top
 }
 
 /// The largest K split of `k`: `min(W4_WARPS, k / 64)`, a power of two as W4_WARPS is.
@@ -863,7 +878,8 @@ mod tests {
     fn wave_rule_segments_reproduce_the_rule() {
         // GLM-5.3-Flash (64 row blocks), 264 slots: one well-filled wave (8 tiles at 4
         // ways, 13-16 at 2, 31 whole-K), else the first split past 2.5 waves (21 and 37
-        // tiles at 4, 60 at 2, 100 whole-K), as the sweep of runs/ab-210cbc4 measured.
+        // tiles at 4, 60 at 2, 100 whole-K), as the sweep of runs/ab-210cbc4 measured
+        // (the half-wave step, below, only where 4 ways make 1-1.5 waves).
         let glm = |t| w4_ks_waves(4096, t, 4, 264, WaveBand::EXACT);
         let got: Vec<usize> = [8, 13, 16, 21, 31, 37, 60, 100, 400].map(glm).to_vec();
         assert_eq!(got, [4, 2, 2, 4, 1, 4, 2, 1, 1]);
@@ -880,8 +896,16 @@ mod tests {
         // bf16 activations: 11-13 tiles at 2 ways (67-79% of a wave), 17 at 4 (2 ways is
         // 103%), 21 at 4 (whole-K is 64%).
         let a16 = |t| w4_ks_waves(4096, t, 4, 264, WaveBand::A16);
-        assert_eq!([8, 10, 11, 13, 17, 21].map(a16), [4, 4, 2, 2, 4, 4]);
-        assert_eq!([11, 17].map(glm), [4, 2]);
+        assert_eq!([8, 10, 11, 13, 17, 21].map(a16), [4, 2, 2, 2, 4, 4]);
+        assert_eq!([11, 17].map(glm), [2, 2]);
+        // The half-wave step: 9-12 tiles at 4 ways make 1.09-1.45 waves, so 2 ways (144-192
+        // items, 55-73%); 13 at 4 ways is 1.58 waves, in band at 2 anyway; 18-20 at 4
+        // ways make 2.18-2.42 waves and keep them (whole-K would be 55-61%).
+        for band in [WaveBand::EXACT, WaveBand::A16] {
+            let ks = |t| w4_ks_waves(4096, t, 4, 264, band);
+            assert_eq!([9, 10, 11, 12].map(ks), [2, 2, 2, 2], "{band:?}");
+            assert_eq!([18, 19, 20].map(ks), [4, 4, 4], "{band:?}");
+        }
         let bands = [WaveBand::EXACT, WaveBand::A16, WaveBand { lo: 1, hi: 400 }];
         for (rows, band) in [64usize, 256, 512, 2048, 4096, 8192]
             .into_iter()
