@@ -72,9 +72,16 @@ pub struct WaveBand {
 }
 
 impl WaveBand {
-    /// Exact activations (`W4_XS` 2, 3): 70-105%, fitted on the H200 sweep of
-    /// `runs/ab-210cbc4/`.
-    pub const EXACT: Self = Self { lo: 70, hi: 105 };
+    /// Exact activations (`W4_XS` 2, 3): 70-100%. The lower bound was fitted on the H200
+    /// sweep of `runs/ab-210cbc4/`; the upper one was 105% until the A/B of
+    /// `runs/moe-exact-hi-83a361d/` (H100): a split of 101-105% of a wave leaves its last
+    /// few items to a second wave, and at 100% the draws that took one (sequence M = 8 and
+    /// 16's 17- and 34-tile draws at 2 ways and whole-K, zipf M = 8's 34-tile one at
+    /// whole-K) take 4 ways instead: sequence M = 8 120.4 -> 117.7 us single, 127.5 ->
+    /// 119.6 chained; zipf M = 8 185.4 -> 182.8 / 186.2 -> 178.7; sequence M = 16 204.1 ->
+    /// 202.7 / 201.2 -> 194.9, as the H200 sweep's forced splits had it (sequence M = 8 at
+    /// 4 ways 105.8 against 122.3 at 2; zipf M = 8 162.7 against 192.6 whole-K).
+    pub const EXACT: Self = Self { lo: 70, hi: 100 };
     /// bf16 activations (`W4_XS` 1): 65-100%. Every tile of at most 8 pairs is then one
     /// mma a k16 step, so tiles cost alike and one partial wave beats a second one
     /// sooner. Fitted on `SPECLAB_W4_KS` / `SPECLAB_W4_BAND` legs:
@@ -450,7 +457,7 @@ pub const W4_WAVE_CAP: usize = 4;
 
 /// The wave rule (fitted on the `SPECLAB_W4_KS` sweep of `runs/ab-210cbc4/`, GLM-5.3-Flash
 /// shapes on the H200): of the splits up to `cap`, the largest whose items (row-block
-/// groups x `tiles`) fill one wave of `slots` resident blocks within `band` (70-105%,
+/// groups x `tiles`) fill one wave of `slots` resident blocks within `band` (70-100%,
 /// [`WaveBand::EXACT`]; 65-100% for bf16 activations, [`WaveBand::A16`]); else the
 /// smallest whose items reach 2.5 waves (dynamic scheduling then evens out tiles of
 /// unequal cost, such as the unpacked tiles of skewed routing); else, where `cap`'s
@@ -897,7 +904,7 @@ mod tests {
         // 103%), 21 at 4 (whole-K is 64%).
         let a16 = |t| w4_ks_waves(4096, t, 4, 264, WaveBand::A16);
         assert_eq!([8, 10, 11, 13, 17, 21].map(a16), [4, 2, 2, 2, 4, 4]);
-        assert_eq!([11, 17].map(glm), [2, 2]);
+        assert_eq!([11, 17, 34].map(glm), [2, 4, 4]);
         // The half-wave step: 9-12 tiles at 4 ways make 1.09-1.45 waves, so 2 ways (144-192
         // items, 55-73%); 13 at 4 ways is 1.58 waves, in band at 2 anyway; 18-20 at 4
         // ways make 2.18-2.42 waves and keep them (whole-K would be 55-61%).
