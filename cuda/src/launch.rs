@@ -900,8 +900,9 @@ mod tests {
                 w4_ks(256, t, 4, W4_TARGET_BLOCKS)
             );
         }
-        // bf16 activations: 11-13 tiles at 2 ways (67-79% of a wave), 17 at 4 (2 ways is
-        // 103%), 21 at 4 (whole-K is 64%).
+        // bf16 activations: 10-13 tiles at 2 ways (61-79% of a wave; 10 by the half-wave
+        // step), 17 at 4 (2 ways is 103%), 21 at 4 (whole-K is 64%); exact: 11 at 2 (the
+        // half-wave step), 17 and 34 at 4 (2 ways and whole-K are 103%).
         let a16 = |t| w4_ks_waves(4096, t, 4, 264, WaveBand::A16);
         assert_eq!([8, 10, 11, 13, 17, 21].map(a16), [4, 2, 2, 2, 4, 4]);
         assert_eq!([11, 17, 34].map(glm), [2, 4, 4]);
