@@ -208,27 +208,40 @@ def trace(path):
 def moeab(d, pairs):
     """Legs of one recipes/moe_ab.sh call (`<d>/leg<round>_<i>.json[.xz]`) compared in pairs
     (base, new): experts us per (routing, M <= 64), the median over rounds, and how many
-    rows the new leg was faster on and by how much (single calls)."""
+    rows the new leg was faster on and by how much (single calls). A row whose draws took
+    other K splits in the two legs (the records' `ks`) is marked `split`; the counts are
+    given for those rows and for the rest (whose change is the call's noise) apart."""
     import glob
     import statistics
-    t = {}
+    t, ks = {}, {}
     for f in sorted(glob.glob(os.path.join(d, "leg*_*.json*"))):
         leg = int(os.path.basename(f).split("_")[1].split(".")[0])
         for r in load(f)["rows"]:
             if r["m"] <= 64:
-                t.setdefault(leg, {}).setdefault((r["routing"], r["m"]), []).append(r["experts_us"])
-    diffs = []
+                k = (r["routing"], r["m"])
+                t.setdefault(leg, {}).setdefault(k, []).append(r["experts_us"])
+                ks.setdefault(leg, {})[k] = r.get("ks")
+    diffs = {True: [], False: []}
     print("| routing | M | " + " | ".join(f"leg {b} -> leg {n}" for b, n in pairs) + " |")
     print("|---|---|" + "---|" * len(pairs))
     for k in sorted(t[pairs[0][0]], key=lambda k: (k[0], k[1])):
         cells = []
         for b, n in pairs:
             x, y = statistics.median(t[b][k]), statistics.median(t[n][k])
-            diffs.append(100 * (y / x - 1))
-            cells.append(f"{x:.1f} -> {y:.1f} ({diffs[-1]:+.1f}%)")
+            moved = ks[b][k] != ks[n][k]
+            diffs[moved].append(100 * (y / x - 1))
+            mark = ", split" if moved else ""
+            cells.append(f"{x:.1f} -> {y:.1f} ({diffs[moved][-1]:+.1f}%{mark})")
         print(f"| {k[0]} | {k[1]} | " + " | ".join(cells) + " |")
-    print(f"\nnew leg faster on {sum(v < 0 for v in diffs)} of {len(diffs)} rows; "
-          f"change {min(diffs):+.1f}% to {max(diffs):+.1f}%")
+    print()
+    for moved, what in [(True, "rows whose K splits differ"), (False, "rows with the same splits")]:
+        v = diffs[moved]
+        if v:
+            print(f"{what}: new leg faster on {sum(x < 0 for x in v)} of {len(v)}; "
+                  f"change {min(v):+.1f}% to {max(v):+.1f}%")
+    every = diffs[True] + diffs[False]
+    print(f"all rows: new leg faster on {sum(v < 0 for v in every)} of {len(every)} rows; "
+          f"change {min(every):+.1f}% to {max(every):+.1f}%")
 
 
 if __name__ == "__main__":
