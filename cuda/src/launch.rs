@@ -895,6 +895,8 @@ mod tests {
         // reaching rule gives them too (their blocks do not reach 256).
         for t in 1..93 {
             assert_eq!(w4_ks_waves(256, t, 4, 264, WaveBand::EXACT), 4);
+            // Its down projection (K 128: at most 2 ways) likewise.
+            assert_eq!(w4_ks_waves(256, t, 2, 264, WaveBand::EXACT), 2);
             assert_eq!(
                 w4_ks_waves(256, t, 4, 264, WaveBand::A16),
                 w4_ks(256, t, 4, W4_TARGET_BLOCKS)
