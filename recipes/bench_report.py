@@ -221,6 +221,12 @@ def moeab(d, pairs):
                 k = (r["routing"], r["m"])
                 t.setdefault(leg, {}).setdefault(k, []).append(r["experts_us"])
                 ks.setdefault(leg, {})[k] = r.get("ks")
+    for b, n in pairs:
+        for leg in (b, n):
+            if leg not in t:
+                sys.exit(f"{d}: no leg {leg} (files leg<round>_{leg}.json[.xz]; legs here: {sorted(t)})")
+        if set(t[b]) != set(t[n]):
+            sys.exit(f"{d}: legs {b} and {n} hold different (routing, M) rows")
     diffs = {True: [], False: []}
     print("| routing | M | " + " | ".join(f"leg {b} -> leg {n}" for b, n in pairs) + " |")
     print("|---|---|" + "---|" * len(pairs))
