@@ -362,27 +362,12 @@ extern "C" __global__ void __launch_bounds__(256) linear_tiled_bf16(
     tiled_store(y, y_stride, M, N, m0, n0, s, accumulate);
 }
 
-// The shared expert's down-projection with the MoE combine as its epilogue (moe.cu
-// moe_combine's work): for the lane's output (t, n), s = h[t] . Wd[n] as linear_tiled_bf16
-// computes it, then x[t, n] += (sum over the token's slots in ascending expert id of
-// y[t k + slot, n], from zero) + s: moe_combine's order with s in place of the stored
-// shared[t, n], so the result is bit for bit the unfused pair's.  Shapes: x [M, N]
-// (stride N), y [M k, N], ids [M, k] (k <= 8, distinct ids), h [M, h_stride], Wd [N, K].
-// Launch: grid (ceil(N / 16), ceil(M / 16)), block 256 (as linear_tiled_bf16).
 #define COMBINE_K_MAX 8
-extern "C" __global__ void __launch_bounds__(256) linear_tiled_combine_bf16(
-    float* __restrict__ x, const float* __restrict__ y, const int* __restrict__ ids, int k,
-    const float* __restrict__ h, int h_stride, const bf16_bits* __restrict__ W, int M, int N,
-    int K) {
-    int m0, n0;
-    if (!tiled_origin(M, N, m0, n0)) return;
-    TiledPre pre;
-    tiled_pre(pre, W, N, K, n0);
-    pdl_enter();
-    const float s = tiled_dot<false>(h, h_stride, W, M, N, K, m0, n0, nullptr, 0.0f, pre);
-    const int lane = threadIdx.x & 31;
-    const int m = m0 + lane / LT_RN, n = n0 + lane % LT_RN;
-    if (m >= M || n >= N) return;
+// x[m, n] += (sum over token m's k slots in ascending expert id of y[m k + slot, n], from
+// zero) + s: moe_combine's order with s in place of the stored shared[m, n].
+__device__ __forceinline__ void combine_out(float* __restrict__ x, const float* __restrict__ y,
+                                            const int* __restrict__ ids, int k, int N, int m,
+                                            int n, float s) {
     // Insertion sort of the token's k slots by expert id (moe_combine's order).
     int ord[COMBINE_K_MAX], key[COMBINE_K_MAX];
 #pragma unroll
@@ -409,6 +394,28 @@ extern "C" __global__ void __launch_bounds__(256) linear_tiled_combine_bf16(
         if (j < k) o += y[((size_t)m * k + ord[j]) * N + n];
     o += s;
     x[(size_t)m * N + n] += o;
+}
+
+// The shared expert's down-projection with the MoE combine as its epilogue (moe.cu
+// moe_combine's work): for the lane's output (t, n), s = h[t] . Wd[n] as linear_tiled_bf16
+// computes it, then x[t, n] += (sum over the token's slots in ascending expert id of
+// y[t k + slot, n], from zero) + s: moe_combine's order with s in place of the stored
+// shared[t, n], so the result is bit for bit the unfused pair's.  Shapes: x [M, N]
+// (stride N), y [M k, N], ids [M, k] (k <= 8, distinct ids), h [M, h_stride], Wd [N, K].
+// Launch: grid (ceil(N / 16), ceil(M / 16)), block 256 (as linear_tiled_bf16).
+extern "C" __global__ void __launch_bounds__(256) linear_tiled_combine_bf16(
+    float* __restrict__ x, const float* __restrict__ y, const int* __restrict__ ids, int k,
+    const float* __restrict__ h, int h_stride, const bf16_bits* __restrict__ W, int M, int N,
+    int K) {
+    int m0, n0;
+    if (!tiled_origin(M, N, m0, n0)) return;
+    TiledPre pre;
+    tiled_pre(pre, W, N, K, n0);
+    pdl_enter();
+    const float s = tiled_dot<false>(h, h_stride, W, M, N, K, m0, n0, nullptr, 0.0f, pre);
+    const int lane = threadIdx.x & 31;
+    const int m = m0 + lane / LT_RN, n = n0 + lane % LT_RN;
+    if (m < M && n < N) combine_out(x, y, ids, k, N, m, n, s);
 }
 
 extern "C" __global__ void __launch_bounds__(256) linear_norm_tiled_bf16(
@@ -465,6 +472,204 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_tiled_bf16(
     float* __restrict__ h, const float* __restrict__ x, int x_stride,
     const bf16_bits* __restrict__ W13, int M, int N, int K) {
     swiglu_tiled_block(h, x, x_stride, W13, M, N, K, blockIdx.x, blockIdx.y);
+}
+
+// ---- Skinny bf16 GEMMs (decode rows: the engine's default up to LS_RM rows) ----
+// At one row the register-tiled kernels above keep 2 of a block's 8 warps busy (the warps
+// whose 4 rows start past M return at once) and a lane has the 8 weight loads of one k
+// word in flight.  A GEMV of GLM-5.3-Flash's size (router 288 x 4096, shared expert
+// 4096 x 4096 then 4096 x 2048, bf16; 52.7 MB at M = 1) then streams at a fraction of the
+// copy bandwidth (`speclab bench moe`, layer_parts).  Here each of the block's LS_WARPS
+// warps owns LS_RN (2) weight rows and the block's LS_RM (4) rows of x (clamped to the
+// last, computed and never stored), and a lane issues the loads of LS_U (8) k words of
+// both weight rows before it multiplies: 16 16-byte loads in flight a lane, and a block
+// still covers 16 weight rows, as a tiled block does.
+// Numerics are linear_body's bit for bit, as the tiled kernels': lane l sums k words l,
+// l + 32, ... in order, 8 products a word in order, one accumulator per output, and the
+// lane partials are added in warp_sum's butterfly pairs (warp_spread).  gpu_check's
+// `skinny` lines compare them with the warp-per-column kernels bit for bit
+// (cuda/src/gemm_check.rs).  LS_PREWAIT (default 1): the first group's weight loads are
+// issued before the grid-dependency wait, as LT_PREWAIT does for the tiled kernels.
+#define LS_RM 4
+#define LS_RN 2
+#define LS_U 8
+#define LS_WARPS 8
+#define LS_TN (LS_RN * LS_WARPS)
+#ifndef LS_PREWAIT
+#define LS_PREWAIT 1
+#endif
+
+// One k word kw of the lane: acc[r LS_RN + c] += x[m0 + r] . W[r0 + c] over its 8
+// products (with NORM, (x g) . W, and ss[r] += x . x), as tiled_dot orders them.
+template <bool NORM>
+__device__ __forceinline__ void skinny_word(float acc[LS_RM * LS_RN], float ss[LS_RM],
+                                            const float* __restrict__ x, int x_stride, int M,
+                                            int m0, int kw, const uint4 wv[LS_RN],
+                                            const float* __restrict__ g) {
+    float xv[LS_RM][8], gv[8];
+#pragma unroll
+    for (int r = 0; r < LS_RM; ++r)
+        load8(x + (size_t)min(m0 + r, M - 1) * x_stride + (size_t)kw * 8, xv[r]);
+    if (NORM) load8(g + (size_t)kw * 8, gv);
+#pragma unroll
+    for (int c = 0; c < LS_RN; ++c) {
+        float w[8];
+        widen8(wv[c], w);
+#pragma unroll
+        for (int r = 0; r < LS_RM; ++r) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if (NORM)
+                    acc[r * LS_RN + c] += xv[r][j] * gv[j] * w[j];
+                else
+                    acc[r * LS_RN + c] += xv[r][j] * w[j];
+            }
+        }
+    }
+    if (NORM) {
+#pragma unroll
+        for (int r = 0; r < LS_RM; ++r) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) ss[r] += xv[r][j] * xv[r][j];
+        }
+    }
+}
+
+// The lane's weight words of the LS_U k words kw, kw + 32, ... (those below nw = K / 8)
+// of weight rows r0, r0 + 1 (clamped to R - 1).
+__device__ __forceinline__ void skinny_load(uint4 wv[LS_U][LS_RN], const bf16_bits* __restrict__ W,
+                                            int R, int K, int r0, int kw) {
+#pragma unroll
+    for (int u = 0; u < LS_U; ++u) {
+        if (kw + WARP * u < K / 8) {
+#pragma unroll
+            for (int c = 0; c < LS_RN; ++c)
+                wv[u][c] = *reinterpret_cast<const uint4*>(
+                    W + (size_t)min(r0 + c, R - 1) * K + (size_t)(kw + WARP * u) * 8);
+        }
+    }
+}
+
+// Warp dot of rows m0 .. m0 + 4 of x and weight rows r0, r0 + 1 of W (R rows of K): lane
+// l returns output (row m0 + l / 8, weight row r0 + (l / 4) % 2) (lanes 4i .. 4i + 3 hold
+// output i); with NORM the rmsnorm scale of its row applied.  Calls pdl_enter once the
+// first group's weight loads are issued (LS_PREWAIT) or before them.
+template <bool NORM>
+__device__ __forceinline__ float skinny_dot(const float* __restrict__ x, int x_stride,
+                                            const bf16_bits* __restrict__ W, int M, int R,
+                                            int K, int m0, int r0, const float* __restrict__ g,
+                                            float eps) {
+    const int lane = threadIdx.x & 31;
+    float acc[LS_RM * LS_RN], ss[LS_RM];
+#pragma unroll
+    for (int i = 0; i < LS_RM * LS_RN; ++i) acc[i] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < LS_RM; ++r) ss[r] = 0.0f;
+    uint4 wv[LS_U][LS_RN];
+    if (LS_PREWAIT) skinny_load(wv, W, R, K, r0, lane);  // constant weights only
+    pdl_enter();
+    if (!LS_PREWAIT) skinny_load(wv, W, R, K, r0, lane);
+    for (int kw = lane; kw < K / 8;) {
+#pragma unroll
+        for (int u = 0; u < LS_U; ++u)
+            if (kw + WARP * u < K / 8)
+                skinny_word<NORM>(acc, ss, x, x_stride, M, m0, kw + WARP * u, wv[u], g);
+        kw += WARP * LS_U;
+        if (kw < K / 8) skinny_load(wv, W, R, K, r0, kw);
+    }
+    float s = warp_spread<LS_RM * LS_RN>(acc);
+    if (NORM) s *= 1.0f / sqrtf(warp_spread<LS_RM>(ss) / (float)K + eps);
+    return s;
+}
+
+// The warp's origin in block (bx, by) of a skinny grid: (row m0, weight row r0); false
+// when it is past M / R (the whole warp returns: no barrier follows).
+__device__ __forceinline__ bool skinny_origin_at(int M, int R, int bx, int by, int& m0, int& r0) {
+    m0 = by * LS_RM;
+    r0 = bx * LS_TN + (threadIdx.x >> 5) * LS_RN;
+    return m0 < M && r0 < R;
+}
+
+// The lane's output of skinny_dot: row m, weight row r; whether the lane stores it (the
+// first of the 4 lanes holding it).
+__device__ __forceinline__ bool skinny_out(int m0, int r0, int& m, int& r) {
+    const int lane = threadIdx.x & 31;
+    m = m0 + lane / (4 * LS_RN);
+    r = r0 + (lane >> 2) % LS_RN;
+    return (lane & 3) == 0;
+}
+
+// linear_bf16 / linear_norm_bf16 (NORM) for few rows: the same arguments and results.
+// Launch: grid (ceil(N / 16), ceil(M / 4)), block 256 (launch.rs gemm_skinny).
+template <bool NORM>
+__device__ __forceinline__ void linear_skinny(float* __restrict__ y, int y_stride,
+                                              const float* __restrict__ x, int x_stride,
+                                              const bf16_bits* __restrict__ W, int M, int N,
+                                              int K, int accumulate,
+                                              const float* __restrict__ g, float eps) {
+    int m0, r0, m, n;
+    if (!skinny_origin_at(M, N, blockIdx.x, blockIdx.y, m0, r0)) return;
+    const float s = skinny_dot<NORM>(x, x_stride, W, M, N, K, m0, r0, g, eps);
+    if (skinny_out(m0, r0, m, n) && m < M && n < N) {
+        float* dst = y + (size_t)m * y_stride + n;
+        *dst = accumulate ? *dst + s : s;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * LS_WARPS) linear_skinny_bf16(
+    float* __restrict__ y, int y_stride, const float* __restrict__ x, int x_stride,
+    const bf16_bits* __restrict__ W, int M, int N, int K, int accumulate) {
+    linear_skinny<false>(y, y_stride, x, x_stride, W, M, N, K, accumulate, nullptr, 0.0f);
+}
+
+extern "C" __global__ void __launch_bounds__(32 * LS_WARPS) linear_norm_skinny_bf16(
+    float* __restrict__ y, int y_stride, const float* __restrict__ x, int x_stride,
+    const bf16_bits* __restrict__ W, int M, int N, int K, int accumulate,
+    const float* __restrict__ g, float eps) {
+    linear_skinny<true>(y, y_stride, x, x_stride, W, M, N, K, accumulate, g, eps);
+}
+
+// linear_pair_bf16 for few rows.  Launch: grid (ceil(N / 16), ceil(M / 4), 2), block 256.
+extern "C" __global__ void __launch_bounds__(32 * LS_WARPS) linear_pair_skinny_bf16(
+    float* __restrict__ y0, float* __restrict__ y1, int y_stride, const float* __restrict__ x0,
+    const float* __restrict__ x1, int x_stride, const bf16_bits* __restrict__ W0,
+    const bf16_bits* __restrict__ W1, int M, int N, int K) {
+    const bool z = blockIdx.z != 0;
+    linear_skinny<false>(z ? y1 : y0, y_stride, z ? x1 : x0, x_stride, z ? W1 : W0, M, N, K, 0,
+                         nullptr, 0.0f);
+}
+
+// swiglu_tiled_block for few rows: a warp's 2 weight rows are one column's (gate, up) pair
+// of W13 [N, 2, K]; the up sum comes from lane l ^ 4.  Block (bx, by) of the grid
+// (ceil(2 N / 16), ceil(M / 4)), 256 threads.
+__device__ __forceinline__ void swiglu_skinny_block(float* __restrict__ h,
+                                                    const float* __restrict__ x, int x_stride,
+                                                    const bf16_bits* __restrict__ W13, int M,
+                                                    int N, int K, int bx, int by) {
+    int m0, r0, m, r;
+    if (!skinny_origin_at(M, 2 * N, bx, by, m0, r0)) return;
+    const float s = skinny_dot<false>(x, x_stride, W13, M, 2 * N, K, m0, r0, nullptr, 0.0f);
+    const float u = __shfl_xor_sync(FULL_MASK, s, 4);
+    if (skinny_out(m0, r0, m, r) && (r & 1) == 0 && m < M && r < 2 * N)
+        h[(size_t)m * N + r / 2] = silu_f(s) * u;
+}
+
+extern "C" __global__ void __launch_bounds__(32 * LS_WARPS) swiglu_skinny_bf16(
+    float* __restrict__ h, const float* __restrict__ x, int x_stride,
+    const bf16_bits* __restrict__ W13, int M, int N, int K) {
+    swiglu_skinny_block(h, x, x_stride, W13, M, N, K, blockIdx.x, blockIdx.y);
+}
+
+// linear_tiled_combine_bf16 for few rows: the same arguments and results.
+// Launch: grid (ceil(N / 16), ceil(M / 4)), block 256 (launch.rs gemm_skinny).
+extern "C" __global__ void __launch_bounds__(32 * LS_WARPS) linear_skinny_combine_bf16(
+    float* __restrict__ x, const float* __restrict__ y, const int* __restrict__ ids, int k,
+    const float* __restrict__ h, int h_stride, const bf16_bits* __restrict__ W, int M, int N,
+    int K) {
+    int m0, r0, m, n;
+    if (!skinny_origin_at(M, N, blockIdx.x, blockIdx.y, m0, r0)) return;
+    const float s = skinny_dot<false>(h, h_stride, W, M, N, K, m0, r0, nullptr, 0.0f);
+    if (skinny_out(m0, r0, m, n) && m < M && n < N) combine_out(x, y, ids, k, N, m, n, s);
 }
 
 // Rows of MoE tile `tile`: pair ids (output rows) and their token rows (p / topk).
@@ -1281,8 +1486,8 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up
 }
 
 // moe_gate_up_w4 and the shared expert's SwiGLU hidden (swiglu_tiled_bf16) in one launch:
-// blocks [0, sh_blocks) are swiglu_tiled_bf16's grid (sh_gx x sh_blocks / sh_gx, x
-// fastest), the rest moe_gate_up_w4's grid in order.  The two read only the router's
+// blocks [0, sh_blocks) are swiglu_tiled_bf16's grid (swiglu_skinny_bf16's when
+// sh_skinny; sh_gx x sh_blocks / sh_gx, x fastest), the rest moe_gate_up_w4's grid in order.  The two read only the router's
 // output (the post-norm input and its split) and write disjoint buffers, so the shared
 // expert's first GEMM leaves the MoE layer's serial chain; each block computes what its
 // kernel's block computes, bit for bit.  Shapes: as moe_gate_up_w4, plus sh_h [sh_m,
@@ -1295,11 +1500,15 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up
     const int* __restrict__ tile_expert, int topk, int N, int K, int max_tiles, int ks_hi,
     W4_SEG_PARAMS, int pre, float* __restrict__ sh_h, const float* __restrict__ sh_x,
     int sh_x_stride, const bf16_bits* __restrict__ sh_w13, int sh_m, int sh_n, int sh_k,
-    int sh_gx, int sh_blocks) {
+    int sh_gx, int sh_blocks, int sh_skinny) {
     const int b = blockIdx.x;
     if (b < sh_blocks) {
-        swiglu_tiled_block(sh_h, sh_x, sh_x_stride, sh_w13, sh_m, sh_n, sh_k, b % sh_gx,
-                           b / sh_gx);
+        if (sh_skinny)
+            swiglu_skinny_block(sh_h, sh_x, sh_x_stride, sh_w13, sh_m, sh_n, sh_k, b % sh_gx,
+                                b / sh_gx);
+        else
+            swiglu_tiled_block(sh_h, sh_x, sh_x_stride, sh_w13, sh_m, sh_n, sh_k, b % sh_gx,
+                               b / sh_gx);
         return;
     }
     w4_mma<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),

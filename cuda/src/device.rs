@@ -156,6 +156,9 @@ pub struct Gpu {
     /// Rows from which the bf16 GEMMs launch their register-tiled kernels
     /// ([`crate::launch::tiled_min_rows`], `SPECLAB_LIN_TILED_MIN`).
     pub tiled_min_rows: usize,
+    /// Rows up to which the bf16 GEMMs launch their skinny kernels, before the tiled ones
+    /// ([`crate::launch::skinny_max_rows`], `SPECLAB_LIN_SKINNY_MAX`; 0 = never).
+    pub skinny_max_rows: usize,
     /// Fuse each MoE layer's post-attention rmsnorm into its router kernel (default;
     /// `SPECLAB_ROUTER_NORM=0` launches kernel `rmsnorm` before it, the A/B reference).
     pub fuse_router_norm: bool,
@@ -325,6 +328,9 @@ impl Gpu {
             tiled_min_rows: crate::launch::tiled_min_rows(
                 std::env::var(crate::launch::TILED_MIN_ENV).ok().as_deref(),
             )?,
+            skinny_max_rows: crate::launch::skinny_max_rows(
+                std::env::var(crate::launch::SKINNY_MAX_ENV).ok().as_deref(),
+            )?,
             fuse_router_norm: env_on("SPECLAB_ROUTER_NORM"),
             fuse_router_align: env_on("SPECLAB_ROUTER_ALIGN"),
             fuse_combine: env_on("SPECLAB_MOE_COMBINE"),
@@ -489,6 +495,9 @@ mod tests {
         // earlier steps or the host (kda.cu kda_recurrent_impl).
         let delegates = [
             "swiglu_tiled_block(",
+            "swiglu_skinny_block(",
+            "linear_skinny<",
+            "skinny_dot<",
             "w4_mma<",
             "kda_recurrent_impl<",
             "kda_conv_block(",
@@ -505,9 +514,22 @@ mod tests {
             "tiled_pre(pre, ",
             "tiled_pre_norm(pre, ",
             "const bool z = blockIdx.z != 0;",
+            // The skinny GEMMs: indices, then (LS_PREWAIT) the first weight words.
+            "int m0, r0, m, n;",
+            "int m0, r0, m, r;",
+            "if (!skinny_origin_at(",
+            // ... and the start of the line that calls skinny_dot (the cut falls inside it).
+            "const float s =",
+            "const int lane = threadIdx.x & 31;",
+            "float acc[LS_RM * LS_RN], ss[LS_RM];",
+            "for (int i = 0; i < LS_RM * LS_RN; ++i) acc[i] = 0.0f;",
+            "for (int r = 0; r < LS_RM; ++r) ss[r] = 0.0f;",
+            "uint4 wv[LS_U][LS_RN];",
+            "if (LS_PREWAIT) skinny_load(wv, W, R, K, r0, lane);",
             // moe_gate_up_shared_w4: block dispatch to the two delegates.
             "const int b = blockIdx.x;",
             "if (b < sh_blocks) {",
+            "if (sh_skinny)",
             // kda_conv_lowrank: block dispatch; lowrank_block: its item's indices.
             "if (b < conv_blocks) {",
             "const int row = it / 2, which = it % 2;",

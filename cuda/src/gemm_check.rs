@@ -1,6 +1,8 @@
 //! Bit-for-bit parity of the register-tiled bf16 GEMMs (`linear_tiled_bf16`,
-//! `linear_norm_tiled_bf16`, `linear_pair_tiled_bf16`, `swiglu_tiled_bf16`) against the
-//! warp-per-column kernels they replace from [`crate::launch::TILED_MIN_ROWS`] rows.
+//! `linear_norm_tiled_bf16`, `linear_pair_tiled_bf16`, `swiglu_tiled_bf16`) and of their
+//! skinny twins (`linear_skinny_bf16` and kin, the default up to
+//! [`crate::launch::SKINNY_MAX_ROWS`] rows; checked here at every row count) against the
+//! warp-per-column kernels they replace.
 //!
 //! Source: cuda/kernels/linear.cu (the tiled kernels keep each lane's summation order and
 //! warp_sum's butterfly pairs, so the results must be identical, not merely close).
@@ -26,9 +28,13 @@ use crate::error::Result;
 use crate::ops::{self, Linear, Mat, Router, Routing, Swiglu};
 
 /// (M rows, N output columns, K) of the checked GEMMs: models/tiny's projections (hidden
-/// 256, qkv 768, dense intermediate 768, shared expert 128, vocab 8196) and ragged edges.
+/// 256, qkv 768, dense intermediate 768, shared expert 128, vocab 8196), GLM-5.3's router
+/// (288 x 4096), and ragged edges (K / 8 = 513 words: a skinny lane's last group is partial).
 const SHAPES: &[(usize, usize, usize)] = &[
     (1, 8196, 256),
+    (1, 288, 4096),
+    (3, 300, 4104),
+    (5, 100, 768),
     (1, 100, 768),
     (2, 768, 256),
     (9, 768, 256),
@@ -72,17 +78,30 @@ fn inputs(gpu: &Gpu, rng: &mut ChaCha8Rng, (m, n, k): (usize, usize, usize)) -> 
     })
 }
 
-/// Run `kind` on `inp` with the tiled kernels from `min_rows` rows; the two outputs, read
-/// back (the pair's are concatenated).
+/// Which kernel of a family runs.
+#[derive(Clone, Copy, Debug)]
+enum Path {
+    /// The warp-per-column reference.
+    Base,
+    Tiled,
+    Skinny,
+}
+
+/// Run `kind` on `inp` with the kernels of `path`; the outputs, read back (the pair's are
+/// concatenated).
 fn run(
     gpu: &mut Gpu,
     kind: Kind,
     inp: &Inputs,
     shape: (usize, usize, usize),
-    min_rows: usize,
+    path: Path,
 ) -> Result<Vec<f32>> {
     let (m, n, k) = shape;
-    gpu.tiled_min_rows = min_rows;
+    (gpu.tiled_min_rows, gpu.skinny_max_rows) = match path {
+        Path::Base => (usize::MAX, 0),
+        Path::Tiled => (1, 0),
+        Path::Skinny => (1, usize::MAX),
+    };
     let s = gpu.stream.clone();
     let y = DevBuf::upload(&s, &inp.y0, "tiled check y")?;
     let y1 = DevBuf::zeros(&s, m * n, "tiled check y1")?;
@@ -119,30 +138,34 @@ fn run(
     Ok(out)
 }
 
-/// One line per (kind, shape): elements whose bits differ between the tiled kernel and
-/// the warp-per-column kernel. Restores the device's own `tiled_min_rows` afterwards.
+/// Two lines per (kind, shape): elements whose bits differ between the tiled kernel and
+/// the warp-per-column kernel, and between the skinny kernel (forced at every row count)
+/// and it. Restores the device's own `tiled_min_rows` / `skinny_max_rows` afterwards.
 pub fn tiled_parity(gpu: &mut Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
-    let keep = gpu.tiled_min_rows;
+    let keep = (gpu.tiled_min_rows, gpu.skinny_max_rows);
     let mut rng = ChaCha8Rng::seed_from_u64(0x711e);
     let result = (|| {
         for &shape in SHAPES {
             let inp = inputs(gpu, &mut rng, shape)?;
             for kind in [Kind::Linear, Kind::Norm, Kind::Pair, Kind::Swiglu] {
-                let base = run(gpu, kind, &inp, shape, usize::MAX)?;
-                let tiled = run(gpu, kind, &inp, shape, 1)?;
-                let differ = base
-                    .iter()
-                    .zip(&tiled)
-                    .filter(|(a, b)| a.to_bits() != b.to_bits())
-                    .count();
-                let (m, n, k) = shape;
-                let name = format!("tiled {kind:?} M={m} N={n} K={k}: elements differing in bits");
-                line(out, name, differ as f64, 0.0);
+                let base = run(gpu, kind, &inp, shape, Path::Base)?;
+                for (what, path) in [("tiled", Path::Tiled), ("skinny", Path::Skinny)] {
+                    let got = run(gpu, kind, &inp, shape, path)?;
+                    let differ = base
+                        .iter()
+                        .zip(&got)
+                        .filter(|(a, b)| a.to_bits() != b.to_bits())
+                        .count();
+                    let (m, n, k) = shape;
+                    let name =
+                        format!("{what} {kind:?} M={m} N={n} K={k}: elements differing in bits");
+                    line(out, name, differ as f64, 0.0);
+                }
             }
         }
         Ok(())
     })();
-    gpu.tiled_min_rows = keep;
+    (gpu.tiled_min_rows, gpu.skinny_max_rows) = keep;
     result
 }
 
@@ -267,6 +290,8 @@ pub fn router_norm_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
 /// (`ops::linear_combine`) against `linear` into a shared buffer then `moe_combine`, on
 /// seeded rows of `t` tokens, hidden `h`, shared intermediate `inter`, top-`k` of `e`
 /// distinct experts per token: one line counting the residual elements whose bits differ.
+/// Up to [`Gpu::skinny_max_rows`] tokens both sides run the skinny kernels (their own
+/// parity against the reference is [`tiled_parity`]'s).
 pub fn combine_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
     let s = gpu.stream.clone();
     let mut rng = ChaCha8Rng::seed_from_u64(0xc0b1);
@@ -274,6 +299,7 @@ pub fn combine_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
         (1usize, 256usize, 128usize, 16usize, 2usize),
         (37, 256, 128, 16, 2),
         (9, 520, 136, 64, 8),
+        (3, 4096, 2048, 288, 8),
     ] {
         let mut f = |len: usize, a: f32| -> Vec<f32> {
             (0..len).map(|_| rng.random_range(-a..a)).collect()

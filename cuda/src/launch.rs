@@ -27,6 +27,31 @@ pub const LT_WC: u32 = 2;
 pub const TILED_MIN_ROWS: usize = 1;
 /// Environment variable overriding [`TILED_MIN_ROWS`] (`off` never tiles: the A/B switch).
 pub const TILED_MIN_ENV: &str = "SPECLAB_LIN_TILED_MIN";
+/// Skinny bf16 GEMMs (`linear_skinny_bf16` and kin, for decode rows): rows of x a block
+/// takes (`LS_RM`), weight rows a warp (`LS_RN`) and warps a block (`LS_WARPS`).
+pub const LS_RM: u32 = 4;
+pub const LS_RN: u32 = 2;
+pub const LS_WARPS: u32 = 8;
+/// Rows up to which the bf16 GEMMs launch their skinny kernels (before the tiled ones):
+/// one block of rows, where the tiled kernels leave 6 of 8 warps idle.
+pub const SKINNY_MAX_ROWS: usize = LS_RM as usize;
+/// Environment variable overriding [`SKINNY_MAX_ROWS`] (`off`: never skinny, the A/B
+/// switch; or a row count of at least 1).
+pub const SKINNY_MAX_ENV: &str = "SPECLAB_LIN_SKINNY_MAX";
+
+/// [`SKINNY_MAX_ROWS`] as `SPECLAB_LIN_SKINNY_MAX` sets it: `off` (0: never) or a row
+/// count of at least 1; anything else is an error naming the variable.
+pub fn skinny_max_rows(env: Option<&str>) -> Result<usize> {
+    match env.map(str::trim) {
+        None => Ok(SKINNY_MAX_ROWS),
+        Some("off") => Ok(0),
+        Some(v) => v.parse::<usize>().ok().filter(|&n| n >= 1).ok_or_else(|| {
+            CudaError::Input(format!(
+                "{SKINNY_MAX_ENV}=`{v}`: expected `off` or a row count of at least 1"
+            ))
+        }),
+    }
+}
 
 /// [`TILED_MIN_ROWS`] as `SPECLAB_LIN_TILED_MIN` sets it: `off` (never tile) or a row
 /// count of at least 1; anything else is an error naming the variable.
@@ -306,6 +331,17 @@ pub fn gemm_tiled(m: usize, r: usize, what: &str) -> Result<Shape> {
         r.div_ceil((LT_RN * LT_WC) as usize),
         m.div_ceil((LT_RM * LT_WR) as usize),
         32 * LT_WR * LT_WC,
+        what,
+    )
+}
+
+/// Skinny bf16 GEMMs over `m` rows and `r` weight rows: grid (ceil(r / 16), ceil(m / 4)),
+/// block 256 (linear.cu `linear_skinny_bf16`).
+pub fn gemm_skinny(m: usize, r: usize, what: &str) -> Result<Shape> {
+    grid_2d(
+        r.div_ceil((LS_RN * LS_WARPS) as usize),
+        m.div_ceil(LS_RM as usize),
+        32 * LS_WARPS,
         what,
     )
 }
@@ -642,6 +678,19 @@ mod tests {
 
     #[test]
     fn tiled_switch_and_shape() {
+        assert_eq!(skinny_max_rows(None).unwrap(), SKINNY_MAX_ROWS);
+        assert_eq!(skinny_max_rows(Some("off")).unwrap(), 0);
+        assert_eq!(skinny_max_rows(Some(" 8 ")).unwrap(), 8);
+        for bad in ["0", "-1", "four", ""] {
+            let e = skinny_max_rows(Some(bad)).unwrap_err().to_string();
+            assert!(
+                e.contains(SKINNY_MAX_ENV) && e.contains(&format!("`{bad}`")),
+                "{e}"
+            );
+        }
+        assert_eq!(gemm_skinny(1, 288, "t").unwrap().grid, (18, 1, 1));
+        assert_eq!(gemm_skinny(5, 4096, "t").unwrap().grid, (256, 2, 1));
+        assert_eq!(gemm_skinny(1, 17, "t").unwrap().block, (256, 1, 1));
         assert_eq!(tiled_min_rows(None).unwrap(), TILED_MIN_ROWS);
         assert_eq!(tiled_min_rows(Some("off")).unwrap(), usize::MAX);
         assert_eq!(tiled_min_rows(Some(" 33 ")).unwrap(), 33);
@@ -673,6 +722,9 @@ mod tests {
         assert_eq!(define("LT_RN"), Some(LT_RN as usize));
         assert_eq!(define("LT_WR"), Some(LT_WR as usize));
         assert_eq!(define("LT_WC"), Some(LT_WC as usize));
+        assert_eq!(define("LS_RM"), Some(LS_RM as usize));
+        assert_eq!(define("LS_RN"), Some(LS_RN as usize));
+        assert_eq!(define("LS_WARPS"), Some(LS_WARPS as usize));
         assert_eq!(define("MOE_TILE"), Some(ROWS_PER_TILE as usize));
         assert_eq!(define("TOPK_MAX"), Some(TOPK_MAX));
         assert_eq!(define("W4_RT"), Some(W4_RT as usize));

@@ -359,8 +359,13 @@ pub struct MoeRow {
     pub experts_us_chained: f64,
     /// expert_bytes / experts_us_chained over the copy bandwidth.
     pub frac_copy_chained: f64,
-    /// Median µs of the whole layer (router, topk, align, experts, shared expert, combine).
+    /// Median µs of the whole layer as step.rs runs GLM's ([`layer_call`]: router, topk,
+    /// align, experts with the shared SwiGLU merged into gate/up, shared down with the combine
+    /// fused). Before 2026-12-06 (3e4c53a and earlier records) the shared expert and the
+    /// combine were separate launches.
     pub layer_us: f64,
+    /// The layer's launches timed alone ([`LayerParts`]).
+    pub layer_parts: LayerParts,
     /// Routed-expert weight + scale bytes read (mean over the draws).
     pub expert_bytes: f64,
     /// Activation bytes (x, h twice, y).
@@ -804,8 +809,44 @@ fn ex_shared<'a>(
     }
 }
 
-/// The MoE layer as step.rs runs it, on the injected routing of `d`.
+/// The MoE layer as step.rs runs a router of more than `ops::ROUTER_FUSED_E_MAX` experts
+/// (GLM-5.3's 288), on the injected routing of `d`: the router GEMM, moe_topk (its choice
+/// discarded) and moe_align, the experts with the shared expert's SwiGLU merged into the
+/// INT4 gate/up launch, and the shared down-projection with the combine fused
+/// (`linear_combine`), each fusion under the engine's own switches (`Gpu::merge_shared`,
+/// `Gpu::fuse_combine`, `Gpu::tiled_min_rows`; step.rs `moe`).
 fn layer_call(
+    g: &Gpu,
+    s: &MoeShape,
+    m: usize,
+    c: &LayerCopy,
+    d: &DevDraw,
+    sc: &Scratch,
+) -> Result<()> {
+    part_router(g, s, m, c, d, sc)?;
+    part_topk(g, s, m, c, d, sc)?;
+    let r = d.routing(s, m);
+    ops::moe_align(g, &r)?;
+    let tiled = m >= g.tiled_min_rows;
+    let merge = g.merge_shared && tiled && !launch::moe_fused();
+    let shared = merge.then(|| ex_shared(sc, d, c, s, m));
+    ops::moe_experts(
+        g,
+        &r,
+        &experts_of(s, c, d, sc, shared, ops::ExpertInput::Split),
+    )?;
+    if !merge {
+        ops::swiglu(g, &ex_shared(sc, d, c, s, m))?;
+    }
+    if g.fuse_combine && tiled {
+        return ops::linear_combine(g, &shared_down(s, m, c, sc, &sc.x_out), &r, &sc.y);
+    }
+    ops::linear(g, &shared_down(s, m, c, sc, &sc.sh_out))?;
+    ops::moe_combine(g, &r, &sc.x_out, &sc.y, &sc.sh_out, s.hidden)
+}
+
+/// The router GEMM of the layer: logits [M, E] = x @ router^T.
+fn part_router(
     g: &Gpu,
     s: &MoeShape,
     m: usize,
@@ -825,44 +866,103 @@ fn layer_call(
             k: h,
             accumulate: false,
         },
-    )?;
-    let r = d.routing(s, m);
+    )
+}
+
+/// moe_topk of the router logits (sigmoid + correction bias, top-k, renormalized); its
+/// choice goes to scratch and is discarded (the draw's routing is injected).
+fn part_topk(
+    g: &Gpu,
+    s: &MoeShape,
+    m: usize,
+    c: &LayerCopy,
+    d: &DevDraw,
+    sc: &Scratch,
+) -> Result<()> {
     let topk = ops::Routing {
         ids: &sc.ids,
         wts: &sc.wts,
         ..d.routing(s, m)
     };
-    ops::moe_topk(g, &topk, &sc.logits, &c.bias, true, RSF)?;
-    ops::moe_align(g, &r)?;
-    ops::moe_experts(
-        g,
-        &r,
-        &experts_of(s, c, d, sc, None, ops::ExpertInput::Split),
-    )?;
-    ops::swiglu(
-        g,
-        &ops::Swiglu {
-            h: &sc.sh_h,
-            x: Mat::rows(&d.x, h),
-            w13: &c.sh13,
-            m,
-            n: s.shared_inter,
-            k: h,
-        },
-    )?;
-    ops::linear(
-        g,
-        &ops::Linear {
-            y: Mat::rows(&sc.sh_out, h),
-            x: Mat::rows(&sc.sh_h, s.shared_inter),
-            w: &c.shd,
-            m,
-            n: h,
-            k: s.shared_inter,
-            accumulate: false,
-        },
-    )?;
-    ops::moe_combine(g, &r, &sc.x_out, &sc.y, &sc.sh_out, h)
+    ops::moe_topk(g, &topk, &sc.logits, &c.bias, true, RSF)
+}
+
+/// The shared expert's down-projection [M, Is] -> [M, H] into `y`.
+fn shared_down<'a>(
+    s: &MoeShape,
+    m: usize,
+    c: &'a LayerCopy,
+    sc: &'a Scratch,
+    y: &'a DevBuf<f32>,
+) -> ops::Linear<'a> {
+    ops::Linear {
+        y: Mat::rows(y, s.hidden),
+        x: Mat::rows(&sc.sh_h, s.shared_inter),
+        w: &c.shd,
+        m,
+        n: s.hidden,
+        k: s.shared_inter,
+        accumulate: false,
+    }
+}
+
+/// CUDA-event µs (median of single calls, as `layer_us`) of the layer's launches timed one
+/// at a time, unfused, on the row's draws: where the layer's time outside the routed
+/// experts goes. The engine's layer merges the shared SwiGLU into gate/up and the combine
+/// into the shared down-projection ([`layer_call`]), so these do not add up to `layer_us`.
+#[derive(Debug, Clone, Serialize)]
+pub struct LayerParts {
+    /// Router GEMM [M, H] x [E, H]^T, bf16 weights (`linear_bf16` / `linear_tiled_bf16`).
+    pub router_us: f64,
+    /// moe_topk (sigmoid, correction bias, top-k, renormalize).
+    pub topk_us: f64,
+    /// moe_align (pairs sorted by expert into tiles).
+    pub align_us: f64,
+    /// The shared expert's SwiGLU [M, H] x [2 Is, H]^T, bf16 weights, alone.
+    pub shared_swiglu_us: f64,
+    /// The shared expert's down-projection [M, Is] x [H, Is]^T, bf16 weights, alone.
+    pub shared_down_us: f64,
+    /// moe_combine (x += routed pairs by router weight + shared).
+    pub combine_us: f64,
+}
+
+/// [`LayerParts`] of one row: `iters` single calls of each launch over the draws / copies.
+fn layer_parts(
+    g: &Gpu,
+    cfg: &MoeBenchConfig,
+    m: usize,
+    copies: &[LayerCopy],
+    draws: &[DevDraw],
+    sc: &Scratch,
+) -> Result<LayerParts> {
+    let s = &cfg.shape;
+    let n = copies.len();
+    let med = |v: Vec<f64>| percentiles(v).0;
+    let at = |i: usize| (&copies[i % n], &draws[i % n]);
+    Ok(LayerParts {
+        router_us: med(time_calls(g, cfg.iters, |i| {
+            let (c, d) = at(i);
+            part_router(g, s, m, c, d, sc)
+        })?),
+        topk_us: med(time_calls(g, cfg.iters, |i| {
+            let (c, d) = at(i);
+            part_topk(g, s, m, c, d, sc)
+        })?),
+        align_us: med(time_calls(g, cfg.iters, |i| {
+            ops::moe_align(g, &at(i).1.routing(s, m))
+        })?),
+        shared_swiglu_us: med(time_calls(g, cfg.iters, |i| {
+            let (c, d) = at(i);
+            ops::swiglu(g, &ex_shared(sc, d, c, s, m))
+        })?),
+        shared_down_us: med(time_calls(g, cfg.iters, |i| {
+            ops::linear(g, &shared_down(s, m, at(i).0, sc, &sc.sh_out))
+        })?),
+        combine_us: med(time_calls(g, cfg.iters, |i| {
+            let r = at(i).1.routing(s, m);
+            ops::moe_combine(g, &r, &sc.x_out, &sc.y, &sc.sh_out, s.hidden)
+        })?),
+    })
 }
 
 fn event(g: &Gpu) -> Result<cudarc::driver::CudaEvent> {
@@ -1102,6 +1202,7 @@ fn run_row(
     let ly = time_calls(g, cfg.iters, |i| {
         layer_call(g, s, m, &copies[i % n], &draws[i % n], &sc)
     })?;
+    let parts = layer_parts(g, cfg, m, copies, &draws, &sc)?;
     let (pairs, abs, rel, rel_exact, differ) = check_row(g, cfg, m, &copies[0], &draws[0], &sc)?;
     let trace = match g.w4_trace {
         Some(_) => Some(trace_row(g, s, m, copies, &draws, &sc, cfg.iters)?),
@@ -1131,6 +1232,7 @@ fn run_row(
         experts_us_chained: chained_us,
         frac_copy_chained: expert_bytes / (chained_us * 1e-6) / 1e9 / copy_gb_s,
         layer_us: lmed,
+        layer_parts: parts,
         expert_bytes,
         act_bytes: s.act_bytes(m),
         bytes_read: expert_bytes + s.act_bytes(m) as f64,
@@ -1201,6 +1303,11 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
                 r.max_rel_err_exact,
                 if r.pass { "" } else { "  FAIL" }
             ));
+            let lp = &r.layer_parts;
+            log(&format!(
+                "{:>8} M={:<4} layer parts alone (us): router {:.1}, topk {:.1}, align {:.1}, shared swiglu {:.1}, shared down {:.1}, combine {:.1}",
+                r.routing, r.m, lp.router_us, lp.topk_us, lp.align_us, lp.shared_swiglu_us, lp.shared_down_us, lp.combine_us
+            ));
             for c in r.trace.iter().flatten() {
                 log(&trace_line(c));
             }
@@ -1231,7 +1338,7 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         w4_band: g.w4_band,
         moe_fused: launch::moe_fused(),
         split_in_call: split_in_call(),
-        timing: "CUDA events around single calls, median of iters (experts_us_chained: chains of CHAIN back-to-back calls, gate/up without its weight prologue, median over the chains); experts = moe_gate_up_w4 + moe_down_w4 on the input split at upload (split_in_call: moe_split_x + moe_gate_up_w4 + moe_down_w4), or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts + bf16 shared expert + moe_combine",
+        timing: "CUDA events around single calls, median of iters (experts_us_chained: chains of CHAIN back-to-back calls, gate/up without its weight prologue, median over the chains); experts = moe_gate_up_w4 + moe_down_w4 on the input split at upload (split_in_call: moe_split_x + moe_gate_up_w4 + moe_down_w4), or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer (since 2026-12-06 as step.rs runs a 288-expert router) = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts with the bf16 shared SwiGLU merged into gate/up (moe_gate_up_shared_w4, split in the call) + the shared down-projection with the combine fused (linear_tiled_combine_bf16), each under the engine's switches; layer_parts: each launch alone, unfused",
         all_pass: rows.iter().all(|r| r.pass),
         rows,
     })

@@ -253,15 +253,18 @@ fn linear_args(a: &Linear<'_>, what: &str) -> Result<Vec<Arg>> {
 }
 
 /// The kernel and launch shape of a bf16 GEMM over `[m rows, n output columns, r weight
-/// rows]`: the warp-per-column kernel `base`, or from [`Gpu::tiled_min_rows`] rows its
-/// register-tiled twin `tiled` (bit-identical results, linear.cu).
+/// rows]`: up to [`Gpu::skinny_max_rows`] rows the skinny kernel `kin[1]`, else from
+/// [`Gpu::tiled_min_rows`] rows the register-tiled `kin[0]`, else the warp-per-column
+/// kernel `base` (all three bit-identical, linear.cu).
 fn gemm_pick(
     g: &Gpu,
     [m, n, r]: [usize; 3],
     base: &'static str,
-    tiled: &'static str,
+    [tiled, skinny]: [&'static str; 2],
 ) -> Result<(&'static str, Shape)> {
-    if m >= g.tiled_min_rows {
+    if m <= g.skinny_max_rows {
+        Ok((skinny, launch::gemm_skinny(m, r, skinny)?))
+    } else if m >= g.tiled_min_rows {
         Ok((tiled, launch::gemm_tiled(m, r, tiled)?))
     } else {
         Ok((base, launch::gemm(m, n, base)?))
@@ -271,7 +274,12 @@ fn gemm_pick(
 /// Kernel `linear_bf16` (or `linear_tiled_bf16`).
 pub fn linear(g: &Gpu, a: &Linear<'_>) -> Result<()> {
     let args = linear_args(a, "linear_bf16")?;
-    let (name, shape) = gemm_pick(g, [a.m, a.n, a.n], "linear_bf16", "linear_tiled_bf16")?;
+    let (name, shape) = gemm_pick(
+        g,
+        [a.m, a.n, a.n],
+        "linear_bf16",
+        ["linear_tiled_bf16", "linear_skinny_bf16"],
+    )?;
     // SAFETY: y spans (M-1)*y_stride + N, x spans (M-1)*x_stride + K, W spans N*K
     // elements, all checked by `ptr`; both kernels touch y[m*ys + n], x[m*xs + k],
     // W[n*K + k] for m < M, n < N, k < K only (K % 8 == 0 and 16-byte alignment checked).
@@ -288,7 +296,7 @@ pub fn linear_norm(g: &Gpu, a: &Linear<'_>, norm: &DevBuf<f32>, eps: f32) -> Res
         g,
         [a.m, a.n, a.n],
         "linear_norm_bf16",
-        "linear_norm_tiled_bf16",
+        ["linear_norm_tiled_bf16", "linear_norm_skinny_bf16"],
     )?;
     // SAFETY: as `linear`, plus g [K] checked; the kernels read g[k] for k < K.
     unsafe { launch(g, name, shape, &args) }
@@ -323,7 +331,7 @@ pub fn linear_pair(g: &Gpu, a: &Linear<'_>, b: &Linear<'_>) -> Result<()> {
         g,
         [a.m, a.n, a.n],
         "linear_pair_bf16",
-        "linear_pair_tiled_bf16",
+        ["linear_pair_tiled_bf16", "linear_pair_skinny_bf16"],
     )?;
     shape.grid.2 = 2;
     // SAFETY: each (y_z, x_z, W_z) checked as in `linear`; block z touches only its own.
@@ -361,7 +369,7 @@ pub fn swiglu(g: &Gpu, a: &Swiglu<'_>) -> Result<()> {
         g,
         [a.m, a.n, 2 * a.n],
         "swiglu_dense_bf16",
-        "swiglu_tiled_bf16",
+        ["swiglu_tiled_bf16", "swiglu_skinny_bf16"],
     )?;
     // SAFETY: h [M, N], x (M-1)*stride + K, W13 [N, 2, K], checked by `ptr`; both kernels
     // touch exactly those for m < M, n < N.
@@ -1052,13 +1060,23 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
 }
 
 /// Kernel `moe_gate_up_shared_w4`: the INT4 gate/up launch `gu` (its checked `args`)
-/// with the tiled `swiglu` of `sw` as extra leading blocks.
+/// with the tiled (or, up to [`Gpu::skinny_max_rows`] rows, skinny) `swiglu` of `sw` as
+/// extra leading blocks.
 fn gate_up_shared(g: &Gpu, sw: &Swiglu<'_>, gu: launch::Shape, mut args: Vec<Arg>) -> Result<()> {
     let name = "moe_gate_up_shared_w4";
     let mut sh_args = swiglu_args(sw)?;
-    let sh = launch::gemm_tiled(sw.m, 2 * sw.n, name)?;
+    let skinny = sw.m <= g.skinny_max_rows;
+    let sh = if skinny {
+        launch::gemm_skinny(sw.m, 2 * sw.n, name)?
+    } else {
+        launch::gemm_tiled(sw.m, 2 * sw.n, name)?
+    };
     let (gx, blocks) = (sh.grid.0 as usize, sh.grid.0 as usize * sh.grid.1 as usize);
-    sh_args.extend([int(gx, "shared grid x")?, int(blocks, "shared blocks")?]);
+    sh_args.extend([
+        int(gx, "shared grid x")?,
+        int(blocks, "shared blocks")?,
+        Arg::I(i32::from(skinny)),
+    ]);
     args.extend(sh_args);
     let mut shape = gu;
     shape.grid.0 = u32::try_from(gu.grid.0 as usize + blocks).map_err(|_| {
@@ -1066,8 +1084,9 @@ fn gate_up_shared(g: &Gpu, sw: &Swiglu<'_>, gu: launch::Shape, mut args: Vec<Arg
     })?;
     // SAFETY: the gate/up arguments as checked by `moe_experts`; the shared expert's as
     // `swiglu` checks them (h [M, N], x (M-1)*stride + K, W13 [N, 2, K]); blocks below
-    // `blocks` run swiglu_tiled_bf16's block (x, y) = (b % gx, b / gx) of the grid
-    // `gemm_tiled` gives, the rest moe_gate_up_w4's blocks in order (both 256 threads).
+    // `blocks` run swiglu_tiled_bf16's (skinny: swiglu_skinny_bf16's) block (x, y) = (b %
+    // gx, b / gx) of the grid `gemm_tiled` (`gemm_skinny`) gives, the rest moe_gate_up_w4's
+    // blocks in order (all 256 threads).
     unsafe { launch(g, name, shape, &args) }
 }
 
@@ -1135,8 +1154,9 @@ fn moe_experts_fused(
 /// with `moe_combine` as its epilogue, `x += routed (ascending expert) + s`, bit for bit
 /// the unfused `linear` + `moe_combine`. `a.y` is the residual `x` [T, H] (stride H),
 /// `a.x` the shared expert's hidden rows, `a.w` its down weight [H, inter]; `a.accumulate`
-/// must be false (the epilogue always adds). Register-tiled only: callers use it when
-/// [`Gpu::tiled_min_rows`] picks the tiled GEMMs.
+/// must be false (the epilogue always adds). Register-tiled, or up to
+/// [`Gpu::skinny_max_rows`] rows skinny (`linear_skinny_combine_bf16`, the same bits):
+/// callers use it when [`Gpu::tiled_min_rows`] picks the tiled GEMMs.
 pub fn linear_combine(g: &Gpu, a: &Linear<'_>, r: &Routing<'_>, y: &DevBuf<f32>) -> Result<()> {
     r.check()?;
     if a.accumulate || a.y.stride != a.n || a.m != r.t {
@@ -1162,11 +1182,17 @@ pub fn linear_combine(g: &Gpu, a: &Linear<'_>, r: &Routing<'_>, y: &DevBuf<f32>)
         int(a.n, "N")?,
         int(a.k, "K")?,
     ];
-    let name = "linear_tiled_combine_bf16";
+    let (name, shape) = if a.m <= g.skinny_max_rows {
+        let name = "linear_skinny_combine_bf16";
+        (name, launch::gemm_skinny(a.m, a.n, name)?)
+    } else {
+        let name = "linear_tiled_combine_bf16";
+        (name, launch::gemm_tiled(a.m, a.n, name)?)
+    };
     // SAFETY: x [T, H] (stride H), y [T*k, H], ids [T*k], h spans (T-1)*stride + K, Wd
-    // [H, K], all checked; k <= 8 (`r.check`: the kernel's slot arrays); the kernel reads
-    // and writes only those (K % 8 == 0 and 16-byte alignment checked).
-    unsafe { launch(g, name, launch::gemm_tiled(a.m, a.n, name)?, &args) }
+    // [H, K], all checked; k <= 8 (`r.check`: the kernels' slot arrays); both kernels read
+    // and write only those (K % 8 == 0 and 16-byte alignment checked).
+    unsafe { launch(g, name, shape, &args) }
 }
 
 /// Kernel `moe_combine`: `x += routed (ascending expert) + shared`.
