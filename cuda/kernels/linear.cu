@@ -480,10 +480,12 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_tiled_bf16(
 // word in flight.  A GEMV of GLM-5.3-Flash's size (router 288 x 4096, shared expert
 // 4096 x 4096 then 4096 x 2048, bf16; 52.7 MB at M = 1) then streams at a fraction of the
 // copy bandwidth (`speclab bench moe`, layer_parts).  Here each of the block's LS_WARPS
-// warps owns LS_RN (2) weight rows and the block's LS_RM (4) rows of x (clamped to the
-// last, computed and never stored), and a lane issues the loads of LS_U (8) k words of
-// both weight rows before it multiplies: 16 16-byte loads in flight a lane, and a block
-// still covers 16 weight rows, as a tiled block does.
+// warps owns LS_RN (2) weight rows and the block's rows of x (LS_RM at most), and a lane
+// issues the loads of LS_U (8) k words of both weight rows before it multiplies: 16
+// 16-byte loads in flight a lane, and a block still covers 16 weight rows, as a tiled
+// block does.  The block's row count MR (1, 2 or 4; 3 rows run as 4 with the last row
+// repeated, computed and never stored) is a template parameter, so one row loads x once
+// a k word, not four times (LS_EXACT_ROWS, default 1; 0 always takes 4, the A/B).
 // Numerics are linear_body's bit for bit, as the tiled kernels': lane l sums k words l,
 // l + 32, ... in order, 8 products a word in order, one accumulator per output, and the
 // lane partials are added in warp_sum's butterfly pairs (warp_spread).  gpu_check's
@@ -498,17 +500,20 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_tiled_bf16(
 #ifndef LS_PREWAIT
 #define LS_PREWAIT 1
 #endif
+#ifndef LS_EXACT_ROWS
+#define LS_EXACT_ROWS 1
+#endif
 
 // One k word kw of the lane: acc[r LS_RN + c] += x[m0 + r] . W[r0 + c] over its 8
 // products (with NORM, (x g) . W, and ss[r] += x . x), as tiled_dot orders them.
-template <bool NORM>
-__device__ __forceinline__ void skinny_word(float acc[LS_RM * LS_RN], float ss[LS_RM],
+template <bool NORM, int MR>
+__device__ __forceinline__ void skinny_word(float acc[MR * LS_RN], float ss[MR],
                                             const float* __restrict__ x, int x_stride, int M,
                                             int m0, int kw, const uint4 wv[LS_RN],
                                             const float* __restrict__ g) {
-    float xv[LS_RM][8], gv[8];
+    float xv[MR][8], gv[8];
 #pragma unroll
-    for (int r = 0; r < LS_RM; ++r)
+    for (int r = 0; r < MR; ++r)
         load8(x + (size_t)min(m0 + r, M - 1) * x_stride + (size_t)kw * 8, xv[r]);
     if (NORM) load8(g + (size_t)kw * 8, gv);
 #pragma unroll
@@ -516,7 +521,7 @@ __device__ __forceinline__ void skinny_word(float acc[LS_RM * LS_RN], float ss[L
         float w[8];
         widen8(wv[c], w);
 #pragma unroll
-        for (int r = 0; r < LS_RM; ++r) {
+        for (int r = 0; r < MR; ++r) {
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 if (NORM)
@@ -528,7 +533,7 @@ __device__ __forceinline__ void skinny_word(float acc[LS_RM * LS_RN], float ss[L
     }
     if (NORM) {
 #pragma unroll
-        for (int r = 0; r < LS_RM; ++r) {
+        for (int r = 0; r < MR; ++r) {
 #pragma unroll
             for (int j = 0; j < 8; ++j) ss[r] += xv[r][j] * xv[r][j];
         }
@@ -550,21 +555,21 @@ __device__ __forceinline__ void skinny_load(uint4 wv[LS_U][LS_RN], const bf16_bi
     }
 }
 
-// Warp dot of rows m0 .. m0 + 4 of x and weight rows r0, r0 + 1 of W (R rows of K): lane
-// l returns output (row m0 + l / 8, weight row r0 + (l / 4) % 2) (lanes 4i .. 4i + 3 hold
-// output i); with NORM the rmsnorm scale of its row applied.  Calls pdl_enter once the
-// first group's weight loads are issued (LS_PREWAIT) or before them.
-template <bool NORM>
+// Warp dot of rows m0 .. m0 + MR of x and weight rows r0, r0 + 1 of W (R rows of K): lane
+// l returns output i = l / (32 / (MR LS_RN)), row m0 + i / 2, weight row r0 + i % 2
+// (skinny_out); with NORM the rmsnorm scale of its row applied.  Calls pdl_enter after
+// the first group's weight loads are issued (LS_PREWAIT) or before them.
+template <bool NORM, int MR>
 __device__ __forceinline__ float skinny_dot(const float* __restrict__ x, int x_stride,
                                             const bf16_bits* __restrict__ W, int M, int R,
                                             int K, int m0, int r0, const float* __restrict__ g,
                                             float eps) {
     const int lane = threadIdx.x & 31;
-    float acc[LS_RM * LS_RN], ss[LS_RM];
+    float acc[MR * LS_RN], ss[MR];
 #pragma unroll
-    for (int i = 0; i < LS_RM * LS_RN; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < MR * LS_RN; ++i) acc[i] = 0.0f;
 #pragma unroll
-    for (int r = 0; r < LS_RM; ++r) ss[r] = 0.0f;
+    for (int r = 0; r < MR; ++r) ss[r] = 0.0f;
     uint4 wv[LS_U][LS_RN];
     if (LS_PREWAIT) skinny_load(wv, W, R, K, r0, lane);  // constant weights only
     pdl_enter();
@@ -573,30 +578,55 @@ __device__ __forceinline__ float skinny_dot(const float* __restrict__ x, int x_s
 #pragma unroll
         for (int u = 0; u < LS_U; ++u)
             if (kw + WARP * u < K / 8)
-                skinny_word<NORM>(acc, ss, x, x_stride, M, m0, kw + WARP * u, wv[u], g);
+                skinny_word<NORM, MR>(acc, ss, x, x_stride, M, m0, kw + WARP * u, wv[u], g);
         kw += WARP * LS_U;
         if (kw < K / 8) skinny_load(wv, W, R, K, r0, kw);
     }
-    float s = warp_spread<LS_RM * LS_RN>(acc);
-    if (NORM) s *= 1.0f / sqrtf(warp_spread<LS_RM>(ss) / (float)K + eps);
+    float s = warp_spread<MR * LS_RN>(acc);
+    if (NORM) s *= 1.0f / sqrtf(warp_spread<MR>(ss) / (float)K + eps);
     return s;
 }
 
-// The warp's origin in block (bx, by) of a skinny grid: (row m0, weight row r0); false
-// when it is past M / R (the whole warp returns: no barrier follows).
+// The warp's origin in block (bx, by) of a skinny grid: (row m0, weight row r0) and the
+// block's row count MR (skinny_rows); false when it is past M / R (the whole warp
+// returns: no barrier follows).
 __device__ __forceinline__ bool skinny_origin_at(int M, int R, int bx, int by, int& m0, int& r0) {
     m0 = by * LS_RM;
     r0 = bx * LS_TN + (threadIdx.x >> 5) * LS_RN;
     return m0 < M && r0 < R;
 }
 
-// The lane's output of skinny_dot: row m, weight row r; whether the lane stores it (the
-// first of the 4 lanes holding it).
+// The template row count for rows m0 .. M of a block: 1, 2 or 4 (LS_EXACT_ROWS), else 4.
+__device__ __forceinline__ int skinny_rows(int M, int m0) {
+    const int rows = min(LS_RM, M - m0);
+    return LS_EXACT_ROWS && rows <= 2 ? rows : LS_RM;
+}
+
+// skinny_dot's output of this lane: row m, weight row r; whether the lane stores it (the
+// first of the lanes holding it).
+template <int MR>
 __device__ __forceinline__ bool skinny_out(int m0, int r0, int& m, int& r) {
-    const int lane = threadIdx.x & 31;
-    m = m0 + lane / (4 * LS_RN);
-    r = r0 + (lane >> 2) % LS_RN;
-    return (lane & 3) == 0;
+    constexpr int per = 32 / (MR * LS_RN);  // lanes holding one output
+    const int lane = threadIdx.x & 31, i = lane / per;
+    m = m0 + i / LS_RN;
+    r = r0 + i % LS_RN;
+    return lane % per == 0;
+}
+
+// One warp of linear_skinny at row count MR.
+template <bool NORM, int MR>
+__device__ __forceinline__ void linear_skinny_rows(float* __restrict__ y, int y_stride,
+                                                   const float* __restrict__ x, int x_stride,
+                                                   const bf16_bits* __restrict__ W, int M,
+                                                   int N, int K, int accumulate,
+                                                   const float* __restrict__ g, float eps,
+                                                   int m0, int r0) {
+    int m, n;
+    const float s = skinny_dot<NORM, MR>(x, x_stride, W, M, N, K, m0, r0, g, eps);
+    if (skinny_out<MR>(m0, r0, m, n) && m < M && n < N) {
+        float* dst = y + (size_t)m * y_stride + n;
+        *dst = accumulate ? *dst + s : s;
+    }
 }
 
 // linear_bf16 / linear_norm_bf16 (NORM) for few rows: the same arguments and results.
@@ -607,12 +637,20 @@ __device__ __forceinline__ void linear_skinny(float* __restrict__ y, int y_strid
                                               const bf16_bits* __restrict__ W, int M, int N,
                                               int K, int accumulate,
                                               const float* __restrict__ g, float eps) {
-    int m0, r0, m, n;
+    int m0, r0;
     if (!skinny_origin_at(M, N, blockIdx.x, blockIdx.y, m0, r0)) return;
-    const float s = skinny_dot<NORM>(x, x_stride, W, M, N, K, m0, r0, g, eps);
-    if (skinny_out(m0, r0, m, n) && m < M && n < N) {
-        float* dst = y + (size_t)m * y_stride + n;
-        *dst = accumulate ? *dst + s : s;
+    switch (skinny_rows(M, m0)) {
+        case 1:
+            linear_skinny_rows<NORM, 1>(y, y_stride, x, x_stride, W, M, N, K, accumulate, g,
+                                        eps, m0, r0);
+            break;
+        case 2:
+            linear_skinny_rows<NORM, 2>(y, y_stride, x, x_stride, W, M, N, K, accumulate, g,
+                                        eps, m0, r0);
+            break;
+        default:
+            linear_skinny_rows<NORM, LS_RM>(y, y_stride, x, x_stride, W, M, N, K, accumulate,
+                                            g, eps, m0, r0);
     }
 }
 
@@ -639,19 +677,38 @@ extern "C" __global__ void __launch_bounds__(32 * LS_WARPS) linear_pair_skinny_b
                          nullptr, 0.0f);
 }
 
-// swiglu_tiled_block for few rows: a warp's 2 weight rows are one column's (gate, up) pair
-// of W13 [N, 2, K]; the up sum comes from lane l ^ 4.  Block (bx, by) of the grid
-// (ceil(2 N / 16), ceil(M / 4)), 256 threads.
+// One warp of swiglu_skinny_block at row count MR: its 2 weight rows are one column's
+// (gate, up) pair of W13 [N, 2, K]; the up sum comes from the lane holding output i + 1.
+template <int MR>
+__device__ __forceinline__ void swiglu_skinny_rows(float* __restrict__ h,
+                                                   const float* __restrict__ x, int x_stride,
+                                                   const bf16_bits* __restrict__ W13, int M,
+                                                   int N, int K, int m0, int r0) {
+    int m, r;
+    const float s = skinny_dot<false, MR>(x, x_stride, W13, M, 2 * N, K, m0, r0, nullptr, 0.0f);
+    const float u = __shfl_xor_sync(FULL_MASK, s, 32 / (MR * LS_RN));
+    if (skinny_out<MR>(m0, r0, m, r) && (r & 1) == 0 && m < M && r < 2 * N)
+        h[(size_t)m * N + r / 2] = silu_f(s) * u;
+}
+
+// swiglu_tiled_block for few rows: block (bx, by) of the grid (ceil(2 N / 16), ceil(M /
+// 4)), 256 threads.
 __device__ __forceinline__ void swiglu_skinny_block(float* __restrict__ h,
                                                     const float* __restrict__ x, int x_stride,
                                                     const bf16_bits* __restrict__ W13, int M,
                                                     int N, int K, int bx, int by) {
-    int m0, r0, m, r;
+    int m0, r0;
     if (!skinny_origin_at(M, 2 * N, bx, by, m0, r0)) return;
-    const float s = skinny_dot<false>(x, x_stride, W13, M, 2 * N, K, m0, r0, nullptr, 0.0f);
-    const float u = __shfl_xor_sync(FULL_MASK, s, 4);
-    if (skinny_out(m0, r0, m, r) && (r & 1) == 0 && m < M && r < 2 * N)
-        h[(size_t)m * N + r / 2] = silu_f(s) * u;
+    switch (skinny_rows(M, m0)) {
+        case 1:
+            swiglu_skinny_rows<1>(h, x, x_stride, W13, M, N, K, m0, r0);
+            break;
+        case 2:
+            swiglu_skinny_rows<2>(h, x, x_stride, W13, M, N, K, m0, r0);
+            break;
+        default:
+            swiglu_skinny_rows<LS_RM>(h, x, x_stride, W13, M, N, K, m0, r0);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(32 * LS_WARPS) swiglu_skinny_bf16(
@@ -660,16 +717,37 @@ extern "C" __global__ void __launch_bounds__(32 * LS_WARPS) swiglu_skinny_bf16(
     swiglu_skinny_block(h, x, x_stride, W13, M, N, K, blockIdx.x, blockIdx.y);
 }
 
+// One warp of linear_skinny_combine_bf16 at row count MR.
+template <int MR>
+__device__ __forceinline__ void combine_skinny_rows(float* __restrict__ x,
+                                                    const float* __restrict__ y,
+                                                    const int* __restrict__ ids, int k,
+                                                    const float* __restrict__ h, int h_stride,
+                                                    const bf16_bits* __restrict__ W, int M,
+                                                    int N, int K, int m0, int r0) {
+    int m, n;
+    const float s = skinny_dot<false, MR>(h, h_stride, W, M, N, K, m0, r0, nullptr, 0.0f);
+    if (skinny_out<MR>(m0, r0, m, n) && m < M && n < N) combine_out(x, y, ids, k, N, m, n, s);
+}
+
 // linear_tiled_combine_bf16 for few rows: the same arguments and results.
 // Launch: grid (ceil(N / 16), ceil(M / 4)), block 256 (launch.rs gemm_skinny).
 extern "C" __global__ void __launch_bounds__(32 * LS_WARPS) linear_skinny_combine_bf16(
     float* __restrict__ x, const float* __restrict__ y, const int* __restrict__ ids, int k,
     const float* __restrict__ h, int h_stride, const bf16_bits* __restrict__ W, int M, int N,
     int K) {
-    int m0, r0, m, n;
+    int m0, r0;
     if (!skinny_origin_at(M, N, blockIdx.x, blockIdx.y, m0, r0)) return;
-    const float s = skinny_dot<false>(h, h_stride, W, M, N, K, m0, r0, nullptr, 0.0f);
-    if (skinny_out(m0, r0, m, n) && m < M && n < N) combine_out(x, y, ids, k, N, m, n, s);
+    switch (skinny_rows(M, m0)) {
+        case 1:
+            combine_skinny_rows<1>(x, y, ids, k, h, h_stride, W, M, N, K, m0, r0);
+            break;
+        case 2:
+            combine_skinny_rows<2>(x, y, ids, k, h, h_stride, W, M, N, K, m0, r0);
+            break;
+        default:
+            combine_skinny_rows<LS_RM>(x, y, ids, k, h, h_stride, W, M, N, K, m0, r0);
+    }
 }
 
 // Rows of MoE tile `tile`: pair ids (output rows) and their token rows (p / topk).

@@ -66,6 +66,8 @@ fn every_kernel_compiles_to_ptx_for_sm_90a() {
         ("linear.cu", "W4_PACK2=1"),
         ("linear.cu", "W4_PACK2=1 W4_PACK2_HALVES=1"),
         ("linear.cu", "LT_PREWAIT=0"),
+        ("linear.cu", "LS_PREWAIT=0"),
+        ("linear.cu", "LS_EXACT_ROWS=0"),
         ("linear.cu", "W4_EPI=0"),
         ("linear.cu", "W4_XS=1 W4_EPI=0"),
         ("attention.cu", "ATT_INFLIGHT=4"),
