@@ -11,7 +11,8 @@
 //! `rmsnorm` then the router ([`router_norm_parity`]): normalized rows, logits, expert ids
 //! and weights, bit for bit, with the router's last block doing `moe_align`'s sort
 //! against the `moe_align` launch; and the shared expert's down-projection with the MoE
-//! combine as its epilogue against `linear` + `moe_combine` ([`combine_parity`]).
+//! combine as its epilogue against `linear` + `moe_combine` ([`combine_parity`]); and
+//! `moe_align` against its host model ([`align_parity`]).
 //!
 //! Invariants: both kernels of a pair run on the same device inputs (seeded, models/tiny's
 //! shapes plus ragged ones that exercise the clamped edge rows / columns, a strided and
@@ -282,6 +283,72 @@ pub fn router_norm_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
             let name = format!("router norm+align fused T={t} H={h} E={e}: {what} differing");
             line(out, name, differ as f64, 0.0);
         }
+    }
+    Ok(())
+}
+
+/// `moe_align` against its host model ([`crate::launch::moe_align_model`]) on seeded
+/// routings of `t` tokens, top-`k` of `e` distinct experts a token: GLM-5.3-Flash's 288
+/// experts from one token to 300 (more pairs than the kernel's threads), models/tiny's 16,
+/// and the kernel's 1024. Two lines per case: sorted positions and tile entries (the count
+/// of used tiles included) that differ.
+pub fn align_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
+    let s = gpu.stream.clone();
+    let mut rng = ChaCha8Rng::seed_from_u64(0xa119);
+    for &(t, k, e) in &[
+        (1usize, 8usize, 288usize),
+        (8, 8, 288),
+        (64, 8, 288),
+        (300, 8, 288),
+        (37, 2, 16),
+        (5, 8, 1024),
+    ] {
+        // k distinct experts a token, skewed toward low ids (hot experts take several tiles).
+        let mut ids = Vec::with_capacity(t * k);
+        for _ in 0..t {
+            let mut pick: Vec<i32> = Vec::with_capacity(k);
+            while pick.len() < k {
+                let u: f64 = rng.random_range(0.0..1.0);
+                let ex = ((u * u * u) * e as f64) as i32;
+                if !pick.contains(&ex) {
+                    pick.push(ex);
+                }
+            }
+            ids.extend(pick);
+        }
+        let max_tiles = crate::launch::moe_max_tiles(t * k, e);
+        let (want_sorted, want_tiles) = crate::launch::moe_align_model(&ids, e, max_tiles);
+        let ids_d = DevBuf::upload(&s, &ids, "align check ids")?;
+        let wts = DevBuf::<f32>::zeros(&s, t * k, "align check wts")?;
+        let sorted = DevBuf::<i32>::zeros(&s, 8 * max_tiles, "align check sorted")?;
+        let tiles = DevBuf::<i32>::zeros(&s, max_tiles + 1, "align check tiles")?;
+        let r = Routing {
+            ids: &ids_d,
+            wts: &wts,
+            sorted: &sorted,
+            tile_expert: &tiles,
+            t,
+            k,
+            e,
+            max_tiles,
+        };
+        ops::moe_align(gpu, &r)?;
+        let got_sorted = sorted.read(&s, 0, 8 * max_tiles, "align check sorted")?;
+        let got_tiles = tiles.read(&s, 0, max_tiles + 1, "align check tiles")?;
+        let differ = |a: &[i32], b: &[i32]| a.iter().zip(b).filter(|(x, y)| x != y).count();
+        let case = format!("moe_align T={t} k={k} E={e}");
+        line(
+            out,
+            format!("{case}: sorted positions differing from the host model"),
+            differ(&got_sorted, &want_sorted) as f64,
+            0.0,
+        );
+        line(
+            out,
+            format!("{case}: tile entries differing from the host model"),
+            differ(&got_tiles, &want_tiles) as f64,
+            0.0,
+        );
     }
     Ok(())
 }

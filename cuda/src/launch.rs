@@ -619,6 +619,32 @@ pub fn moe_max_tiles(p: usize, e: usize) -> usize {
     (p + e.min(p) * (t - 1)).div_ceil(t)
 }
 
+/// The host model of `moe_align` (moe.cu `align_tiles`) for the pair ids `ids` (`ids[p]`
+/// the expert of pair p, `< e`): `sorted` [8 max_tiles] holds the pairs of expert 0, then
+/// expert 1, ..., ascending p within an expert, each expert's segment padded with -1 to a
+/// multiple of 8; `tile_expert` [max_tiles + 1] the expert of each used tile, -1 past the
+/// last, and at `max_tiles` the number of tiles used. `max_tiles` must cover the pairs
+/// ([`moe_max_tiles`]); O(e p), for checks.
+pub fn moe_align_model(ids: &[i32], e: usize, max_tiles: usize) -> (Vec<i32>, Vec<i32>) {
+    let t = ROWS_PER_TILE as usize;
+    let mut sorted = vec![-1; t * max_tiles];
+    let mut tiles = vec![-1; max_tiles + 1];
+    let mut pos = 0;
+    for ex in 0..e {
+        let ps: Vec<usize> = (0..ids.len())
+            .filter(|&p| usize::try_from(ids[p]).ok() == Some(ex))
+            .collect();
+        for (j, &p) in ps.iter().enumerate() {
+            sorted[pos + j] = p as i32;
+        }
+        let nt = ps.len().div_ceil(t);
+        tiles[pos / t..pos / t + nt].fill(ex as i32);
+        pos += nt * t;
+    }
+    tiles[max_tiles] = (pos / t) as i32;
+    (sorted, tiles)
+}
+
 /// The tiles `moe_align` actually uses for per-expert counts `counts` (the host model).
 pub fn moe_tiles_used(counts: &[usize]) -> usize {
     let t = ROWS_PER_TILE as usize;
@@ -712,6 +738,25 @@ mod tests {
                 (it.next()? == name).then(|| it.next()?.parse().ok())?
             })
         })
+    }
+
+    #[test]
+    fn align_model_sorts_pads_and_counts_tiles() {
+        // Pairs 0..6: experts 2, 0, 2, 2, 1, 0 (E = 3); 9 pairs of expert 1 would take 2 tiles.
+        let ids = [2, 0, 2, 2, 1, 0];
+        let mt = moe_max_tiles(ids.len(), 3);
+        let (sorted, tiles) = moe_align_model(&ids, 3, mt);
+        assert_eq!(&sorted[..8], &[1, 5, -1, -1, -1, -1, -1, -1]);
+        assert_eq!(&sorted[8..16], &[4, -1, -1, -1, -1, -1, -1, -1]);
+        assert_eq!(&sorted[16..24], &[0, 2, 3, -1, -1, -1, -1, -1]);
+        assert_eq!(&tiles[..3], &[0, 1, 2]);
+        assert!(tiles[3..mt].iter().all(|&t| t == -1));
+        assert_eq!(tiles[mt], 3);
+        let ids = [1; 9];
+        let (sorted, tiles) = moe_align_model(&ids, 2, moe_max_tiles(9, 2));
+        assert_eq!(&sorted[..10], &[0, 1, 2, 3, 4, 5, 6, 7, 8, -1]);
+        assert_eq!((tiles[0], tiles[1], *tiles.last().unwrap()), (1, 1, 2));
+        assert_eq!(tiles.last().copied(), Some(moe_tiles_used(&[0, 9]) as i32));
     }
 
     #[test]

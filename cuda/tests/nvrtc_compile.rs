@@ -68,6 +68,7 @@ fn every_kernel_compiles_to_ptx_for_sm_90a() {
         ("linear.cu", "LT_PREWAIT=0"),
         ("linear.cu", "LS_PREWAIT=0"),
         ("linear.cu", "LS_EXACT_ROWS=0"),
+        ("moe.cu", "MOE_ALIGN_FAST=0"),
         ("linear.cu", "W4_EPI=0"),
         ("linear.cu", "W4_XS=1 W4_EPI=0"),
         ("attention.cu", "ATT_INFLIGHT=4"),
