@@ -809,22 +809,28 @@ fn ex_shared<'a>(
     }
 }
 
+/// One layer call's borrowed inputs: the device, the shape, M tokens, a layer copy, a
+/// routing draw and the scratch buffers.
+#[derive(Clone, Copy)]
+struct LayerIn<'a> {
+    g: &'a Gpu,
+    s: &'a MoeShape,
+    m: usize,
+    c: &'a LayerCopy,
+    d: &'a DevDraw,
+    sc: &'a Scratch,
+}
+
 /// The MoE layer as step.rs runs a router of more than `ops::ROUTER_FUSED_E_MAX` experts
 /// (GLM-5.3's 288), on the injected routing of `d`: the router GEMM, moe_topk (its choice
 /// discarded) and moe_align, the experts with the shared expert's SwiGLU merged into the
 /// INT4 gate/up launch, and the shared down-projection with the combine fused
 /// (`linear_combine`), each fusion under the engine's own switches (`Gpu::merge_shared`,
 /// `Gpu::fuse_combine`, `Gpu::tiled_min_rows`; step.rs `moe`).
-fn layer_call(
-    g: &Gpu,
-    s: &MoeShape,
-    m: usize,
-    c: &LayerCopy,
-    d: &DevDraw,
-    sc: &Scratch,
-) -> Result<()> {
-    part_router(g, s, m, c, d, sc)?;
-    part_topk(g, s, m, c, d, sc)?;
+fn layer_call(x: LayerIn<'_>) -> Result<()> {
+    let LayerIn { g, s, m, c, d, sc } = x;
+    part_router(x)?;
+    part_topk(x)?;
     let r = d.routing(s, m);
     ops::moe_align(g, &r)?;
     let tiled = m >= g.tiled_min_rows;
@@ -846,14 +852,8 @@ fn layer_call(
 }
 
 /// The router GEMM of the layer: logits [M, E] = x @ router^T.
-fn part_router(
-    g: &Gpu,
-    s: &MoeShape,
-    m: usize,
-    c: &LayerCopy,
-    d: &DevDraw,
-    sc: &Scratch,
-) -> Result<()> {
+fn part_router(x: LayerIn<'_>) -> Result<()> {
+    let LayerIn { g, s, m, c, d, sc } = x;
     let (h, e) = (s.hidden, s.experts);
     ops::linear(
         g,
@@ -871,14 +871,8 @@ fn part_router(
 
 /// moe_topk of the router logits (sigmoid + correction bias, top-k, renormalized); its
 /// choice goes to scratch and is discarded (the draw's routing is injected).
-fn part_topk(
-    g: &Gpu,
-    s: &MoeShape,
-    m: usize,
-    c: &LayerCopy,
-    d: &DevDraw,
-    sc: &Scratch,
-) -> Result<()> {
+fn part_topk(x: LayerIn<'_>) -> Result<()> {
+    let LayerIn { g, s, m, c, d, sc } = x;
     let topk = ops::Routing {
         ids: &sc.ids,
         wts: &sc.wts,
@@ -938,30 +932,27 @@ fn layer_parts(
     let s = &cfg.shape;
     let n = copies.len();
     let med = |v: Vec<f64>| percentiles(v).0;
-    let at = |i: usize| (&copies[i % n], &draws[i % n]);
+    let at = |i: usize| LayerIn {
+        g,
+        s,
+        m,
+        c: &copies[i % n],
+        d: &draws[i % n],
+        sc,
+    };
+    let time = |f: &dyn Fn(LayerIn<'_>) -> Result<()>| -> Result<f64> {
+        Ok(med(time_calls(g, cfg.iters, |i| f(at(i)))?))
+    };
     Ok(LayerParts {
-        router_us: med(time_calls(g, cfg.iters, |i| {
-            let (c, d) = at(i);
-            part_router(g, s, m, c, d, sc)
-        })?),
-        topk_us: med(time_calls(g, cfg.iters, |i| {
-            let (c, d) = at(i);
-            part_topk(g, s, m, c, d, sc)
-        })?),
-        align_us: med(time_calls(g, cfg.iters, |i| {
-            ops::moe_align(g, &at(i).1.routing(s, m))
-        })?),
-        shared_swiglu_us: med(time_calls(g, cfg.iters, |i| {
-            let (c, d) = at(i);
-            ops::swiglu(g, &ex_shared(sc, d, c, s, m))
-        })?),
-        shared_down_us: med(time_calls(g, cfg.iters, |i| {
-            ops::linear(g, &shared_down(s, m, at(i).0, sc, &sc.sh_out))
-        })?),
-        combine_us: med(time_calls(g, cfg.iters, |i| {
-            let r = at(i).1.routing(s, m);
+        router_us: time(&part_router)?,
+        topk_us: time(&part_topk)?,
+        align_us: time(&|x| ops::moe_align(g, &x.d.routing(s, m)))?,
+        shared_swiglu_us: time(&|x| ops::swiglu(g, &ex_shared(sc, x.d, x.c, s, m)))?,
+        shared_down_us: time(&|x| ops::linear(g, &shared_down(s, m, x.c, sc, &sc.sh_out)))?,
+        combine_us: time(&|x| {
+            let r = x.d.routing(s, m);
             ops::moe_combine(g, &r, &sc.x_out, &sc.y, &sc.sh_out, s.hidden)
-        })?),
+        })?,
     })
 }
 
@@ -1200,7 +1191,14 @@ fn run_row(
         experts_with(g, s, m, &copies[i % n], &draws[i % n], &sc, unsettled)
     })?;
     let ly = time_calls(g, cfg.iters, |i| {
-        layer_call(g, s, m, &copies[i % n], &draws[i % n], &sc)
+        layer_call(LayerIn {
+            g,
+            s,
+            m,
+            c: &copies[i % n],
+            d: &draws[i % n],
+            sc: &sc,
+        })
     })?;
     let parts = layer_parts(g, cfg, m, copies, &draws, &sc)?;
     let (pairs, abs, rel, rel_exact, differ) = check_row(g, cfg, m, &copies[0], &draws[0], &sc)?;
