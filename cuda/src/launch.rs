@@ -742,7 +742,7 @@ mod tests {
 
     #[test]
     fn align_model_sorts_pads_and_counts_tiles() {
-        // Pairs 0..6: experts 2, 0, 2, 2, 1, 0 (E = 3); 9 pairs of expert 1 would take 2 tiles.
+        // Pairs 0..6: experts 2, 0, 2, 2, 1, 0 (E = 3): one tile an expert, ascending p.
         let ids = [2, 0, 2, 2, 1, 0];
         let mt = moe_max_tiles(ids.len(), 3);
         let (sorted, tiles) = moe_align_model(&ids, 3, mt);
@@ -752,6 +752,7 @@ mod tests {
         assert_eq!(&tiles[..3], &[0, 1, 2]);
         assert!(tiles[3..mt].iter().all(|&t| t == -1));
         assert_eq!(tiles[mt], 3);
+        // 9 pairs of expert 1 (E = 2): two tiles, the second padded.
         let ids = [1; 9];
         let (sorted, tiles) = moe_align_model(&ids, 2, moe_max_tiles(9, 2));
         assert_eq!(&sorted[..10], &[0, 1, 2, 3, 4, 5, 6, 7, 8, -1]);
