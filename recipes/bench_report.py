@@ -6,6 +6,7 @@ findings/bench-moe.md (every figure there comes from these records through this 
     python3 recipes/bench_report.py moe runs/bench-moe.json [findings/bench-moe-gbs.svg]
     python3 recipes/bench_report.py trace runs/<dir>/bench_moe_trace.json[.xz]
     python3 recipes/bench_report.py moeab runs/<moe_ab dir> 0:1 [2:3 ...]   # legs base:new
+    python3 recipes/bench_report.py layer runs/<dir>/bench_moe.json   # the layer around the experts
 Standard library only."""
 import json
 import os
@@ -250,11 +251,34 @@ def moeab(d, pairs):
           f"change {min(every):+.1f}% to {max(every):+.1f}%")
 
 
+def layer(path):
+    """The layer as step.rs runs it against the routed experts, per row, and the layer's
+    launches timed alone (`layer_parts`, records since 2026-12-06), with the layer's bytes
+    (routed experts + bf16 shared expert + router) over `layer_us` against the copy."""
+    d = load(path)
+    rows = [r for r in d["rows"] if "layer_parts" in r]
+    if not rows:
+        sys.exit(f"{path}: no row has layer_parts (records before 2026-12-06 lack them)")
+    print(f"Record `{path}` (commit {d.get('git_commit')}): {d['device']}, copy "
+          f"{d['copy_gb_s']:.0f} GB/s. Parts are single launches, each with its own launch latency.\n")
+    parts = ["router_us", "topk_us", "align_us", "shared_swiglu_us", "shared_down_us", "combine_us"]
+    print("| routing | M | experts us | layer us | layer / experts | layer % copy | "
+          + " | ".join(p[:-3].replace("_", " ") + " alone" for p in parts) + " |")
+    print("|---|---|---|---|---|---|" + "---|" * len(parts))
+    for r in rows:
+        frac = r["layer_gb_s"] / d["copy_gb_s"]
+        cells = " | ".join(f"{r['layer_parts'][p]:.1f}" for p in parts)
+        print(f"| {r['routing']} | {r['m']} | {r['experts_us']:.1f} | {r['layer_us']:.1f} | "
+              f"{r['layer_us'] / r['experts_us']:.2f} | {100 * frac:.0f}% | {cells} |")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "e2e":
         e2e(sys.argv[2])
     elif sys.argv[1] == "trace":
         trace(sys.argv[2])
+    elif sys.argv[1] == "layer":
+        layer(sys.argv[2])
     elif sys.argv[1] == "moeab":
         moeab(sys.argv[2], [tuple(map(int, p.split(":"))) for p in sys.argv[3:]])
     else:
