@@ -84,8 +84,9 @@ extern "C" __global__ void moe_topk(int* __restrict__ ids, float* __restrict__ w
 // over the P ids instead of one ballot pass per expert), scans the padded counts in
 // parallel (align_scan) instead of thread 0's loop over E, and skips experts without pairs
 // in the scatter.  Integer counts and sums, and the scatter unchanged: the same sorted /
-// tile_expert as 0 (the previous kernel, the A/B reference), which gpu_check's router
-// parity lines compare against moe_align's output.
+// tile_expert as 0 (the previous kernel, the A/B reference).  gpu_check compares
+// moe_align with the host model launch::moe_align_model (gemm_check.rs align_parity) and
+// the fused router's sort with moe_align's (router_norm_parity).
 #ifndef MOE_ALIGN_FAST
 #define MOE_ALIGN_FAST 1
 #endif
@@ -120,9 +121,10 @@ __device__ __forceinline__ void align_scan(const int* count, int* offset, int E,
             if (lane < nwarps) wtot[lane] = w;  // inclusive over warps
         }
         __syncthreads();
-        if (e < E) offset[e] = carry + (warp > 0 ? wtot[warp - 1] : 0) + v - c;
-        __syncthreads();  // every thread read carry and wtot
-        if (tid == 0) carry += wtot[nwarps - 1];
+        const int before = carry, chunk = wtot[nwarps - 1];
+        if (e < E) offset[e] = before + (warp > 0 ? wtot[warp - 1] : 0) + v - c;
+        __syncthreads();  // every thread read carry and wtot (the next chunk rewrites wtot)
+        if (tid == 0) carry = before + chunk;
     }
     __syncthreads();
     if (tid == 0) {

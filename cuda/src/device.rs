@@ -444,6 +444,19 @@ impl Gpu {
             .unwrap_or("unknown")
     }
 
+    /// Whether an MoE layer of `t` tokens runs its shared expert's SwiGLU as extra blocks
+    /// of the INT4 gate/up launch (`moe_gate_up_shared_w4`): INT4 experts, the switch on,
+    /// the tiled (or skinny) GEMMs picked, and not the one fused experts kernel.
+    pub fn merges_shared(&self, t: usize, int4: bool) -> bool {
+        int4 && self.merge_shared && t >= self.tiled_min_rows && !crate::launch::moe_fused()
+    }
+
+    /// Whether an MoE layer of `t` tokens runs the combine as the epilogue of the shared
+    /// expert's down-projection (`ops::linear_combine`).
+    pub fn fuses_combine(&self, t: usize) -> bool {
+        self.fuse_combine && t >= self.tiled_min_rows
+    }
+
     /// Block until the stream is idle.
     pub fn sync(&self) -> Result<()> {
         self.stream

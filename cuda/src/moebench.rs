@@ -825,16 +825,15 @@ struct LayerIn<'a> {
 /// (GLM-5.3's 288), on the injected routing of `d`: the router GEMM, moe_topk (its choice
 /// discarded) and moe_align, the experts with the shared expert's SwiGLU merged into the
 /// INT4 gate/up launch, and the shared down-projection with the combine fused
-/// (`linear_combine`), each fusion under the engine's own switches (`Gpu::merge_shared`,
-/// `Gpu::fuse_combine`, `Gpu::tiled_min_rows`; step.rs `moe`).
+/// (`linear_combine`), each fusion as the engine decides it (`Gpu::merges_shared`,
+/// `Gpu::fuses_combine`, which step.rs `moe` calls too).
 fn layer_call(x: LayerIn<'_>) -> Result<()> {
     let LayerIn { g, s, m, c, d, sc } = x;
     part_router(x)?;
     part_topk(x)?;
     let r = d.routing(s, m);
     ops::moe_align(g, &r)?;
-    let tiled = m >= g.tiled_min_rows;
-    let merge = g.merge_shared && tiled && !launch::moe_fused();
+    let merge = g.merges_shared(m, true);
     let shared = merge.then(|| ex_shared(sc, d, c, s, m));
     ops::moe_experts(
         g,
@@ -844,7 +843,7 @@ fn layer_call(x: LayerIn<'_>) -> Result<()> {
     if !merge {
         ops::swiglu(g, &ex_shared(sc, d, c, s, m))?;
     }
-    if g.fuse_combine && tiled {
+    if g.fuses_combine(m) {
         return ops::linear_combine(g, &shared_down(s, m, c, sc, &sc.x_out), &r, &sc.y);
     }
     ops::linear(g, &shared_down(s, m, c, sc, &sc.sh_out))?;
@@ -906,7 +905,8 @@ fn shared_down<'a>(
 /// into the shared down-projection ([`layer_call`]), so these do not add up to `layer_us`.
 #[derive(Debug, Clone, Serialize)]
 pub struct LayerParts {
-    /// Router GEMM [M, H] x [E, H]^T, bf16 weights (`linear_bf16` / `linear_tiled_bf16`).
+    /// Router GEMM [M, H] x [E, H]^T, bf16 weights (`ops::linear`: skinny up to 4 rows,
+    /// else tiled).
     pub router_us: f64,
     /// moe_topk (sigmoid, correction bias, top-k, renormalize).
     pub topk_us: f64,
@@ -1336,7 +1336,7 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         w4_band: g.w4_band,
         moe_fused: launch::moe_fused(),
         split_in_call: split_in_call(),
-        timing: "CUDA events around single calls, median of iters (experts_us_chained: chains of CHAIN back-to-back calls, gate/up without its weight prologue, median over the chains); experts = moe_gate_up_w4 + moe_down_w4 on the input split at upload (split_in_call: moe_split_x + moe_gate_up_w4 + moe_down_w4), or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer (since 2026-12-06 as step.rs runs a 288-expert router) = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts with the bf16 shared SwiGLU merged into gate/up (moe_gate_up_shared_w4, split in the call) + the shared down-projection with the combine fused (linear_tiled_combine_bf16), each under the engine's switches; layer_parts: each launch alone, unfused",
+        timing: "CUDA events around single calls, median of iters (experts_us_chained: chains of CHAIN back-to-back calls, gate/up without its weight prologue, median over the chains); experts = moe_gate_up_w4 + moe_down_w4 on the input split at upload (split_in_call: moe_split_x + moe_gate_up_w4 + moe_down_w4), or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer (since 2026-12-06 as step.rs runs a 288-expert router) = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts with the bf16 shared SwiGLU merged into gate/up (moe_gate_up_shared_w4, split in the call) + the shared down-projection with the combine fused (ops::linear_combine, skinny or tiled), each as the engine decides it (Gpu::merges_shared / fuses_combine); bf16 GEMMs skinny up to Gpu::skinny_max_rows rows; layer_parts: each launch alone, unfused",
         all_pass: rows.iter().all(|r| r.pass),
         rows,
     })

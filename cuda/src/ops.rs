@@ -260,18 +260,32 @@ fn gemm_pick(
     g: &Gpu,
     [m, n, r]: [usize; 3],
     base: &'static str,
-    [tiled, skinny]: [&'static str; 2],
+    kin: [&'static str; 2],
 ) -> Result<(&'static str, Shape)> {
-    if m <= g.skinny_max_rows {
-        Ok((skinny, launch::gemm_skinny(m, r, skinny)?))
-    } else if m >= g.tiled_min_rows {
-        Ok((tiled, launch::gemm_tiled(m, r, tiled)?))
+    if m <= g.skinny_max_rows || m >= g.tiled_min_rows {
+        skinny_or_tiled(g, m, r, kin)
     } else {
         Ok((base, launch::gemm(m, n, base)?))
     }
 }
 
-/// Kernel `linear_bf16` (or `linear_tiled_bf16`).
+/// Of a bf16 GEMM family's register-tiled and skinny kernels `[tiled, skinny]`, the one
+/// `m` rows take (skinny up to [`Gpu::skinny_max_rows`]) and its launch shape over `r`
+/// weight rows.
+fn skinny_or_tiled(
+    g: &Gpu,
+    m: usize,
+    r: usize,
+    [tiled, skinny]: [&'static str; 2],
+) -> Result<(&'static str, Shape)> {
+    if m <= g.skinny_max_rows {
+        Ok((skinny, launch::gemm_skinny(m, r, skinny)?))
+    } else {
+        Ok((tiled, launch::gemm_tiled(m, r, tiled)?))
+    }
+}
+
+/// Kernel `linear_bf16` (or `linear_tiled_bf16` / `linear_skinny_bf16`, [`gemm_pick`]).
 pub fn linear(g: &Gpu, a: &Linear<'_>) -> Result<()> {
     let args = linear_args(a, "linear_bf16")?;
     let (name, shape) = gemm_pick(
@@ -1065,12 +1079,9 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
 fn gate_up_shared(g: &Gpu, sw: &Swiglu<'_>, gu: launch::Shape, mut args: Vec<Arg>) -> Result<()> {
     let name = "moe_gate_up_shared_w4";
     let mut sh_args = swiglu_args(sw)?;
-    let skinny = sw.m <= g.skinny_max_rows;
-    let sh = if skinny {
-        launch::gemm_skinny(sw.m, 2 * sw.n, name)?
-    } else {
-        launch::gemm_tiled(sw.m, 2 * sw.n, name)?
-    };
+    let kin = ["swiglu_tiled_bf16", "swiglu_skinny_bf16"];
+    let (block, sh) = skinny_or_tiled(g, sw.m, 2 * sw.n, kin)?;
+    let skinny = block == kin[1];
     let (gx, blocks) = (sh.grid.0 as usize, sh.grid.0 as usize * sh.grid.1 as usize);
     sh_args.extend([
         int(gx, "shared grid x")?,
@@ -1182,13 +1193,12 @@ pub fn linear_combine(g: &Gpu, a: &Linear<'_>, r: &Routing<'_>, y: &DevBuf<f32>)
         int(a.n, "N")?,
         int(a.k, "K")?,
     ];
-    let (name, shape) = if a.m <= g.skinny_max_rows {
-        let name = "linear_skinny_combine_bf16";
-        (name, launch::gemm_skinny(a.m, a.n, name)?)
-    } else {
-        let name = "linear_tiled_combine_bf16";
-        (name, launch::gemm_tiled(a.m, a.n, name)?)
-    };
+    let (name, shape) = skinny_or_tiled(
+        g,
+        a.m,
+        a.n,
+        ["linear_tiled_combine_bf16", "linear_skinny_combine_bf16"],
+    )?;
     // SAFETY: x [T, H] (stride H), y [T*k, H], ids [T*k], h spans (T-1)*stride + K, Wd
     // [H, K], all checked; k <= 8 (`r.check`: the kernels' slot arrays); both kernels read
     // and write only those (K % 8 == 0 and 16-byte alignment checked).

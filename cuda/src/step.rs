@@ -602,7 +602,7 @@ impl CudaBackend {
             DevExperts::Bf16 { w13, wd } => ops::ExpertPtrs::Bf16 { w13, wd },
         };
         // The shared expert's first GEMM rides on the INT4 gate/up launch (tiled GEMMs only).
-        let merge = int4 && g.merge_shared && t >= g.tiled_min_rows && !crate::launch::moe_fused();
+        let merge = g.merges_shared(t, int4);
         let ex = ops::Experts {
             w,
             x: &ws.a,
@@ -623,7 +623,7 @@ impl CudaBackend {
             shared: merge.then(|| self.mlp_swiglu(t, &m.shared)),
         };
         ops::moe_experts(g, &r, &ex)?;
-        if g.fuse_combine && t >= g.tiled_min_rows {
+        if g.fuses_combine(t) {
             return self.shared_combine(t, &m.shared, &r, merge);
         }
         self.dense_mlp(t, &m.shared, &ws.shared_out, false, merge)?;
