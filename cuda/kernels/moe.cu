@@ -61,25 +61,6 @@ __device__ __forceinline__ void topk_pick(int* __restrict__ ids, float* __restri
     }
 }
 
-// ids[t, j], wts[t, j] for j < k: the selected experts in descending biased score.
-// Shapes: logits [T, E] f32, bias [E] f32, ids [T, k] i32, wts [T, k] f32;
-// E <= 1024, k <= 8, k <= E (host-checked).  Launch: grid (ceil(T / 4)), block 128.
-extern "C" __global__ void moe_topk(int* __restrict__ ids, float* __restrict__ wts,
-                                    const float* __restrict__ logits,
-                                    const float* __restrict__ bias, int T, int E, int k,
-                                    int norm_topk, float rsf) {
-    pdl_enter();
-    __shared__ float biased[TOPK_WARPS][EXPERTS_MAX];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int t = blockIdx.x * TOPK_WARPS + warp;
-    if (t >= T) return;  // uniform per warp
-    const float* lr = logits + (size_t)t * E;
-    float* b = biased[warp];
-    for (int e = lane; e < E; e += WARP) b[e] = sigmoid_f(lr[e]) + bias[e];
-    __syncwarp();
-    topk_pick(ids, wts, t, lr, b, E, k, norm_topk, rsf);
-}
-
 // MOE_ALIGN_FAST (default 1): align_tiles counts the pairs with shared atomics (one pass
 // over the P ids instead of one ballot pass per expert), scans the padded counts in
 // parallel (align_scan) instead of thread 0's loop over E, and skips experts without pairs
@@ -143,12 +124,19 @@ __device__ __forceinline__ void align_scan(const int* count, int* offset, int E,
 // count [E], offset [E + 1] are the caller's shared arrays.  Run by a whole block (any
 // size that is a multiple of 32); ids are read through L2 (ld.global.cg), so the router's
 // last block (moe_router_topk) sees the ids the other blocks wrote; SMEM: ids is this
-// block's shared copy (a one-block router grid), read directly.
+// block's shared copy (a one-block router grid), read directly.  stage (shared, stage_cap
+// ints, or null): with MOE_ALIGN_FAST and P <= stage_cap the counting pass copies the ids
+// there and the scatter reads the copy instead of L2.  The scatter reads every id once for
+// each expert that has pairs, so from L2 it grew with M (a dependent L2 round trip per 32
+// pairs and expert: 19 / 33 / 60 us at M = 32 / 64 / 128 on an H100, runs/layer-align-f4065ac/).
+// The same ids in the same order either way.
 template <bool SMEM = false>
 __device__ __forceinline__ void align_tiles(int* __restrict__ sorted, int* __restrict__ tile_expert,
                                             const int* __restrict__ ids, int P, int E,
-                                            int max_tiles, int* count, int* offset) {
-    auto id = [&](int p) { return SMEM ? ids[p] : __ldcg(ids + p); };
+                                            int max_tiles, int* count, int* offset,
+                                            int* stage = nullptr, int stage_cap = 0) {
+    const bool staged = MOE_ALIGN_FAST && !SMEM && stage != nullptr && P <= stage_cap;
+    auto id = [&](int p) { return SMEM ? ids[p] : staged ? stage[p] : __ldcg(ids + p); };
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nwarps = blockDim.x >> 5;
     for (int i = tid; i < max_tiles * MOE_TILE; i += blockDim.x) sorted[i] = -1;
@@ -156,8 +144,12 @@ __device__ __forceinline__ void align_tiles(int* __restrict__ sorted, int* __res
 #if MOE_ALIGN_FAST
     for (int e = tid; e < E; e += blockDim.x) count[e] = 0;
     __syncthreads();
-    for (int p = tid; p < P; p += blockDim.x) atomicAdd(count + id(p), 1);
-    __syncthreads();  // also orders the -1 fills before the scatter below
+    for (int p = tid; p < P; p += blockDim.x) {
+        const int v = SMEM ? ids[p] : __ldcg(ids + p);
+        if (staged) stage[p] = v;
+        atomicAdd(count + v, 1);
+    }
+    __syncthreads();  // also orders the -1 fills (and the staged ids) before the scatter
     align_scan(count, offset, E, tile_expert + max_tiles);
 #else
     for (int e = warp; e < E; e += nwarps) {
@@ -195,6 +187,51 @@ __device__ __forceinline__ void align_tiles(int* __restrict__ sorted, int* __res
             tile_expert[t] = e;
     }
 }
+
+// ids[t, j], wts[t, j] for j < k: the selected experts in descending biased score.
+// With `sorted` not null (a one-block grid, T <= TOPK_WARPS: the host's rule) the block
+// also sorts the pairs into sorted / tile_expert after its picks (align_tiles, moe_align's
+// work and result), which saves the moe_align launch at decode: from its own picks in
+// shared memory, or with align_ids not null from those ids instead (bench moe aligns its
+// injected routing so; ids read through L2).
+// Shapes: logits [T, E] f32, bias [E] f32, ids [T, k] i32, wts [T, k] f32;
+// E <= 1024, k <= 8, k <= E (host-checked); sorted [8 max_tiles], tile_expert [max_tiles
+// + 1], align_ids [T k] or null.  Launch: grid (ceil(T / 4)), block 128.
+extern "C" __global__ void moe_topk(int* __restrict__ ids, float* __restrict__ wts,
+                                    const float* __restrict__ logits,
+                                    const float* __restrict__ bias, int T, int E, int k,
+                                    int norm_topk, float rsf, int* __restrict__ sorted,
+                                    int* __restrict__ tile_expert, int max_tiles,
+                                    const int* __restrict__ align_ids) {
+    pdl_enter();
+    __shared__ float biased[TOPK_WARPS][EXPERTS_MAX];
+    __shared__ int sids[TOPK_WARPS * TOPK_MAX];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int t = blockIdx.x * TOPK_WARPS + warp;
+    const bool align = sorted != nullptr;  // uniform
+    if (t < T) {  // uniform per warp
+        const float* lr = logits + (size_t)t * E;
+        float* b = biased[warp];
+        for (int e = lane; e < E; e += WARP) b[e] = sigmoid_f(lr[e]) + bias[e];
+        __syncwarp();
+        topk_pick(ids, wts, t, lr, b, E, k, norm_topk, rsf, align ? sids + warp * k : nullptr);
+    }
+    if (!align) return;
+    __shared__ int count[EXPERTS_MAX];
+    __shared__ int offset[EXPERTS_MAX + 1];
+    __syncthreads();  // every warp's picks in sids (block 0 holds tokens 0 .. T - 1)
+    if (align_ids != nullptr)
+        align_tiles(sorted, tile_expert, align_ids, T * k, E, max_tiles, count, offset);
+    else
+        align_tiles<true>(sorted, tile_expert, sids, T * k, E, max_tiles, count, offset);
+}
+
+// Pairs moe_align stages in shared memory (align_tiles): 32 KB, 64 sequences of a
+// 16-token verify at top-8; past it the scatter reads L2 (prefill).  The router's last
+// block stages at most min(ALIGN_STAGE, ROUTER_NORM_K_MAX).  0 turns staging off (A/B).
+#ifndef ALIGN_STAGE
+#define ALIGN_STAGE 8192
+#endif
 
 #define ROUTER_E_MAX 256
 // Largest hidden size whose post-attention rmsnorm the router kernel fuses (its shared row).
@@ -322,7 +359,10 @@ extern "C" __global__ void moe_router_topk(int* __restrict__ ids, float* __restr
     __syncthreads();
     if (!last) return;  // uniform per block
     __threadfence();
-    align_tiles(sorted, tile_expert, ids, T * k, E, max_tiles, count, offset);
+    // The normalized row is no longer read (every warp passed the barrier after its GEMV):
+    // its shared array stages the ids.
+    align_tiles(sorted, tile_expert, ids, T * k, E, max_tiles, count, offset,
+                reinterpret_cast<int*>(row), min(ALIGN_STAGE, ROUTER_NORM_K_MAX));
     if (threadIdx.x == 0) *ticket = 0;
 }
 
@@ -333,7 +373,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align(int* __restrict__ s
     pdl_enter();
     __shared__ int count[EXPERTS_MAX];
     __shared__ int offset[EXPERTS_MAX + 1];
-    align_tiles(sorted, tile_expert, ids, P, E, max_tiles, count, offset);
+    __shared__ int stage[ALIGN_STAGE > 0 ? ALIGN_STAGE : 1];
+    align_tiles(sorted, tile_expert, ids, P, E, max_tiles, count, offset, stage, ALIGN_STAGE);
 }
 
 // x[t, n] += (sum over the token's experts in ascending id of y[t*k + slot, n]) + shared[t, n].

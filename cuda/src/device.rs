@@ -165,6 +165,10 @@ pub struct Gpu {
     /// The router's last block sorts the pairs instead of a `moe_align` launch (default;
     /// `SPECLAB_ROUTER_ALIGN=0` launches `moe_align`, the A/B reference).
     pub fuse_router_align: bool,
+    /// `moe_topk` also sorts the pairs (no `moe_align` launch) for up to
+    /// [`crate::ops::TOPK_ALIGN_T_MAX`] tokens, routers the fused router does not take
+    /// (default; `SPECLAB_TOPK_ALIGN=0` launches `moe_align`, the A/B reference).
+    pub fuse_topk_align: bool,
     /// The MoE combine as the shared expert's down-projection epilogue (default with the
     /// tiled GEMMs; `SPECLAB_MOE_COMBINE=0` launches `moe_combine`, the A/B reference).
     pub fuse_combine: bool,
@@ -333,6 +337,7 @@ impl Gpu {
             )?,
             fuse_router_norm: env_on("SPECLAB_ROUTER_NORM"),
             fuse_router_align: env_on("SPECLAB_ROUTER_ALIGN"),
+            fuse_topk_align: env_on("SPECLAB_TOPK_ALIGN"),
             fuse_combine: env_on("SPECLAB_MOE_COMBINE"),
             fuse_kda: env_on("SPECLAB_KDA_FUSED"),
             kda_fused_rows: rows_env("SPECLAB_KDA_FUSED_ROWS", crate::ops::KDA_FUSED_MEAN_ROWS)?,
@@ -455,6 +460,12 @@ impl Gpu {
     /// expert's down-projection (`ops::linear_combine`).
     pub fn fuses_combine(&self, t: usize) -> bool {
         self.fuse_combine && t >= self.tiled_min_rows
+    }
+
+    /// Whether the routing of `t` tokens takes `moe_topk` with the pair sort in the same
+    /// block (`ops::moe_topk_align`) instead of `moe_topk` + `moe_align`.
+    pub fn fuses_topk_align(&self, t: usize) -> bool {
+        self.fuse_topk_align && t <= crate::ops::TOPK_ALIGN_T_MAX
     }
 
     /// Block until the stream is idle.

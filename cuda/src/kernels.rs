@@ -36,14 +36,15 @@ pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// ones likewise; `LS_EXACT_ROWS`: the skinny ones instantiated for 1 and 2 rows (1) or
 /// always 4 with the last row repeated (0); `MOE_ALIGN_FAST`: moe.cu's pair sort by
 /// shared atomics and a parallel scan (1) or per-expert ballots and a serial scan (0);
-/// `ATT_INFLIGHT`:
+/// `ALIGN_STAGE`: pairs the sort copies into shared memory for its scatter, 0 none, the
+/// scatter then reads L2; `ATT_INFLIGHT`:
 /// positions `paged_attention` loads per warp pass; `W4_MINB`: the INT4 expert GEMMs'
 /// `__launch_bounds__` blocks an SM, which caps their registers; the host reads the
 /// resulting occupancy, so the K-split rule's wave follows it; `W4_STAGES`: their weight
 /// stages, 2 or 3, with the blocks' shared memory following, `launch::w4_smem`;
 /// `W4_TRACE`: block traces of the INT4 expert kernels, `crate::w4trace`; `W4_EPI`: their
 /// epilogue specialized by the K split, 1 by default, 0 the run-time one).
-pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 12] = [
+pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 13] = [
     ("W4_XS", 1..=3),
     ("W4_MINB", 1..=4),
     ("W4_STAGES", 2..=3),
@@ -53,6 +54,7 @@ pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 12] = [
     ("LS_PREWAIT", 0..=1),
     ("LS_EXACT_ROWS", 0..=1),
     ("MOE_ALIGN_FAST", 0..=1),
+    ("ALIGN_STAGE", 0..=8192),
     ("ATT_INFLIGHT", 1..=8),
     ("W4_TRACE", 0..=1),
     ("W4_EPI", 0..=1),

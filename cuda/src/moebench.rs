@@ -823,16 +823,34 @@ struct LayerIn<'a> {
 
 /// The MoE layer as step.rs runs a router of more than `ops::ROUTER_FUSED_E_MAX` experts
 /// (GLM-5.3's 288), on the injected routing of `d`: the router GEMM, moe_topk (its choice
-/// discarded) and moe_align, the experts with the shared expert's SwiGLU merged into the
+/// discarded) and moe_align (in one launch where `Gpu::fuses_topk_align`, as
+/// `ops::moe_route`; the sort then reads the injected ids from L2 where the engine's reads
+/// its own picks from shared memory), the experts with the shared expert's SwiGLU merged into the
 /// INT4 gate/up launch, and the shared down-projection with the combine fused
 /// (`linear_combine`), each fusion as the engine decides it (`Gpu::merges_shared`,
 /// `Gpu::fuses_combine`, which step.rs `moe` calls too).
 fn layer_call(x: LayerIn<'_>) -> Result<()> {
     let LayerIn { g, s, m, c, d, sc } = x;
     part_router(x)?;
-    part_topk(x)?;
     let r = d.routing(s, m);
-    ops::moe_align(g, &r)?;
+    if g.fuses_topk_align(m) {
+        // As ops::moe_route: one block picks (into scratch) and sorts the injected routing.
+        let topk = ops::Routing {
+            ids: &sc.ids,
+            wts: &sc.wts,
+            ..d.routing(s, m)
+        };
+        let top = ops::TopK {
+            logits: &sc.logits,
+            bias: &c.bias,
+            norm_topk: true,
+            rsf: RSF,
+        };
+        ops::moe_topk_align(g, &topk, &top, Some(r.ids))?;
+    } else {
+        part_topk(x)?;
+        ops::moe_align(g, &r)?;
+    }
     let merge = g.merges_shared(m, true);
     let shared = merge.then(|| ex_shared(sc, d, c, s, m));
     ops::moe_experts(
@@ -1336,7 +1354,7 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         w4_band: g.w4_band,
         moe_fused: launch::moe_fused(),
         split_in_call: split_in_call(),
-        timing: "CUDA events around single calls, median of iters (experts_us_chained: chains of CHAIN back-to-back calls, gate/up without its weight prologue, median over the chains); experts = moe_gate_up_w4 + moe_down_w4 on the input split at upload (split_in_call: moe_split_x + moe_gate_up_w4 + moe_down_w4), or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer (since 2026-12-06 as step.rs runs a 288-expert router) = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts with the bf16 shared SwiGLU merged into gate/up (moe_gate_up_shared_w4, split in the call) + the shared down-projection with the combine fused (ops::linear_combine, skinny or tiled), each as the engine decides it (Gpu::merges_shared / fuses_combine); bf16 GEMMs skinny up to Gpu::skinny_max_rows rows; layer_parts: each launch alone, unfused",
+        timing: "CUDA events around single calls, median of iters (experts_us_chained: chains of CHAIN back-to-back calls, gate/up without its weight prologue, median over the chains); experts = moe_gate_up_w4 + moe_down_w4 on the input split at upload (split_in_call: moe_split_x + moe_gate_up_w4 + moe_down_w4), or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer (since 2026-12-06 as step.rs runs a 288-expert router) = router linear_bf16 + moe_topk (choice discarded) + moe_align (one moe_topk launch sorting the injected routing up to ops::TOPK_ALIGN_T_MAX rows where Gpu::fuses_topk_align) + experts with the bf16 shared SwiGLU merged into gate/up (moe_gate_up_shared_w4, split in the call) + the shared down-projection with the combine fused (ops::linear_combine, skinny or tiled), each as the engine decides it (Gpu::merges_shared / fuses_combine); bf16 GEMMs skinny up to Gpu::skinny_max_rows rows; layer_parts: each launch alone, unfused",
         all_pass: rows.iter().all(|r| r.pass),
         rows,
     })
