@@ -402,17 +402,20 @@ __device__ __forceinline__ void combine_out(float* __restrict__ x, const float* 
 // y[t k + slot, n], from zero) + s: moe_combine's order with s in place of the stored
 // shared[t, n], so the result is bit for bit the unfused pair's.  Shapes: x [M, N]
 // (stride N), y [M k, N], ids [M, k] (k <= 8, distinct ids), h [M, h_stride], Wd [N, K].
+// settled != 0: h settled two grids back, the dot runs before the grid-dependency wait
+// (as linear_skinny_combine_bf16).
 // Launch: grid (ceil(N / 16), ceil(M / 16)), block 256 (as linear_tiled_bf16).
 extern "C" __global__ void __launch_bounds__(256) linear_tiled_combine_bf16(
     float* __restrict__ x, const float* __restrict__ y, const int* __restrict__ ids, int k,
     const float* __restrict__ h, int h_stride, const bf16_bits* __restrict__ W, int M, int N,
-    int K) {
+    int K, int settled) {
     int m0, n0;
     if (!tiled_origin(M, N, m0, n0)) return;
     TiledPre pre;
     tiled_pre(pre, W, N, K, n0);
-    pdl_enter();
+    if (!settled) pdl_enter();
     const float s = tiled_dot<false>(h, h_stride, W, M, N, K, m0, n0, nullptr, 0.0f, pre);
+    if (settled) pdl_enter();  // y (the routed outputs) is the previous grid's
     const int lane = threadIdx.x & 31;
     const int m = m0 + lane / LT_RN, n = n0 + lane % LT_RN;
     if (m < M && n < N) combine_out(x, y, ids, k, N, m, n, s);
@@ -558,12 +561,14 @@ __device__ __forceinline__ void skinny_load(uint4 wv[LS_U][LS_RN], const bf16_bi
 // Warp dot of rows m0 .. m0 + MR of x and weight rows r0, r0 + 1 of W (R rows of K): lane
 // l returns output i = l / (32 / (MR LS_RN)), row m0 + i / 2, weight row r0 + i % 2
 // (skinny_out); with NORM the rmsnorm scale of its row applied.  Calls pdl_enter after
-// the first group's weight loads are issued (LS_PREWAIT) or before them.
+// the first group's weight loads are issued (LS_PREWAIT) or before them; with `wait`
+// false not at all: the caller guarantees x settled before this grid (then calls
+// pdl_enter itself before it reads what the previous grid wrote).
 template <bool NORM, int MR>
 __device__ __forceinline__ float skinny_dot(const float* __restrict__ x, int x_stride,
                                             const bf16_bits* __restrict__ W, int M, int R,
                                             int K, int m0, int r0, const float* __restrict__ g,
-                                            float eps) {
+                                            float eps, bool wait = true) {
     const int lane = threadIdx.x & 31;
     float acc[MR * LS_RN], ss[MR];
 #pragma unroll
@@ -571,9 +576,9 @@ __device__ __forceinline__ float skinny_dot(const float* __restrict__ x, int x_s
 #pragma unroll
     for (int r = 0; r < MR; ++r) ss[r] = 0.0f;
     uint4 wv[LS_U][LS_RN];
-    if (LS_PREWAIT) skinny_load(wv, W, R, K, r0, lane);  // constant weights only
-    pdl_enter();
-    if (!LS_PREWAIT) skinny_load(wv, W, R, K, r0, lane);
+    if (LS_PREWAIT || !wait) skinny_load(wv, W, R, K, r0, lane);  // constant weights only
+    if (wait) pdl_enter();
+    if (!LS_PREWAIT && wait) skinny_load(wv, W, R, K, r0, lane);
     for (int kw = lane; kw < K / 8;) {
 #pragma unroll
         for (int u = 0; u < LS_U; ++u)
@@ -717,36 +722,44 @@ extern "C" __global__ void __launch_bounds__(32 * LS_WARPS) swiglu_skinny_bf16(
     swiglu_skinny_block(h, x, x_stride, W13, M, N, K, blockIdx.x, blockIdx.y);
 }
 
-// One warp of linear_skinny_combine_bf16 at row count MR.
+// One warp of linear_skinny_combine_bf16 at row count MR; `settled`: as there.
 template <int MR>
 __device__ __forceinline__ void combine_skinny_rows(float* __restrict__ x,
                                                     const float* __restrict__ y,
                                                     const int* __restrict__ ids, int k,
                                                     const float* __restrict__ h, int h_stride,
                                                     const bf16_bits* __restrict__ W, int M,
-                                                    int N, int K, int m0, int r0) {
+                                                    int N, int K, int m0, int r0, bool settled) {
     int m, n;
-    const float s = skinny_dot<false, MR>(h, h_stride, W, M, N, K, m0, r0, nullptr, 0.0f);
+    const float s =
+        skinny_dot<false, MR>(h, h_stride, W, M, N, K, m0, r0, nullptr, 0.0f, !settled);
+    if (settled) pdl_enter();  // y (the routed outputs) is the previous grid's
     if (skinny_out<MR>(m0, r0, m, n) && m < M && n < N) combine_out(x, y, ids, k, N, m, n, s);
 }
 
-// linear_tiled_combine_bf16 for few rows: the same arguments and results.
+// linear_tiled_combine_bf16 for few rows: the same arguments and results.  settled != 0:
+// h was written at least two grids back (the shared SwiGLU merged into the routed gate/up
+// launch, with the routed down-projection between), so the whole dot runs before the
+// grid-dependency wait, overlapping the down-projection's tail; only the combine waits.
+// The argument is w4_mma's `pre`: the grid just before this one triggered its dependents
+// only after its own wait returned (common.cuh pdl_enter), i.e. after h's grid completed.
 // Launch: grid (ceil(N / 16), ceil(M / 4)), block 256 (launch.rs gemm_skinny).
 extern "C" __global__ void __launch_bounds__(32 * LS_WARPS) linear_skinny_combine_bf16(
     float* __restrict__ x, const float* __restrict__ y, const int* __restrict__ ids, int k,
     const float* __restrict__ h, int h_stride, const bf16_bits* __restrict__ W, int M, int N,
-    int K) {
+    int K, int settled) {
     int m0, r0;
     if (!skinny_origin_at(M, N, blockIdx.x, blockIdx.y, m0, r0)) return;
+    const bool st = settled != 0;
     switch (skinny_rows(M, m0)) {
         case 1:
-            combine_skinny_rows<1>(x, y, ids, k, h, h_stride, W, M, N, K, m0, r0);
+            combine_skinny_rows<1>(x, y, ids, k, h, h_stride, W, M, N, K, m0, r0, st);
             break;
         case 2:
-            combine_skinny_rows<2>(x, y, ids, k, h, h_stride, W, M, N, K, m0, r0);
+            combine_skinny_rows<2>(x, y, ids, k, h, h_stride, W, M, N, K, m0, r0, st);
             break;
         default:
-            combine_skinny_rows<LS_RM>(x, y, ids, k, h, h_stride, W, M, N, K, m0, r0);
+            combine_skinny_rows<LS_RM>(x, y, ids, k, h, h_stride, W, M, N, K, m0, r0, st);
     }
 }
 

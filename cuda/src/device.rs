@@ -169,6 +169,10 @@ pub struct Gpu {
     /// [`crate::ops::TOPK_ALIGN_T_MAX`] tokens, routers the fused router does not take
     /// (default; `SPECLAB_TOPK_ALIGN=0` launches `moe_align`, the A/B reference).
     pub fuse_topk_align: bool,
+    /// The shared expert's down-projection with the combine runs its dot before the
+    /// grid-dependency wait when its input settled two grids back (`ops::linear_combine`
+    /// `settled`); default, `SPECLAB_COMBINE_PRE=0` waits first (A/B).
+    pub combine_pre: bool,
     /// The MoE combine as the shared expert's down-projection epilogue (default with the
     /// tiled GEMMs; `SPECLAB_MOE_COMBINE=0` launches `moe_combine`, the A/B reference).
     pub fuse_combine: bool,
@@ -339,6 +343,7 @@ impl Gpu {
             fuse_router_align: env_on("SPECLAB_ROUTER_ALIGN"),
             fuse_topk_align: env_on("SPECLAB_TOPK_ALIGN"),
             fuse_combine: env_on("SPECLAB_MOE_COMBINE"),
+            combine_pre: env_on("SPECLAB_COMBINE_PRE"),
             fuse_kda: env_on("SPECLAB_KDA_FUSED"),
             kda_fused_rows: rows_env("SPECLAB_KDA_FUSED_ROWS", crate::ops::KDA_FUSED_MEAN_ROWS)?,
             kda_pair: env_on("SPECLAB_KDA_PAIR"),
@@ -554,7 +559,13 @@ mod tests {
             "for (int i = 0; i < MR * LS_RN; ++i) acc[i] = 0.0f;",
             "for (int r = 0; r < MR; ++r) ss[r] = 0.0f;",
             "uint4 wv[LS_U][LS_RN];",
-            "if (LS_PREWAIT) skinny_load(wv, W, R, K, r0, lane);",
+            "if (LS_PREWAIT || !wait) skinny_load(wv, W, R, K, r0, lane);",
+            "if (wait)",
+            // linear_{tiled,skinny}_combine_bf16: with `settled` the shared hidden was
+            // written two grids back (ops::linear_combine), so the dot precedes the wait
+            // (w4_mma's `pre` argument); the routed outputs are read after it.
+            "if (!settled)",
+            "const bool st = settled != 0;",
             // moe_gate_up_shared_w4: block dispatch to the two delegates.
             "const int b = blockIdx.x;",
             "if (b < sh_blocks) {",

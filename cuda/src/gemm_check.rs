@@ -444,8 +444,8 @@ pub fn topk_align_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
 /// The shared expert's down-projection with the MoE combine fused in
 /// (`ops::linear_combine`) against `linear` into a shared buffer then `moe_combine`, on
 /// seeded rows of `t` tokens, hidden `h`, shared intermediate `inter`, top-`k` of `e`
-/// distinct experts per token: one line counting the residual elements whose bits differ.
-/// Up to [`Gpu::skinny_max_rows`] tokens both sides run the skinny kernels (their own
+/// distinct experts per token: lines counting the residual elements whose bits differ,
+/// for the fused kernel waiting first and running its dot before the wait. Up to [`Gpu::skinny_max_rows`] tokens both sides run the skinny kernels (their own
 /// parity against the reference is [`tiled_parity`]'s).
 pub fn combine_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
     let s = gpu.stream.clone();
@@ -487,7 +487,9 @@ pub fn combine_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
             max_tiles,
         };
         let mut res = Vec::new();
-        for fused in [false, true] {
+        // The reference, then the fused kernel waiting first, then running its dot before
+        // the wait (`settled`: the inputs were uploaded long before).
+        for (fused, settled) in [(false, false), (true, false), (true, true)] {
             let x = DevBuf::upload(&s, &x0, "combine check x")?;
             let shared = DevBuf::<f32>::zeros(&s, t * h, "combine check shared")?;
             let down = Linear {
@@ -500,7 +502,7 @@ pub fn combine_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
                 accumulate: false,
             };
             if fused {
-                ops::linear_combine(gpu, &down, &r, &y)?;
+                ops::linear_combine(gpu, &down, &r, &y, settled)?;
             } else {
                 ops::linear(gpu, &down)?;
                 ops::moe_combine(gpu, &r, &x, &y, &shared, h)?;
@@ -508,9 +510,12 @@ pub fn combine_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
             let v = x.read(&s, 0, t * h, "combine check x")?;
             res.push(v.iter().map(|v| v.to_bits()).collect::<Vec<u32>>());
         }
-        let differ = res[0].iter().zip(&res[1]).filter(|(a, b)| a != b).count();
-        let name = format!("combine fused T={t} H={h} I={inter} k={k}: residual differing");
-        line(out, name, differ as f64, 0.0);
+        for (i, how) in [(1, ""), (2, ", dot before the wait")] {
+            let differ = res[0].iter().zip(&res[i]).filter(|(a, b)| a != b).count();
+            let name =
+                format!("combine fused T={t} H={h} I={inter} k={k}{how}: residual differing");
+            line(out, name, differ as f64, 0.0);
+        }
     }
     Ok(())
 }

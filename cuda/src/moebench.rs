@@ -862,7 +862,8 @@ fn layer_call(x: LayerIn<'_>) -> Result<()> {
         ops::swiglu(g, &ex_shared(sc, d, c, s, m))?;
     }
     if g.fuses_combine(m) {
-        return ops::linear_combine(g, &shared_down(s, m, c, sc, &sc.x_out), &r, &sc.y);
+        let settled = merge; // as step.rs: the hidden two grids back when merged
+        return ops::linear_combine(g, &shared_down(s, m, c, sc, &sc.x_out), &r, &sc.y, settled);
     }
     ops::linear(g, &shared_down(s, m, c, sc, &sc.sh_out))?;
     ops::moe_combine(g, &r, &sc.x_out, &sc.y, &sc.sh_out, s.hidden)

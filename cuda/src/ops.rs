@@ -1232,7 +1232,17 @@ fn moe_experts_fused(
 /// must be false (the epilogue always adds). Register-tiled, or up to
 /// [`Gpu::skinny_max_rows`] rows skinny (`linear_skinny_combine_bf16`, the same bits):
 /// callers use it when [`Gpu::tiled_min_rows`] picks the tiled GEMMs.
-pub fn linear_combine(g: &Gpu, a: &Linear<'_>, r: &Routing<'_>, y: &DevBuf<f32>) -> Result<()> {
+///
+/// `settled`: `a.x` (the shared hidden) was written at least two grids back (the shared
+/// SwiGLU merged into the routed gate/up launch, the routed down-projection between), so
+/// the kernels run the dot before their grid-dependency wait; false: after it.
+pub fn linear_combine(
+    g: &Gpu,
+    a: &Linear<'_>,
+    r: &Routing<'_>,
+    y: &DevBuf<f32>,
+    settled: bool,
+) -> Result<()> {
     r.check()?;
     if a.accumulate || a.y.stride != a.n || a.m != r.t {
         return Err(CudaError::Input(
@@ -1256,6 +1266,7 @@ pub fn linear_combine(g: &Gpu, a: &Linear<'_>, r: &Routing<'_>, y: &DevBuf<f32>)
         int(a.m, "M")?,
         int(a.n, "N")?,
         int(a.k, "K")?,
+        Arg::I(i32::from(settled && g.combine_pre)),
     ];
     let (name, shape) = skinny_or_tiled(
         g,

@@ -655,6 +655,7 @@ impl CudaBackend {
             k: m.inter,
             accumulate: false,
         };
-        ops::linear_combine(g, &down, r, &ws.y_pairs)
+        // Merged, the hidden came from the gate/up launch with the down-projection between.
+        ops::linear_combine(g, &down, r, &ws.y_pairs, hidden_ready)
     }
 }
