@@ -261,13 +261,15 @@ def layer(path):
         sys.exit(f"{path}: no row has layer_parts (records before 2026-12-06 lack them)")
     print(f"Record `{path}` (commit {d.get('git_commit')}): {d['device']}, copy "
           f"{d['copy_gb_s']:.0f} GB/s. Parts are single launches, each with its own launch latency.\n")
-    parts = ["router_us", "topk_us", "align_us", "shared_swiglu_us", "shared_down_us", "combine_us"]
+    parts = ["router_us", "topk_us", "align_us", "topk_align_us", "shared_swiglu_us",
+             "shared_down_us", "combine_us"]
     print("| routing | M | experts us | layer us | layer / experts | layer % copy | "
           + " | ".join(p[:-3].replace("_", " ") + " alone" for p in parts) + " |")
     print("|---|---|---|---|---|---|" + "---|" * len(parts))
     for r in rows:
         frac = r["layer_gb_s"] / d["copy_gb_s"]
-        cells = " | ".join(f"{r['layer_parts'][p]:.1f}" for p in parts)
+        lp = r["layer_parts"]
+        cells = " | ".join("-" if lp.get(p) is None else f"{lp[p]:.1f}" for p in parts)
         print(f"| {r['routing']} | {r['m']} | {r['experts_us']:.1f} | {r['layer_us']:.1f} | "
               f"{r['layer_us'] / r['experts_us']:.2f} | {100 * frac:.0f}% | {cells} |")
 

@@ -40,7 +40,7 @@ python3 - "$W" "${ROUNDS:-2}" "${LEGS-$LEGS_DEFAULT}" <<'PY' || rc=1
 import json, statistics, sys
 legs = sys.argv[3][:-1] if sys.argv[3].endswith(";") else sys.argv[3]
 d, rounds, sets = sys.argv[1], int(sys.argv[2]), (legs.split(";") if legs else [""])
-cols = ["layer_us", "experts_us", "router_us", "topk_us", "align_us", "shared_swiglu_us",
+cols = ["layer_us", "experts_us", "router_us", "topk_us", "align_us", "topk_align_us", "shared_swiglu_us",
         "shared_down_us", "combine_us"]
 t = {}
 for r in range(1, rounds + 1):
@@ -58,7 +58,8 @@ print("|---|---|" + "---|" * (len(cols) + 1))
 for m in sorted(t):
     for i in sorted(t[m]):
         vs = t[m][i]
-        cells = [f"{statistics.median(v[c] for v, _ in vs):.1f}" for c in cols]
+        cells = [f"{statistics.median(v[c] for v, _ in vs):.1f}"
+                 if all(v.get(c) is not None for v, _ in vs) else "-" for c in cols]
         print(f"| {m} | {sets[i] or 'defaults'} | " + " | ".join(cells) +
               f" | {all(p for _, p in vs)} |")
 PY

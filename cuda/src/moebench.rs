@@ -834,19 +834,7 @@ fn layer_call(x: LayerIn<'_>) -> Result<()> {
     part_router(x)?;
     let r = d.routing(s, m);
     if g.fuses_topk_align(m) {
-        // As ops::moe_route: one block picks (into scratch) and sorts the injected routing.
-        let topk = ops::Routing {
-            ids: &sc.ids,
-            wts: &sc.wts,
-            ..d.routing(s, m)
-        };
-        let top = ops::TopK {
-            logits: &sc.logits,
-            bias: &c.bias,
-            norm_topk: true,
-            rsf: RSF,
-        };
-        ops::moe_topk_align(g, &topk, &top, Some(r.ids))?;
+        part_topk_align(x)?;
     } else {
         part_topk(x)?;
         ops::moe_align(g, &r)?;
@@ -899,6 +887,25 @@ fn part_topk(x: LayerIn<'_>) -> Result<()> {
     ops::moe_topk(g, &topk, &sc.logits, &c.bias, true, RSF)
 }
 
+/// As `ops::moe_route` for up to `ops::TOPK_ALIGN_T_MAX` rows: one moe_topk block picks
+/// (into scratch, discarded) and sorts the draw's injected routing.
+fn part_topk_align(x: LayerIn<'_>) -> Result<()> {
+    let LayerIn { g, s, m, c, d, sc } = x;
+    let r = d.routing(s, m);
+    let topk = ops::Routing {
+        ids: &sc.ids,
+        wts: &sc.wts,
+        ..d.routing(s, m)
+    };
+    let top = ops::TopK {
+        logits: &sc.logits,
+        bias: &c.bias,
+        norm_topk: true,
+        rsf: RSF,
+    };
+    ops::moe_topk_align(g, &topk, &top, Some(r.ids))
+}
+
 /// The shared expert's down-projection [M, Is] -> [M, H] into `y`.
 fn shared_down<'a>(
     s: &MoeShape,
@@ -931,6 +938,10 @@ pub struct LayerParts {
     pub topk_us: f64,
     /// moe_align (pairs sorted by expert into tiles).
     pub align_us: f64,
+    /// moe_topk sorting the (injected) pairs in its own block, the one launch the layer
+    /// takes for both where `Gpu::fuses_topk_align` (up to `ops::TOPK_ALIGN_T_MAX` rows);
+    /// null otherwise.
+    pub topk_align_us: Option<f64>,
     /// The shared expert's SwiGLU [M, H] x [2 Is, H]^T, bf16 weights, alone.
     pub shared_swiglu_us: f64,
     /// The shared expert's down-projection [M, Is] x [H, Is]^T, bf16 weights, alone.
@@ -966,6 +977,10 @@ fn layer_parts(
         router_us: time(&part_router)?,
         topk_us: time(&part_topk)?,
         align_us: time(&|x| ops::moe_align(g, &x.d.routing(s, m)))?,
+        topk_align_us: match g.fuses_topk_align(m) {
+            true => Some(time(&part_topk_align)?),
+            false => None,
+        },
         shared_swiglu_us: time(&|x| ops::swiglu(g, &ex_shared(sc, x.d, x.c, s, m)))?,
         shared_down_us: time(&|x| ops::linear(g, &shared_down(s, m, x.c, sc, &sc.sh_out)))?,
         combine_us: time(&|x| {
@@ -1322,8 +1337,10 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
             ));
             let lp = &r.layer_parts;
             log(&format!(
-                "{:>8} M={:<4} layer parts alone (us): router {:.1}, topk {:.1}, align {:.1}, shared swiglu {:.1}, shared down {:.1}, combine {:.1}",
-                r.routing, r.m, lp.router_us, lp.topk_us, lp.align_us, lp.shared_swiglu_us, lp.shared_down_us, lp.combine_us
+                "{:>8} M={:<4} layer parts alone (us): router {:.1}, topk {:.1}, align {:.1}, topk+align {}, shared swiglu {:.1}, shared down {:.1}, combine {:.1}",
+                r.routing, r.m, lp.router_us, lp.topk_us, lp.align_us,
+                lp.topk_align_us.map_or("-".to_string(), |v| format!("{v:.1}")),
+                lp.shared_swiglu_us, lp.shared_down_us, lp.combine_us
             ));
             for c in r.trace.iter().flatten() {
                 log(&trace_line(c));
