@@ -1113,10 +1113,33 @@ struct W4Lane {
     const uint4* sc;  // this lane's scale uint4 of group 0 (group g at + 8 g)
     uint4* st;        // this lane's slots: stage j at + j W4_SLOT 32
     u32 st_addr;      // the shared address of st
+    int h1;           // the end of the warp's K slice, in half groups
 };
+
+// W4_PF (default 0: compiled out): each half group's copy also asks L2 for the warp's
+// half W4_PF further on (`prefetch.global.L2`, one 128-byte line a lane for its 2 KB of
+// weights, one for its group's scales), so more of the weight stream is in flight than
+// the stages hold.  A trace on an H200 put a lone block a SM at about 25 GB/s against the
+// 32 GB/s share of the copy bandwidth (findings/bench-moe.md).
+#ifndef W4_PF
+#define W4_PF 0
+#endif
+__device__ __forceinline__ void w4_prefetch(const W4Lane& l, int hg) {
+#if W4_PF
+    if (hg >= l.h1) return;  // uniform per warp; only the warp's own slice
+    const int lane = threadIdx.x & 31;
+    const char* p = nullptr;
+    if (lane < 16)
+        p = reinterpret_cast<const char*>(l.q - lane + (size_t)hg * (4 * WARP)) + 128 * lane;
+    else if (lane == 16)
+        p = reinterpret_cast<const char*>(l.sc - (lane >> 2) + (size_t)(hg / 2) * 8);
+    if (p) asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
 
 // Copy half group hg into stage slot j: 4 weight uint4s and the group's scales.
 __device__ __forceinline__ void w4_issue(const W4Lane& l, int hg, int j) {
+    w4_prefetch(l, hg + W4_PF);
     const u32 d = l.st_addr + j * (W4_SLOT * WARP * 16);
     const uint4* q = l.q + (size_t)hg * (4 * WARP);
 #pragma unroll
@@ -1461,9 +1484,9 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
     const bool live = rb < nrb;  // uniform per warp
     const size_t blk = (size_t)e * nrb + (live ? rb : 0);
     uint4* st = w4_smem + warp * W4_STAGES * W4_SLOT * WARP + lane;
-    const W4Lane l{qw + blk * (K / 16) * WARP + lane, scw + blk * (K / 128) * 8 + g, st,
-                   smem_addr(st)};
     const int h0 = kw * halves / ks, h1 = (kw + 1) * halves / ks;
+    const W4Lane l{qw + blk * (K / 16) * WARP + lane, scw + blk * (K / 128) * 8 + g, st,
+                   smem_addr(st), h1};
     // The weights depend only on the expert: their first copy starts before the tile's
     // pairs are read.
     if (live && h0 < h1) w4_issue(l, h0, 0);

@@ -43,8 +43,9 @@ pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// resulting occupancy, so the K-split rule's wave follows it; `W4_STAGES`: their weight
 /// stages, 2 or 3, with the blocks' shared memory following, `launch::w4_smem`;
 /// `W4_TRACE`: block traces of the INT4 expert kernels, `crate::w4trace`; `W4_EPI`: their
-/// epilogue specialized by the K split, 1 by default, 0 the run-time one).
-pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 13] = [
+/// epilogue specialized by the K split, 1 by default, 0 the run-time one; `W4_PF`: their
+/// L2 prefetch of the weights that many half groups ahead, 0 none).
+pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 14] = [
     ("W4_XS", 1..=3),
     ("W4_MINB", 1..=4),
     ("W4_STAGES", 2..=3),
@@ -58,6 +59,7 @@ pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 13] = [
     ("ATT_INFLIGHT", 1..=8),
     ("W4_TRACE", 0..=1),
     ("W4_EPI", 0..=1),
+    ("W4_PF", 0..=16),
 ];
 
 /// The prelude prepended to every source.
