@@ -261,8 +261,8 @@ def layer(path):
         sys.exit(f"{path}: no row has layer_parts (records before 2026-12-06 lack them)")
     print(f"Record `{path}` (commit {d.get('git_commit')}): {d['device']}, copy "
           f"{d['copy_gb_s']:.0f} GB/s. Parts are single launches, each with its own launch latency.\n")
-    parts = ["router_us", "topk_us", "align_us", "topk_align_us", "shared_swiglu_us",
-             "shared_down_us", "combine_us"]
+    parts = ["router_us", "topk_us", "align_us", "shared_swiglu_us", "shared_down_us",
+             "combine_us"]
     print("| routing | M | experts us | layer us | layer / experts | layer % copy | "
           + " | ".join(p[:-3].replace("_", " ") + " alone" for p in parts) + " |")
     print("|---|---|---|---|---|---|" + "---|" * len(parts))

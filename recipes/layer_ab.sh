@@ -40,7 +40,7 @@ python3 - "$W" "${ROUNDS:-2}" "${LEGS-$LEGS_DEFAULT}" <<'PY' || rc=1
 import json, statistics, sys
 legs = sys.argv[3][:-1] if sys.argv[3].endswith(";") else sys.argv[3]
 d, rounds, sets = sys.argv[1], int(sys.argv[2]), (legs.split(";") if legs else [""])
-cols = ["layer_us", "experts_us", "router_us", "topk_us", "align_us", "topk_align_us", "shared_swiglu_us",
+cols = ["layer_us", "experts_us", "router_us", "topk_us", "align_us", "shared_swiglu_us",
         "shared_down_us", "combine_us"]
 t = {}
 for r in range(1, rounds + 1):

@@ -61,6 +61,25 @@ __device__ __forceinline__ void topk_pick(int* __restrict__ ids, float* __restri
     }
 }
 
+// ids[t, j], wts[t, j] for j < k: the selected experts in descending biased score.
+// Shapes: logits [T, E] f32, bias [E] f32, ids [T, k] i32, wts [T, k] f32;
+// E <= 1024, k <= 8, k <= E (host-checked).  Launch: grid (ceil(T / 4)), block 128.
+extern "C" __global__ void moe_topk(int* __restrict__ ids, float* __restrict__ wts,
+                                    const float* __restrict__ logits,
+                                    const float* __restrict__ bias, int T, int E, int k,
+                                    int norm_topk, float rsf) {
+    pdl_enter();
+    __shared__ float biased[TOPK_WARPS][EXPERTS_MAX];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int t = blockIdx.x * TOPK_WARPS + warp;
+    if (t >= T) return;  // uniform per warp
+    const float* lr = logits + (size_t)t * E;
+    float* b = biased[warp];
+    for (int e = lane; e < E; e += WARP) b[e] = sigmoid_f(lr[e]) + bias[e];
+    __syncwarp();
+    topk_pick(ids, wts, t, lr, b, E, k, norm_topk, rsf);
+}
+
 // MOE_ALIGN_FAST (default 1): align_tiles counts the pairs with shared atomics (one pass
 // over the P ids instead of one ballot pass per expert), scans the padded counts in
 // parallel (align_scan) instead of thread 0's loop over E, and skips experts without pairs
@@ -186,44 +205,6 @@ __device__ __forceinline__ void align_tiles(int* __restrict__ sorted, int* __res
         for (int t = offset[e] / MOE_TILE + lane; t < offset[e + 1] / MOE_TILE; t += WARP)
             tile_expert[t] = e;
     }
-}
-
-// ids[t, j], wts[t, j] for j < k: the selected experts in descending biased score.
-// With `sorted` not null (a one-block grid, T <= TOPK_WARPS: the host's rule) the block
-// also sorts the pairs into sorted / tile_expert after its picks (align_tiles, moe_align's
-// work and result), which saves the moe_align launch at decode: from its own picks in
-// shared memory, or with align_ids not null from those ids instead (bench moe aligns its
-// injected routing so; ids read through L2).
-// Shapes: logits [T, E] f32, bias [E] f32, ids [T, k] i32, wts [T, k] f32;
-// E <= 1024, k <= 8, k <= E (host-checked); sorted [8 max_tiles], tile_expert [max_tiles
-// + 1], align_ids [T k] or null.  Launch: grid (ceil(T / 4)), block 128.
-extern "C" __global__ void moe_topk(int* __restrict__ ids, float* __restrict__ wts,
-                                    const float* __restrict__ logits,
-                                    const float* __restrict__ bias, int T, int E, int k,
-                                    int norm_topk, float rsf, int* __restrict__ sorted,
-                                    int* __restrict__ tile_expert, int max_tiles,
-                                    const int* __restrict__ align_ids) {
-    pdl_enter();
-    __shared__ float biased[TOPK_WARPS][EXPERTS_MAX];
-    __shared__ int sids[TOPK_WARPS * TOPK_MAX];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int t = blockIdx.x * TOPK_WARPS + warp;
-    const bool align = sorted != nullptr;  // uniform
-    if (t < T) {  // uniform per warp
-        const float* lr = logits + (size_t)t * E;
-        float* b = biased[warp];
-        for (int e = lane; e < E; e += WARP) b[e] = sigmoid_f(lr[e]) + bias[e];
-        __syncwarp();
-        topk_pick(ids, wts, t, lr, b, E, k, norm_topk, rsf, align ? sids + warp * k : nullptr);
-    }
-    if (!align) return;
-    __shared__ int count[EXPERTS_MAX];
-    __shared__ int offset[EXPERTS_MAX + 1];
-    __syncthreads();  // every warp's picks in sids (block 0 holds tokens 0 .. T - 1)
-    if (align_ids != nullptr)
-        align_tiles(sorted, tile_expert, align_ids, T * k, E, max_tiles, count, offset);
-    else
-        align_tiles<true>(sorted, tile_expert, sids, T * k, E, max_tiles, count, offset);
 }
 
 // Pairs moe_align stages in shared memory (align_tiles): 32 KB, 64 sequences of a

@@ -205,7 +205,6 @@ pub fn parity(dir: &Path) -> Result<Vec<CheckLine>> {
     crate::gemm_check::router_norm_parity(&g, &mut out)?;
     crate::gemm_check::combine_parity(&g, &mut out)?;
     crate::gemm_check::align_parity(&g, &mut out)?;
-    crate::gemm_check::topk_align_parity(&g, &mut out)?;
     crate::moebench::shared_merge_parity(&g, &mut out)?;
     Ok(out)
 }

@@ -165,10 +165,6 @@ pub struct Gpu {
     /// The router's last block sorts the pairs instead of a `moe_align` launch (default;
     /// `SPECLAB_ROUTER_ALIGN=0` launches `moe_align`, the A/B reference).
     pub fuse_router_align: bool,
-    /// `moe_topk` also sorts the pairs (no `moe_align` launch) for up to
-    /// [`crate::ops::TOPK_ALIGN_T_MAX`] tokens, routers the fused router does not take
-    /// (default; `SPECLAB_TOPK_ALIGN=0` launches `moe_align`, the A/B reference).
-    pub fuse_topk_align: bool,
     /// The shared expert's down-projection with the combine runs its dot before the
     /// grid-dependency wait when its input settled two grids back (`ops::linear_combine`
     /// `settled`); default, `SPECLAB_COMBINE_PRE=0` waits first (A/B).
@@ -341,7 +337,6 @@ impl Gpu {
             )?,
             fuse_router_norm: env_on("SPECLAB_ROUTER_NORM"),
             fuse_router_align: env_on("SPECLAB_ROUTER_ALIGN"),
-            fuse_topk_align: env_on("SPECLAB_TOPK_ALIGN"),
             fuse_combine: env_on("SPECLAB_MOE_COMBINE"),
             combine_pre: env_on("SPECLAB_COMBINE_PRE"),
             fuse_kda: env_on("SPECLAB_KDA_FUSED"),
@@ -465,12 +460,6 @@ impl Gpu {
     /// expert's down-projection (`ops::linear_combine`).
     pub fn fuses_combine(&self, t: usize) -> bool {
         self.fuse_combine && t >= self.tiled_min_rows
-    }
-
-    /// Whether the routing of `t` tokens takes `moe_topk` with the pair sort in the same
-    /// block (`ops::moe_topk_align`) instead of `moe_topk` + `moe_align`.
-    pub fn fuses_topk_align(&self, t: usize) -> bool {
-        self.fuse_topk_align && t <= crate::ops::TOPK_ALIGN_T_MAX
     }
 
     /// Block until the stream is idle.

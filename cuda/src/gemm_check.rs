@@ -12,8 +12,7 @@
 //! and weights, bit for bit, with the router's last block doing `moe_align`'s sort
 //! against the `moe_align` launch; and the shared expert's down-projection with the MoE
 //! combine as its epilogue against `linear` + `moe_combine` ([`combine_parity`]); and
-//! `moe_align` against its host model ([`align_parity`]); and `moe_topk` sorting the pairs
-//! in its block against `moe_topk` + `moe_align` ([`topk_align_parity`]).
+//! `moe_align` against its host model ([`align_parity`]).
 //!
 //! Invariants: both kernels of a pair run on the same device inputs (seeded, models/tiny's
 //! shapes plus ragged ones that exercise the clamped edge rows / columns, a strided and
@@ -353,90 +352,6 @@ pub fn align_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
             differ(&got_tiles, &want_tiles) as f64,
             0.0,
         );
-    }
-    Ok(())
-}
-
-/// `moe_topk` sorting the pairs in its own block (`ops::moe_topk_align`, the routing of up
-/// to [`ops::TOPK_ALIGN_T_MAX`] tokens) against `moe_topk` then `moe_align`, on seeded
-/// logits of `t` tokens over `e` experts, top-`k`: from its own picks (ids, weights,
-/// sorted pairs, tile entries) and from given ids (as bench moe sorts its injected
-/// routing: sorted pairs, tile entries). One line per output counting differing elements.
-pub fn topk_align_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
-    let s = gpu.stream.clone();
-    let mut rng = ChaCha8Rng::seed_from_u64(0x70a1);
-    for &(t, e, k) in &[
-        (1usize, 288usize, 8usize),
-        (2, 288, 8),
-        (3, 288, 8),
-        (4, 288, 8),
-        (4, 1024, 8),
-        (3, 16, 2),
-    ] {
-        let mut f = |len: usize, a: f32| -> Vec<f32> {
-            (0..len).map(|_| rng.random_range(-a..a)).collect()
-        };
-        let logits = DevBuf::upload(&s, &f(t * e, 4.0), "topk check logits")?;
-        let bias = DevBuf::upload(&s, &f(e, 0.1), "topk check bias")?;
-        let top = ops::TopK {
-            logits: &logits,
-            bias: &bias,
-            norm_topk: true,
-            rsf: 2.5,
-        };
-        let max_tiles = crate::launch::moe_max_tiles(t * k, e);
-        let mut outs: Vec<[Vec<u32>; 4]> = Vec::new();
-        let ref_ids = DevBuf::<i32>::zeros(&s, t * k, "topk check ref ids")?;
-        for leg in 0..3 {
-            let fresh = |n: usize, what: &str| DevBuf::<i32>::zeros(&s, n, what);
-            let ids = if leg == 0 {
-                None
-            } else {
-                Some(fresh(t * k, "ids")?)
-            };
-            let wts = DevBuf::<f32>::zeros(&s, t * k, "topk check wts")?;
-            let sorted = fresh(8 * max_tiles, "topk check sorted")?;
-            let tiles = fresh(max_tiles + 1, "topk check tiles")?;
-            let r = Routing {
-                ids: ids.as_ref().unwrap_or(&ref_ids),
-                wts: &wts,
-                sorted: &sorted,
-                tile_expert: &tiles,
-                t,
-                k,
-                e,
-                max_tiles,
-            };
-            match leg {
-                0 => {
-                    ops::moe_topk(gpu, &r, &logits, &bias, true, 2.5)?;
-                    ops::moe_align(gpu, &r)?;
-                }
-                1 => ops::moe_topk_align(gpu, &r, &top, None)?,
-                _ => ops::moe_topk_align(gpu, &r, &top, Some(&ref_ids))?,
-            }
-            let words = |v: Vec<i32>| -> Vec<u32> { v.iter().map(|&i| i as u32).collect() };
-            outs.push([
-                words(r.ids.read(&s, 0, t * k, "ids")?),
-                wts.read(&s, 0, t * k, "wts")?
-                    .iter()
-                    .map(|x| x.to_bits())
-                    .collect(),
-                words(sorted.read(&s, 0, 8 * max_tiles, "sorted")?),
-                words(tiles.read(&s, 0, max_tiles + 1, "tiles")?),
-            ]);
-        }
-        let names = ["ids", "weights", "sorted", "tiles"];
-        for (leg, how) in [(1, "own picks"), (2, "given ids")] {
-            for (i, what) in names.iter().enumerate() {
-                if leg == 2 && i < 2 {
-                    continue; // the picks are leg 1's lines
-                }
-                let differ = outs[0][i].iter().zip(&outs[leg][i]).filter(|(a, b)| a != b);
-                let name = format!("moe_topk+align T={t} E={e} k={k} ({how}): {what} differing");
-                line(out, name, differ.count() as f64, 0.0);
-            }
-        }
     }
     Ok(())
 }

@@ -823,22 +823,16 @@ struct LayerIn<'a> {
 
 /// The MoE layer as step.rs runs a router of more than `ops::ROUTER_FUSED_E_MAX` experts
 /// (GLM-5.3's 288), on the injected routing of `d`: the router GEMM, moe_topk (its choice
-/// discarded) and moe_align (in one launch where `Gpu::fuses_topk_align`, as
-/// `ops::moe_route`; the sort then reads the injected ids from L2 where the engine's reads
-/// its own picks from shared memory), the experts with the shared expert's SwiGLU merged into the
+/// discarded) and moe_align, the experts with the shared expert's SwiGLU merged into the
 /// INT4 gate/up launch, and the shared down-projection with the combine fused
 /// (`linear_combine`), each fusion as the engine decides it (`Gpu::merges_shared`,
 /// `Gpu::fuses_combine`, which step.rs `moe` calls too).
 fn layer_call(x: LayerIn<'_>) -> Result<()> {
     let LayerIn { g, s, m, c, d, sc } = x;
     part_router(x)?;
+    part_topk(x)?;
     let r = d.routing(s, m);
-    if g.fuses_topk_align(m) {
-        part_topk_align(x)?;
-    } else {
-        part_topk(x)?;
-        ops::moe_align(g, &r)?;
-    }
+    ops::moe_align(g, &r)?;
     let merge = g.merges_shared(m, true);
     let shared = merge.then(|| ex_shared(sc, d, c, s, m));
     ops::moe_experts(
@@ -887,25 +881,6 @@ fn part_topk(x: LayerIn<'_>) -> Result<()> {
     ops::moe_topk(g, &topk, &sc.logits, &c.bias, true, RSF)
 }
 
-/// As `ops::moe_route` for up to `ops::TOPK_ALIGN_T_MAX` rows: one moe_topk block picks
-/// (into scratch, discarded) and sorts the draw's injected routing.
-fn part_topk_align(x: LayerIn<'_>) -> Result<()> {
-    let LayerIn { g, s, m, c, d, sc } = x;
-    let r = d.routing(s, m);
-    let topk = ops::Routing {
-        ids: &sc.ids,
-        wts: &sc.wts,
-        ..d.routing(s, m)
-    };
-    let top = ops::TopK {
-        logits: &sc.logits,
-        bias: &c.bias,
-        norm_topk: true,
-        rsf: RSF,
-    };
-    ops::moe_topk_align(g, &topk, &top, Some(r.ids))
-}
-
 /// The shared expert's down-projection [M, Is] -> [M, H] into `y`.
 fn shared_down<'a>(
     s: &MoeShape,
@@ -938,10 +913,6 @@ pub struct LayerParts {
     pub topk_us: f64,
     /// moe_align (pairs sorted by expert into tiles).
     pub align_us: f64,
-    /// moe_topk sorting the (injected) pairs in its own block, the one launch the layer
-    /// takes for both where `Gpu::fuses_topk_align` (up to `ops::TOPK_ALIGN_T_MAX` rows);
-    /// null otherwise.
-    pub topk_align_us: Option<f64>,
     /// The shared expert's SwiGLU [M, H] x [2 Is, H]^T, bf16 weights, alone.
     pub shared_swiglu_us: f64,
     /// The shared expert's down-projection [M, Is] x [H, Is]^T, bf16 weights, alone.
@@ -977,10 +948,6 @@ fn layer_parts(
         router_us: time(&part_router)?,
         topk_us: time(&part_topk)?,
         align_us: time(&|x| ops::moe_align(g, &x.d.routing(s, m)))?,
-        topk_align_us: match g.fuses_topk_align(m) {
-            true => Some(time(&part_topk_align)?),
-            false => None,
-        },
         shared_swiglu_us: time(&|x| ops::swiglu(g, &ex_shared(sc, x.d, x.c, s, m)))?,
         shared_down_us: time(&|x| ops::linear(g, &shared_down(s, m, x.c, sc, &sc.sh_out)))?,
         combine_us: time(&|x| {
@@ -1337,10 +1304,8 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
             ));
             let lp = &r.layer_parts;
             log(&format!(
-                "{:>8} M={:<4} layer parts alone (us): router {:.1}, topk {:.1}, align {:.1}, topk+align {}, shared swiglu {:.1}, shared down {:.1}, combine {:.1}",
-                r.routing, r.m, lp.router_us, lp.topk_us, lp.align_us,
-                lp.topk_align_us.map_or("-".to_string(), |v| format!("{v:.1}")),
-                lp.shared_swiglu_us, lp.shared_down_us, lp.combine_us
+                "{:>8} M={:<4} layer parts alone (us): router {:.1}, topk {:.1}, align {:.1}, shared swiglu {:.1}, shared down {:.1}, combine {:.1}",
+                r.routing, r.m, lp.router_us, lp.topk_us, lp.align_us, lp.shared_swiglu_us, lp.shared_down_us, lp.combine_us
             ));
             for c in r.trace.iter().flatten() {
                 log(&trace_line(c));
@@ -1372,7 +1337,7 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         w4_band: g.w4_band,
         moe_fused: launch::moe_fused(),
         split_in_call: split_in_call(),
-        timing: "CUDA events around single calls, median of iters (experts_us_chained: chains of CHAIN back-to-back calls, gate/up without its weight prologue, median over the chains); experts = moe_gate_up_w4 + moe_down_w4 on the input split at upload (split_in_call: moe_split_x + moe_gate_up_w4 + moe_down_w4), or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer (since 2026-12-06 as step.rs runs a 288-expert router) = router linear_bf16 + moe_topk (choice discarded) + moe_align (one moe_topk launch sorting the injected routing up to ops::TOPK_ALIGN_T_MAX rows where Gpu::fuses_topk_align) + experts with the bf16 shared SwiGLU merged into gate/up (moe_gate_up_shared_w4, split in the call) + the shared down-projection with the combine fused (ops::linear_combine, skinny or tiled), each as the engine decides it (Gpu::merges_shared / fuses_combine); bf16 GEMMs skinny up to Gpu::skinny_max_rows rows; layer_parts: each launch alone, unfused",
+        timing: "CUDA events around single calls, median of iters (experts_us_chained: chains of CHAIN back-to-back calls, gate/up without its weight prologue, median over the chains); experts = moe_gate_up_w4 + moe_down_w4 on the input split at upload (split_in_call: moe_split_x + moe_gate_up_w4 + moe_down_w4), or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer (since 2026-12-06 as step.rs runs a 288-expert router) = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts with the bf16 shared SwiGLU merged into gate/up (moe_gate_up_shared_w4, split in the call) + the shared down-projection with the combine fused (ops::linear_combine, skinny or tiled), each as the engine decides it (Gpu::merges_shared / fuses_combine); bf16 GEMMs skinny up to Gpu::skinny_max_rows rows; layer_parts: each launch alone, unfused",
         all_pass: rows.iter().all(|r| r.pass),
         rows,
     })

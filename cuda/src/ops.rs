@@ -630,8 +630,7 @@ impl Routing<'_> {
     }
 }
 
-/// Kernels `moe_topk` then `moe_align`: routing from router logits `[T, E]`; in one
-/// launch (`moe_topk` sorting its own picks) where [`Gpu::fuses_topk_align`] says so.
+/// Kernels `moe_topk` then `moe_align`: routing from router logits `[T, E]`.
 pub fn moe_route(
     g: &Gpu,
     r: &Routing<'_>,
@@ -640,47 +639,8 @@ pub fn moe_route(
     norm_topk: bool,
     rsf: f32,
 ) -> Result<()> {
-    let top = TopK {
-        logits,
-        bias,
-        norm_topk,
-        rsf,
-    };
-    if g.fuses_topk_align(r.t) {
-        return moe_topk_align(g, r, &top, None);
-    }
     moe_topk(g, r, logits, bias, norm_topk, rsf)?;
     moe_align(g, r)
-}
-
-/// The router's output and the pick's settings, for [`moe_topk_align`].
-pub struct TopK<'a> {
-    /// Shape: [T, E] router logits.
-    pub logits: &'a DevBuf<f32>,
-    /// Shape: [E] e_score_correction_bias.
-    pub bias: &'a DevBuf<f32>,
-    pub norm_topk: bool,
-    pub rsf: f32,
-}
-
-/// Tokens up to which one `moe_topk` block (4 warps, a token each) can also sort the pairs.
-pub const TOPK_ALIGN_T_MAX: usize = 4;
-
-/// The arguments of kernel `moe_topk` before its sort's.
-fn topk_args(r: &Routing<'_>, top: &TopK<'_>) -> Result<Vec<Arg>> {
-    r.check()?;
-    let p = r.t * r.k;
-    Ok(vec![
-        ptr(r.ids, 0, p, "topk ids")?,
-        ptr(r.wts, 0, p, "topk wts")?,
-        ptr(top.logits, 0, r.t * r.e, "router logits")?,
-        ptr(top.bias, 0, r.e, "router bias")?,
-        int(r.t, "T")?,
-        int(r.e, "E")?,
-        int(r.k, "k")?,
-        Arg::I(i32::from(top.norm_topk)),
-        Arg::F(top.rsf),
-    ])
 }
 
 /// Kernel `moe_topk`: `r.ids` / `r.wts` from router logits `[T, E]` and the bias `[E]`.
@@ -692,45 +652,21 @@ pub fn moe_topk(
     norm_topk: bool,
     rsf: f32,
 ) -> Result<()> {
-    let top = TopK {
-        logits,
-        bias,
-        norm_topk,
-        rsf,
-    };
-    let mut args = topk_args(r, &top)?;
-    args.extend([Arg::P(0), Arg::P(0), Arg::I(0), Arg::P(0)]);
+    r.check()?;
+    let p = r.t * r.k;
+    let args = [
+        ptr(r.ids, 0, p, "topk ids")?,
+        ptr(r.wts, 0, p, "topk wts")?,
+        ptr(logits, 0, r.t * r.e, "router logits")?,
+        ptr(bias, 0, r.e, "router bias")?,
+        int(r.t, "T")?,
+        int(r.e, "E")?,
+        int(r.k, "k")?,
+        Arg::I(i32::from(norm_topk)),
+        Arg::F(rsf),
+    ];
     // SAFETY: ids, wts [T*k], logits [T, E], bias [E] checked; k <= 8, E <= 1024 checked
-    // (the kernel's shared arrays); no sort (sorted null).
-    unsafe { launch(g, "moe_topk", launch::per_warp(r.t, "moe_topk")?, &args) }
-}
-
-/// Kernel `moe_topk` with the pair sort in the same block: `r.ids` / `r.wts` as
-/// [`moe_topk`], and `r.sorted` / `r.tile_expert` as [`moe_align`] writes them, from the
-/// picks or, with `align_ids` (shape [T k], each `< E`), from those ids (the bench's
-/// injected routing). One block: at most [`TOPK_ALIGN_T_MAX`] tokens.
-pub fn moe_topk_align(
-    g: &Gpu,
-    r: &Routing<'_>,
-    top: &TopK<'_>,
-    align_ids: Option<&DevBuf<i32>>,
-) -> Result<()> {
-    if r.t > TOPK_ALIGN_T_MAX {
-        return Err(CudaError::Unsupported(format!(
-            "moe_topk with the sort for {} tokens (at most {TOPK_ALIGN_T_MAX}, one block)",
-            r.t
-        )));
-    }
-    let mut args = topk_args(r, top)?;
-    let [sorted, tiles] = tile_args(r)?;
-    let ids_in = match align_ids {
-        Some(b) => ptr(b, 0, r.t * r.k, "align ids")?,
-        None => Arg::P(0),
-    };
-    args.extend([sorted, tiles, int(r.max_tiles, "max_tiles")?, ids_in]);
-    // SAFETY: as moe_topk; sorted [8 max_tiles], tile_expert [max_tiles + 1] checked and
-    // max_tiles >= moe_max_tiles(P, E) (`r.check`), as moe_align; align_ids [T k] checked,
-    // each < E (the caller's invariant, as moe_align's); T <= 4 is one block.
+    // (the kernel's shared arrays).
     unsafe { launch(g, "moe_topk", launch::per_warp(r.t, "moe_topk")?, &args) }
 }
 
