@@ -268,8 +268,7 @@ def layer(path):
     print("|---|---|---|---|---|---|" + "---|" * len(parts))
     for r in rows:
         frac = r["layer_gb_s"] / d["copy_gb_s"]
-        lp = r["layer_parts"]
-        cells = " | ".join("-" if lp.get(p) is None else f"{lp[p]:.1f}" for p in parts)
+        cells = " | ".join(f"{r['layer_parts'][p]:.1f}" for p in parts)
         print(f"| {r['routing']} | {r['m']} | {r['experts_us']:.1f} | {r['layer_us']:.1f} | "
               f"{r['layer_us'] / r['experts_us']:.2f} | {100 * frac:.0f}% | {cells} |")
 

@@ -58,8 +58,7 @@ print("|---|---|" + "---|" * (len(cols) + 1))
 for m in sorted(t):
     for i in sorted(t[m]):
         vs = t[m][i]
-        cells = [f"{statistics.median(v[c] for v, _ in vs):.1f}"
-                 if all(v.get(c) is not None for v, _ in vs) else "-" for c in cols]
+        cells = [f"{statistics.median(v[c] for v, _ in vs):.1f}" for c in cols]
         print(f"| {m} | {sets[i] or 'defaults'} | " + " | ".join(cells) +
               f" | {all(p for _, p in vs)} |")
 PY

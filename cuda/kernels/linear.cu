@@ -1119,7 +1119,7 @@ struct W4Lane {
 // W4_PF (default 0: compiled out): each half group's copy also asks L2 for the warp's
 // half W4_PF further on (`prefetch.global.L2`, one 128-byte line a lane for its 2 KB of
 // weights, one for its group's scales), so more of the weight stream is in flight than
-// the stages hold.  A trace on an H200 put a lone block a SM at about 25 GB/s against the
+// the stages hold.  Traces on an H200 put a lone block an SM at about 22 GB/s against the
 // 32 GB/s share of the copy bandwidth (findings/bench-moe.md).
 #ifndef W4_PF
 #define W4_PF 0

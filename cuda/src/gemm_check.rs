@@ -290,8 +290,8 @@ pub fn router_norm_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
 
 /// `moe_align` against its host model ([`crate::launch::moe_align_model`]) on seeded
 /// routings of `t` tokens, top-`k` of `e` distinct experts a token: GLM-5.3-Flash's 288
-/// experts from one token to 300 (more pairs than the kernel's threads), models/tiny's 16,
-/// and the kernel's 1024. Two lines per case: sorted positions and tile entries (the count
+/// experts from one token to 300 (more pairs than the kernel's threads) and to 1,100 (more
+/// than it stages in shared memory), models/tiny's 16, and the kernel's 1024. Two lines per case: sorted positions and tile entries (the count
 /// of used tiles included) that differ.
 pub fn align_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
     let s = gpu.stream.clone();
@@ -360,8 +360,9 @@ pub fn align_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
 /// (`ops::linear_combine`) against `linear` into a shared buffer then `moe_combine`, on
 /// seeded rows of `t` tokens, hidden `h`, shared intermediate `inter`, top-`k` of `e`
 /// distinct experts per token: lines counting the residual elements whose bits differ,
-/// for the fused kernel waiting first and running its dot before the wait. Up to [`Gpu::skinny_max_rows`] tokens both sides run the skinny kernels (their own
-/// parity against the reference is [`tiled_parity`]'s).
+/// for the fused kernel waiting first and running its dot before the wait. Up to
+/// [`Gpu::skinny_max_rows`] tokens both sides run the skinny kernels (their own parity
+/// against the reference is [`tiled_parity`]'s).
 pub fn combine_parity(gpu: &Gpu, out: &mut Vec<CheckLine>) -> Result<()> {
     let s = gpu.stream.clone();
     let mut rng = ChaCha8Rng::seed_from_u64(0xc0b1);
