@@ -978,8 +978,14 @@ mod tests {
             let mut per_row = vec![Vec::new(); rows];
             for &(gw, row, h0, h1, slot) in &segs {
                 assert!(h0 < h1 && h1 <= halves, "{rows} {halves} {w}: {h0}..{h1}");
-                for x in row * halves + h0..row * halves + h1 {
-                    seen[x] += 1;
+                let units = row * halves + h0..row * halves + h1;
+                for (x, n) in seen
+                    .iter_mut()
+                    .enumerate()
+                    .take(units.end)
+                    .skip(units.start)
+                {
+                    *n += 1;
                     assert_eq!(w4s_owner(x, u, w), gw, "unit {x} of {rows} {halves} {w}");
                 }
                 if let Some(sl) = slot {
