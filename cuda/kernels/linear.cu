@@ -1716,10 +1716,10 @@ __device__ void w4_stream(const W4S& s, int gw, bool pre, W4Clock& ck) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     uint4* st = w4_smem + warp * W4_STAGES * W4_SLOT * WARP + lane;
     int* tp = w4s_tp[warp];
-    if (gw >= s.W) return;  // fewer units than warps: the rest idle
-    const long long end = w4s_start(gw + 1, s.U, s.W);
+    const bool busy = gw < s.W;  // fewer units than warps: the rest idle
+    const long long end = busy ? w4s_start(gw + 1, s.U, s.W) : 0;
     bool waited = !pre;
-    for (long long a = w4s_start(gw, s.U, s.W); a < end;) {
+    for (long long a = busy ? w4s_start(gw, s.U, s.W) : 0; a < end;) {
         const long long row = a / s.halves;
         const int tile = (int)(row / s.nrb);
         const int h0 = (int)(a - row * s.halves);
