@@ -1578,6 +1578,12 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
 //   row block are then summed in warp order.  The same f32 dot product up to summation
 //   order as the K-split items, not the same bits.
 #define W4S_SLOT (2 * ROWS_PER_TILE * 64)  // floats a part: up to 16 columns x 64 rows
+// Half groups a stream warp walks at least, else the K-split items run: below it the
+// parts' traffic and the pipeline's fill outweigh the balance (models/tiny: 2-4 halves a
+// row block, 32 units at one token against 2112 warps).
+#ifndef W4S_MIN_UNITS
+#define W4S_MIN_UNITS 4
+#endif
 
 // The first unit of stream warp gw (of W) over U units.
 __device__ __forceinline__ long long w4s_start(int gw, long long U, int W) {
@@ -1611,7 +1617,8 @@ __device__ __forceinline__ float* w4s_slot(const W4S& s, int gw, long long r0) {
 
 // The live columns (< ncols) of the accumulators: lane (g, t)'s acc[m][i][c] is row 16 i +
 // g + 8 (c / 2), column 8 m + 2 t + c % 2 (the PTX C-fragment table), at col 64 + row.
-template <int NA, bool ADD>
+// LOAD: part -> acc (0 in the other columns), else acc -> part.
+template <int NA, bool LOAD>
 __device__ __forceinline__ void w4s_move(float acc[][W4_RT][4], float* part, int ncols) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -1622,12 +1629,22 @@ __device__ __forceinline__ void w4s_move(float acc[][W4_RT][4], float* part, int
             for (int c = 0; c < 4; ++c) {
                 const int col = 8 * m + 2 * t + (c & 1);
                 float* at = part + col * 64 + 16 * i + g + 8 * (c >> 1);
-                if (col >= ncols) continue;
-                if (ADD)
-                    acc[m][i][c] += __ldcg(at);
-                else
+                if (LOAD)
+                    acc[m][i][c] = col < ncols ? __ldcg(at) : 0.0f;
+                else if (col < ncols)
                     __stcg(at, acc[m][i][c]);
             }
+}
+
+// sum += the part in `a`, element-wise.
+template <int NA>
+__device__ __forceinline__ void w4s_add(float sum[][W4_RT][4], const float a[][W4_RT][4]) {
+#pragma unroll
+    for (int m = 0; m < NA; ++m)
+#pragma unroll
+        for (int i = 0; i < W4_RT; ++i)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) sum[m][i][c] += a[m][i][c];
 }
 
 // Count this warp's part of row block `row` (units from r0); true when it was the last
@@ -1649,20 +1666,16 @@ __device__ __forceinline__ bool w4s_settle(const W4S& s, float acc[][W4_RT][4], 
     const int first = w4s_owner(r0, s.U, s.W), last = w4s_owner(r0 + s.halves - 1, s.U, s.W);
     if (old != last - first) return false;
     __threadfence();  // the other parts' writes, fenced before their increments
-    float tot[NA][W4_RT][4];
-#pragma unroll
-    for (int m = 0; m < NA; ++m)
-#pragma unroll
-        for (int i = 0; i < W4_RT; ++i)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) tot[m][i][c] = 0.0f;
-    for (int o = first; o <= last; ++o) w4s_move<NA, true>(tot, w4s_slot(s, o, r0), ncols);
-#pragma unroll
-    for (int m = 0; m < NA; ++m)
-#pragma unroll
-        for (int i = 0; i < W4_RT; ++i)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[m][i][c] = tot[m][i][c];
+    // Two parts' loads in flight at a time (each a dependent L2 round trip otherwise), added
+    // in warp order; the first into acc itself.
+    w4s_move<NA, true>(acc, w4s_slot(s, first, r0), ncols);
+    for (int o = first + 1; o <= last; o += 2) {
+        float p0[NA][W4_RT][4], p1[NA][W4_RT][4];
+        w4s_move<NA, true>(p0, w4s_slot(s, o, r0), ncols);
+        if (o + 1 <= last) w4s_move<NA, true>(p1, w4s_slot(s, o + 1, r0), ncols);
+        w4s_add<NA>(acc, p0);
+        if (o + 1 <= last) w4s_add<NA>(acc, p1);
+    }
     if (lane == 0) s.ctr[row] = 0;
     return true;
 }
@@ -1798,10 +1811,11 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
     }
     const int nrb = N * NMAT / 64;
     const int ntiles = pre ? __ldcg(tile_expert + max_tiles) : tile_expert[max_tiles];
-    if (w4s_blocks > 0 && ntiles < w4s_tiles) {  // the stream split (w4_stream)
-        if (bid >= w4s_blocks) return;              // uniform per block
-        const long long units = (long long)ntiles * nrb * (K / 64);
-        const int warps = (int)min((long long)w4s_blocks * W4_WARPS, units);
+    const long long units = (long long)ntiles * nrb * (K / 64);
+    if (w4s_blocks > 0 && ntiles < w4s_tiles &&
+        units >= (long long)w4s_blocks * W4_WARPS * W4S_MIN_UNITS) {  // the stream split
+        if (bid >= w4s_blocks) return;                                  // uniform per block
+        const int warps = w4s_blocks * W4_WARPS;
         const W4S s{y,         hs,    xs, qw,  scw, topk_w, sorted, tile_expert,
                     w4s_ctr,   w4s_parts, units, warps, div, N, K, nrb, K / 64};
         w4_stream<NMAT>(s, bid * W4_WARPS + (threadIdx.x >> 5), pre, ck);

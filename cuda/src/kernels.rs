@@ -44,8 +44,9 @@ pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// stages, 2 or 3, with the blocks' shared memory following, `launch::w4_smem`;
 /// `W4_TRACE`: block traces of the INT4 expert kernels, `crate::w4trace`; `W4_EPI`: their
 /// epilogue specialized by the K split, 1 by default, 0 the run-time one; `W4_PF`: their
-/// L2 prefetch of the weights that many half groups ahead, 0 none).
-pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 14] = [
+/// L2 prefetch of the weights that many half groups ahead, 0 none; `W4S_MIN_UNITS`: the
+/// half groups a warp of their stream split walks at least, else the K-split items run).
+pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 15] = [
     ("W4_XS", 1..=3),
     ("W4_MINB", 1..=4),
     ("W4_STAGES", 2..=3),
@@ -60,6 +61,7 @@ pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 14] = [
     ("W4_TRACE", 0..=1),
     ("W4_EPI", 0..=1),
     ("W4_PF", 0..=16),
+    ("W4S_MIN_UNITS", 0..=64),
 ];
 
 /// The prelude prepended to every source.
