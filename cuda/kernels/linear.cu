@@ -1568,12 +1568,15 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
 //   (gw + 1) U / W): every warp walks the same weight bytes, within one half group, and
 //   at least one unit (so a row block's parts are its owners first .. last, w4s_owner).
 // - A segment is a warp's units of one row block.  A whole row block goes straight to the
-//   warp's epilogue.  A part is stored in the parts buffer (its ncols live columns x 64
-//   rows, slot 2 gw for the warp's first segment, 2 gw + 1 for its last) and counted on
-//   the row block's counter; the segment that brings the count to the row block's
-//   segments sums every part in warp order (so the bits do not depend on which one comes
-//   last), resets the counter to 0 (zero between launches) and runs the epilogue.  No
-//   warp waits on another: no assumption on residency.
+//   warp's epilogue.  A part (only a warp's first and last segments can be one) is stored
+//   in the parts buffer (its ncols live columns x 64 rows, slot 2 gw for the warp's first
+//   segment, 2 gw + 1 for its last); once the warp's walk is done, one fence and a count
+//   on each part's row block; the count that completes a row block's parts makes its warp
+//   sum them in warp order (so the bits do not depend on which one comes last), reset the
+//   counter to 0 (zero between launches) and run the epilogue.  No warp waits on another:
+//   no assumption on residency.  (A dynamic split that counted every unit, with a fence
+//   each amid the weight stream, measured slower and was removed: findings/bench-moe.md,
+//   "A dynamic split of the work".)
 // - The sums: each warp's walk sums its halves in order, as w4_walk does; the parts of a
 //   row block are then summed in warp order.  The same f32 dot product up to summation
 //   order as the K-split items, not the same bits.
@@ -1647,27 +1650,14 @@ __device__ __forceinline__ void w4s_add(float sum[][W4_RT][4], const float a[][W
             for (int c = 0; c < 4; ++c) sum[m][i][c] += a[m][i][c];
 }
 
-// Count this warp's part of row block `row` (units from r0); true when it was the last
-// one, `acc` then holds the row block's sum over every part in warp order.
+// Row block `row`'s sum over its parts, in warp order (owners first .. last), into acc;
+// then its counter back to 0 for the next launch.  Two parts' loads in flight at a time
+// (each a dependent L2 round trip otherwise).
 template <int NA>
-__device__ __forceinline__ bool w4s_settle(const W4S& s, float acc[][W4_RT][4], int gw,
-                                           long long row, int ncols) {
-    const int lane = threadIdx.x & 31;
+__device__ __forceinline__ void w4s_gather(const W4S& s, float acc[][W4_RT][4], long long row,
+                                           int ncols) {
     const long long r0 = row * s.halves;
-    w4s_move<NA, false>(acc, w4s_slot(s, gw, r0), ncols);
-    __threadfence();
-    __syncwarp();
-    int old = 0;
-    if (lane == 0) {
-        __threadfence();
-        old = atomicAdd(s.ctr + row, 1);
-    }
-    old = __shfl_sync(0xffffffffu, old, 0);
     const int first = w4s_owner(r0, s.U, s.W), last = w4s_owner(r0 + s.halves - 1, s.U, s.W);
-    if (old != last - first) return false;
-    __threadfence();  // the other parts' writes, fenced before their increments
-    // Two parts' loads in flight at a time (each a dependent L2 round trip otherwise), added
-    // in warp order; the first into acc itself.
     w4s_move<NA, true>(acc, w4s_slot(s, first, r0), ncols);
     for (int o = first + 1; o <= last; o += 2) {
         float p0[NA][W4_RT][4], p1[NA][W4_RT][4];
@@ -1676,19 +1666,38 @@ __device__ __forceinline__ bool w4s_settle(const W4S& s, float acc[][W4_RT][4], 
         w4s_add<NA>(acc, p0);
         if (o + 1 <= last) w4s_add<NA>(acc, p1);
     }
-    if (lane == 0) s.ctr[row] = 0;
-    return true;
+    if ((threadIdx.x & 31) == 0) s.ctr[row] = 0;
+}
+
+// Row block `row`'s outputs for the tile's np pairs tp[] from acc, through this warp's
+// region of red.
+template <int NMAT, int NA>
+__device__ __forceinline__ void w4s_out(const W4S& s, float* red, const float acc[][W4_RT][4],
+                                        long long row, const int* tp, int np, int mode) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int m = 0; m < NA; ++m)
+#pragma unroll
+        for (int i = 0; i < W4_RT; ++i)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                red[m * W4_RED_SET + (warp * W4_RT * 4 + i * 4 + c) * WARP + lane] = acc[m][i][c];
+    __syncwarp();
+    const int cols = NMAT == 2 ? 32 : 64, rb = (int)(row % s.nrb);
+    for (int it = lane; it < cols * np; it += WARP)
+        w4_out<NMAT, 1>(red, s.y, s.hs, s.topk_w, tp[it / cols], it / cols, mode, 1, warp, rb,
+                        it % cols, s.N);
+    __syncwarp();  // red and tp are rewritten by the warp's next segment
 }
 
 // One segment in mode MODE: halves [h0, h1) of global row block `row` (its first half's
-// copy issued and committed), then, once the row block is summed, its outputs for the
-// tile's np pairs tp[] from this warp's accumulator region of red.
+// copy issued and committed).  A whole row block goes to its outputs; a part is stored
+// (counted later, w4s_settle).
 template <int NMAT, int MODE>
 __device__ __forceinline__ void w4s_segment(const W4S& s, float* red, const W4Lane& l,
                                             const uint2* b0, const uint2* b1, int h0, int h1,
                                             long long row, int gw, const int* tp, int np) {
     constexpr int NA = W4M<MODE>::NA;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float acc[NA][W4_RT][4];
 #pragma unroll
     for (int m = 0; m < NA; ++m)
@@ -1701,26 +1710,72 @@ __device__ __forceinline__ void w4s_segment(const W4S& s, float* red, const W4La
 #else
     w4_walk<MODE, false>(acc, l, b0, b1, h0, h1);
 #endif
-    const int ncols = MODE == 2 ? np : np * W4_XS;
-    if ((h0 != 0 || h1 != s.halves) && !w4s_settle<NA>(s, acc, gw, row, ncols)) return;
-#pragma unroll
-    for (int m = 0; m < NA; ++m)
-#pragma unroll
-        for (int i = 0; i < W4_RT; ++i)
-#pragma unroll
-            for (int c = 0; c < 4; ++c)
-                red[m * W4_RED_SET + (warp * W4_RT * 4 + i * 4 + c) * WARP + lane] = acc[m][i][c];
-    __syncwarp();
-    const int cols = NMAT == 2 ? 32 : 64, rb = (int)(row % s.nrb);
-    for (int it = lane; it < cols * np; it += WARP)
-        w4_out<NMAT, 1>(red, s.y, s.hs, s.topk_w, tp[it / cols], it / cols, MODE, 1, warp, rb,
-                        it % cols, s.N);
-    __syncwarp();  // red is rewritten by the warp's next segment
+    if (h0 == 0 && h1 == s.halves) {
+        w4s_out<NMAT, NA>(s, red, acc, row, tp, np, MODE);
+    } else {
+        w4s_move<NA, false>(acc, w4s_slot(s, gw, row * s.halves), MODE == 2 ? np : np * W4_XS);
+    }
 }
 
-// Stream warp gw's units, segment by segment.  With `pre` the grid-dependency wait comes
-// after the first segment's weight copy is issued (the routing read through L2), as in
-// w4_item; without it the caller has waited.
+// Tile `tile`'s pairs into tp (this warp's), their count, and its column mode (uniform per
+// row block: by the row block's length, so every segment of a row block takes one mode).
+__device__ __forceinline__ int w4s_pairs(const W4S& s, int* tp, int tile, int& mode) {
+    const int lane = threadIdx.x & 31;
+    __syncwarp();  // the last reads of tp are done
+    if (lane < ROWS_PER_TILE) tp[lane] = s.sorted[(size_t)tile * ROWS_PER_TILE + lane];
+    __syncwarp();
+    int np = 0;
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_TILE; ++r) np += tp[r] >= 0;
+    const bool pack2 = W4_PACK2 && W4_XS == 3 && s.halves >= W4_PACK2_HALVES;
+    mode = W4_XS == 1 || np * W4_XS <= ROWS_PER_TILE    ? 0
+           : pack2 && np * W4_XS <= 2 * ROWS_PER_TILE ? 1
+                                                        : 2;
+    return np;
+}
+
+// The warp's stored parts (rows pend[0..n), at most its first and last segments): one
+// fence behind both, one count each (lanes 0 and 1 at once); where a count completes its
+// row block, the warp sums its parts and writes the outputs.  The release pattern of
+// CUTLASS's semaphore (include/cutlass/semaphore.h): the warp's barrier, then a fence and
+// the atomic; the reader fences after it.
+template <int NMAT>
+__device__ __forceinline__ void w4s_settle(const W4S& s, float* red, int* tp,
+                                           const long long pend[2], int n) {
+    const int lane = threadIdx.x & 31;
+    __syncwarp();
+    int old = -1;
+    if (lane < n) {
+        __threadfence();
+        old = atomicAdd(s.ctr + pend[lane], 1);
+    }
+    for (int j = 0; j < n; ++j) {
+        const int got = __shfl_sync(0xffffffffu, old, j);
+        const long long row = pend[j], r0 = row * s.halves;
+        const int parts = w4s_owner(r0 + s.halves - 1, s.U, s.W) - w4s_owner(r0, s.U, s.W) + 1;
+        if (got != parts - 1) continue;  // uniform per warp
+        __threadfence();  // the other parts' writes, fenced before their counts
+        int mode;
+        const int np = w4s_pairs(s, tp, (int)(row / s.nrb), mode);
+        if (mode == 0) {
+            float acc[1][W4_RT][4];
+            w4s_gather<1>(s, acc, row, np * W4_XS);
+            w4s_out<NMAT, 1>(s, red, acc, row, tp, np, 0);
+        } else if (W4_PACK2 && mode == 1) {  // compiled out by default
+            float acc[2][W4_RT][4];
+            w4s_gather<2>(s, acc, row, np * W4_XS);
+            w4s_out<NMAT, 2>(s, red, acc, row, tp, np, 1);
+        } else {
+            float acc[1][W4_RT][4];
+            w4s_gather<1>(s, acc, row, np);
+            w4s_out<NMAT, 1>(s, red, acc, row, tp, np, 2);
+        }
+    }
+}
+
+// Stream warp gw's units, segment by segment, then its parts counted (w4s_settle).  With
+// `pre` the grid-dependency wait comes after the first segment's weight copy is issued
+// (the routing read through L2), as in w4_item; without it the caller has waited.
 template <int NMAT>
 __device__ void w4_stream(const W4S& s, int gw, bool pre, W4Clock& ck) {
     extern __shared__ uint4 w4_smem[];
@@ -1732,6 +1787,8 @@ __device__ void w4_stream(const W4S& s, int gw, bool pre, W4Clock& ck) {
     const bool busy = gw < s.W;  // fewer units than warps: the rest idle
     const long long end = busy ? w4s_start(gw + 1, s.U, s.W) : 0;
     bool waited = !pre;
+    long long pend[2] = {0, 0};
+    int npend = 0;
     for (long long a = busy ? w4s_start(gw, s.U, s.W) : 0; a < end;) {
         const long long row = a / s.halves;
         const int tile = (int)(row / s.nrb);
@@ -1748,18 +1805,9 @@ __device__ void w4_stream(const W4S& s, int gw, bool pre, W4Clock& ck) {
             ck.mark<1>();
             waited = true;
         }
-        __syncwarp();  // the last segment's reads of tp are done
-        if (lane < ROWS_PER_TILE) tp[lane] = s.sorted[(size_t)tile * ROWS_PER_TILE + lane];
-        __syncwarp();
-        int np = 0;
-#pragma unroll
-        for (int r = 0; r < ROWS_PER_TILE; ++r) np += tp[r] >= 0;
-        // The tile's column mode and this lane's B columns, as w4_item.
-        // (by the row block's length, so every segment of a row block takes one mode)
-        const bool pack2 = W4_PACK2 && W4_XS == 3 && s.halves >= W4_PACK2_HALVES;
-        const int mode = W4_XS == 1 || np * W4_XS <= ROWS_PER_TILE    ? 0
-                         : pack2 && np * W4_XS <= 2 * ROWS_PER_TILE ? 1
-                                                                      : 2;
+        int mode;
+        const int np = w4s_pairs(s, tp, tile, mode);
+        // This lane's B columns, as w4_item.
         const int c1 = g + ROWS_PER_TILE;
         const int q0 = mode == 2 ? g : g / W4_XS, x0 = mode == 2 ? 0 : g % W4_XS;
         const int q1 = c1 / W4_XS, x1 = c1 % W4_XS;
@@ -1775,9 +1823,11 @@ __device__ void w4_stream(const W4S& s, int gw, bool pre, W4Clock& ck) {
         } else {
             w4s_segment<NMAT, 2>(s, red, l, b0, b1, h0, h1, row, gw, tp, np);
         }
+        if (h0 != 0 || h1 != s.halves) pend[npend++] = row;  // at most 2: first, last
         a = row * s.halves + h1;
     }
     ck.mark<2>();
+    if (npend) w4s_settle<NMAT>(s, red, tp, pend, npend);
     ck.mark<3>();
 }
 
