@@ -1580,6 +1580,11 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
 // - The sums: each warp's walk sums its halves in order, as w4_walk does; the parts of a
 //   row block are then summed in warp order.  The same f32 dot product up to summation
 //   order as the K-split items, not the same bits.
+// Compiled in only with W4_STREAM=1 (kernels.rs adds it when SPECLAB_W4_STREAM is on), so
+// the default kernels are the K-split ones as last measured, register allocation included.
+#ifndef W4_STREAM
+#define W4_STREAM 0
+#endif
 #define W4S_SLOT (2 * ROWS_PER_TILE * 64)  // floats a part: up to 16 columns x 64 rows
 // Half groups a stream warp walks at least, else the K-split items run: below it the
 // parts' traffic and the pipeline's fill outweigh the balance (models/tiny: 2-4 halves a
@@ -1861,6 +1866,7 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
     }
     const int nrb = N * NMAT / 64;
     const int ntiles = pre ? __ldcg(tile_expert + max_tiles) : tile_expert[max_tiles];
+#if W4_STREAM
     const long long units = (long long)ntiles * nrb * (K / 64);
     if (w4s_blocks > 0 && ntiles < w4s_tiles &&
         units >= (long long)w4s_blocks * W4_WARPS * W4S_MIN_UNITS) {  // the stream split
@@ -1872,6 +1878,7 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
         ck.put(NMAT == 2 ? 2 : 3);
         return;
     }
+#endif
     const int ks = w4_split(ntiles, ks_hi, W4_SEG_ARGS);
     const int xneed = w4_groups(nrb, ks);
     if (bid >= ntiles * xneed) return;  // uniform per block

@@ -319,6 +319,13 @@ impl Gpu {
             crate::launch::W4_STREAM_DEFAULT,
             w4_slots,
         )? {
+            Some(_) if kernels::define_value(&defines, "W4_STREAM") != Some(1) => {
+                return Err(CudaError::Input(format!(
+                    "{}: the stream split needs the kernels compiled with W4_STREAM=1, and {} sets W4_STREAM=0",
+                    crate::launch::W4_STREAM_ENV,
+                    kernels::DEFINES_ENV
+                )));
+            }
             Some(st) => {
                 let parts = crate::buf::DevBuf::zeros(&stream, st.parts_len(), "w4 stream parts")?;
                 Some((st, parts))

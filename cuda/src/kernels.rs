@@ -45,8 +45,10 @@ pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// `W4_TRACE`: block traces of the INT4 expert kernels, `crate::w4trace`; `W4_EPI`: their
 /// epilogue specialized by the K split, 1 by default, 0 the run-time one; `W4_PF`: their
 /// L2 prefetch of the weights that many half groups ahead, 0 none; `W4S_MIN_UNITS`: the
-/// half groups a warp of their stream split walks at least, else the K-split items run).
-pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 15] = [
+/// half groups a warp of their stream split walks at least, else the K-split items run;
+/// `W4_STREAM`: their stream split compiled in, added by [`env_defines`] when
+/// `SPECLAB_W4_STREAM` turns it on).
+pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 16] = [
     ("W4_XS", 1..=3),
     ("W4_MINB", 1..=4),
     ("W4_STAGES", 2..=3),
@@ -62,6 +64,7 @@ pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 15] = [
     ("W4_EPI", 0..=1),
     ("W4_PF", 0..=16),
     ("W4S_MIN_UNITS", 0..=64),
+    ("W4_STREAM", 0..=1),
 ];
 
 /// The prelude prepended to every source.
@@ -232,12 +235,26 @@ pub fn parse_defines(text: &str) -> Result<Vec<String>> {
     Ok(out)
 }
 
-/// The `-D` options of [`DEFINES_ENV`] (none when unset).
+/// The `-D` options of [`DEFINES_ENV`] (none when unset), plus `W4_STREAM=1` when
+/// [`crate::launch::W4_STREAM_ENV`] turns the stream split on and the defines do not set it.
 pub fn env_defines() -> Result<Vec<String>> {
-    match std::env::var(DEFINES_ENV) {
-        Ok(t) => parse_defines(&t),
-        Err(_) => Ok(Vec::new()),
+    let mut d = match std::env::var(DEFINES_ENV) {
+        Ok(t) => parse_defines(&t)?,
+        Err(_) => Vec::new(),
+    };
+    let stream = std::env::var(crate::launch::W4_STREAM_ENV).ok();
+    with_stream(&mut d, stream.as_deref())?;
+    Ok(d)
+}
+
+/// `defines` plus `-DW4_STREAM=1` when `stream` (a [`crate::launch::W4_STREAM_ENV`]
+/// value) turns the split on and they leave `W4_STREAM` unset.
+fn with_stream(defines: &mut Vec<String>, stream: Option<&str>) -> Result<()> {
+    let on = crate::launch::W4Stream::parse(stream, crate::launch::W4_STREAM_DEFAULT, 1)?;
+    if on.is_some() && define_value(defines, "W4_STREAM").is_none() {
+        defines.push("-DW4_STREAM=1".into());
     }
+    Ok(())
 }
 
 /// The value of tunable `name` in `defines` (as [`env_defines`] gives them): the last one
@@ -414,6 +431,27 @@ pub fn compile_all(arch: &str, dir: &Path) -> Result<Vec<CompiledPtx>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_stream_switch_compiles_the_split_in_unless_told_not_to() {
+        let run = |defs: &str, stream: Option<&str>| {
+            let mut d = parse_defines(defs).unwrap();
+            with_stream(&mut d, stream).map(|_| d)
+        };
+        assert_eq!(run("", None).unwrap(), Vec::<String>::new());
+        assert_eq!(run("", Some("off")).unwrap(), Vec::<String>::new());
+        assert_eq!(
+            run("", Some("all")).unwrap(),
+            vec!["-DW4_STREAM=1".to_string()]
+        );
+        let d = run("W4_XS=1", Some("24")).unwrap();
+        assert_eq!(define_value(&d, "W4_STREAM"), Some(1));
+        assert_eq!(define_value(&d, "W4_XS"), Some(1));
+        // An explicit W4_STREAM=0 stays (Gpu::new then refuses the switch).
+        let d = run("W4_STREAM=0", Some("all")).unwrap();
+        assert_eq!(define_value(&d, "W4_STREAM"), Some(0));
+        assert!(run("", Some("sometimes")).is_err());
+    }
 
     #[test]
     fn cache_key_is_stable_and_sensitive() {
