@@ -1285,25 +1285,29 @@ __device__ __forceinline__ void w4_walk3(float acc[][W4_RT][4], const W4Lane& l,
 // Floats of one accumulator set of the block in `red`: [W4_WARPS][W4_RT 4][32].
 #define W4_RED_SET (W4_WARPS * W4_RT * 4 * WARP)
 
-// The warp's walk in mode MODE, then its accumulator sets (NA) into red (set m at
-// m W4_RED_SET).  A warp past the row blocks (`live` false) stores zeros.
+// acc = 0, then, if `walk`, the sum over half groups [h0, h1) by the compiled walk
+// (W4_STAGES).
 template <int MODE, bool CG>
-__device__ __forceinline__ void w4_run(float* red, const W4Lane& l, const uint2* b0,
-                                       const uint2* b1, int h0, int h1, bool live) {
-    constexpr int NA = W4M<MODE>::NA;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    float acc[NA][W4_RT][4];
+__device__ __forceinline__ void w4_zero_walk(float acc[][W4_RT][4], const W4Lane& l,
+                                             const uint2* b0, const uint2* b1, int h0, int h1,
+                                             bool walk) {
 #pragma unroll
-    for (int m = 0; m < NA; ++m)
+    for (int m = 0; m < W4M<MODE>::NA; ++m)
 #pragma unroll
         for (int i = 0; i < W4_RT; ++i)
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[m][i][c] = 0.0f;
 #if W4_STAGES == 3
-    if (live) w4_walk3<MODE, CG>(acc, l, b0, b1, h0, h1);
+    if (walk) w4_walk3<MODE, CG>(acc, l, b0, b1, h0, h1);
 #else
-    if (live) w4_walk<MODE, CG>(acc, l, b0, b1, h0, h1);
+    if (walk) w4_walk<MODE, CG>(acc, l, b0, b1, h0, h1);
 #endif
+}
+
+// The warp's NA accumulator sets into its region of red (set m at m W4_RED_SET).
+template <int NA>
+__device__ __forceinline__ void w4_to_red(float* red, const float acc[][W4_RT][4]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
     for (int m = 0; m < NA; ++m)
 #pragma unroll
@@ -1311,6 +1315,16 @@ __device__ __forceinline__ void w4_run(float* red, const W4Lane& l, const uint2*
 #pragma unroll
             for (int c = 0; c < 4; ++c)
                 red[m * W4_RED_SET + (warp * W4_RT * 4 + i * 4 + c) * WARP + lane] = acc[m][i][c];
+}
+
+// The warp's walk in mode MODE, then its accumulator sets (NA) into red (set m at
+// m W4_RED_SET).  A warp past the row blocks (`live` false) stores zeros.
+template <int MODE, bool CG>
+__device__ __forceinline__ void w4_run(float* red, const W4Lane& l, const uint2* b0,
+                                       const uint2* b1, int h0, int h1, bool live) {
+    float acc[W4M<MODE>::NA][W4_RT][4];
+    w4_zero_walk<MODE, CG>(acc, l, b0, b1, h0, h1, live);
+    w4_to_red<W4M<MODE>::NA>(red, acc);
 }
 
 // Accumulator (row r of tile i, column v) of warp w from red [W4_WARPS][W4_RT 4][32]: lane
@@ -1680,13 +1694,7 @@ template <int NMAT, int NA>
 __device__ __forceinline__ void w4s_out(const W4S& s, float* red, const float acc[][W4_RT][4],
                                         long long row, const int* tp, int np, int mode) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-#pragma unroll
-    for (int m = 0; m < NA; ++m)
-#pragma unroll
-        for (int i = 0; i < W4_RT; ++i)
-#pragma unroll
-            for (int c = 0; c < 4; ++c)
-                red[m * W4_RED_SET + (warp * W4_RT * 4 + i * 4 + c) * WARP + lane] = acc[m][i][c];
+    w4_to_red<NA>(red, acc);
     __syncwarp();
     const int cols = NMAT == 2 ? 32 : 64, rb = (int)(row % s.nrb);
     for (int it = lane; it < cols * np; it += WARP)
@@ -1704,17 +1712,7 @@ __device__ __forceinline__ void w4s_segment(const W4S& s, float* red, const W4La
                                             long long row, int gw, const int* tp, int np) {
     constexpr int NA = W4M<MODE>::NA;
     float acc[NA][W4_RT][4];
-#pragma unroll
-    for (int m = 0; m < NA; ++m)
-#pragma unroll
-        for (int i = 0; i < W4_RT; ++i)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[m][i][c] = 0.0f;
-#if W4_STAGES == 3
-    w4_walk3<MODE, false>(acc, l, b0, b1, h0, h1);
-#else
-    w4_walk<MODE, false>(acc, l, b0, b1, h0, h1);
-#endif
+    w4_zero_walk<MODE, false>(acc, l, b0, b1, h0, h1, true);
     if (h0 == 0 && h1 == s.halves) {
         w4s_out<NMAT, NA>(s, red, acc, row, tp, np, MODE);
     } else {
