@@ -1866,10 +1866,12 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
     const int ntiles = pre ? __ldcg(tile_expert + max_tiles) : tile_expert[max_tiles];
 #if W4_STREAM
     const long long units = (long long)ntiles * nrb * (K / 64);
-    if (w4s_blocks > 0 && ntiles < w4s_tiles &&
+    if (w4s_blocks > 0 && ntiles < w4s_tiles && units > 0 &&
         units >= (long long)w4s_blocks * W4_WARPS * W4S_MIN_UNITS) {  // the stream split
         if (bid >= w4s_blocks) return;                                  // uniform per block
-        const int warps = w4s_blocks * W4_WARPS;
+        // At most one warp a unit (W4S_MIN_UNITS=0 lets units < warps): a row block's parts
+        // are then its owners first .. last with no idle warp between (w4_stream).
+        const int warps = (int)min((long long)w4s_blocks * W4_WARPS, units);
         const W4S s{y,         hs,    xs, qw,  scw, topk_w, sorted, tile_expert,
                     w4s_ctr,   w4s_parts, units, warps, div, N, K, nrb, K / 64};
         w4_stream<NMAT>(s, bid * W4_WARPS + (threadIdx.x >> 5), pre, ck);
