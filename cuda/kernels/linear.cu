@@ -1285,29 +1285,25 @@ __device__ __forceinline__ void w4_walk3(float acc[][W4_RT][4], const W4Lane& l,
 // Floats of one accumulator set of the block in `red`: [W4_WARPS][W4_RT 4][32].
 #define W4_RED_SET (W4_WARPS * W4_RT * 4 * WARP)
 
-// acc = 0, then, if `walk`, the sum over half groups [h0, h1) by the compiled walk
-// (W4_STAGES).
+// The warp's walk in mode MODE, then its accumulator sets (NA) into red (set m at
+// m W4_RED_SET).  A warp past the row blocks (`live` false) stores zeros.
 template <int MODE, bool CG>
-__device__ __forceinline__ void w4_zero_walk(float acc[][W4_RT][4], const W4Lane& l,
-                                             const uint2* b0, const uint2* b1, int h0, int h1,
-                                             bool walk) {
+__device__ __forceinline__ void w4_run(float* red, const W4Lane& l, const uint2* b0,
+                                       const uint2* b1, int h0, int h1, bool live) {
+    constexpr int NA = W4M<MODE>::NA;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float acc[NA][W4_RT][4];
 #pragma unroll
-    for (int m = 0; m < W4M<MODE>::NA; ++m)
+    for (int m = 0; m < NA; ++m)
 #pragma unroll
         for (int i = 0; i < W4_RT; ++i)
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[m][i][c] = 0.0f;
 #if W4_STAGES == 3
-    if (walk) w4_walk3<MODE, CG>(acc, l, b0, b1, h0, h1);
+    if (live) w4_walk3<MODE, CG>(acc, l, b0, b1, h0, h1);
 #else
-    if (walk) w4_walk<MODE, CG>(acc, l, b0, b1, h0, h1);
+    if (live) w4_walk<MODE, CG>(acc, l, b0, b1, h0, h1);
 #endif
-}
-
-// The warp's NA accumulator sets into its region of red (set m at m W4_RED_SET).
-template <int NA>
-__device__ __forceinline__ void w4_to_red(float* red, const float acc[][W4_RT][4]) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
     for (int m = 0; m < NA; ++m)
 #pragma unroll
@@ -1315,16 +1311,6 @@ __device__ __forceinline__ void w4_to_red(float* red, const float acc[][W4_RT][4
 #pragma unroll
             for (int c = 0; c < 4; ++c)
                 red[m * W4_RED_SET + (warp * W4_RT * 4 + i * 4 + c) * WARP + lane] = acc[m][i][c];
-}
-
-// The warp's walk in mode MODE, then its accumulator sets (NA) into red (set m at
-// m W4_RED_SET).  A warp past the row blocks (`live` false) stores zeros.
-template <int MODE, bool CG>
-__device__ __forceinline__ void w4_run(float* red, const W4Lane& l, const uint2* b0,
-                                       const uint2* b1, int h0, int h1, bool live) {
-    float acc[W4M<MODE>::NA][W4_RT][4];
-    w4_zero_walk<MODE, CG>(acc, l, b0, b1, h0, h1, live);
-    w4_to_red<W4M<MODE>::NA>(red, acc);
 }
 
 // Accumulator (row r of tile i, column v) of warp w from red [W4_WARPS][W4_RT 4][32]: lane
@@ -1349,35 +1335,11 @@ __device__ __forceinline__ float w4_value(const float* red, int rbl, int ks_rt, 
     return v;
 }
 
-// One output of pair p (slot q) from row block rb's sums in red (local row block rbl).
-// NMAT 2: tile i of row block rb holds gate (row g) and up (row g + 8) of output column
-// n = 32 rb + 8 i + g (j = 8 i + g); h[p, n] = silu(gate) * up, split.  NMAT 1: row j =
-// 16 i + r is output column n = 64 rb + j; y[p, n] = topk_w[p] * value.  KS > 0: the K
-// split as a constant (W4_EPI), so the item's indices are shifts and the K slices' loads
-// of w4_value unroll; KS 0 takes it from `ks` at run time.  The same sums in the same order.
-template <int NMAT, int KS>
-__device__ __forceinline__ void w4_out(const float* red, float* __restrict__ y,
-                                       u32* __restrict__ hs, const float* __restrict__ topk_w,
-                                       int p, int q, int mode, int ks, int rbl, int rb, int j,
-                                       int N) {
-    if (NMAT == 2) {
-        const int i = j / 8, g = j % 8, n = 32 * rb + j;
-        float v = silu_f(w4_value<KS>(red, rbl, ks, i, g, q, mode)) *
-                  w4_value<KS>(red, rbl, ks, i, g + 8, q, mode);
-        unsigned short* h16 = reinterpret_cast<unsigned short*>(hs);
-#pragma unroll
-        for (int xi = 0; xi < W4_XS; ++xi) {
-            const u32 b = pack_bf2(v, 0.0f);
-            h16[2 * w4_h_word(p, n, N, xi) + (n & 1)] = (unsigned short)(b & 0xffffu);
-            v -= bf16lo(b);
-        }
-    } else {
-        const float v = w4_value<KS>(red, rbl, ks, j / 16, j % 16, q, mode);
-        y[(size_t)p * N + 64 * rb + j] = topk_w[p] * v;
-    }
-}
-
-// The block's outputs: w4_out of every (pair slot, row block, column) of item bx.
+// The block's outputs.  NMAT 2: tile i of row block rb holds gate (row g) and up (row g + 8)
+// of output column n = 32 rb + 8 i + g; h[p, n] = silu(gate) * up, split.  NMAT 1: row
+// 64 rb + 16 i + r is output column n; y[p, n] = topk_w[p] * value.  KS > 0: the K split
+// as a constant (W4_EPI), so the item's indices are shifts and the K slices' loads of
+// w4_value unroll; KS 0 takes it from `ks` at run time.  The same sums in the same order.
 template <int NMAT, int KS>
 __device__ __forceinline__ void w4_epilogue_ks(const float* red, float* __restrict__ y,
                                                u32* __restrict__ hs,
@@ -1390,7 +1352,22 @@ __device__ __forceinline__ void w4_epilogue_ks(const float* red, float* __restri
         const int q = it / (per * cols), rbl = it / cols % per, j = it % cols;
         const int rb = bx * per + rbl;
         if (rb >= nrb) continue;
-        w4_out<NMAT, KS>(red, y, hs, topk_w, tp[q], q, mode, ks, rbl, rb, j, N);
+        const int p = tp[q];
+        if (NMAT == 2) {
+            const int i = j / 8, g = j % 8, n = 32 * rb + j;
+            float v = silu_f(w4_value<KS>(red, rbl, ks, i, g, q, mode)) *
+                      w4_value<KS>(red, rbl, ks, i, g + 8, q, mode);
+            unsigned short* h16 = reinterpret_cast<unsigned short*>(hs);
+#pragma unroll
+            for (int xi = 0; xi < W4_XS; ++xi) {
+                const u32 b = pack_bf2(v, 0.0f);
+                h16[2 * w4_h_word(p, n, N, xi) + (n & 1)] = (unsigned short)(b & 0xffffu);
+                v -= bf16lo(b);
+            }
+        } else {
+            const float v = w4_value<KS>(red, rbl, ks, j / 16, j % 16, q, mode);
+            y[(size_t)p * N + 64 * rb + j] = topk_w[p] * v;
+        }
     }
 }
 
@@ -1441,11 +1418,6 @@ __device__ __forceinline__ int w4_ks(int nrb, int ntiles, int ks_hi, int target)
 #define W4_SEGS 8
 #define W4_SEG_PARAMS int s0, int s1, int s2, int s3, int s4, int s5, int s6, int s7
 #define W4_SEG_ARGS s0, s1, s2, s3, s4, s5, s6, s7
-// The stream split's arguments (w4_stream): counters, parts, blocks (0: off) and the tile
-// count below which it is taken.
-#define W4_STREAM_PARAMS \
-    int *__restrict__ w4s_ctr, float *__restrict__ w4s_parts, int w4s_blocks, int w4s_tiles
-#define W4_STREAM_ARGS w4s_ctr, w4s_parts, w4s_blocks, w4s_tiles
 __device__ __forceinline__ int w4_split(int ntiles, int ks_hi, W4_SEG_PARAMS) {
     const int seg[W4_SEGS] = {W4_SEG_ARGS};
     int ks = 1;
@@ -1568,272 +1540,6 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
     ck.mark<3>();
 }
 
-// ---- The stream split (issue 12; SPECLAB_W4_STREAM, launch.rs W4Stream) ----
-// Where the items of the K-split rule leave the resident blocks unevenly loaded (a partial
-// wave: sequence M = 2's 176 gate/up blocks on 132 SMs left 45 SMs two blocks and 86 one,
-// and the two-block SMs set the time, findings/bench-moe.md), the first S blocks (S = the
-// resident blocks, Gpu::w4_slots) share the work evenly instead: the decomposition of
-// stream-K (Osama, Merrill, Cecka, Garland, Dally, "Stream-K: Work-centric Parallel
-// Decomposition for Dense Matrix-Matrix Multiplication on the GPU", PPoPP 2023; CUTLASS's
-// GemmUniversal stream-K mode), at warp grain.
-// - Units: (tile, row block, half group), tile-major, then row block, then half: unit u is
-//   half u % H of global row block u / H (tile (u / H) / nrb, row block (u / H) % nrb),
-//   H = K / 64.  Of W = min(S W4_WARPS, U) warps, warp gw takes units [gw U / W,
-//   (gw + 1) U / W): every warp walks the same weight bytes, within one half group, and
-//   at least one unit (so a row block's parts are its owners first .. last, w4s_owner).
-// - A segment is a warp's units of one row block.  A whole row block goes straight to the
-//   warp's epilogue.  A part (only a warp's first and last segments can be one) is stored
-//   in the parts buffer (its ncols live columns x 64 rows, slot 2 gw for the warp's first
-//   segment, 2 gw + 1 for its last); once the warp's walk is done, one fence and a count
-//   on each part's row block; the count that completes a row block's parts makes its warp
-//   sum them in warp order (so the bits do not depend on which one comes last), reset the
-//   counter to 0 (zero between launches) and run the epilogue.  No warp waits on another:
-//   no assumption on residency.  (A dynamic split that counted every unit, with a fence
-//   each amid the weight stream, measured slower and was removed: findings/bench-moe.md,
-//   "A dynamic split of the work".)
-// - The sums: each warp's walk sums its halves in order, as w4_walk does; the parts of a
-//   row block are then summed in warp order.  The same f32 dot product up to summation
-//   order as the K-split items, not the same bits.
-// Compiled in only with W4_STREAM=1 (kernels.rs adds it when SPECLAB_W4_STREAM is on), so
-// the default kernels are the K-split ones as last measured, register allocation included.
-#ifndef W4_STREAM
-#define W4_STREAM 0
-#endif
-#define W4S_SLOT (2 * ROWS_PER_TILE * 64)  // floats a part: up to 16 columns x 64 rows
-// Half groups a stream warp walks at least, else the K-split items run: below it the
-// parts' traffic and the pipeline's fill outweigh the balance (models/tiny: 2-4 halves a
-// row block, 32 units at one token against 2112 warps).
-#ifndef W4S_MIN_UNITS
-#define W4S_MIN_UNITS 4
-#endif
-
-// The first unit of stream warp gw (of W) over U units.
-__device__ __forceinline__ long long w4s_start(int gw, long long U, int W) {
-    return (long long)gw * U / W;
-}
-// The stream warp whose units hold unit x: the largest gw with w4s_start(gw) <= x.
-__device__ __forceinline__ int w4s_owner(long long x, long long U, int W) {
-    return (int)(((x + 1) * W - 1) / U);
-}
-
-// What a stream launch's warps share (borrowed by each segment).
-struct W4S {
-    float* y;              // [P, N] (down) or null
-    u32* hs;               // [P, N W4_XS / 2] words (gate/up) or null
-    const u32* xs;         // B operand words
-    const uint4* qw;       // weights [E, R / 64, K / 16, 32] uint4
-    const uint4* scw;      // scales [E, R / 64, K / 128, 8] uint4
-    const float* topk_w;   // [P] (down) or null
-    const int* sorted;     // [max_tiles, 8]
-    const int* tile_expert;
-    int* ctr;              // [max_tiles nrb] parts counted a row block, zero between launches
-    float* parts;          // [W, 2, W4S_SLOT]
-    long long U;           // units
-    int W, div, N, K, nrb, halves;
-};
-
-// Part slot of stream warp gw's segment in the row block starting at unit r0.
-__device__ __forceinline__ float* w4s_slot(const W4S& s, int gw, long long r0) {
-    return s.parts + (size_t)(2 * gw + (w4s_start(gw, s.U, s.W) >= r0 ? 0 : 1)) * W4S_SLOT;
-}
-
-// The live columns (< ncols) of the accumulators: lane (g, t)'s acc[m][i][c] is row 16 i +
-// g + 8 (c / 2), column 8 m + 2 t + c % 2 (the PTX C-fragment table), at col 64 + row.
-// LOAD: part -> acc (0 in the other columns), else acc -> part.
-template <int NA, bool LOAD>
-__device__ __forceinline__ void w4s_move(float acc[][W4_RT][4], float* part, int ncols) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int m = 0; m < NA; ++m)
-#pragma unroll
-        for (int i = 0; i < W4_RT; ++i)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int col = 8 * m + 2 * t + (c & 1);
-                float* at = part + col * 64 + 16 * i + g + 8 * (c >> 1);
-                if (LOAD)
-                    acc[m][i][c] = col < ncols ? __ldcg(at) : 0.0f;
-                else if (col < ncols)
-                    __stcg(at, acc[m][i][c]);
-            }
-}
-
-// sum += the part in `a`, element-wise.
-template <int NA>
-__device__ __forceinline__ void w4s_add(float sum[][W4_RT][4], const float a[][W4_RT][4]) {
-#pragma unroll
-    for (int m = 0; m < NA; ++m)
-#pragma unroll
-        for (int i = 0; i < W4_RT; ++i)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) sum[m][i][c] += a[m][i][c];
-}
-
-// Row block `row`'s sum over its parts, in warp order (owners first .. last), into acc;
-// then its counter back to 0 for the next launch.  Two parts' loads in flight at a time
-// (each a dependent L2 round trip otherwise).
-template <int NA>
-__device__ __forceinline__ void w4s_gather(const W4S& s, float acc[][W4_RT][4], long long row,
-                                           int ncols) {
-    const long long r0 = row * s.halves;
-    const int first = w4s_owner(r0, s.U, s.W), last = w4s_owner(r0 + s.halves - 1, s.U, s.W);
-    w4s_move<NA, true>(acc, w4s_slot(s, first, r0), ncols);
-    for (int o = first + 1; o <= last; o += 2) {
-        float p0[NA][W4_RT][4], p1[NA][W4_RT][4];
-        w4s_move<NA, true>(p0, w4s_slot(s, o, r0), ncols);
-        if (o + 1 <= last) w4s_move<NA, true>(p1, w4s_slot(s, o + 1, r0), ncols);
-        w4s_add<NA>(acc, p0);
-        if (o + 1 <= last) w4s_add<NA>(acc, p1);
-    }
-    if ((threadIdx.x & 31) == 0) s.ctr[row] = 0;
-}
-
-// Row block `row`'s outputs for the tile's np pairs tp[] from acc, through this warp's
-// region of red.
-template <int NMAT, int NA>
-__device__ __forceinline__ void w4s_out(const W4S& s, float* red, const float acc[][W4_RT][4],
-                                        long long row, const int* tp, int np, int mode) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    w4_to_red<NA>(red, acc);
-    __syncwarp();
-    const int cols = NMAT == 2 ? 32 : 64, rb = (int)(row % s.nrb);
-    for (int it = lane; it < cols * np; it += WARP)
-        w4_out<NMAT, 1>(red, s.y, s.hs, s.topk_w, tp[it / cols], it / cols, mode, 1, warp, rb,
-                        it % cols, s.N);
-    __syncwarp();  // red and tp are rewritten by the warp's next segment
-}
-
-// One segment in mode MODE: halves [h0, h1) of global row block `row` (its first half's
-// copy issued and committed).  A whole row block goes to its outputs; a part is stored
-// (counted later, w4s_settle).
-template <int NMAT, int MODE>
-__device__ __forceinline__ void w4s_segment(const W4S& s, float* red, const W4Lane& l,
-                                            const uint2* b0, const uint2* b1, int h0, int h1,
-                                            long long row, int gw, const int* tp, int np) {
-    constexpr int NA = W4M<MODE>::NA;
-    float acc[NA][W4_RT][4];
-    w4_zero_walk<MODE, false>(acc, l, b0, b1, h0, h1, true);
-    if (h0 == 0 && h1 == s.halves) {
-        w4s_out<NMAT, NA>(s, red, acc, row, tp, np, MODE);
-    } else {
-        w4s_move<NA, false>(acc, w4s_slot(s, gw, row * s.halves), MODE == 2 ? np : np * W4_XS);
-    }
-}
-
-// Tile `tile`'s pairs into tp (this warp's), their count, and its column mode (uniform per
-// row block: by the row block's length, so every segment of a row block takes one mode).
-__device__ __forceinline__ int w4s_pairs(const W4S& s, int* tp, int tile, int& mode) {
-    const int lane = threadIdx.x & 31;
-    __syncwarp();  // the last reads of tp are done
-    if (lane < ROWS_PER_TILE) tp[lane] = s.sorted[(size_t)tile * ROWS_PER_TILE + lane];
-    __syncwarp();
-    int np = 0;
-#pragma unroll
-    for (int r = 0; r < ROWS_PER_TILE; ++r) np += tp[r] >= 0;
-    const bool pack2 = W4_PACK2 && W4_XS == 3 && s.halves >= W4_PACK2_HALVES;
-    mode = W4_XS == 1 || np * W4_XS <= ROWS_PER_TILE    ? 0
-           : pack2 && np * W4_XS <= 2 * ROWS_PER_TILE ? 1
-                                                        : 2;
-    return np;
-}
-
-// The warp's stored parts (rows pend[0..n), at most its first and last segments): one
-// fence behind both, one count each (lanes 0 and 1 at once); where a count completes its
-// row block, the warp sums its parts and writes the outputs.  The release pattern of
-// CUTLASS's semaphore (include/cutlass/semaphore.h): the warp's barrier, then a fence and
-// the atomic; the reader fences after it.
-template <int NMAT>
-__device__ __forceinline__ void w4s_settle(const W4S& s, float* red, int* tp,
-                                           const long long pend[2], int n) {
-    const int lane = threadIdx.x & 31;
-    __syncwarp();
-    int old = -1;
-    if (lane < n) {
-        __threadfence();
-        old = atomicAdd(s.ctr + pend[lane], 1);
-    }
-    for (int j = 0; j < n; ++j) {
-        const int got = __shfl_sync(0xffffffffu, old, j);
-        const long long row = pend[j], r0 = row * s.halves;
-        const int parts = w4s_owner(r0 + s.halves - 1, s.U, s.W) - w4s_owner(r0, s.U, s.W) + 1;
-        if (got != parts - 1) continue;  // uniform per warp
-        __threadfence();  // the other parts' writes, fenced before their counts
-        int mode;
-        const int np = w4s_pairs(s, tp, (int)(row / s.nrb), mode);
-        if (mode == 0) {
-            float acc[1][W4_RT][4];
-            w4s_gather<1>(s, acc, row, np * W4_XS);
-            w4s_out<NMAT, 1>(s, red, acc, row, tp, np, 0);
-        } else if (W4_PACK2 && mode == 1) {  // compiled out by default
-            float acc[2][W4_RT][4];
-            w4s_gather<2>(s, acc, row, np * W4_XS);
-            w4s_out<NMAT, 2>(s, red, acc, row, tp, np, 1);
-        } else {
-            float acc[1][W4_RT][4];
-            w4s_gather<1>(s, acc, row, np);
-            w4s_out<NMAT, 1>(s, red, acc, row, tp, np, 2);
-        }
-    }
-}
-
-// Stream warp gw's units, segment by segment, then its parts counted (w4s_settle).  With
-// `pre` the grid-dependency wait comes after the first segment's weight copy is issued
-// (the routing read through L2), as in w4_item; without it the caller has waited.
-template <int NMAT>
-__device__ void w4_stream(const W4S& s, int gw, bool pre, W4Clock& ck) {
-    extern __shared__ uint4 w4_smem[];
-    __shared__ int w4s_tp[W4_WARPS][ROWS_PER_TILE];
-    float* red = reinterpret_cast<float*>(w4_smem + W4_WARPS * W4_STAGES * W4_SLOT * WARP);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    uint4* st = w4_smem + warp * W4_STAGES * W4_SLOT * WARP + lane;
-    int* tp = w4s_tp[warp];
-    const bool busy = gw < s.W;  // fewer units than warps: the rest idle
-    const long long end = busy ? w4s_start(gw + 1, s.U, s.W) : 0;
-    bool waited = !pre;
-    long long pend[2] = {0, 0};
-    int npend = 0;
-    for (long long a = busy ? w4s_start(gw, s.U, s.W) : 0; a < end;) {
-        const long long row = a / s.halves;
-        const int tile = (int)(row / s.nrb);
-        const int h0 = (int)(a - row * s.halves);
-        const int h1 = (int)min((long long)s.halves, end - row * s.halves);
-        const int e = waited ? s.tile_expert[tile] : __ldcg(s.tile_expert + tile);
-        const size_t blk = (size_t)e * s.nrb + row % s.nrb;
-        const W4Lane l{s.qw + blk * (s.K / 16) * WARP + lane, s.scw + blk * (s.K / 128) * 8 + g,
-                       st, smem_addr(st), h1};
-        w4_issue(l, h0, 0);
-        cp_async_commit();
-        if (!waited) {
-            pdl_enter();  // every thread of the warp: the B operand is the previous grid's
-            ck.mark<1>();
-            waited = true;
-        }
-        int mode;
-        const int np = w4s_pairs(s, tp, tile, mode);
-        // This lane's B columns, as w4_item.
-        const int c1 = g + ROWS_PER_TILE;
-        const int q0 = mode == 2 ? g : g / W4_XS, x0 = mode == 2 ? 0 : g % W4_XS;
-        const int q1 = c1 / W4_XS, x1 = c1 % W4_XS;
-        const int p0 = tp[q0 < np ? q0 : 0], p1 = tp[mode == 1 && q1 < np ? q1 : 0];
-        const uint2* b0 = reinterpret_cast<const uint2*>(
-            s.xs + w4_h_word(NMAT == 2 ? p0 / s.div : p0, 2 * t, s.K, x0));
-        const uint2* b1 = reinterpret_cast<const uint2*>(
-            s.xs + w4_h_word(NMAT == 2 ? p1 / s.div : p1, 2 * t, s.K, x1));
-        if (mode == 0) {
-            w4s_segment<NMAT, 0>(s, red, l, b0, b1, h0, h1, row, gw, tp, np);
-        } else if (W4_PACK2 && mode == 1) {  // compiled out by default
-            w4s_segment<NMAT, 1>(s, red, l, b0, b1, h0, h1, row, gw, tp, np);
-        } else {
-            w4s_segment<NMAT, 2>(s, red, l, b0, b1, h0, h1, row, gw, tp, np);
-        }
-        if (h0 != 0 || h1 != s.halves) pend[npend++] = row;  // at most 2: first, last
-        a = row * s.halves + h1;
-    }
-    ck.mark<2>();
-    if (npend) w4s_settle<NMAT>(s, red, tp, pend, npend);
-    ck.mark<3>();
-}
-
 // One block: item `bid` of (real tile, group of W4_WARPS / ks row blocks), tile-major;
 // items past the real tiles exit at once (the grid is sized for ks_hi and every tile).
 // pdl_enter first, or with `pre` (weight prologue) inside w4_item once the first weight
@@ -1855,7 +1561,7 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
                                        const int* __restrict__ sorted,
                                        const int* __restrict__ tile_expert, int div, int N,
                                        int K, int max_tiles, int ks_hi, W4_SEG_PARAMS,
-                                       bool pre, W4_STREAM_PARAMS, int bid) {
+                                       bool pre, int bid) {
     W4Clock ck;
     ck.mark<0>();
     if (!pre) {
@@ -1864,21 +1570,6 @@ __device__ __forceinline__ void w4_mma(float* __restrict__ y, u32* __restrict__ 
     }
     const int nrb = N * NMAT / 64;
     const int ntiles = pre ? __ldcg(tile_expert + max_tiles) : tile_expert[max_tiles];
-#if W4_STREAM
-    const long long units = (long long)ntiles * nrb * (K / 64);
-    if (w4s_blocks > 0 && ntiles < w4s_tiles && units > 0 &&
-        units >= (long long)w4s_blocks * W4_WARPS * W4S_MIN_UNITS) {  // the stream split
-        if (bid >= w4s_blocks) return;                                  // uniform per block
-        // At most one warp a unit (W4S_MIN_UNITS=0 lets units < warps): a row block's parts
-        // are then its owners first .. last with no idle warp between (w4_stream).
-        const int warps = (int)min((long long)w4s_blocks * W4_WARPS, units);
-        const W4S s{y,         hs,    xs, qw,  scw, topk_w, sorted, tile_expert,
-                    w4s_ctr,   w4s_parts, units, warps, div, N, K, nrb, K / 64};
-        w4_stream<NMAT>(s, bid * W4_WARPS + (threadIdx.x >> 5), pre, ck);
-        ck.put(NMAT == 2 ? 2 : 3);
-        return;
-    }
-#endif
     const int ks = w4_split(ntiles, ks_hi, W4_SEG_ARGS);
     const int xneed = w4_groups(nrb, ks);
     if (bid >= ntiles * xneed) return;  // uniform per block
@@ -1902,10 +1593,10 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up
     u32* __restrict__ h, const u32* __restrict__ xs, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
     const int* __restrict__ tile_expert, int topk, int N, int K, int max_tiles, int ks_hi,
-    W4_SEG_PARAMS, int pre, W4_STREAM_PARAMS) {
+    W4_SEG_PARAMS, int pre) {
     w4_mma<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
               reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K,
-              max_tiles, ks_hi, W4_SEG_ARGS, pre != 0, W4_STREAM_ARGS, blockIdx.x);
+              max_tiles, ks_hi, W4_SEG_ARGS, pre != 0, blockIdx.x);
 }
 
 // moe_gate_up_w4 and the shared expert's SwiGLU hidden (swiglu_tiled_bf16) in one launch:
@@ -1921,7 +1612,7 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up
     u32* __restrict__ h, const u32* __restrict__ xs, const u32* __restrict__ q13,
     const bf16_bits* __restrict__ s13, const int* __restrict__ sorted,
     const int* __restrict__ tile_expert, int topk, int N, int K, int max_tiles, int ks_hi,
-    W4_SEG_PARAMS, int pre, W4_STREAM_PARAMS, float* __restrict__ sh_h, const float* __restrict__ sh_x,
+    W4_SEG_PARAMS, int pre, float* __restrict__ sh_h, const float* __restrict__ sh_x,
     int sh_x_stride, const bf16_bits* __restrict__ sh_w13, int sh_m, int sh_n, int sh_k,
     int sh_gx, int sh_blocks, int sh_skinny) {
     const int b = blockIdx.x;
@@ -1936,7 +1627,7 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_gate_up
     }
     w4_mma<2>(nullptr, h, xs, reinterpret_cast<const uint4*>(q13),
               reinterpret_cast<const uint4*>(s13), nullptr, sorted, tile_expert, topk, N, K,
-              max_tiles, ks_hi, W4_SEG_ARGS, pre != 0, W4_STREAM_ARGS, b - sh_blocks);
+              max_tiles, ks_hi, W4_SEG_ARGS, pre != 0, b - sh_blocks);
 }
 
 // Routed experts down-projection with the router weight applied: y[p, n] = w_p *
@@ -1949,10 +1640,10 @@ extern "C" __global__ void __launch_bounds__(32 * W4_WARPS, W4_MINB) moe_down_w4
     float* __restrict__ y, const u32* __restrict__ h, const u32* __restrict__ qd,
     const bf16_bits* __restrict__ sd, const float* __restrict__ topk_w,
     const int* __restrict__ sorted, const int* __restrict__ tile_expert, int N, int K,
-    int max_tiles, int ks_hi, W4_SEG_PARAMS, int pre, W4_STREAM_PARAMS) {
+    int max_tiles, int ks_hi, W4_SEG_PARAMS, int pre) {
     w4_mma<1>(y, nullptr, h, reinterpret_cast<const uint4*>(qd),
               reinterpret_cast<const uint4*>(sd), topk_w, sorted, tile_expert, 1, N, K, max_tiles,
-              ks_hi, W4_SEG_ARGS, pre != 0, W4_STREAM_ARGS, blockIdx.x);
+              ks_hi, W4_SEG_ARGS, pre != 0, blockIdx.x);
 }
 
 // The routed experts in one launch (issue 12): the split of x (when x is not null),

@@ -227,10 +227,6 @@ pub struct Gpu {
     /// The wave rule's band: [`crate::launch::WaveBand::for_xs`] of `w4_xs`, or
     /// `SPECLAB_W4_BAND`.
     pub w4_band: crate::launch::WaveBand,
-    /// The INT4 expert GEMMs' stream split over the [`Gpu::w4_slots`] resident blocks
-    /// (launch.rs `W4Stream`, `SPECLAB_W4_STREAM`; default [`crate::launch::W4_STREAM_DEFAULT`]),
-    /// and the parts buffer its warps store into. Shape: [w4_slots W4_WARPS, 2, W4S_SLOT].
-    pub w4_stream: Option<(crate::launch::W4Stream, crate::buf::DevBuf<f32>)>,
     /// linear.cu's module when its kernels were compiled with `W4_TRACE=1` (block traces
     /// of the INT4 expert kernels, [`crate::w4trace`]), else `None`.
     pub w4_trace: Option<Arc<cudarc::driver::CudaModule>>,
@@ -314,24 +310,6 @@ impl Gpu {
             }
         }
         let w4_slots = w4_slots(&ctx, &funcs)?;
-        let w4_stream = match crate::launch::W4Stream::parse(
-            std::env::var(crate::launch::W4_STREAM_ENV).ok().as_deref(),
-            crate::launch::W4_STREAM_DEFAULT,
-            w4_slots,
-        )? {
-            Some(_) if kernels::define_value(&defines, "W4_STREAM") != Some(1) => {
-                return Err(CudaError::Input(format!(
-                    "{}: the stream split needs the kernels compiled with W4_STREAM=1, and {} sets W4_STREAM=0",
-                    crate::launch::W4_STREAM_ENV,
-                    kernels::DEFINES_ENV
-                )));
-            }
-            Some(st) => {
-                let parts = crate::buf::DevBuf::zeros(&stream, st.parts_len(), "w4 stream parts")?;
-                Some((st, parts))
-            }
-            None => None,
-        };
         let w4_xs = kernels::w4_xs(&defines);
         let w4_band = crate::launch::WaveBand::for_xs(
             w4_xs,
@@ -341,7 +319,6 @@ impl Gpu {
             w4_slots,
             w4_xs,
             w4_band,
-            w4_stream,
             ctx,
             stream,
             arch,

@@ -44,11 +44,8 @@ pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// stages, 2 or 3, with the blocks' shared memory following, `launch::w4_smem`;
 /// `W4_TRACE`: block traces of the INT4 expert kernels, `crate::w4trace`; `W4_EPI`: their
 /// epilogue specialized by the K split, 1 by default, 0 the run-time one; `W4_PF`: their
-/// L2 prefetch of the weights that many half groups ahead, 0 none; `W4S_MIN_UNITS`: the
-/// half groups a warp of their stream split walks at least, else the K-split items run;
-/// `W4_STREAM`: their stream split compiled in, added by [`env_defines`] when
-/// `SPECLAB_W4_STREAM` turns it on).
-pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 16] = [
+/// L2 prefetch of the weights that many half groups ahead, 0 none).
+pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 14] = [
     ("W4_XS", 1..=3),
     ("W4_MINB", 1..=4),
     ("W4_STAGES", 2..=3),
@@ -63,8 +60,6 @@ pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 16] = [
     ("W4_TRACE", 0..=1),
     ("W4_EPI", 0..=1),
     ("W4_PF", 0..=16),
-    ("W4S_MIN_UNITS", 0..=64),
-    ("W4_STREAM", 0..=1),
 ];
 
 /// The prelude prepended to every source.
@@ -235,26 +230,12 @@ pub fn parse_defines(text: &str) -> Result<Vec<String>> {
     Ok(out)
 }
 
-/// The `-D` options of [`DEFINES_ENV`] (none when unset), plus `W4_STREAM=1` when
-/// [`crate::launch::W4_STREAM_ENV`] turns the stream split on and the defines do not set it.
+/// The `-D` options of [`DEFINES_ENV`] (none when unset).
 pub fn env_defines() -> Result<Vec<String>> {
-    let mut d = match std::env::var(DEFINES_ENV) {
-        Ok(t) => parse_defines(&t)?,
-        Err(_) => Vec::new(),
-    };
-    let stream = std::env::var(crate::launch::W4_STREAM_ENV).ok();
-    with_stream(&mut d, stream.as_deref())?;
-    Ok(d)
-}
-
-/// `defines` plus `-DW4_STREAM=1` when `stream` (a [`crate::launch::W4_STREAM_ENV`]
-/// value) turns the split on and they leave `W4_STREAM` unset.
-fn with_stream(defines: &mut Vec<String>, stream: Option<&str>) -> Result<()> {
-    let on = crate::launch::W4Stream::parse(stream, crate::launch::W4_STREAM_DEFAULT, 1)?;
-    if on.is_some() && define_value(defines, "W4_STREAM").is_none() {
-        defines.push("-DW4_STREAM=1".into());
+    match std::env::var(DEFINES_ENV) {
+        Ok(t) => parse_defines(&t),
+        Err(_) => Ok(Vec::new()),
     }
-    Ok(())
 }
 
 /// The value of tunable `name` in `defines` (as [`env_defines`] gives them): the last one
@@ -431,27 +412,6 @@ pub fn compile_all(arch: &str, dir: &Path) -> Result<Vec<CompiledPtx>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_stream_switch_compiles_the_split_in_unless_told_not_to() {
-        let run = |defs: &str, stream: Option<&str>| {
-            let mut d = parse_defines(defs).unwrap();
-            with_stream(&mut d, stream).map(|_| d)
-        };
-        assert_eq!(run("", None).unwrap(), Vec::<String>::new());
-        assert_eq!(run("", Some("off")).unwrap(), Vec::<String>::new());
-        assert_eq!(
-            run("", Some("all")).unwrap(),
-            vec!["-DW4_STREAM=1".to_string()]
-        );
-        let d = run("W4_XS=1", Some("24")).unwrap();
-        assert_eq!(define_value(&d, "W4_STREAM"), Some(1));
-        assert_eq!(define_value(&d, "W4_XS"), Some(1));
-        // An explicit W4_STREAM=0 stays (Gpu::new then refuses the switch).
-        let d = run("W4_STREAM=0", Some("all")).unwrap();
-        assert_eq!(define_value(&d, "W4_STREAM"), Some(0));
-        assert!(run("", Some("sometimes")).is_err());
-    }
 
     #[test]
     fn cache_key_is_stable_and_sensitive() {

@@ -161,81 +161,6 @@ pub const W4_BAND_ENV: &str = "SPECLAB_W4_BAND";
 /// buffer (linear.cu `moe_experts_w4`): ticket, blocks done, split chunks done.
 pub const MOE_SYNC_FIXED: usize = 3;
 
-/// Length of an MoE layer's `sync` counters for `max_tiles` tiles at hidden size `hidden`
-/// and moe-intermediate `inter`: the fused kernel's [`MOE_SYNC_FIXED`] + `max_tiles`, then
-/// the stream split's one a (tile, row block) of the larger INT4 GEMM (linear.cu
-/// `w4_stream`; gate/up has `2 inter / 64` row blocks a tile, down `hidden / 64`).
-pub fn moe_sync_len(max_tiles: usize, hidden: usize, inter: usize) -> usize {
-    MOE_SYNC_FIXED + max_tiles + max_tiles * moe_stream_rows(hidden, inter)
-}
-
-/// Row blocks a tile of the larger INT4 expert GEMM: the stream counters a tile.
-fn moe_stream_rows(hidden: usize, inter: usize) -> usize {
-    (2 * inter).max(hidden).div_ceil(64)
-}
-
-/// Offset of the stream split's counters in `sync` ([`moe_sync_len`]).
-pub fn moe_stream_ctr(max_tiles: usize) -> usize {
-    MOE_SYNC_FIXED + max_tiles
-}
-
-/// Floats a part of the stream split holds (linear.cu `W4S_SLOT`: 16 columns x 64 rows).
-pub const W4S_SLOT: usize = 2 * ROWS_PER_TILE as usize * 64;
-
-/// Environment variable choosing the INT4 expert GEMMs' stream split (linear.cu
-/// `w4_stream`): `off` (or `0`), `all`, or a tile count `n`: the split is taken when the
-/// real tiles number fewer than `n`.
-pub const W4_STREAM_ENV: &str = "SPECLAB_W4_STREAM";
-/// [`W4_STREAM_ENV`] when unset.
-pub const W4_STREAM_DEFAULT: &str = "off";
-
-/// The stream split of the INT4 expert GEMMs (linear.cu `w4_stream`): the first `blocks`
-/// blocks (the resident ones, `Gpu::w4_slots`) share the row blocks' half groups evenly,
-/// taken when the real tiles number fewer than `tiles`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub struct W4Stream {
-    pub blocks: usize,
-    pub tiles: usize,
-}
-
-impl W4Stream {
-    /// The split over `blocks` blocks as [`W4_STREAM_ENV`]'s value `v` (unset: `dflt`)
-    /// asks: `None` when off.
-    pub fn parse(v: Option<&str>, dflt: &str, blocks: usize) -> Result<Option<Self>> {
-        let v = v.unwrap_or(dflt).trim();
-        let tiles = match v {
-            "off" | "0" => return Ok(None),
-            "all" => i32::MAX as usize,
-            n => n
-                .parse::<usize>()
-                .ok()
-                .filter(|&n| (1..=i32::MAX as usize).contains(&n))
-                .ok_or_else(|| {
-                    CudaError::Input(format!(
-                        "{W4_STREAM_ENV}=`{v}`: expected `off`, `all` or a tile count of at least 1"
-                    ))
-                })?,
-        };
-        Ok((blocks > 0).then_some(Self { blocks, tiles }))
-    }
-
-    /// Floats of the parts buffer the split's warps store into (`[W, 2, W4S_SLOT]`).
-    pub fn parts_len(&self) -> usize {
-        self.blocks * W4_WARPS as usize * 2 * W4S_SLOT
-    }
-}
-
-/// Units (row block x half group) of stream warp `gw` of `w <= u` over `u` units:
-/// `[gw u / w, (gw + 1) u / w)` (linear.cu `w4s_start`), mirrored for the tests.
-pub fn w4s_start(gw: usize, u: usize, w: usize) -> usize {
-    ((gw as u128 * u as u128) / w as u128) as usize
-}
-
-/// The stream warp whose units hold unit `x` (linear.cu `w4s_owner`).
-pub fn w4s_owner(x: usize, u: usize, w: usize) -> usize {
-    (((x as u128 + 1) * w as u128 - 1) / u as u128) as usize
-}
-
 /// Environment variable turning the fused INT4 experts kernel (`moe_experts_w4`: split,
 /// gate/up and down in one launch) on: `1`. Off by default: it measured slower than the
 /// three kernels at GLM-5.3-Flash shapes and on models/tiny's graphed steps
@@ -624,16 +549,13 @@ pub struct W4Tiles {
     /// The wave rule's resident blocks (`Gpu::w4_slots`) and band (`Gpu::w4_band`);
     /// `None`: the reaching rule.
     pub waves: Option<(usize, WaveBand)>,
-    /// The stream split (`Gpu::w4_stream`), if on: the grid holds at least its blocks.
-    pub stream: Option<W4Stream>,
 }
 
 /// INT4 expert GEMMs (`moe_gate_up_w4` with `nmat` 2, `moe_down_w4` with 1) over
 /// `n * nmat` weight rows of `k` weights: row blocks of 64 rows, `W4_WARPS / ks` of them a
 /// block for the kernels' K split `ks <= ks_hi` (returned beside the shape as a
 /// [`W4Split`], the kernels' arguments), a 1-D grid of max_tiles x ceil(row blocks /
-/// (W4_WARPS / ks_hi)) items (those past the real tiles exit), at least the stream split's
-/// blocks when it is on, block 32 W4_WARPS, dynamic
+/// (W4_WARPS / ks_hi)) items (those past the real tiles exit), block 32 W4_WARPS, dynamic
 /// shared memory [`W4_SMEM`]. Needs K % 128 == 0 and `n * nmat` % 64 == 0 (the repacked
 /// layout).
 pub fn moe_w4(
@@ -669,9 +591,8 @@ pub fn moe_w4(
         }
     };
     let per_block = W4_WARPS as usize / split.ks_hi;
-    let items = (n * nmat / 64).div_ceil(per_block) * max_tiles;
     let mut s = grid_2d(
-        items.max(t.stream.map_or(0, |st| st.blocks)),
+        (n * nmat / 64).div_ceil(per_block) * max_tiles,
         1,
         32 * W4_WARPS,
         what,
@@ -933,105 +854,6 @@ mod tests {
         }
     }
 
-    /// The segments linear.cu `w4_stream` walks: (warp, row, h0, h1, slot) of every warp's
-    /// units, a slot (`w4s_slot`) only for a part of a row block.
-    fn stream_segments(
-        u: usize,
-        w: usize,
-        halves: usize,
-    ) -> Vec<(usize, usize, usize, usize, Option<usize>)> {
-        let mut segs = Vec::new();
-        for gw in 0..w {
-            let (mut a, end) = (w4s_start(gw, u, w), w4s_start(gw + 1, u, w));
-            while a < end {
-                let row = a / halves;
-                let (h0, h1) = (a - row * halves, halves.min(end - row * halves));
-                let whole = h0 == 0 && h1 == halves;
-                let slot = 2 * gw + usize::from(w4s_start(gw, u, w) < row * halves);
-                segs.push((gw, row, h0, h1, (!whole).then_some(slot)));
-                a = row * halves + h1;
-            }
-        }
-        segs
-    }
-
-    #[test]
-    fn stream_split_walks_every_unit_once_and_parts_never_share_a_slot() {
-        // (tiles x row blocks, halves, warps): GLM-5.3-Flash gate/up and down at 1-64
-        // tiles on 132 x 2 blocks, models/tiny's (few units, most warps idle), odd counts.
-        let cases = [
-            (8 * 64, 64, 2112),
-            (11 * 64, 32, 2112),
-            (70 * 64, 64, 2112),
-            (2 * 4, 4, 2112),
-            (3 * 2, 2, 2112),
-            (7, 5, 13),
-            (1, 64, 8),
-            (300 * 64, 64, 1056),
-        ];
-        for (rows, halves, w) in cases {
-            let u = rows * halves;
-            let w = w.min(u); // the kernel's warps: at most one a unit
-            let segs = stream_segments(u, w, halves);
-            let mut seen = vec![0u8; u];
-            let mut slots = std::collections::HashSet::new();
-            let mut per_row = vec![Vec::new(); rows];
-            for &(gw, row, h0, h1, slot) in &segs {
-                assert!(h0 < h1 && h1 <= halves, "{rows} {halves} {w}: {h0}..{h1}");
-                let units = row * halves + h0..row * halves + h1;
-                for (x, n) in seen
-                    .iter_mut()
-                    .enumerate()
-                    .take(units.end)
-                    .skip(units.start)
-                {
-                    *n += 1;
-                    assert_eq!(w4s_owner(x, u, w), gw, "unit {x} of {rows} {halves} {w}");
-                }
-                if let Some(sl) = slot {
-                    assert!(slots.insert(sl), "slot {sl} twice ({rows} {halves} {w})");
-                    assert!(sl / 2 == gw);
-                }
-                per_row[row].push((gw, slot.is_some()));
-            }
-            assert!(seen.iter().all(|&n| n == 1), "{rows} {halves} {w}");
-            for (row, v) in per_row.iter().enumerate() {
-                // The kernel's count of parts: its owners from first to last, in warp order,
-                // all parts when more than one warp holds the row block.
-                let first = w4s_owner(row * halves, u, w);
-                let last = w4s_owner(row * halves + halves - 1, u, w);
-                assert_eq!(v.len(), last - first + 1, "row {row} ({rows} {halves} {w})");
-                assert!(v.iter().map(|s| s.0).eq(first..=last));
-                assert!(v.iter().all(|s| s.1 == (v.len() > 1)));
-            }
-        }
-    }
-
-    #[test]
-    fn stream_switch_parses_and_sizes_its_parts() {
-        let st = |v| W4Stream::parse(Some(v), W4_STREAM_DEFAULT, 264).unwrap();
-        assert_eq!(st("off"), None);
-        assert_eq!(st(" 0"), None);
-        assert_eq!(st("all").unwrap().tiles, i32::MAX as usize);
-        assert_eq!(
-            st("24"),
-            Some(W4Stream {
-                blocks: 264,
-                tiles: 24
-            })
-        );
-        assert_eq!(st("24").unwrap().parts_len(), 264 * 8 * 2 * 1024);
-        for bad in ["-1", "x", "1.5", "99999999999"] {
-            let e = W4Stream::parse(Some(bad), "off", 264)
-                .unwrap_err()
-                .to_string();
-            assert!(e.contains(W4_STREAM_ENV) && e.contains(bad), "{bad}: {e}");
-        }
-        assert_eq!(W4Stream::parse(Some("all"), "off", 0).unwrap(), None);
-        assert_eq!(moe_sync_len(10, 4096, 2048), 3 + 10 + 10 * 64);
-        assert_eq!(moe_sync_len(10, 256, 128), 3 + 10 + 10 * 4);
-    }
-
     #[test]
     fn w4_blocks_cover_every_row_block_and_half_group_once() {
         let tl = |max, min| W4Tiles {
@@ -1040,7 +862,6 @@ mod tests {
             target: W4_TARGET_BLOCKS,
             forced: None,
             waves: None,
-            stream: None,
         };
         assert_eq!(parse_w4_target(" 512").unwrap(), 512);
         assert!(opt_in(Some("1")) && opt_in(Some(" 1")));

@@ -480,9 +480,6 @@ pub struct MoeBenchReport {
     pub w4_slots: usize,
     /// The wave rule's band, percent of a wave (launch.rs `WaveBand`).
     pub w4_band: launch::WaveBand,
-    /// The stream split of the INT4 GEMMs (`SPECLAB_W4_STREAM`, launch.rs `W4Stream`):
-    /// its blocks and the tile count below which it was taken; `None`: off.
-    pub w4_stream: Option<launch::W4Stream>,
     /// The experts ran as one fused kernel (`moe_experts_w4`; without `SPECLAB_MOE_FUSED=1`: the
     /// split, gate/up and down kernels).
     pub moe_fused: bool,
@@ -638,8 +635,8 @@ struct Scratch {
     sh_out: DevBuf<f32>,
     /// Shape: [M, H] residual the combine adds into.
     x_out: DevBuf<f32>,
-    /// Shape: [launch::moe_sync_len(max_tiles, H, Im)] the fused experts kernel's counters,
-    /// then the stream split's (zero between calls).
+    /// Shape: [MOE_SYNC_FIXED + max_tiles] the fused experts kernel's counters (zero between
+    /// calls).
     sync: DevBuf<i32>,
 }
 
@@ -658,7 +655,7 @@ impl Scratch {
             x_out: DevBuf::zeros(st, m * s.hidden, "x out")?,
             sync: DevBuf::zeros(
                 st,
-                launch::moe_sync_len(launch::moe_max_tiles(p, s.experts), s.hidden, s.inter),
+                launch::MOE_SYNC_FIXED + launch::moe_max_tiles(p, s.experts),
                 "moe sync",
             )?,
         })
@@ -1338,7 +1335,6 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         w4_waves: g.w4_waves,
         w4_slots: g.w4_slots,
         w4_band: g.w4_band,
-        w4_stream: g.w4_stream.as_ref().map(|(st, _)| *st),
         moe_fused: launch::moe_fused(),
         split_in_call: split_in_call(),
         timing: "CUDA events around single calls, median of iters (experts_us_chained: chains of CHAIN back-to-back calls, gate/up without its weight prologue, median over the chains); experts = moe_gate_up_w4 + moe_down_w4 on the input split at upload (split_in_call: moe_split_x + moe_gate_up_w4 + moe_down_w4), or the one fused moe_experts_w4 (moe_fused), on routing injected after the router (moe_align done beforehand); layer (since 2026-12-06 as step.rs runs a 288-expert router) = router linear_bf16 + moe_topk (choice discarded) + moe_align + experts with the bf16 shared SwiGLU merged into gate/up (moe_gate_up_shared_w4, split in the call) + the shared down-projection with the combine fused (ops::linear_combine, skinny or tiled), each as the engine decides it (Gpu::merges_shared / fuses_combine); bf16 GEMMs skinny up to Gpu::skinny_max_rows rows; layer_parts: each launch alone, unfused",

@@ -869,8 +869,8 @@ pub struct Experts<'a> {
     pub h: &'a DevBuf<f32>,
     /// Shape: [P, H] output.
     pub y: &'a DevBuf<f32>,
-    /// Shape: [launch::moe_sync_len(max_tiles, hidden, inter)] the fused INT4 kernel's
-    /// counters, then the stream split's (a tile and row block), zero between launches.
+    /// Shape: [MOE_SYNC_FIXED + max_tiles] the fused INT4 kernel's counters, zero between
+    /// launches.
     pub sync: &'a DevBuf<i32>,
     pub hidden: usize,
     pub inter: usize,
@@ -912,7 +912,6 @@ pub fn w4_tiles(g: &Gpu, max_tiles: usize, t: usize, k: usize) -> Result<launch:
         target: launch::w4_target_blocks()?,
         forced: launch::w4_ks_forced()?,
         waves: g.w4_waves.then_some((g.w4_slots, g.w4_band)),
-        stream: g.w4_stream.as_ref().map(|(st, _)| *st),
     })
 }
 
@@ -1010,12 +1009,7 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
         (launch::moe_gemm(hd, r.max_tiles, dn_name)?, none)
     };
     // The INT4 kernels' last arguments: the grid's tiles, the K-split bound and
-    // segments, the weight prologue, the stream split's counters, parts, blocks and tiles.
-    let stream = if int4 {
-        w4_stream_args(g, r, a)?
-    } else {
-        Vec::new()
-    };
+    // segments, the weight prologue.
     let w4_tail = |ks: launch::W4Split, pre: bool| -> Result<Vec<Arg>> {
         Ok(if int4 {
             let mut v = vec![int(r.max_tiles, "max_tiles")?, int(ks.ks_hi, "ks_hi")?];
@@ -1023,7 +1017,6 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
                 v.push(int(s, "K-split segment")?);
             }
             v.push(Arg::I(i32::from(pre)));
-            v.extend(stream.iter().cloned());
             v
         } else {
             Vec::new()
@@ -1069,8 +1062,6 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
         // [max_tiles + 1] checked; pair ids in `sorted` are < P and tile experts < E
         // (moe_align's output over ids < E). The INT4 kernels touch whole row blocks of 64
         // rows only (2 Im, H % 64 == 0, checked by moe_w4; launch.rs tests the row-block cover).
-        // The stream split's counters (one a tile and row block of the larger GEMM) and parts
-        // ([w4_slots W4_WARPS, 2, W4S_SLOT], the split's warps) are checked by w4_stream_args.
         None => unsafe { launch(g, gu_name, gu_shape, &args)? },
         Some(sw) => gate_up_shared(g, sw, gu_shape, args)?,
     }
@@ -1080,23 +1071,6 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
     args.extend(w4_tail(dn_ks, pre[1])?);
     // SAFETY: y [P, H], h as above, weights [E, H, Im], wts [P] checked; indices as above.
     unsafe { launch(g, dn_name, dn_shape, &args) }
-}
-
-/// The INT4 expert kernels' stream-split arguments (linear.cu `W4_STREAM_PARAMS`): the
-/// counters in `a.sync` past the fused kernel's, the device's parts buffer, its blocks and
-/// tile bound; null and 0 when the split is off.
-fn w4_stream_args(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<Vec<Arg>> {
-    let Some((st, parts)) = &g.w4_stream else {
-        return Ok(vec![Arg::P(0), Arg::P(0), Arg::I(0), Arg::I(0)]);
-    };
-    let ctr_len = launch::moe_sync_len(r.max_tiles, a.hidden, a.inter);
-    let at = launch::moe_stream_ctr(r.max_tiles);
-    Ok(vec![
-        ptr(a.sync, at, ctr_len - at, "moe stream counters")?,
-        ptr(parts, 0, st.parts_len(), "w4 stream parts")?,
-        int(st.blocks, "stream blocks")?,
-        int(st.tiles, "stream tiles")?,
-    ])
 }
 
 /// Kernel `moe_gate_up_shared_w4`: the INT4 gate/up launch `gu` (its checked `args`)

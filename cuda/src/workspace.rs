@@ -114,9 +114,8 @@ pub struct Workspace {
     pub sorted: DevBuf<i32>,
     /// Expert of each tile, then the count of tiles used. Shape: [max_tiles + 1].
     pub tile_expert: DevBuf<i32>,
-    /// Counters of the fused INT4 experts kernel, then the stream split's (a tile and row
-    /// block), zero between launches (allocated zeroed; the kernels reset them). Shape:
-    /// [launch::moe_sync_len(max_tiles, H, moe_inter)].
+    /// Counters of the fused INT4 experts kernel, zero between launches (allocated zeroed;
+    /// the kernel's last block resets them). Shape: [MOE_SYNC_FIXED + max_tiles].
     pub moe_sync: DevBuf<i32>,
     /// The fused router's ticket (ops::Router::ticket): zero between launches (allocated
     /// zeroed; the router's last block resets it). Shape: [1].
@@ -163,10 +162,7 @@ impl Workspace {
             wts: f(p, "wts")?,
             sorted: i(8 * max_tiles, "sorted")?,
             tile_expert: i(max_tiles + 1, "tile_expert")?,
-            moe_sync: i(
-                crate::launch::moe_sync_len(max_tiles, z.hidden, z.moe_inter),
-                "moe_sync",
-            )?,
+            moe_sync: i(crate::launch::MOE_SYNC_FIXED + max_tiles, "moe_sync")?,
             route_ticket: i(1, "route_ticket")?,
             hidden: f(t_cap * z.hidden, "hidden")?,
             tmp: f(t_cap * z.hidden, "tmp")?,
