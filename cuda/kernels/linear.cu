@@ -900,7 +900,15 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 // % 64 == 0, x rows 8-byte aligned; dynamic shared memory W4_SMEM bytes.
 
 #define W4_RT 4
+// Warps a block.  SPECLAB_KERNEL_DEFINES=W4_WARPS=4 (with W4_MINB=4 for the same register
+// cap) halves a block, so partial waves are finer (launch.rs w4_warps; the host then runs
+// the shared expert's SwiGLU in its own launch, its tiled block being 256 threads).
+#ifndef W4_WARPS
 #define W4_WARPS 8
+#endif
+#if W4_WARPS != 4 && W4_WARPS != 8
+#error "W4_WARPS must be 4 or 8"
+#endif
 // Weight stages: a double buffer (more stages measured slower, runs/moe-variants/, when they
 // cost a resident block).  SPECLAB_KERNEL_DEFINES=W4_STAGES=3 takes the triple-buffered walk
 // (w4_walk3; modes 0 and 2 only, W4_PACK2 0): two halves in flight while one is multiplied,
@@ -1390,7 +1398,9 @@ __device__ __forceinline__ void w4_epilogue(const float* red, float* __restrict_
         case 1: return w4_epilogue_ks<NMAT, 1>(red, y, hs, topk_w, tp, np, mode, 1, nrb, N, bx);
         case 2: return w4_epilogue_ks<NMAT, 2>(red, y, hs, topk_w, tp, np, mode, 2, nrb, N, bx);
         case 4: return w4_epilogue_ks<NMAT, 4>(red, y, hs, topk_w, tp, np, mode, 4, nrb, N, bx);
+#if W4_WARPS >= 8
         case 8: return w4_epilogue_ks<NMAT, 8>(red, y, hs, topk_w, tp, np, mode, 8, nrb, N, bx);
+#endif
         default: break;
     }
 #endif

@@ -246,7 +246,7 @@ fn w4_slots(ctx: &CudaContext, funcs: &HashMap<&'static str, CudaFunction>) -> R
         .ok_or_else(|| CudaError::Input("kernel moe_down_w4 not loaded (internal)".into()))?;
     let per = f
         .occupancy_max_active_blocks_per_multiprocessor(
-            32 * crate::launch::W4_WARPS,
+            32 * crate::launch::w4_warps(),
             crate::launch::w4_smem() as usize,
             None,
         )
@@ -451,9 +451,13 @@ impl Gpu {
 
     /// Whether an MoE layer of `t` tokens runs its shared expert's SwiGLU as extra blocks
     /// of the INT4 gate/up launch (`moe_gate_up_shared_w4`): INT4 experts, the switch on,
-    /// the tiled (or skinny) GEMMs picked, and not the one fused experts kernel.
+    /// the tiled (or skinny) GEMMs picked, not the one fused experts kernel, and blocks of
+    /// [`crate::launch::W4_WARPS`] warps (the 256 threads of `swiglu_tiled_block`).
     pub fn merges_shared(&self, t: usize, int4: bool) -> bool {
-        int4 && self.merge_shared && t >= self.tiled_min_rows && !crate::launch::moe_fused()
+        int4 && self.merge_shared
+            && t >= self.tiled_min_rows
+            && !crate::launch::moe_fused()
+            && crate::launch::w4_warps() == crate::launch::W4_WARPS
     }
 
     /// Whether an MoE layer of `t` tokens runs the combine as the epilogue of the shared

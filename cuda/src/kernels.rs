@@ -44,8 +44,9 @@ pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// stages, 2 or 3, with the blocks' shared memory following, `launch::w4_smem`;
 /// `W4_TRACE`: block traces of the INT4 expert kernels, `crate::w4trace`; `W4_EPI`: their
 /// epilogue specialized by the K split, 1 by default, 0 the run-time one; `W4_PF`: their
-/// L2 prefetch of the weights that many half groups ahead, 0 none).
-pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 14] = [
+/// L2 prefetch of the weights that many half groups ahead, 0 none; `W4_WARPS`: their warps
+/// a block, 8 or 4, the host following with `launch::w4_warps`).
+pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 15] = [
     ("W4_XS", 1..=3),
     ("W4_MINB", 1..=4),
     ("W4_STAGES", 2..=3),
@@ -60,6 +61,7 @@ pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 14] = [
     ("W4_TRACE", 0..=1),
     ("W4_EPI", 0..=1),
     ("W4_PF", 0..=16),
+    ("W4_WARPS", 4..=8),
 ];
 
 /// The prelude prepended to every source.
@@ -474,6 +476,10 @@ mod tests {
         assert_eq!(w4_xs(&parse_defines("W4_XS=1").unwrap()), 1);
         assert_eq!(w4_stages(&parse_defines("W4_STAGES=3").unwrap()), 3);
         assert_eq!(w4_stages(&[]), 2);
+        let four = parse_defines("W4_WARPS=4").unwrap();
+        assert_eq!(define_value(&four, "W4_WARPS"), Some(4));
+        assert!(parse_defines("W4_WARPS=16").is_err());
+        assert!(parse_defines("W4_WARPS=2").is_err());
         // A name that only starts like another is not it.
         assert_eq!(define_value(&["-DW4_XSX=1".to_string()], "W4_XS"), None);
         assert_eq!(w4_xs(&parse_defines("W4_XS=2, W4_XS=3").unwrap()), 3);

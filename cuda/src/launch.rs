@@ -250,7 +250,12 @@ pub const W4_SMEM: u32 = w4_smem_for(W4_STAGES);
 
 /// [`W4_SMEM`] for `stages` weight stages.
 pub const fn w4_smem_for(stages: u32) -> u32 {
-    W4_WARPS * stages * W4_SLOT * 32 * 16 + 2 * W4_WARPS * W4_RT * 4 * 32 * 4
+    w4_smem_with(W4_WARPS, stages)
+}
+
+/// [`W4_SMEM`] for blocks of `warps` warps and `stages` weight stages.
+pub const fn w4_smem_with(warps: u32, stages: u32) -> u32 {
+    warps * stages * W4_SLOT * 32 * 16 + 2 * warps * W4_RT * 4 * 32 * 4
 }
 
 /// The INT4 GEMMs' dynamic shared memory as the kernels are compiled now: [`w4_smem_for`]
@@ -260,7 +265,19 @@ pub fn w4_smem() -> u32 {
     static SMEM: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
     *SMEM.get_or_init(|| {
         let defines = crate::kernels::env_defines().unwrap_or_default();
-        w4_smem_for(crate::kernels::w4_stages(&defines) as u32)
+        w4_smem_with(w4_warps(), crate::kernels::w4_stages(&defines) as u32)
+    })
+}
+
+/// Warps a block of the INT4 expert GEMMs as the kernels are compiled now: the `W4_WARPS`
+/// of `SPECLAB_KERNEL_DEFINES` (4 or 8; linear.cu refuses others at compile time), else
+/// [`W4_WARPS`]. Four-warp blocks halve a block's weight bytes, so a partial wave is
+/// finer grained (an experiment for the H200's small-M rows, findings/bench-moe.md).
+pub fn w4_warps() -> u32 {
+    static WARPS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *WARPS.get_or_init(|| {
+        let defines = crate::kernels::env_defines().unwrap_or_default();
+        crate::kernels::define_value(&defines, "W4_WARPS").map_or(W4_WARPS, |w| w as u32)
     })
 }
 /// Largest k of `moe_topk` / `moe_combine` (`TOPK_MAX`).
@@ -370,7 +387,7 @@ pub fn moe_split(t: usize, k: usize, what: &str) -> Result<Shape> {
 /// warps on K, for parallelism.
 pub fn w4_ks(rows: usize, tiles: usize, ks_hi: usize, target: usize) -> usize {
     let mut ks = 1;
-    while ks < ks_hi && (rows / 64).div_ceil(W4_WARPS as usize / ks) * tiles < target {
+    while ks < ks_hi.min(w4_warps() as usize) && w4_groups(rows, ks) * tiles < target {
         ks *= 2;
     }
     ks
@@ -379,7 +396,7 @@ pub fn w4_ks(rows: usize, tiles: usize, ks_hi: usize, target: usize) -> usize {
 /// Row-block groups a tile of `rows` weight rows takes at K split `ks` (linear.cu
 /// `w4_groups`).
 pub fn w4_groups(rows: usize, ks: usize) -> usize {
-    (rows / 64).div_ceil(W4_WARPS as usize / ks)
+    (rows / 64).div_ceil(w4_warps() as usize / ks)
 }
 
 /// Segments a [`W4Split`] holds (linear.cu `W4_SEGS`).
@@ -526,10 +543,10 @@ pub fn w4_ks_waves(rows: usize, tiles: usize, cap: usize, slots: usize, band: Wa
     top
 }
 
-/// The largest K split of `k`: `min(W4_WARPS, k / 64)`, a power of two as W4_WARPS is.
+/// The largest K split of `k`: `min(w4_warps(), k / 64)`, a power of two as the warps are.
 pub fn w4_ks_max(k: usize) -> usize {
     let mut ks = 1;
-    while 2 * ks <= (W4_WARPS as usize).min(k / 64) {
+    while 2 * ks <= (w4_warps() as usize).min(k / 64) {
         ks *= 2;
     }
     ks
@@ -590,11 +607,11 @@ pub fn moe_w4(
             W4Split::reaching(n * nmat, ks_hi, t.target)
         }
     };
-    let per_block = W4_WARPS as usize / split.ks_hi;
+    let per_block = w4_warps() as usize / split.ks_hi;
     let mut s = grid_2d(
         (n * nmat / 64).div_ceil(per_block) * max_tiles,
         1,
-        32 * W4_WARPS,
+        32 * w4_warps(),
         what,
     )?;
     s.smem = w4_smem();
@@ -780,6 +797,7 @@ mod tests {
         assert_eq!(define("W4_SLOT"), Some(W4_SLOT as usize));
         assert_eq!(define("W4_SEGS"), Some(W4_SEGS));
         assert_eq!(W4_SMEM, 73_728);
+        assert_eq!(2 * w4_smem_with(4, 2), W4_SMEM);
         assert_eq!(define("EXPERTS_MAX"), Some(EXPERTS_MAX));
         assert_eq!(define("HEAD_DIM_MAX"), Some(HEAD_DIM_MAX));
         assert_eq!(define("KC_MAX"), Some(KC_MAX));
@@ -822,12 +840,12 @@ mod tests {
     fn w4_owned(rows: usize, k: usize, ntiles: usize, split: &W4Split) -> (Vec<u8>, usize) {
         let (groups, nrb) = (k / 64, rows / 64);
         let ks = split.ks(ntiles);
-        let per = W4_WARPS as usize / ks;
+        let per = w4_warps() as usize / ks;
         let xneed = nrb.div_ceil(per);
         let mut owned = vec![0u8; ntiles * nrb * groups];
         for b in 0..ntiles * xneed {
             let (tile, bx) = (b / xneed, b % xneed);
-            for w in 0..W4_WARPS as usize {
+            for w in 0..w4_warps() as usize {
                 let (kw, rb) = (w % ks, bx * per + w / ks);
                 if rb < nrb {
                     for grp in kw * groups / ks..(kw + 1) * groups / ks {

@@ -1261,7 +1261,7 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
     let mut occ = Vec::new();
     let mut regs = Vec::new();
     for name in crate::device::W4_KERNELS {
-        occ.push(g.blocks_per_sm(name, 32 * launch::W4_WARPS, launch::w4_smem())?);
+        occ.push(g.blocks_per_sm(name, 32 * launch::w4_warps(), launch::w4_smem())?);
         regs.push(g.regs_and_local(name)?);
     }
     log(&format!(

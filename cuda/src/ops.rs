@@ -1126,10 +1126,10 @@ fn moe_experts_fused(
     let split_chunks = if ready {
         0
     } else {
-        (r.t * hd / 4).div_ceil(32 * launch::W4_WARPS as usize)
+        (r.t * hd / 4).div_ceil(32 * launch::w4_warps() as usize)
     };
     let grid = f.grid + split_chunks;
-    let mut shape = launch::grid_2d(grid, 1, 32 * launch::W4_WARPS, "moe_experts_w4")?;
+    let mut shape = launch::grid_2d(grid, 1, 32 * launch::w4_warps(), "moe_experts_w4")?;
     shape.smem = launch::w4_smem();
     let mut args = vec![
         y,
