@@ -227,6 +227,9 @@ pub fn parse_defines(text: &str) -> Result<Vec<String>> {
         if !range.contains(&v) {
             return Err(bad(format!("{v} is outside {range:?}")));
         }
+        if name == "W4_WARPS" && !v.is_power_of_two() {
+            return Err(bad(format!("{v} warps a block: expected 4 or 8")));
+        }
         out.push(format!("-D{name}={v}"));
     }
     Ok(out)
@@ -480,6 +483,11 @@ mod tests {
         assert_eq!(define_value(&four, "W4_WARPS"), Some(4));
         assert!(parse_defines("W4_WARPS=16").is_err());
         assert!(parse_defines("W4_WARPS=2").is_err());
+        let six = parse_defines("W4_WARPS=6").unwrap_err().to_string();
+        assert!(
+            six.contains("`W4_WARPS=6`") && six.contains("expected 4 or 8"),
+            "{six}"
+        );
         // A name that only starts like another is not it.
         assert_eq!(define_value(&["-DW4_XSX=1".to_string()], "W4_XS"), None);
         assert_eq!(w4_xs(&parse_defines("W4_XS=2, W4_XS=3").unwrap()), 3);
