@@ -461,6 +461,10 @@ pub struct MoeBenchReport {
     /// Device-to-device copy bandwidth (2 * bytes / t, median of 10), at start and end.
     pub copy_gb_s: f64,
     pub copy_gb_s_end: f64,
+    /// CUDA-event µs around two launches of the empty one-thread kernel `spin_wait(0)`,
+    /// made as the experts call makes its two (programmatic launch when on), median of
+    /// `iters`: what the single-call timing costs before any kernel does work.
+    pub empty_call_us: f64,
     pub expert_bytes_each: usize,
     pub layer_copy_bytes: usize,
     /// Resident blocks an SM of moe_gate_up_w4 / moe_down_w4 / moe_experts_w4 /
@@ -1272,6 +1276,14 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
     ));
     let copy_gb_s = copy_bandwidth(&g, cfg.copy_bytes)?;
     log(&format!("copy bandwidth {copy_gb_s:.0} GB/s"));
+    let empty_call_us = percentiles(time_calls(&g, cfg.iters, |_| {
+        g.spin(0)?;
+        g.spin(0)
+    })?)
+    .0;
+    log(&format!(
+        "two empty launches between events: {empty_call_us:.1} us"
+    ));
     let t0 = std::time::Instant::now();
     let copies: Vec<LayerCopy> = (0..cfg.copies)
         .map(|c| LayerCopy::new(&g, &cfg.shape, cfg.seed as u32 ^ (c as u32 + 1)))
@@ -1325,6 +1337,7 @@ pub fn run(cfg: &MoeBenchConfig, log: &mut dyn FnMut(&str)) -> Result<MoeBenchRe
         ref_tol: ref_tol(g.w4_xs),
         copy_gb_s,
         copy_gb_s_end,
+        empty_call_us,
         expert_bytes_each: cfg.shape.expert_bytes(),
         layer_copy_bytes: cfg.shape.layer_bytes(),
         w4_blocks_per_sm: occ,
