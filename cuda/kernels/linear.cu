@@ -925,6 +925,39 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 #endif
 // uint4 a lane a stage: 4 k16 steps of weights + the group's scales.
 #define W4_SLOT 5
+// Bulk-copy walk (SPECLAB_KERNEL_DEFINES=W4_BULK=n, n = 2..4 stages; default 0: off, the
+// cp.async walk above): lane 0 of a warp fetches each half group with two bulk copies
+// (sm_90 `cp.async.bulk` global -> shared, completing on an mbarrier a stage: PTX ISA,
+// "Data movement: cp.async.bulk"; the producer side of CUTLASS's TMA pipelines): the
+// half's 2 KB of weights, contiguous in the device layout, and its group's 128 B of scales.
+// A stage is then 2,176 B (W4_BSLOT uint4) against the cp.async walk's 2,560 (every lane
+// copying its scale uint4), the prologue issues n halves before the first wait, and a
+// slot is refilled once the warp has multiplied it, so n halves are in flight a warp
+// where the double buffer keeps one to two (a lone block streams at about 22 GB/s
+// against the H200's 32 GB/s share of an SM, findings/bench-moe.md).  Invariants: a
+// warp's n mbarriers are initialised (count 1) by its lane 0 before any copy and each
+// completes once a use, so use u of slot j waits for parity u & 1; a slot is refilled
+// only after __syncwarp, i.e. after every lane's shared loads of its previous half.
+// Modes 0 and 2 only (W4_PACK2 0), and W4_STAGES is then unused.
+#ifndef W4_BULK
+#define W4_BULK 0
+#endif
+#if W4_BULK != 0 && (W4_BULK < 2 || W4_BULK > 4)
+#error "W4_BULK must be 0 (off) or 2..4 stages"
+#endif
+#if W4_BULK && (W4_PACK2 || W4_STAGES != 2)
+#error "W4_BULK walks modes 0 and 2 with its own stages: W4_PACK2 0 and W4_STAGES 2"
+#endif
+// uint4 a warp's bulk stage: 4 k16 steps x 32 lanes of weights, then 8 of scales.
+#define W4_BSLOT 136
+static_assert(W4_BSLOT == 4 * WARP + 8, "W4_BSLOT");
+#if W4_BULK
+#define W4_NST W4_BULK
+#define W4_SLOT_U4 W4_BSLOT
+#else
+#define W4_NST W4_STAGES
+#define W4_SLOT_U4 (W4_SLOT * WARP)
+#endif
 // Blocks an SM the registers are budgeted for (128 a thread; ptxas: 1 also takes 128, 3
 // spills at 80).  A tunable (SPECLAB_KERNEL_DEFINES=W4_MINB=n); 3 with W4_XS=1 (95
 // registers at 2) spilled 40-56 bytes and was slower at every row (runs/moe-minb3-ff0865d/).
@@ -992,6 +1025,42 @@ __device__ __forceinline__ void cp_async_wait_two() {
 // Wait until at most one committed group is pending.
 __device__ __forceinline__ void cp_async_wait_one() {
     asm volatile("cp.async.wait_group 1;" ::: "memory");
+}
+
+// mbarriers and bulk copies (sm_90; PTX ISA "Parallel synchronization: mbarrier" and
+// "cp.async.bulk"), for W4_BULK.  The barrier at shared address `bar` expects one arrival.
+__device__ __forceinline__ void mbar_init(u32 bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+}
+// Makes the initialisations visible to the async proxy (the bulk copies' completions).
+__device__ __forceinline__ void mbar_fence_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// Lane 0's arrival, announcing `bytes` that bulk copies will complete on the barrier.
+__device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+// Wait until the barrier's phase of parity `phase` completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 phase) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "W4_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra W4_WAIT;\n"
+        "}\n" ::"r"(bar),
+        "r"(phase)
+        : "memory");
+}
+// `bytes` (a multiple of 16) global -> shared, completing on barrier `bar` (a CTA is a
+// cluster of one, so its own shared address is a shared::cluster address).
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+        "[%3];" ::"r"(dst),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
 }
 
 // The bf16 pair (element 0 low) of register j of an A fragment word, exactly n - 8.
@@ -1119,9 +1188,10 @@ __device__ __forceinline__ void w4_half(float part[W4_RT][4], const uint4* st,
 struct W4Lane {
     const uint4* q;   // this lane's weight words of k16 step 0 (step s at + 32 s)
     const uint4* sc;  // this lane's scale uint4 of group 0 (group g at + 8 g)
-    uint4* st;        // this lane's slots: stage j at + j W4_SLOT 32
+    uint4* st;        // this lane's slots: stage j at + j W4_SLOT_U4
     u32 st_addr;      // the shared address of st
     int h1;           // the end of the warp's K slice, in half groups
+    u32 bar;          // W4_BULK: the shared address of the warp's barrier of slot 0 (+ 8 j)
 };
 
 // W4_PF (default 0: compiled out): each half group's copy also asks L2 for the warp's
@@ -1145,8 +1215,17 @@ __device__ __forceinline__ void w4_prefetch(const W4Lane& l, int hg) {
 #endif
 }
 
-// Copy half group hg into stage slot j: 4 weight uint4s and the group's scales.
+// Copy half group hg into stage slot j: 4 weight uint4s and the group's scales.  W4_BULK:
+// lane 0's two bulk copies, on slot j's barrier (lane 0's q, sc and st_addr are the warp's
+// bases).
 __device__ __forceinline__ void w4_issue(const W4Lane& l, int hg, int j) {
+#if W4_BULK
+    if ((threadIdx.x & 31) != 0) return;
+    const u32 bar = l.bar + 8 * j, d = l.st_addr + j * (W4_BSLOT * 16);
+    mbar_expect(bar, W4_BSLOT * 16);
+    bulk_copy(d, l.q + (size_t)hg * (4 * WARP), 4 * WARP * 16, bar);
+    bulk_copy(d + 4 * WARP * 16, l.sc + (size_t)(hg / 2) * 8, 8 * 16, bar);
+#else
     w4_prefetch(l, hg + W4_PF);
     const u32 d = l.st_addr + j * (W4_SLOT * WARP * 16);
     const uint4* q = l.q + (size_t)hg * (4 * WARP);
@@ -1158,6 +1237,7 @@ __device__ __forceinline__ void w4_issue(const W4Lane& l, int hg, int j) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d + 4 * WARP * 16),
                  "l"(l.sc + (size_t)(hg / 2) * 8)
                  : "memory");
+#endif
 }
 
 // acc += scale * W x over the half group in stage slot j with B operand b.  Each half is
@@ -1167,9 +1247,11 @@ __device__ __forceinline__ void w4_issue(const W4Lane& l, int hg, int j) {
 template <int MODE>
 __device__ __forceinline__ void w4_take(float acc[][W4_RT][4], const W4Lane& l, int j,
                                         const W4B<MODE>& b) {
-    const uint4* st = l.st + j * W4_SLOT * WARP;
-    // Scale word i: (row g, row g + 8) of tile i = accumulators (0, 1), (2, 3).
-    const uint4 sv = st[4 * WARP];
+    const uint4* st = l.st + j * W4_SLOT_U4;
+    // Scale word i: (row g, row g + 8) of tile i = accumulators (0, 1), (2, 3).  The bulk
+    // walk's slot holds the group's 8 scale uint4s once (lane (g, t) reads g's).
+    const int lane = threadIdx.x & 31;
+    const uint4 sv = W4_BULK ? st[4 * WARP - lane + (lane >> 2)] : st[4 * WARP];
     if constexpr (MODE == 1) {
         // Tile i's weight word of step u, a 32-bit shared load each (not the 4 uint4s of
         // the half, whose 16 registers would spill beside the two sets).
@@ -1290,6 +1372,62 @@ __device__ __forceinline__ void w4_walk3(float acc[][W4_RT][4], const W4Lane& l,
     }
 }
 
+// One step of the bulk walk: wait for the warp's i-th half (slot i % W4_BULK, use
+// i / W4_BULK), multiply it with `x`, then refill the slot with half `next` if below h1.
+template <int MODE>
+__device__ __forceinline__ void w4_bstep(float acc[][W4_RT][4], const W4Lane& l, int i,
+                                         int next, const W4B<MODE>& x) {
+#if W4_BULK
+    const int j = i % W4_BULK;
+    mbar_wait(l.bar + 8 * j, (i / W4_BULK) & 1);
+    w4_take<MODE>(acc, l, j, x);
+    if (next < l.h1) {
+        __syncwarp();  // every lane's loads of slot j are done
+        w4_issue(l, next, j);
+    }
+#endif
+}
+
+// w4_walk by bulk copies (W4_BULK; modes 0 and 2): halves h0 .. h0 + W4_BULK - 1 were
+// issued into slots 0 .. by the caller (w4_bulk_start).  The B operand is double-buffered
+// in registers as in w4_walk, so the sums are those of w4_walk, in the same order.
+template <int MODE, bool CG>
+__device__ __forceinline__ void w4_walk_bulk(float acc[][W4_RT][4], const W4Lane& l,
+                                             const uint2* __restrict__ b0,
+                                             const uint2* __restrict__ b1, int h0, int h1) {
+    W4B<MODE> x0, x1;
+    w4_load_b<MODE, CG>(x0, b0, b1, h0);
+    for (int h = h0; h < h1; h += 2) {
+        const bool two = h + 1 < h1;
+        if (two) w4_load_b<MODE, CG>(x1, b0, b1, h + 1);
+        w4_bstep<MODE>(acc, l, h - h0, h + W4_NST, x0);
+        if (!two) break;
+        if (h + 2 < h1) w4_load_b<MODE, CG>(x0, b0, b1, h + 2);
+        w4_bstep<MODE>(acc, l, h + 1 - h0, h + 1 + W4_NST, x1);
+    }
+}
+
+// The bulk walk's prologue (W4_BULK): lane 0 initialises the warp's barriers and, for a
+// live warp, issues its first W4_BULK halves.  Without W4_BULK: the first half's cp.async
+// copy into slot 0, committed.
+__device__ __forceinline__ void w4_start(const W4Lane& l, int h0, bool live) {
+#if W4_BULK
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int j = 0; j < W4_BULK; ++j) mbar_init(l.bar + 8 * j);
+        mbar_fence_init();
+    }
+    __syncwarp();
+    if (live)
+#pragma unroll
+        for (int j = 0; j < W4_BULK; ++j)
+            if (h0 + j < l.h1) w4_issue(l, h0 + j, j);
+#else
+    if (live && h0 < l.h1) w4_issue(l, h0, 0);
+    cp_async_commit();
+#endif
+}
+
 // Floats of one accumulator set of the block in `red`: [W4_WARPS][W4_RT 4][32].
 #define W4_RED_SET (W4_WARPS * W4_RT * 4 * WARP)
 
@@ -1307,7 +1445,9 @@ __device__ __forceinline__ void w4_run(float* red, const W4Lane& l, const uint2*
         for (int i = 0; i < W4_RT; ++i)
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[m][i][c] = 0.0f;
-#if W4_STAGES == 3
+#if W4_BULK
+    if (live) w4_walk_bulk<MODE, CG>(acc, l, b0, b1, h0, h1);
+#elif W4_STAGES == 3
     if (live) w4_walk3<MODE, CG>(acc, l, b0, b1, h0, h1);
 #else
     if (live) w4_walk<MODE, CG>(acc, l, b0, b1, h0, h1);
@@ -1486,21 +1626,22 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
     const int nrb = N * NMAT / 64, per = W4_WARPS / ks;
     const int e = pre ? __ldcg(tile_expert + tile) : tile_expert[tile];
     extern __shared__ uint4 w4_smem[];
-    float* red = reinterpret_cast<float*>(w4_smem + W4_WARPS * W4_STAGES * W4_SLOT * WARP);
+    float* red = reinterpret_cast<float*>(w4_smem + W4_WARPS * W4_NST * W4_SLOT_U4);
     __shared__ int tp[ROWS_PER_TILE];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int halves = K / 64;
     const int kw = warp % ks, rb = bx * per + warp / ks;
     const bool live = rb < nrb;  // uniform per warp
     const size_t blk = (size_t)e * nrb + (live ? rb : 0);
-    uint4* st = w4_smem + warp * W4_STAGES * W4_SLOT * WARP + lane;
+    uint4* st = w4_smem + warp * W4_NST * W4_SLOT_U4 + lane;
     const int h0 = kw * halves / ks, h1 = (kw + 1) * halves / ks;
+    // W4_BULK's barriers: [W4_WARPS][W4_NST] u64 after red's two accumulator sets.
+    const u32 bar = smem_addr(red + 2 * W4_RED_SET) + 8 * warp * W4_NST;
     const W4Lane l{qw + blk * (K / 16) * WARP + lane, scw + blk * (K / 128) * 8 + g, st,
-                   smem_addr(st), h1};
+                   smem_addr(st), h1, bar};
     // The weights depend only on the expert: their first copy starts before the tile's
     // pairs are read.
-    if (live && h0 < h1) w4_issue(l, h0, 0);
-    cp_async_commit();
+    w4_start(l, h0, live);
     if (threadIdx.x < ROWS_PER_TILE) {
         const int* sp = sorted + (size_t)tile * ROWS_PER_TILE + threadIdx.x;
         tp[threadIdx.x] = pre ? __ldcg(sp) : *sp;

@@ -45,8 +45,10 @@ pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// `W4_TRACE`: block traces of the INT4 expert kernels, `crate::w4trace`; `W4_EPI`: their
 /// epilogue specialized by the K split, 1 by default, 0 the run-time one; `W4_PF`: their
 /// L2 prefetch of the weights that many half groups ahead, 0 none; `W4_WARPS`: their warps
-/// a block, 8 or 4, the host following with `launch::w4_warps`).
-pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 15] = [
+/// a block, 8 or 4, the host following with `launch::w4_warps`; `W4_BULK`: their weight
+/// walk by bulk copies with that many stages, 2 to 4, 0 the cp.async walk,
+/// `launch::w4_smem` following).
+pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 16] = [
     ("W4_XS", 1..=3),
     ("W4_MINB", 1..=4),
     ("W4_STAGES", 2..=3),
@@ -62,6 +64,7 @@ pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 15] = [
     ("W4_EPI", 0..=1),
     ("W4_PF", 0..=16),
     ("W4_WARPS", 4..=8),
+    ("W4_BULK", 0..=4),
 ];
 
 /// The prelude prepended to every source.
@@ -229,6 +232,11 @@ pub fn parse_defines(text: &str) -> Result<Vec<String>> {
         }
         if name == "W4_WARPS" && !v.is_power_of_two() {
             return Err(bad(format!("{v} warps a block: expected 4 or 8")));
+        }
+        if name == "W4_BULK" && v == 1 {
+            return Err(bad(
+                "1 bulk stage: expected 0 (the cp.async walk) or 2 to 4".into(),
+            ));
         }
         out.push(format!("-D{name}={v}"));
     }
@@ -487,6 +495,16 @@ mod tests {
         assert!(
             six.contains("`W4_WARPS=6`") && six.contains("expected 4 or 8"),
             "{six}"
+        );
+        let one = parse_defines("W4_BULK=1").unwrap_err().to_string();
+        assert!(
+            one.contains("`W4_BULK=1`") && one.contains("2 to 4"),
+            "{one}"
+        );
+        assert!(parse_defines("W4_BULK=5").is_err());
+        assert_eq!(
+            define_value(&parse_defines("W4_BULK=4").unwrap(), "W4_BULK"),
+            Some(4)
         );
         // A name that only starts like another is not it.
         assert_eq!(define_value(&["-DW4_XSX=1".to_string()], "W4_XS"), None);

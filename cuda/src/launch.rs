@@ -258,14 +258,29 @@ pub const fn w4_smem_with(warps: u32, stages: u32) -> u32 {
     warps * stages * W4_SLOT * 32 * 16 + 2 * warps * W4_RT * 4 * 32 * 4
 }
 
-/// The INT4 GEMMs' dynamic shared memory as the kernels are compiled now: [`w4_smem_for`]
-/// the `W4_STAGES` of `SPECLAB_KERNEL_DEFINES` ([`crate::kernels::w4_stages`]), else
-/// [`W4_SMEM`]. (A bad define fails the kernels' compile before any launch.)
+/// uint4s a warp's stage of the bulk-copy walk holds (linear.cu `W4_BSLOT`: 4 k16 steps
+/// of 32 lanes' weights, then the group's 8 scale uint4s once).
+pub const W4_BSLOT: u32 = 4 * 32 + 8;
+
+/// The dynamic shared memory of the bulk-copy walk (`W4_BULK=stages`) with blocks of
+/// `warps` warps: `[warps][stages][W4_BSLOT]` uint4, the accumulator array as in
+/// [`w4_smem_with`], then `[warps][stages]` u64 mbarriers.
+pub const fn w4_smem_bulk(warps: u32, stages: u32) -> u32 {
+    warps * stages * W4_BSLOT * 16 + 2 * warps * W4_RT * 4 * 32 * 4 + warps * stages * 8
+}
+
+/// The INT4 GEMMs' dynamic shared memory as the kernels are compiled now: with `W4_BULK`
+/// of `SPECLAB_KERNEL_DEFINES` [`w4_smem_bulk`], else [`w4_smem_for`] its `W4_STAGES`
+/// ([`crate::kernels::w4_stages`]), by default [`W4_SMEM`]; blocks of [`w4_warps`]. (A
+/// bad define fails the kernels' compile before any launch.)
 pub fn w4_smem() -> u32 {
     static SMEM: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
     *SMEM.get_or_init(|| {
         let defines = crate::kernels::env_defines().unwrap_or_default();
-        w4_smem_with(w4_warps(), crate::kernels::w4_stages(&defines) as u32)
+        match crate::kernels::define_value(&defines, "W4_BULK") {
+            Some(n) if n > 0 => w4_smem_bulk(w4_warps(), n as u32),
+            _ => w4_smem_with(w4_warps(), crate::kernels::w4_stages(&defines) as u32),
+        }
     })
 }
 
@@ -798,6 +813,10 @@ mod tests {
         assert_eq!(define("W4_SEGS"), Some(W4_SEGS));
         assert_eq!(W4_SMEM, 73_728);
         assert_eq!(2 * w4_smem_with(4, 2), W4_SMEM);
+        assert_eq!(define("W4_BSLOT"), Some(W4_BSLOT as usize));
+        // Four bulk stages of eight warps still leave two blocks an SM (227 KB a block at
+        // most on sm_90, 228 KB an SM with 1 KB reserved a block).
+        assert!(2 * (w4_smem_bulk(8, 4) + 1024) <= 228 * 1024);
         assert_eq!(define("EXPERTS_MAX"), Some(EXPERTS_MAX));
         assert_eq!(define("HEAD_DIM_MAX"), Some(HEAD_DIM_MAX));
         assert_eq!(define("KC_MAX"), Some(KC_MAX));
