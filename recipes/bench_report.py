@@ -121,6 +121,10 @@ def moe(path, svg=None):
     print(f"Kernel defines: {' '.join(defines) or 'none (exact activations)'}; rel err against the kernels' "
           f"function / the exact model, worst row: {max(r['max_rel_err'] for r in b['rows']):.1e} / "
           f"{max(r.get('max_rel_err_exact', r['max_rel_err']) for r in b['rows']):.1e}.\n")
+    # Records since 2026-12-07: the events around two empty launches made as the experts call's.
+    if "empty_call_us" in b:
+        print(f"Two empty launches between events (the single call's cost before any work): "
+              f"{b['empty_call_us']:.1f} us.\n")
     # Records since 2026-12-06 also time the experts in chains of back-to-back calls.
     ch = "experts_us_chained" in b["rows"][0]
     print("| routing | M | experts | experts us | floor us | GB/s | % copy |" + (" chained us (% copy) |" if ch else "")
