@@ -925,13 +925,14 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 #endif
 // uint4 a lane a stage: 4 k16 steps of weights + the group's scales.
 #define W4_SLOT 5
-// Bulk-copy walk (SPECLAB_KERNEL_DEFINES=W4_BULK=n, n = 2..4 stages; default 0: off, the
+// Bulk-copy walk (SPECLAB_KERNEL_DEFINES=W4_BULK=n, n = 2..6 stages; default 0: off, the
 // cp.async walk above): lane 0 of a warp fetches each half group with two bulk copies
 // (sm_90 `cp.async.bulk` global -> shared, completing on an mbarrier a stage: PTX ISA,
 // "Data movement: cp.async.bulk"; the producer side of CUTLASS's TMA pipelines): the
 // half's 2 KB of weights, contiguous in the device layout, and its group's 128 B of scales.
 // A stage is then 2,176 B (W4_BSLOT uint4) against the cp.async walk's 2,560 (every lane
-// copying its scale uint4), the prologue issues n halves before the first wait, and a
+// copying its scale uint4), the epilogue's accumulators overlay the stages (so 6 stages
+// of 8 warps still leave 2 blocks an SM), the prologue issues n halves before the first wait, and a
 // slot is refilled once the warp has multiplied it, so n halves are in flight a warp
 // where the double buffer keeps one to two (a lone block streams at about 22 GB/s
 // against the H200's 32 GB/s share of an SM, findings/bench-moe.md).  Invariants: a
@@ -942,8 +943,8 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 #ifndef W4_BULK
 #define W4_BULK 0
 #endif
-#if W4_BULK != 0 && (W4_BULK < 2 || W4_BULK > 4)
-#error "W4_BULK must be 0 (off) or 2..4 stages"
+#if W4_BULK != 0 && (W4_BULK < 2 || W4_BULK > 6)
+#error "W4_BULK must be 0 (off) or 2..6 stages"
 #endif
 #if W4_BULK && (W4_PACK2 || W4_STAGES != 2)
 #error "W4_BULK walks modes 0 and 2 with its own stages: W4_PACK2 0 and W4_STAGES 2"
@@ -951,6 +952,8 @@ extern "C" __global__ void moe_down_bf16(float* __restrict__ y, const float* __r
 // uint4 a warp's bulk stage: 4 k16 steps x 32 lanes of weights, then 8 of scales.
 #define W4_BSLOT 136
 static_assert(W4_BSLOT == 4 * WARP + 8, "W4_BSLOT");
+// The accumulators' two sets ([2][W4_WARPS][W4_RT][4][32] f32) fit in two bulk stages.
+static_assert(2 * W4_BSLOT * 16 >= 2 * W4_RT * 4 * WARP * 4, "red overlays the stages");
 #if W4_BULK
 #define W4_NST W4_BULK
 #define W4_SLOT_U4 W4_BSLOT
@@ -1447,6 +1450,7 @@ __device__ __forceinline__ void w4_run(float* red, const W4Lane& l, const uint2*
             for (int c = 0; c < 4; ++c) acc[m][i][c] = 0.0f;
 #if W4_BULK
     if (live) w4_walk_bulk<MODE, CG>(acc, l, b0, b1, h0, h1);
+    __syncthreads();  // `red` overlays the stages: every warp's walk is done (every thread)
 #elif W4_STAGES == 3
     if (live) w4_walk3<MODE, CG>(acc, l, b0, b1, h0, h1);
 #else
@@ -1626,7 +1630,16 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
     const int nrb = N * NMAT / 64, per = W4_WARPS / ks;
     const int e = pre ? __ldcg(tile_expert + tile) : tile_expert[tile];
     extern __shared__ uint4 w4_smem[];
+#if W4_BULK
+    // The bulk walk's accumulators overlay its stages (stored after a block barrier behind
+    // every walk, w4_run); its barriers, [W4_WARPS][W4_BULK] u64, follow the stages.
+    float* red = reinterpret_cast<float*>(w4_smem);
+    const u32 bar = smem_addr(w4_smem + W4_WARPS * W4_NST * W4_SLOT_U4) +
+                    8 * (threadIdx.x >> 5) * W4_NST;
+#else
     float* red = reinterpret_cast<float*>(w4_smem + W4_WARPS * W4_NST * W4_SLOT_U4);
+    const u32 bar = 0;
+#endif
     __shared__ int tp[ROWS_PER_TILE];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int halves = K / 64;
@@ -1635,8 +1648,6 @@ __device__ __forceinline__ void w4_item(float* __restrict__ y, u32* __restrict__
     const size_t blk = (size_t)e * nrb + (live ? rb : 0);
     uint4* st = w4_smem + warp * W4_NST * W4_SLOT_U4 + lane;
     const int h0 = kw * halves / ks, h1 = (kw + 1) * halves / ks;
-    // W4_BULK's barriers: [W4_WARPS][W4_NST] u64 after red's two accumulator sets.
-    const u32 bar = smem_addr(red + 2 * W4_RED_SET) + 8 * warp * W4_NST;
     const W4Lane l{qw + blk * (K / 16) * WARP + lane, scw + blk * (K / 128) * 8 + g, st,
                    smem_addr(st), h1, bar};
     // The weights depend only on the expert: their first copy starts before the tile's

@@ -46,7 +46,7 @@ pub const DEFINES_ENV: &str = "SPECLAB_KERNEL_DEFINES";
 /// epilogue specialized by the K split, 1 by default, 0 the run-time one; `W4_PF`: their
 /// L2 prefetch of the weights that many half groups ahead, 0 none; `W4_WARPS`: their warps
 /// a block, 8 or 4, the host following with `launch::w4_warps`; `W4_BULK`: their weight
-/// walk by bulk copies with that many stages, 2 to 4, 0 the cp.async walk,
+/// walk by bulk copies with that many stages, 2 to 6, 0 the cp.async walk,
 /// `launch::w4_smem` following).
 pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 16] = [
     ("W4_XS", 1..=3),
@@ -64,7 +64,7 @@ pub const TUNABLES: [(&str, std::ops::RangeInclusive<u32>); 16] = [
     ("W4_EPI", 0..=1),
     ("W4_PF", 0..=16),
     ("W4_WARPS", 4..=8),
-    ("W4_BULK", 0..=4),
+    ("W4_BULK", 0..=6),
 ];
 
 /// The prelude prepended to every source.
@@ -235,7 +235,7 @@ pub fn parse_defines(text: &str) -> Result<Vec<String>> {
         }
         if name == "W4_BULK" && v == 1 {
             return Err(bad(
-                "1 bulk stage: expected 0 (the cp.async walk) or 2 to 4".into(),
+                "1 bulk stage: expected 0 (the cp.async walk) or 2 to 6".into(),
             ));
         }
         out.push(format!("-D{name}={v}"));
@@ -498,10 +498,10 @@ mod tests {
         );
         let one = parse_defines("W4_BULK=1").unwrap_err().to_string();
         assert!(
-            one.contains("`W4_BULK=1`") && one.contains("2 to 4"),
+            one.contains("`W4_BULK=1`") && one.contains("2 to 6"),
             "{one}"
         );
-        assert!(parse_defines("W4_BULK=5").is_err());
+        assert!(parse_defines("W4_BULK=7").is_err());
         assert_eq!(
             define_value(&parse_defines("W4_BULK=4").unwrap(), "W4_BULK"),
             Some(4)

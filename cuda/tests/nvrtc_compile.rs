@@ -76,6 +76,7 @@ fn every_kernel_compiles_to_ptx_for_sm_90a() {
         ("linear.cu", "W4_XS=1 W4_WARPS=4 W4_MINB=4"),
         ("linear.cu", "W4_WARPS=4"),
         ("linear.cu", "W4_XS=1 W4_BULK=4"),
+        ("linear.cu", "W4_XS=1 W4_BULK=6"),
         ("linear.cu", "W4_XS=1 W4_BULK=3 W4_WARPS=4 W4_MINB=4"),
         ("linear.cu", "W4_BULK=2"),
         ("attention.cu", "ATT_INFLIGHT=4"),
