@@ -1392,7 +1392,7 @@ __device__ __forceinline__ void w4_bstep(float acc[][W4_RT][4], const W4Lane& l,
 }
 
 // w4_walk by bulk copies (W4_BULK; modes 0 and 2): halves h0 .. h0 + W4_BULK - 1 were
-// issued into slots 0 .. by the caller (w4_bulk_start).  The B operand is double-buffered
+// issued into slots 0 .. by the caller (w4_start).  The B operand is double-buffered
 // in registers as in w4_walk, so the sums are those of w4_walk, in the same order.
 template <int MODE, bool CG>
 __device__ __forceinline__ void w4_walk_bulk(float acc[][W4_RT][4], const W4Lane& l,
