@@ -816,8 +816,8 @@ mod tests {
         assert_eq!(define("W4_BSLOT"), Some(W4_BSLOT as usize));
         // Six bulk stages of eight warps still leave two blocks an SM (228 KB an SM on
         // sm_90, 1 KB of it reserved a block), and two hold the accumulators they overlay.
-        assert!(2 * (w4_smem_bulk(8, 6) + 1024) <= 228 * 1024);
-        assert!(2 * W4_BSLOT * 16 >= 2 * W4_RT * 4 * 32 * 4);
+        const { assert!(2 * (w4_smem_bulk(8, 6) + 1024) <= 228 * 1024) };
+        const { assert!(2 * W4_BSLOT * 16 >= 2 * W4_RT * 4 * 32 * 4) };
         assert_eq!(define("EXPERTS_MAX"), Some(EXPERTS_MAX));
         assert_eq!(define("HEAD_DIM_MAX"), Some(HEAD_DIM_MAX));
         assert_eq!(define("KC_MAX"), Some(KC_MAX));
