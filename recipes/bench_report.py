@@ -122,9 +122,9 @@ def moe(path, svg=None):
           f"function / the exact model, worst row: {max(r['max_rel_err'] for r in b['rows']):.1e} / "
           f"{max(r.get('max_rel_err_exact', r['max_rel_err']) for r in b['rows']):.1e}.\n")
     # Records since 2026-12-07: the events around two empty launches made as the experts call's.
-    # Only 25ffefd's records timed them unqueued, i.e. the host's enqueue time.
+    # Only 25ffefd's records timed them unqueued, so theirs can hold the host's enqueue time.
     if "empty_call_us" in b:
-        how = ("not queued: the host's enqueue time, not the GPU's" if b.get("git_commit") == "25ffefd"
+        how = ("not queued: can hold the host's enqueue time" if b.get("git_commit") == "25ffefd"
                else "queued behind a spin kernel: the single call's cost before any work")
         print(f"Two empty launches between events ({how}): {b['empty_call_us']:.1f} us.\n")
     # Records since 2026-12-06 also time the experts in chains of back-to-back calls.

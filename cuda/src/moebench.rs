@@ -465,7 +465,7 @@ pub struct MoeBenchReport {
     /// made as the experts call makes its two (programmatic launch when on), median of
     /// `iters`, queued behind a spin kernel ([`empty_call`]): what the single-call timing
     /// costs before any kernel does work. (The first records with it, 25ffefd, did not
-    /// queue them, so theirs include the host's launch time.)
+    /// queue them, so theirs can hold the host's launch time.)
     pub empty_call_us: f64,
     pub expert_bytes_each: usize,
     pub layer_copy_bytes: usize,
