@@ -1000,7 +1000,7 @@ const EMPTY_SPIN: i64 = 20_000_000;
 
 /// CUDA-event µs around two launches of the empty kernel `spin_wait(0)`, made as the
 /// experts call makes its two, median of `iters`; all of them queued behind a spin kernel,
-/// so the host's launch time is not in them (an empty call outruns the host; an experts
+/// so the host's launch time is not in them (an empty call can outrun the host; an experts
 /// call does not: its GPU time exceeds the host's enqueue time).
 fn empty_call(g: &Gpu, iters: usize) -> Result<f64> {
     g.spin(EMPTY_SPIN)?;
