@@ -457,7 +457,7 @@ impl Gpu {
         int4 && self.merge_shared
             && t >= self.tiled_min_rows
             && !crate::launch::moe_fused()
-            && crate::launch::w4_warps() == crate::launch::W4_WARPS
+            && crate::launch::w4_blocks_carry_shared()
     }
 
     /// Whether an MoE layer of `t` tokens runs the combine as the epilogue of the shared

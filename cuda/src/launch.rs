@@ -284,6 +284,14 @@ pub fn w4_smem() -> u32 {
     })
 }
 
+/// Whether the INT4 gate/up launch can carry the shared expert's SwiGLU as extra blocks
+/// (`moe_gate_up_shared_w4`): only with blocks of [`W4_WARPS`] warps, the 256 threads
+/// `swiglu_tiled_block` needs. The one test behind `Gpu::merges_shared`, the refusal in
+/// `ops::moe_experts` and the merge parity's skip.
+pub fn w4_blocks_carry_shared() -> bool {
+    w4_warps() == W4_WARPS
+}
+
 /// Warps a block of the INT4 expert GEMMs as the kernels are compiled now: the `W4_WARPS`
 /// of `SPECLAB_KERNEL_DEFINES` (4 or 8; linear.cu refuses others at compile time), else
 /// [`W4_WARPS`]. Four-warp blocks halve a block's weight bytes, so a partial wave is

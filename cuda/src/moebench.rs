@@ -744,7 +744,7 @@ fn experts_of<'a>(
 /// blocks of other than [`launch::W4_WARPS`] warps the merged launch does not exist (the
 /// engine never merges then, `Gpu::merges_shared`): no lines.
 pub fn shared_merge_parity(g: &Gpu, out: &mut Vec<crate::check::CheckLine>) -> Result<()> {
-    if launch::w4_warps() != launch::W4_WARPS {
+    if !launch::w4_blocks_carry_shared() {
         return Ok(());
     }
     let s = MoeShape {

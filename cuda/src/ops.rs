@@ -1027,8 +1027,7 @@ pub fn moe_experts(g: &Gpu, r: &Routing<'_>, a: &Experts<'_>) -> Result<()> {
             "moe_experts: the shared expert rides only on the separate INT4 gate/up launch (internal)".into(),
         ));
     }
-    if a.shared.is_some() && launch::w4_warps() != launch::W4_WARPS {
-        // swiglu_tiled_block needs the 256 threads of an eight-warp block (Gpu::merges_shared).
+    if a.shared.is_some() && !launch::w4_blocks_carry_shared() {
         return Err(CudaError::Input(format!(
             "moe_experts: the shared expert merges only into blocks of {} warps, not {} (internal)",
             launch::W4_WARPS,
