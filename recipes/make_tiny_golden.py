@@ -7,7 +7,7 @@ trained checkpoint and the CPU engine to match it. This writes
 models/tiny/golden.safetensors: for 3 held-out prompts (rows 40..43 of
 `prompt_tokens`, first 24 tokens), the final logits at the last 4 positions, the MTP
 logits at the same positions, and a 16-token greedy continuation with the top-1 /
-top-2 margin of every chosen token. tests/model_tiny_parity.rs checks the Rust engine.
+top-2 margin of every chosen token. tests/it/model_tiny_parity.rs checks the Rust engine.
 
     /work/venv-vllm/bin/python recipes/make_tiny_golden.py --model models/tiny
 """

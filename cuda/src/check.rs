@@ -2,7 +2,7 @@
 //! goldens) on models/tiny, then decode-step timing. Run by `examples/gpu_check.rs`
 //! (one device call: `recipes/gpu_check.sh`) and, for parity, by `tests/gpu_parity.rs`.
 //!
-//! Source: tests/model_tiny_parity.rs (the golden comparisons, mirrored), docs/model.md
+//! Source: tests/it/model_tiny_parity.rs (the golden comparisons, mirrored), docs/model.md
 //! §1.6 (tolerance: `max|a-b| / max|b| < 1e-2`, greedy tokens identical).
 //!
 //! Invariants: the CPU `ModelRunner` and every `CudaBackend` of a check share ONE

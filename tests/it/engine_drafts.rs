@@ -13,7 +13,7 @@
 //!   preemptions (a small pool: recompute from position 0) proposes at every shared prefix
 //!   what a run of each request alone proposes; outputs equal the reference.
 
-mod engine_support;
+use crate::engine_support;
 
 use std::collections::HashMap;
 use std::rc::Rc;

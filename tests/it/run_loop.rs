@@ -12,7 +12,7 @@
 //! deliberately different script (one proposal a draft shorter) must change the
 //! metrics, so the comparison can fail.
 
-mod engine_support;
+use crate::engine_support;
 
 use engine_support::*;
 use speclab_drafters::DrafterSpec;

@@ -8,7 +8,7 @@
 //! from the lossless check); a drafter that proposes more than allowed; the same through
 //! the `speclab generate` / `verify-lossless` CLI (exit code 2 and a message on stderr).
 
-mod engine_support;
+use crate::engine_support;
 
 use std::process::Command;
 

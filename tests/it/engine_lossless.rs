@@ -12,7 +12,7 @@
 //! A mismatch reports the target's top1 - top2 margin at the first divergence
 //! (`speclab_engine::exec::mismatch_at`) so drift at a near tie can be told from a bug.
 
-mod engine_support;
+use crate::engine_support;
 
 use std::collections::HashMap;
 

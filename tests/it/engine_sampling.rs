@@ -13,7 +13,7 @@
 //! Rejection sampling uses the drafter's q (DFlash, an oracle with q) or one-hot q
 //! (n-gram, MTP); its per-step math is covered by `engine/src/spec/verify.rs`.
 
-mod engine_support;
+use crate::engine_support;
 
 use std::collections::HashMap;
 
