@@ -13,12 +13,10 @@
 //!   preemptions (a small pool: recompute from position 0) proposes at every shared prefix
 //!   what a run of each request alone proposes; outputs equal the reference.
 
-use crate::engine_support;
-
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use engine_support::*;
+use crate::engine_support::*;
 use speclab_drafters::{DFlash2, DFlash2Weights, DraftMode, DraftRequest, DrafterSpec};
 use speclab_engine::exec::{generate, DrafterFactory, EngineOptions, EngineRun};
 use speclab_engine::kv::manager::AllocArgs;

@@ -8,11 +8,9 @@
 //! from the lossless check); a drafter that proposes more than allowed; the same through
 //! the `speclab generate` / `verify-lossless` CLI (exit code 2 and a message on stderr).
 
-use crate::engine_support;
-
 use std::process::Command;
 
-use engine_support::*;
+use crate::engine_support::*;
 use speclab_drafters::{DFlash2Config, DFlash2Weights, DraftMode, DrafterKind, DrafterSpec};
 use speclab_engine::exec::{
     generate, verify_lossless, DrafterFactory, EngineOptions, EngineRequest,

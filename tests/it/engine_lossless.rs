@@ -12,11 +12,9 @@
 //! A mismatch reports the target's top1 - top2 margin at the first divergence
 //! (`speclab_engine::exec::mismatch_at`) so drift at a near tie can be told from a bug.
 
-use crate::engine_support;
-
 use std::collections::HashMap;
 
-use engine_support::*;
+use crate::engine_support::*;
 use proptest::prelude::*;
 use speclab_engine::exec::{
     generate, mismatch_at, DrafterFactory, EngineOptions, EngineRequest, EngineRun,

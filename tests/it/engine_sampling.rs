@@ -13,11 +13,9 @@
 //! Rejection sampling uses the drafter's q (DFlash, an oracle with q) or one-hot q
 //! (n-gram, MTP); its per-step math is covered by `engine/src/spec/verify.rs`.
 
-use crate::engine_support;
-
 use std::collections::HashMap;
 
-use engine_support::*;
+use crate::engine_support::*;
 use speclab_engine::exec::{generate, DrafterFactory, EngineOptions, EngineRequest, EngineRun};
 use speclab_engine::kv::CapPolicy;
 use speclab_engine::model::ModelWeights;

@@ -12,9 +12,7 @@
 //! deliberately different script (one proposal a draft shorter) must change the
 //! metrics, so the comparison can fail.
 
-use crate::engine_support;
-
-use engine_support::*;
+use crate::engine_support::*;
 use speclab_drafters::DrafterSpec;
 use speclab_engine::backend::{BackendFactory, CpuBackend};
 use speclab_engine::exec::{DrafterFactory, ExecConfig, ModelExecutor};
